@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny checkpoints, their artifacts, and one compile cache per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from oracle import make_tiny_checkpoint  # noqa: E402
+
+from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
+
+# Small ladders keep compile time low; block size 8 makes pages matter for short prompts.
+TINY_OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8)
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tlaloc")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory):
+    """Every runtime in the session shares one fresh compile cache."""
+    path = tmp_path_factory.mktemp("compile-cache")
+    os.environ["TLALOC_CACHE_DIR"] = str(path)
+    return path
+
+
+class Tiny:
+    """Builds a tiny checkpoint and its artifacts once per session, by key."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        self._ckpts: dict = {}
+        self._arts: dict = {}
+
+    def checkpoint(self, family: str, tied: bool, layers: int = 2) -> Path:
+        key = (family, tied, layers)
+        if key not in self._ckpts:
+            path = self.work / f"ckpt-{family}-{'tied' if tied else 'untied'}-{layers}"
+            self._ckpts[key] = make_tiny_checkpoint(path, family, layers=layers, tied=tied)
+        return self._ckpts[key]
+
+    def artifact(self, family: str, tied: bool, weight_dtype: str = "f32", layers: int = 2,
+                 **overrides) -> Path:
+        opts = {**TINY_OPTS, **overrides}
+        key = (family, tied, weight_dtype, layers, tuple(sorted(opts.items())))
+        if key not in self._arts:
+            ckpt = self.checkpoint(family, tied, layers)
+            out = self.work / f"art-{family}-{tied}-{weight_dtype}-{layers}-{len(self._arts)}"
+            self._arts[key] = export_artifact(ckpt, out, ExportOptions(weight_dtype=weight_dtype,
+                                                                       **opts))
+        return self._arts[key]
+
+
+@pytest.fixture(scope="session")
+def tiny(work) -> Tiny:
+    return Tiny(work)

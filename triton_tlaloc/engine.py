@@ -1,0 +1,171 @@
+"""The framework-free runtime (design section 4 (i)), done properly: sequences, pages, prefill
+and decode calls on the smallest entry that holds them, greedy generation.
+
+State lives on the `Sequence`: its tokens, how many have KV in the pool, and its pages.
+`Engine` turns sequences into entry calls through `steps.build_step` and `Runtime.run`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .pages import PagePool, pages_for
+from .runtime import Runtime
+from .steps import Row, build_step
+
+
+class RequestError(ValueError):
+    """A request the artifact cannot run (too long, a refused token); names the problem."""
+
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Sequence:
+    token_ids: list[int]
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    num_cached: int = 0  # tokens whose K/V are in the pool
+    pages: list[int] = field(default_factory=list)
+
+    @property
+    def uncached(self) -> list[int]:
+        return self.token_ids[self.num_cached:]
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    prefill_ms: float
+    decode_ms_per_token: list[float]
+    finish_reason: str
+
+    @property
+    def median_ms_per_token(self) -> float:
+        return float(np.median(self.decode_ms_per_token)) if self.decode_ms_per_token else 0.0
+
+
+class Engine:
+    def __init__(self, runtime: Runtime):
+        self.rt = runtime
+        self.art = runtime.artifact
+        self.block_size = self.art.model.block_size
+        self.pages = PagePool(self.art.model.num_blocks)
+        self.refused = {int(t["id"]) if isinstance(t, dict) else int(t)
+                        for t in self.art.model.refused_tokens}
+        prefill = [e for e in self.art.entries.values()
+                   if e.kind == "prefill" and e.name in runtime.executables]
+        self.max_prefill_tokens = max((e.tokens_per_seq for e in prefill), default=0)
+
+    # ------------------------------------------------------------ sequences and pages
+
+    def new_sequence(self, prompt_ids: list[int]) -> Sequence:
+        self.check_tokens(prompt_ids)
+        if len(prompt_ids) == 0:
+            raise RequestError("an empty prompt")
+        return Sequence(list(prompt_ids))
+
+    def check_tokens(self, ids) -> None:
+        vocab = self.art.model.vocab
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab})")
+            if t in self.refused:
+                raise RequestError(f"token id {t} is a refused placeholder token")
+
+    def _reserve(self, seq: Sequence, length: int) -> None:
+        if length > self.art.max_context:
+            raise RequestError(f"sequence {seq.seq_id}: {length} positions exceed the largest "
+                               f"context {self.art.max_context}")
+        need = pages_for(length, self.block_size) - len(seq.pages)
+        if need > 0:
+            seq.pages += self.pages.allocate(need)
+
+    def free(self, seq: Sequence) -> None:
+        self.pages.release(seq.pages)
+        seq.pages = []
+        seq.num_cached = 0
+
+    # ------------------------------------------------------------ calls
+
+    def prefill(self, seqs: list[Sequence]) -> np.ndarray:
+        """Feed every sequence's uncached tokens in one prefill call; returns each row's
+        last-token logits [len(seqs), vocab]."""
+        n = max(len(s.uncached) for s in seqs)
+        end = max(s.num_cached + len(s.uncached) for s in seqs)
+        entry = self._entry("prefill", len(seqs), end, n)
+        return self._call(entry, seqs, [s.uncached for s in seqs])
+
+    def decode(self, seqs: list[Sequence]) -> np.ndarray:
+        """One decode step: each sequence's single uncached token."""
+        for s in seqs:
+            assert len(s.uncached) == 1, f"sequence {s.seq_id}: decode takes one new token"
+        end = max(len(s.token_ids) for s in seqs)
+        entry = self._entry("decode", len(seqs), end, 1)
+        return self._call(entry, seqs, [s.uncached for s in seqs])
+
+    def prefill_chunked(self, seq: Sequence) -> np.ndarray:
+        """A prompt longer than the largest prefill entry's tokens goes in several calls, each
+        on the smallest entry whose context holds the call's last position."""
+        logits = None
+        while seq.uncached:
+            chunk = min(len(seq.uncached), self.max_prefill_tokens)
+            end = seq.num_cached + chunk
+            entry = self._entry("prefill", 1, end, chunk)
+            logits = self._call(entry, [seq], [seq.uncached[:chunk]])
+        return logits
+
+    def _entry(self, kind: str, batch: int, end: int, tokens: int):
+        if end > self.art.max_context:
+            raise RequestError(f"{end} positions exceed the largest context "
+                               f"{self.art.max_context}")
+        fits = [e for e in self.art.entries.values()
+                if e.name in self.rt.executables and e.kind == kind and e.batch >= batch
+                and e.context >= end and e.tokens_per_seq >= tokens]
+        if not fits:
+            raise RequestError(f"no {kind} entry holds {batch} rows of {tokens} tokens reaching "
+                               f"position {end - 1}")
+        return min(fits, key=lambda e: (e.context, e.batch, e.tokens_per_seq))
+
+    def _call(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:
+        for s, feed in zip(seqs, feeds):
+            self._reserve(s, s.num_cached + len(feed))
+        rows = [Row(tuple(feed), s.num_cached, tuple(s.pages)) for s, feed in zip(seqs, feeds)]
+        logits = self.rt.run(entry.name, build_step(entry, rows, self.block_size))
+        for s, feed in zip(seqs, feeds):
+            s.num_cached += len(feed)
+        return logits[:len(seqs)]
+
+    # ------------------------------------------------------------ generation
+
+    def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int,
+                        stop_ids: tuple[int, ...] = ()) -> GenerationResult:
+        seq = self.new_sequence(prompt_ids)
+        try:
+            t0 = time.perf_counter()
+            logits = self.prefill_chunked(seq)
+            prefill_ms = (time.perf_counter() - t0) * 1e3
+            generated, step_ms, reason = [], [], "length"
+            while True:
+                token = int(np.argmax(logits[0]))
+                generated.append(token)
+                seq.token_ids.append(token)
+                if token in stop_ids:
+                    reason = "stop"
+                    break
+                if len(generated) >= max_new_tokens:
+                    break
+                if len(seq.token_ids) > self.art.max_context:
+                    reason = "context"
+                    break
+                t0 = time.perf_counter()
+                logits = self.decode([seq])
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+            return GenerationResult(list(prompt_ids), generated, prefill_ms, step_ms, reason)
+        finally:
+            self.free(seq)

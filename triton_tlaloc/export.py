@@ -1,0 +1,230 @@
+"""The exporter: a Hugging Face checkpoint or a GGUF file in, a Tlaloc serving artifact out.
+
+The weights are streamed: each tensor is read (a GGUF tensor dequantized), transposed to
+[in, out], converted to the weight dtype and written before the next is read. The entries are
+lowered from ShapeDtypeStructs, so no weight is held while lowering. The artifact is written
+into a temporary directory beside OUT, validated with the same loader the backend uses, and
+only then moved into place: a failed export leaves no half-written artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import Checkpoint, DecoderConfig, open_checkpoint
+from .decoder import WeightSlot, entry_program, kv_pools, lower_entry, weight_slots
+from .manifest import MANIFEST_NAME, SCHEMA_V2, Entry, WeightFile, load_artifact, numpy_dtype
+
+WEIGHT_DTYPES = ("f32", "bf16")
+
+
+class ExportError(ValueError):
+    """Export options or a checkpoint the exporter refuses; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    batch_ladder: tuple[int, ...] = (1, 2, 4)
+    context_ladder: tuple[int, ...] = (64, 256)
+    prefill_max_batch: int | None = None  # None: a prefill entry for every batch of the ladder
+    block_size: int = 16
+    num_blocks: int | None = None  # None: the largest batch at the largest context, plus page 0
+    weight_dtype: str = "f32"
+    kv_dtype: str = "f32"
+    model_name: str | None = None
+
+    def validate(self) -> None:
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ExportError(f"--weight-dtype {self.weight_dtype!r}: expected one of "
+                              f"{', '.join(WEIGHT_DTYPES)}")
+        if self.kv_dtype != "f32":
+            raise ExportError(f"--kv-dtype {self.kv_dtype!r}: only f32 KV pools are built")
+        if not self.batch_ladder or min(self.batch_ladder) < 1:
+            raise ExportError(f"--batch-ladder {list(self.batch_ladder)}: batches must be >= 1")
+        if self.block_size < 1:
+            raise ExportError(f"--block-size {self.block_size}: must be >= 1")
+        for c in self.context_ladder:
+            if c < 1 or c % self.block_size:
+                raise ExportError(f"--context-ladder: context {c} is not a positive multiple of "
+                                  f"the block size {self.block_size}")
+        if self.prefill_max_batch is not None and self.prefill_max_batch < 1:
+            raise ExportError("--prefill-max-batch must be >= 1")
+
+    def resolved_num_blocks(self) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        # Room for the largest batch at the largest context, plus page 0, which is never given
+        # to a sequence: padding rows' block tables point at it.
+        return max(self.batch_ladder) * max(self.context_ladder) // self.block_size + 1
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.ndarray:
+    """A weight slot's tensor from the checkpoint, in the artifact's layout ([in, out] linears,
+    q|k|v and gate|up fused), still in the checkpoint's dtype."""
+    name = slot.name
+    if name == "embed":
+        return ckpt.tensor("model.embed_tokens.weight")
+    if name == "final_norm":
+        return ckpt.tensor("model.norm.weight")
+    if name == "lm_head":
+        return ckpt.tensor("lm_head.weight").T
+    layer, part = name.split(".", 1)
+    pre = f"model.layers.{int(layer[1:])}."
+    t = ckpt.tensor
+    if part == "attn_norm":
+        return t(pre + "input_layernorm.weight")
+    if part == "mlp_norm":
+        return t(pre + "post_attention_layernorm.weight")
+    if part in ("q_norm", "k_norm"):
+        return t(pre + f"self_attn.{part}.weight")
+    if part == "qkv":
+        return np.concatenate([t(pre + f"self_attn.{p}_proj.weight").T for p in "qkv"], axis=1)
+    if part == "o":
+        return t(pre + "self_attn.o_proj.weight").T
+    if part == "gate_up":
+        return np.concatenate([t(pre + "mlp.gate_proj.weight").T, t(pre + "mlp.up_proj.weight").T],
+                              axis=1)
+    if part == "down":
+        return t(pre + "mlp.down_proj.weight").T
+    raise AssertionError(f"unknown weight slot {name}")
+
+
+def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, out: Path,
+                   model_hash) -> list[WeightFile]:
+    (out / "weights").mkdir()
+    written = []
+    total = 0
+    t0 = time.perf_counter()
+    for idx, slot in enumerate(weight_slots(cfg)):
+        dtype = slot.dtype(opts.weight_dtype)
+        arr = slot_tensor(ckpt, cfg, slot)
+        if tuple(arr.shape) != slot.shape:
+            raise ExportError(f"{ckpt.path}: weight {slot.name} has shape {list(arr.shape)}, "
+                              f"the config implies {list(slot.shape)}")
+        # Widen first so bf16 rounding happens once, from the checkpoint's own values.
+        data = np.ascontiguousarray(arr.astype(np.float32).astype(numpy_dtype(dtype)))
+        rel = f"weights/{idx:04d}_{slot.name}.bin"
+        raw = data.tobytes()  # little-endian: numpy's native order on every platform we run
+        (out / rel).write_bytes(raw)
+        model_hash.update(f"{slot.name}:{dtype}:{list(slot.shape)}".encode())
+        model_hash.update(hashlib.sha256(raw).digest())
+        written.append(WeightFile(slot.name, dtype, slot.shape, len(raw), rel))
+        total += len(raw)
+    _log(f"[export] {len(written)} weight files, {total / 2**20:.1f} MiB, "
+         f"{time.perf_counter() - t0:.1f} s")
+    return written
+
+
+def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions = ExportOptions(),
+                    ) -> Path:
+    """Write a tlaloc-serving-v2 artifact for `checkpoint` at `out`; returns `out`."""
+    opts.validate()
+    ckpt = open_checkpoint(checkpoint, opts.model_name)
+    cfg = ckpt.config
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ExportError(f"{ckpt.path}: {cfg.num_heads} heads are not a multiple of "
+                          f"{cfg.num_kv_heads} KV heads")
+    num_blocks = opts.resolved_num_blocks()
+    if num_blocks < 2:
+        raise ExportError(f"--num-blocks {num_blocks}: need page 0 and at least one more")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        t0 = time.perf_counter()
+        _log(f"[export] {cfg.model_name}: {cfg.family}, {cfg.num_layers} layers, hidden "
+             f"{cfg.hidden_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of "
+             f"{cfg.head_size}, vocab {cfg.vocab_size}, weights {opts.weight_dtype}")
+        model_hash = hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True).encode())
+        weights = _write_weights(ckpt, cfg, opts, tmp, model_hash)
+        tokenizer_files = ckpt.save_tokenizer(tmp / "tokenizer")
+        _log(f"[export] tokenizer: {', '.join(tokenizer_files) or 'none in the checkpoint'}")
+
+        entries = _write_entries(cfg, opts, num_blocks, tmp)
+        pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_dtype)
+        manifest = {
+            "schema": SCHEMA_V2,
+            "exporter": "triton-tlaloc",
+            "model": {
+                "family": cfg.family,
+                "modelName": cfg.model_name,
+                "modelHash": f"sha256:{model_hash.hexdigest()}",
+                "layers": cfg.num_layers,
+                "heads": cfg.num_heads,
+                "kvHeads": cfg.num_kv_heads,
+                "headSize": cfg.head_size,
+                "hiddenSize": cfg.hidden_size,
+                "intermediateSize": cfg.intermediate_size,
+                "vocab": cfg.vocab_size,
+                "blockSize": opts.block_size,
+                "numBlocks": num_blocks,
+                "weightDtype": opts.weight_dtype,
+                "kvDtype": opts.kv_dtype,
+                "maxPositions": cfg.max_positions,
+                "ropeTheta": cfg.rope_theta,
+                "rmsNormEps": cfg.rms_norm_eps,
+                "tieWordEmbeddings": cfg.tie_word_embeddings,
+                "refusedTokens": [],
+                "eosTokenIds": list(cfg.eos_token_ids),
+                "bosTokenId": cfg.bos_token_id,
+            },
+            "buckets": {"batchLadder": sorted(opts.batch_ladder),
+                        "contextLadder": sorted(opts.context_ladder)},
+            "kvPool": {"numBlocks": num_blocks, "blockSize": opts.block_size,
+                       "pools": [p.to_json() for p in pools]},
+            "entries": [e.to_json() for e in entries],
+            "weights": [w.to_json() for w in weights],
+            "donation": [{"output": f"{p.name}.out", "input": f"{p.name}.in"} for p in pools],
+        }
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+        load_artifact(tmp)  # every body against its signature, every file against the manifest
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        _log(f"[export] wrote {out} ({len(entries)} entries) in {time.perf_counter() - t0:.1f} s")
+        return out
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
+                   out: Path) -> list[Entry]:
+    (out / "bodies").mkdir()
+    (out / "programs").mkdir()
+    plan = []
+    for c in sorted(opts.context_ladder):
+        for b in sorted(opts.batch_ladder):
+            plan.append(("decode", b, c, 1))
+        for b in sorted(opts.batch_ladder):
+            if opts.prefill_max_batch is None or b <= opts.prefill_max_batch:
+                plan.append(("prefill", b, c, c))
+    entries = []
+    for n, (kind, b, c, tps) in enumerate(plan, 1):
+        t0 = time.perf_counter()
+        name = f"{kind}_b{b}_c{c}"
+        program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
+                                opts.weight_dtype, opts.kv_dtype)
+        text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype)
+        sha = hashlib.sha256(text.encode()).hexdigest()
+        body = f"bodies/{sha}.mlir"
+        (out / body).write_text(text)
+        prog_rel = f"programs/{name}.json"
+        (out / prog_rel).write_text(json.dumps(program.to_json(), indent=1) + "\n")
+        entries.append(Entry(name, kind, b, c, tps, body, sha, prog_rel, program))
+        _log(f"[export] entry {n}/{len(plan)} {name}: {len(text) / 1024:.0f} KiB of StableHLO, "
+             f"{time.perf_counter() - t0:.1f} s")
+    return entries

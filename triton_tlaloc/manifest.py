@@ -1,0 +1,603 @@
+"""The Tlaloc serving artifact: its manifest, its programs, and the checks a loader makes.
+
+An artifact is a directory (docs/artifact-format.md):
+
+    tlaloc-serving.json      the manifest (schema tlaloc-serving-v2)
+    bodies/<sha256>.mlir     one StableHLO module per entry, function @main
+    programs/<entry>.json    each entry's inputs and outputs with their roles
+    weights/NNNN_<slot>.bin  one raw little-endian file per weight tensor, linears [in, out]
+    tokenizer/               the checkpoint's tokenizer files (optional)
+
+`load_artifact` reads and validates one; every refusal is an `ArtifactError` that names the
+problem and the file. Nothing here imports JAX: the repository writer and the backend's
+configuration step validate artifacts without compiling them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+MANIFEST_NAME = "tlaloc-serving.json"
+SCHEMA_V2 = "tlaloc-serving-v2"
+SUPPORTED_SCHEMAS = (SCHEMA_V2,)
+# Schemas the design defines that this package does not serve yet: refused by name.
+KNOWN_UNBUILT_SCHEMAS = {
+    "tlaloc-serving-v3": "the windowed KV pool (sliding-window layers) is not built yet",
+    "tlaloc-serving-v4": "linear-attention state pools are not built yet",
+    "tlaloc-bounded-v1": "bounded programs are not built yet",
+}
+
+# Input roles (design section 3) and output roles.
+TOKEN_IDS = "TOKEN_IDS"
+POSITIONS = "POSITIONS"
+BLOCK_TABLES = "BLOCK_TABLES"
+SEQ_LENS = "SEQ_LENS"
+SLOT_MAPPING = "SLOT_MAPPING"
+KV_POOL_IN = "KV_POOL_IN"
+WEIGHT = "WEIGHT"
+LOGITS = "LOGITS"
+KV_POOL_OUT = "KV_POOL_OUT"
+STEP_ROLES = (TOKEN_IDS, POSITIONS, BLOCK_TABLES, SEQ_LENS, SLOT_MAPPING)
+INPUT_ROLES = STEP_ROLES + (KV_POOL_IN, WEIGHT)
+OUTPUT_ROLES = (LOGITS, KV_POOL_OUT)
+
+# Element types, spelled as StableHLO spells them, with their numpy dtypes.
+_NUMPY_DTYPES = {
+    "f32": "float32",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "i32": "int32",
+    "i64": "int64",
+    "i8": "int8",
+    "f8E4M3FN": "float8_e4m3fn",
+}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a StableHLO element type name (bf16 and f8 come from ml_dtypes)."""
+    if name not in _NUMPY_DTYPES:
+        raise ArtifactError(f"unknown element type {name!r} (known: {', '.join(_NUMPY_DTYPES)})")
+    np_name = _NUMPY_DTYPES[name]
+    if np_name in ("bfloat16", "float8_e4m3fn"):
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, np_name))
+    return np.dtype(np_name)
+
+
+def dtype_name(dtype) -> str:
+    """The StableHLO element type name of a numpy dtype."""
+    dtype = np.dtype(dtype)
+    for name, np_name in _NUMPY_DTYPES.items():
+        if dtype.name == np_name:
+            return name
+    raise ArtifactError(f"no StableHLO element type for numpy dtype {dtype}")
+
+
+class ArtifactError(ValueError):
+    """An artifact that cannot be served; the message names the problem and the file."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter or result of an entry's @main."""
+
+    name: str
+    role: str
+    dtype: str
+    shape: tuple[int, ...]
+    slot: str | None = None  # WEIGHT inputs: the weight slot
+    pool: str | None = None  # KV_POOL_IN / KV_POOL_OUT: the pool's name
+
+    @property
+    def type_text(self) -> str:
+        """The StableHLO type, e.g. tensor<1x64xi32>."""
+        dims = "x".join(str(d) for d in self.shape)
+        return f"tensor<{dims}x{self.dtype}>" if dims else f"tensor<{self.dtype}>"
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "role": self.role, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.slot is not None:
+            out["slot"] = self.slot
+        if self.pool is not None:
+            out["pool"] = self.pool
+        return out
+
+    @staticmethod
+    def from_json(obj: dict) -> "TensorSpec":
+        return TensorSpec(
+            name=obj["name"],
+            role=obj["role"],
+            dtype=obj["dtype"],
+            shape=tuple(int(d) for d in obj["shape"]),
+            slot=obj.get("slot"),
+            pool=obj.get("pool"),
+        )
+
+
+@dataclass(frozen=True)
+class Program:
+    """An entry's signature: inputs and outputs in @main's order, and the donation pairs."""
+
+    entry: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    donation: tuple[tuple[int, int], ...]  # (output index, input index)
+
+    def inputs_with_role(self, role: str) -> list[tuple[int, TensorSpec]]:
+        return [(i, s) for i, s in enumerate(self.inputs) if s.role == role]
+
+    def input(self, role: str) -> TensorSpec:
+        found = self.inputs_with_role(role)
+        assert len(found) == 1, f"{self.entry}: expected one {role} input, found {len(found)}"
+        return found[0][1]
+
+    def to_json(self) -> dict:
+        return {
+            "entry": self.entry,
+            "inputs": [s.to_json() for s in self.inputs],
+            "outputs": [s.to_json() for s in self.outputs],
+            "donation": [{"output": o, "input": i} for o, i in self.donation],
+        }
+
+    @staticmethod
+    def from_json(obj: dict) -> "Program":
+        return Program(
+            entry=obj["entry"],
+            inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),
+            outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
+            donation=tuple((int(d["output"]), int(d["input"])) for d in obj.get("donation", [])),
+        )
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    kind: str  # "decode" | "prefill"
+    batch: int
+    context: int
+    tokens_per_seq: int
+    body: str  # path relative to the artifact
+    sha256: str
+    program_path: str
+    program: Program
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "batch": self.batch,
+            "context": self.context,
+            "tokensPerSeq": self.tokens_per_seq,
+            "body": self.body,
+            "sha256": self.sha256,
+            "program": self.program_path,
+        }
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    slot: str
+    dtype: str
+    shape: tuple[int, ...]
+    byte_length: int
+    file: str
+
+    def to_json(self) -> dict:
+        return {
+            "slot": self.slot,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "byteLength": self.byte_length,
+            "file": self.file,
+        }
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    family: str
+    model_name: str
+    model_hash: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    hidden_size: int
+    intermediate_size: int
+    vocab: int
+    block_size: int
+    num_blocks: int
+    weight_dtype: str
+    kv_dtype: str
+    max_positions: int
+    refused_tokens: tuple[dict, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "family": self.family,
+            "modelName": self.model_name,
+            "modelHash": self.model_hash,
+            "layers": self.layers,
+            "heads": self.heads,
+            "kvHeads": self.kv_heads,
+            "headSize": self.head_size,
+            "hiddenSize": self.hidden_size,
+            "intermediateSize": self.intermediate_size,
+            "vocab": self.vocab,
+            "blockSize": self.block_size,
+            "numBlocks": self.num_blocks,
+            "weightDtype": self.weight_dtype,
+            "kvDtype": self.kv_dtype,
+            "maxPositions": self.max_positions,
+            "refusedTokens": list(self.refused_tokens),
+            "eosTokenIds": list(self.eos_token_ids),
+            "bosTokenId": self.bos_token_id,
+        }
+
+    @staticmethod
+    def from_json(obj: dict) -> "ModelShape":
+        return ModelShape(
+            family=obj["family"],
+            model_name=obj["modelName"],
+            model_hash=obj.get("modelHash", ""),
+            layers=int(obj["layers"]),
+            heads=int(obj["heads"]),
+            kv_heads=int(obj["kvHeads"]),
+            head_size=int(obj["headSize"]),
+            hidden_size=int(obj["hiddenSize"]),
+            intermediate_size=int(obj["intermediateSize"]),
+            vocab=int(obj["vocab"]),
+            block_size=int(obj["blockSize"]),
+            num_blocks=int(obj["numBlocks"]),
+            weight_dtype=obj["weightDtype"],
+            kv_dtype=obj["kvDtype"],
+            max_positions=int(obj.get("maxPositions", 0)),
+            refused_tokens=tuple(obj.get("refusedTokens", [])),
+            eos_token_ids=tuple(int(t) for t in obj.get("eosTokenIds", [])),
+            bos_token_id=obj.get("bosTokenId"),
+        )
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """One pool of pages: numBlocks pages of blockSize tokens, for one layer's K or V."""
+
+    name: str
+    layer: int
+    kind: str  # "k" | "v"
+    dtype: str
+    shape: tuple[int, ...]  # [numBlocks, blockSize, kvHeads, headSize]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "layer": self.layer, "kind": self.kind, "dtype": self.dtype,
+                "shape": list(self.shape)}
+
+
+@dataclass
+class Artifact:
+    path: Path
+    schema: str
+    model: ModelShape
+    batch_ladder: tuple[int, ...]
+    context_ladder: tuple[int, ...]
+    entries: dict[str, Entry]
+    weights: tuple[WeightFile, ...]
+    pools: tuple[KvPool, ...]
+    manifest: dict = field(repr=False, default_factory=dict)
+
+    def entries_of(self, kind: str) -> list[Entry]:
+        return sorted((e for e in self.entries.values() if e.kind == kind),
+                      key=lambda e: (e.context, e.batch))
+
+    def smallest_entry(self, kind: str, batch: int, context: int, tokens: int = 1) -> Entry | None:
+        """The smallest entry of a kind that holds `batch` rows of `tokens` tokens reaching
+        position `context - 1`: smallest context first (the work grows with it), then batch."""
+        fits = [e for e in self.entries.values()
+                if e.kind == kind and e.batch >= batch and e.context >= context
+                and e.tokens_per_seq >= tokens]
+        return min(fits, key=lambda e: (e.context, e.batch, e.tokens_per_seq), default=None)
+
+    @property
+    def max_context(self) -> int:
+        return max(self.context_ladder)
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        p = self.path / "tokenizer"
+        return p if p.is_dir() else None
+
+    def body_text(self, entry: Entry) -> str:
+        return (self.path / entry.body).read_text()
+
+
+# --------------------------------------------------------------------------- @main signatures
+
+_MAIN_RE = re.compile(r"func\.func\s+(?:public\s+)?@main\s*\(")
+
+
+def _split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split on `sep` outside (), <>, {}, [] and string literals."""
+    parts, depth, cur, in_str, i = [], 0, [], False, 0
+    while i < len(text):
+        c = text[i]
+        if in_str:
+            cur.append(c)
+            if c == "\\" and i + 1 < len(text):
+                cur.append(text[i + 1])
+                i += 1
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+            cur.append(c)
+        elif c in "(<{[":
+            depth += 1
+            cur.append(c)
+        elif c in ")>}]":
+            depth -= 1
+            cur.append(c)
+        elif c == sep and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(c)
+        i += 1
+    if "".join(cur).strip():
+        parts.append("".join(cur).strip())
+    return parts
+
+
+def _matching(text: str, start: int, open_c: str, close_c: str) -> int:
+    """Index of the bracket closing the one at `start` (strings skipped)."""
+    depth, in_str, i = 0, False, start
+    while i < len(text):
+        c = text[i]
+        if in_str:
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c == open_c:
+            depth += 1
+        elif c == close_c:
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    raise ValueError(f"unbalanced {open_c}{close_c}")
+
+
+_TENSOR_RE = re.compile(r"tensor<([^>]*)>")
+_ALIAS_RE = re.compile(r"tf\.aliasing_output\s*=\s*(\d+)")
+
+
+@dataclass(frozen=True)
+class MainSignature:
+    inputs: tuple[str, ...]  # tensor types, e.g. "tensor<1x1xi32>"
+    outputs: tuple[str, ...]
+    aliases: tuple[tuple[int, int], ...]  # (output index, input index) from tf.aliasing_output
+
+
+def parse_main_signature(text: str) -> MainSignature:
+    """Read @main's parameter and result types and its aliasing attributes from StableHLO text."""
+    m = _MAIN_RE.search(text)
+    if not m:
+        raise ValueError("no func.func @main")
+    open_at = m.end() - 1
+    close_at = _matching(text, open_at, "(", ")")
+    params = _split_top_level(text[open_at + 1:close_at])
+    inputs, aliases = [], []
+    for idx, p in enumerate(params):
+        t = _TENSOR_RE.search(p)
+        if not t:
+            raise ValueError(f"parameter {idx} of @main is not a tensor: {p[:80]}")
+        inputs.append(f"tensor<{t.group(1)}>")
+        a = _ALIAS_RE.search(p)
+        if a:
+            aliases.append((int(a.group(1)), idx))
+    rest = text[close_at + 1:].lstrip()
+    if not rest.startswith("->"):
+        raise ValueError("@main has no results")
+    rest = rest[2:].lstrip()
+    if rest.startswith("("):
+        end = _matching(rest, 0, "(", ")")
+        results = _split_top_level(rest[1:end])
+    else:
+        results = [rest.split("{", 1)[0]]
+    outputs = []
+    for r in results:
+        t = _TENSOR_RE.search(r)
+        if not t:
+            raise ValueError(f"a result of @main is not a tensor: {r[:80]}")
+        outputs.append(f"tensor<{t.group(1)}>")
+    return MainSignature(tuple(inputs), tuple(outputs), tuple(sorted(aliases)))
+
+
+def strip_aliasing(text: str) -> str:
+    """The same body without its tf.aliasing_output attributes: the pools are then copied, not
+    updated in place (the donate_kv_pools=false control)."""
+    text = re.sub(r",\s*tf\.aliasing_output\s*=\s*\d+\s*:\s*i32", "", text)
+    return re.sub(r"tf\.aliasing_output\s*=\s*\d+\s*:\s*i32\s*,?\s*", "", text)
+
+
+# --------------------------------------------------------------------------- loading
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _refuse(msg: str, file: Path | str) -> ArtifactError:
+    return ArtifactError(f"{msg} ({file})")
+
+
+def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Artifact:
+    """Read an artifact and validate it; raises ArtifactError naming the problem and the file.
+
+    Checks: the schema version; that every named file exists; every body's sha256; every weight
+    file's byte length against its dtype and shape; every body's @main signature against its
+    program; every donation pair's shapes and dtypes, and that the body aliases exactly those.
+    """
+    root = Path(path)
+    mpath = root / MANIFEST_NAME
+    if not mpath.is_file():
+        raise _refuse("not a Tlaloc serving artifact: no manifest", mpath)
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise _refuse(f"the manifest is not valid JSON: {e}", mpath) from None
+
+    schema = manifest.get("schema")
+    if schema in KNOWN_UNBUILT_SCHEMAS:
+        raise _refuse(f"schema {schema} is refused: {KNOWN_UNBUILT_SCHEMAS[schema]}; "
+                      f"this backend serves {', '.join(SUPPORTED_SCHEMAS)}", mpath)
+    if schema not in SUPPORTED_SCHEMAS:
+        raise _refuse(f"unknown schema version {schema!r}; this backend serves "
+                      f"{', '.join(SUPPORTED_SCHEMAS)}", mpath)
+
+    try:
+        model = ModelShape.from_json(manifest["model"])
+        buckets = manifest["buckets"]
+        batch_ladder = tuple(int(b) for b in buckets["batchLadder"])
+        context_ladder = tuple(int(c) for c in buckets["contextLadder"])
+        pools = tuple(KvPool(p["name"], int(p["layer"]), p["kind"], p["dtype"], tuple(p["shape"]))
+                      for p in manifest["kvPool"]["pools"])
+        weights = tuple(WeightFile(w["slot"], w["dtype"], tuple(int(d) for d in w["shape"]),
+                                   int(w["byteLength"]), w["file"]) for w in manifest["weights"])
+        raw_entries = manifest["entries"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise _refuse(f"the manifest is missing or has a malformed field: {e!r}", mpath) from None
+
+    # Weights: each file exists and holds exactly dtype x shape bytes.
+    for w in weights:
+        wpath = root / w.file
+        if not wpath.is_file():
+            raise _refuse(f"weight slot {w.slot}: file is missing", wpath)
+        expected = int(np.prod(w.shape, dtype=np.int64)) * numpy_dtype(w.dtype).itemsize
+        if w.byte_length != expected:
+            raise _refuse(f"weight slot {w.slot}: manifest byteLength {w.byte_length} is not "
+                          f"{w.dtype} {list(w.shape)} = {expected} bytes", mpath)
+        size = wpath.stat().st_size
+        if size != w.byte_length:
+            raise _refuse(f"weight slot {w.slot}: file holds {size} bytes, the manifest says "
+                          f"{w.byte_length}", wpath)
+    weight_by_slot = {w.slot: w for w in weights}
+    pool_by_name = {p.name: p for p in pools}
+
+    entries: dict[str, Entry] = {}
+    for e in raw_entries:
+        name = e.get("name", "?")
+        body_path = root / e["body"]
+        prog_path = root / e["program"]
+        for p in (body_path, prog_path):
+            if not p.is_file():
+                raise _refuse(f"entry {name}: file is missing", p)
+        try:
+            program = Program.from_json(json.loads(prog_path.read_text()))
+        except (KeyError, TypeError, ValueError) as ex:
+            raise _refuse(f"entry {name}: malformed program: {ex!r}", prog_path) from None
+        entry = Entry(name=name, kind=e["kind"], batch=int(e["batch"]), context=int(e["context"]),
+                      tokens_per_seq=int(e["tokensPerSeq"]), body=e["body"], sha256=e["sha256"],
+                      program_path=e["program"], program=program)
+        if entry.kind not in ("decode", "prefill"):
+            raise _refuse(f"entry {name}: unknown kind {entry.kind!r}", mpath)
+        _check_program(entry, model, weight_by_slot, pool_by_name, prog_path)
+        if check_bodies:
+            _check_body(entry, body_path)
+        entries[name] = entry
+
+    if not entries:
+        raise _refuse("the manifest has no entries", mpath)
+    return Artifact(root, schema, model, batch_ladder, context_ladder, entries, weights, pools,
+                    manifest)
+
+
+def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFile],
+                   pools: dict[str, KvPool], prog_path: Path) -> None:
+    prog = entry.program
+    for s in prog.inputs:
+        if s.role not in INPUT_ROLES:
+            raise _refuse(f"entry {entry.name}: input {s.name} has unknown role {s.role}", prog_path)
+        if s.role == WEIGHT:
+            w = weights.get(s.slot)
+            if w is None:
+                raise _refuse(f"entry {entry.name}: input {s.name} names weight slot {s.slot}, "
+                              f"which the weight table does not have", prog_path)
+            if (w.dtype, w.shape) != (s.dtype, s.shape):
+                raise _refuse(f"entry {entry.name}: weight slot {s.slot} is {w.dtype} "
+                              f"{list(w.shape)} in the weight table but {s.dtype} "
+                              f"{list(s.shape)} in the program", prog_path)
+        if s.role in (KV_POOL_IN,):
+            p = pools.get(s.pool)
+            if p is None or (p.dtype, p.shape) != (s.dtype, s.shape):
+                raise _refuse(f"entry {entry.name}: input {s.name} does not match KV pool "
+                              f"{s.pool} of the manifest", prog_path)
+    for s in prog.outputs:
+        if s.role not in OUTPUT_ROLES:
+            raise _refuse(f"entry {entry.name}: output {s.name} has unknown role {s.role}", prog_path)
+    for out_i, in_i in prog.donation:
+        if not (0 <= out_i < len(prog.outputs) and 0 <= in_i < len(prog.inputs)):
+            raise _refuse(f"entry {entry.name}: donation pair ({out_i}, {in_i}) is out of range",
+                          prog_path)
+        o, i = prog.outputs[out_i], prog.inputs[in_i]
+        if (o.dtype, o.shape) != (i.dtype, i.shape):
+            raise _refuse(f"entry {entry.name}: donation pair output {o.name} {o.dtype} "
+                          f"{list(o.shape)} and input {i.name} {i.dtype} {list(i.shape)} differ "
+                          f"in shape or dtype", prog_path)
+        if (o.role, i.role) != (KV_POOL_OUT, KV_POOL_IN) or o.pool != i.pool:
+            raise _refuse(f"entry {entry.name}: donation pair ({o.name}, {i.name}) does not pair "
+                          f"a KV_POOL_OUT with the KV_POOL_IN of the same pool", prog_path)
+    donated_inputs = {i for _, i in prog.donation}
+    for idx, s in prog.inputs_with_role(KV_POOL_IN):
+        if idx not in donated_inputs:
+            raise _refuse(f"entry {entry.name}: KV pool input {s.name} has no donation pair",
+                          prog_path)
+
+
+def _check_body(entry: Entry, body_path: Path) -> None:
+    text = body_path.read_text()
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if digest != entry.sha256:
+        raise _refuse(f"entry {entry.name}: body sha256 {digest} differs from the manifest's "
+                      f"{entry.sha256}", body_path)
+    try:
+        sig = parse_main_signature(text)
+    except ValueError as e:
+        raise _refuse(f"entry {entry.name}: cannot read @main: {e}", body_path) from None
+    prog = entry.program
+    want_in = tuple(s.type_text for s in prog.inputs)
+    want_out = tuple(s.type_text for s in prog.outputs)
+    if sig.inputs != want_in or sig.outputs != want_out:
+        raise _refuse(f"entry {entry.name}: @main signature differs from the program: "
+                      f"{_first_difference(sig, want_in, want_out, prog)}", body_path)
+    if sig.aliases and tuple(sorted(sig.aliases)) != tuple(sorted(prog.donation)):
+        raise _refuse(f"entry {entry.name}: @main aliases {list(sig.aliases)} but the program's "
+                      f"donation pairs are {list(prog.donation)}", body_path)
+
+
+def _first_difference(sig: MainSignature, want_in, want_out, prog: Program) -> str:
+    if len(sig.inputs) != len(want_in):
+        return f"{len(sig.inputs)} parameters, the program has {len(want_in)} inputs"
+    for i, (got, want) in enumerate(zip(sig.inputs, want_in)):
+        if got != want:
+            return f"parameter {i} ({prog.inputs[i].name}) is {got}, the program says {want}"
+    if len(sig.outputs) != len(want_out):
+        return f"{len(sig.outputs)} results, the program has {len(want_out)} outputs"
+    for i, (got, want) in enumerate(zip(sig.outputs, want_out)):
+        if got != want:
+            return f"result {i} ({prog.outputs[i].name}) is {got}, the program says {want}"
+    return "unknown"

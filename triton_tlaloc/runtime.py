@@ -1,0 +1,255 @@
+"""The PJRT runtime: compiles an artifact's bodies from their text, holds the weights and the KV
+pools on the device, and runs entries with the pools donated.
+
+- Bodies are compiled from StableHLO text through JAX's PJRT client (no retracing). Compiled
+  executables are cached on disk, keyed by the sha256 of the text compiled, the platform and
+  its version, and the jax/jaxlib versions.
+- Weights are uploaded once. Pools are allocated on the device by a jitted zeros (pools built
+  from host buffers were copied on their first execution; FACTS.md).
+- `run` checks every step input's shape and dtype against the program (PJRT checks only byte
+  sizes), donates the pools, and replaces them with the outputs XLA wrote over them. It counts
+  the runs whose pools stayed at their addresses (in place) and those that moved (copied).
+- No host view of a pool is ever kept: a live numpy view of a CPU buffer silently disables
+  donation. `pool_snapshot` copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .manifest import (KV_POOL_IN, KV_POOL_OUT, LOGITS, STEP_ROLES, WEIGHT, Artifact, Entry,
+                       load_artifact, numpy_dtype, strip_aliasing)
+
+log = logging.getLogger("triton_tlaloc.runtime")
+
+# How many runs have their pools' addresses checked: the first CHECKED_RUNS runs, and the first
+# run of every entry (design section 6: checking every run costs host time for nothing).
+CHECKED_RUNS = 100
+
+
+class StepInputError(ValueError):
+    """A step input that does not match the entry's signature; names the input."""
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("TLALOC_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triton-tlaloc" / "compile"
+
+
+@dataclass
+class DonationStats:
+    in_place: int = 0
+    copied: int = 0
+    checked_runs: int = 0
+    runs: int = 0
+    entries_checked: set = field(default_factory=set)
+
+
+@dataclass
+class CompileStats:
+    compiled: int = 0
+    cache_hits: int = 0
+    seconds: float = 0.0
+
+
+class PjrtDevice:
+    """One PJRT client and device, reached through JAX; hides the small API differences between
+    jax 0.7 and newer releases."""
+
+    def __init__(self, platform: str = "cpu", device_index: int = 0):
+        import jax
+        import jax.extend.backend as jeb
+        from jax._src.lib import xla_client as xc
+
+        self.jax = jax
+        self.xc = xc
+        self.backend = jeb.get_backend(platform)
+        self.device = self.backend.local_devices()[device_index]
+        self.platform = platform
+        self.device_list = xc.DeviceList((self.device,))
+        self._compile_options = jeb.get_compile_options(num_replicas=1, num_partitions=1)
+
+    @property
+    def cache_identity(self) -> str:
+        import jaxlib
+
+        version = getattr(self.backend, "platform_version", "")
+        return f"{self.platform}|{version}|jax {self.jax.__version__}|jaxlib {jaxlib.__version__}"
+
+    def compile(self, text: str):
+        return self.backend.compile_and_load(text, self.device_list, self._compile_options)
+
+    def serialize(self, executable) -> bytes:
+        return self.backend.serialize_executable(executable)
+
+    def deserialize(self, blob: bytes):
+        return self.backend.deserialize_executable(blob, self.device_list, None)
+
+    def put(self, array: np.ndarray):
+        return self.backend.buffer_from_pyval(array, self.device)
+
+    def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list:
+        """Zeroed buffers made on the device by one jitted program (one compile for all)."""
+        import jax.numpy as jnp
+        from jax.sharding import SingleDeviceSharding
+
+        make = self.jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in specs),
+                            out_shardings=SingleDeviceSharding(self.device))
+        return list(make())
+
+    @staticmethod
+    def execute(executable, args: list):
+        if hasattr(executable, "execute"):
+            return executable.execute(args)
+        results = executable.execute_sharded([[a] for a in args])  # newer jaxlib
+        return [arrs[0] for arrs in results.disassemble_into_single_device_arrays()]
+
+
+class Runtime:
+    """An artifact on one device: compiled entries, weights, pools, and `run`."""
+
+    def __init__(self, artifact: Artifact | str | os.PathLike, *, platform: str = "cpu",
+                 device_index: int = 0, donate: bool = True, cache_dir: Path | None = None,
+                 entries: list[str] | None = None, use_cache: bool = True):
+        self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+        self.donate = donate
+        self.device = PjrtDevice(platform, device_index)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.use_cache = use_cache
+        self.compile_stats = CompileStats()
+        self.donation = DonationStats()
+        self.executables: dict[str, object] = {}
+        names = entries if entries is not None else sorted(self.artifact.entries)
+        for name in names:
+            self.executables[name] = self._compile(self.artifact.entries[name])
+        self.weights = self._upload_weights()
+        self.pools = self._allocate_pools()
+
+    # ---------------------------------------------------------------- load
+
+    def _compile(self, entry: Entry):
+        text = self.artifact.body_text(entry)
+        if not self.donate:
+            text = strip_aliasing(text)  # the control: the same program, pools copied
+        key = hashlib.sha256(f"{hashlib.sha256(text.encode()).hexdigest()}|"
+                             f"{self.device.cache_identity}".encode()).hexdigest()
+        cached = self.cache_dir / f"{key}.pjrt"
+        t0 = time.perf_counter()
+        if self.use_cache and cached.is_file():
+            try:
+                exe = self.device.deserialize(cached.read_bytes())
+                self.compile_stats.cache_hits += 1
+                self.compile_stats.seconds += time.perf_counter() - t0
+                log.info("entry %s: loaded from the compile cache in %.2f s", entry.name,
+                         time.perf_counter() - t0)
+                return exe
+            except Exception as e:  # a stale or torn cache file: compile again
+                log.warning("entry %s: compile cache file %s unusable (%s); compiling", entry.name,
+                            cached, e)
+        exe = self.device.compile(text)
+        self.compile_stats.compiled += 1
+        self.compile_stats.seconds += time.perf_counter() - t0
+        log.info("entry %s: compiled in %.2f s", entry.name, time.perf_counter() - t0)
+        if self.use_cache:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(self.device.serialize(exe))
+            tmp.replace(cached)  # atomic: a concurrent reader never sees half a file
+        return exe
+
+    def _upload_weights(self) -> dict[str, object]:
+        t0 = time.perf_counter()
+        out = {}
+        total = 0
+        for w in self.artifact.weights:
+            arr = np.fromfile(self.artifact.path / w.file, dtype=numpy_dtype(w.dtype))
+            out[w.slot] = self.device.put(arr.reshape(w.shape))
+            total += w.byte_length
+        self.weight_bytes = total
+        log.info("weights: %d tensors, %.1f MiB uploaded in %.2f s", len(out), total / 2**20,
+                 time.perf_counter() - t0)
+        return out
+
+    def _allocate_pools(self) -> dict[str, object]:
+        specs = [(p.shape, numpy_dtype(p.dtype)) for p in self.artifact.pools]
+        pools = dict(zip((p.name for p in self.artifact.pools), self.device.zeros(specs)))
+        self.pool_bytes = sum(int(np.prod(p.shape)) * numpy_dtype(p.dtype).itemsize
+                              for p in self.artifact.pools)
+        m = self.artifact.model
+        log.info("KV pools: %d pools of %d pages x %d tokens, %.1f MiB", len(pools), m.num_blocks,
+                 m.block_size, self.pool_bytes / 2**20)
+        return pools
+
+    # ---------------------------------------------------------------- run
+
+    def check_step_inputs(self, entry: Entry, step: dict[str, np.ndarray]) -> None:
+        """Shape and dtype of every step input against the program; PJRT checks only bytes."""
+        for _, spec in ((i, s) for i, s in enumerate(entry.program.inputs) if s.role in STEP_ROLES):
+            if spec.role not in step:
+                raise StepInputError(f"entry {entry.name}: step input {spec.role} is missing")
+            a = step[spec.role]
+            want = numpy_dtype(spec.dtype)
+            if not isinstance(a, np.ndarray) or a.dtype != want or tuple(a.shape) != spec.shape:
+                got = (f"{getattr(a, 'dtype', type(a).__name__)} {list(getattr(a, 'shape', []))}")
+                raise StepInputError(f"entry {entry.name}: {spec.role} must be {spec.dtype} "
+                                     f"{list(spec.shape)}, got {got}")
+
+    def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
+        """Run an entry; returns the logits [batch, vocab] as a host copy. The pools are donated
+        and replaced by the entry's updated pools."""
+        entry = self.artifact.entries[entry_name]
+        exe = self.executables.get(entry_name)
+        if exe is None:
+            raise StepInputError(f"entry {entry_name} was not compiled in this runtime")
+        self.check_step_inputs(entry, step)
+        prog = entry.program
+        args = []
+        for spec in prog.inputs:
+            if spec.role in STEP_ROLES:
+                args.append(self.device.put(step[spec.role]))
+            elif spec.role == KV_POOL_IN:
+                args.append(self.pools[spec.pool])
+            elif spec.role == WEIGHT:
+                args.append(self.weights[spec.slot])
+            else:
+                raise AssertionError(spec.role)
+        check = (self.donation.runs < CHECKED_RUNS or entry_name not in self.donation.entries_checked)
+        before = ({s.pool: self.pools[s.pool].unsafe_buffer_pointer()
+                   for s in prog.inputs if s.role == KV_POOL_IN} if check else None)
+        outs = self.device.execute(exe, args)
+        del args
+        logits = None
+        for spec, out in zip(prog.outputs, outs):
+            if spec.role == LOGITS:
+                logits = np.array(out)  # a copy: no view of a device buffer is kept
+            elif spec.role == KV_POOL_OUT:
+                self.pools[spec.pool] = out
+        self.donation.runs += 1
+        if check:
+            moved = sum(before[p] != self.pools[p].unsafe_buffer_pointer() for p in before)
+            self.donation.checked_runs += 1
+            if moved:
+                self.donation.copied += 1
+            else:
+                self.donation.in_place += 1
+            if entry_name not in self.donation.entries_checked:
+                self.donation.entries_checked.add(entry_name)
+                log.info("entry %s first run: pools %s", entry_name,
+                         "in place" if not moved else f"copied ({moved} moved)")
+        return logits
+
+    def pool_snapshot(self, name: str) -> np.ndarray:
+        """A host copy of one pool (tests): never a view, which would stop donation."""
+        return np.array(self.pools[name], copy=True)
+
+    def reset_pools(self) -> None:
+        self.pools = self._allocate_pools()

@@ -1,0 +1,52 @@
+"""Building an entry's step inputs from rows of tokens. Pure numpy, no JAX, no Triton.
+
+A row is one sequence's part of a call: the tokens it feeds, the position of the first, and the
+pages the sequence holds. Rows are right-aligned in the token axis: padding first (token 0,
+position 0, slot -1: never written), then the row's tokens. Rows past the call's own are padding
+rows: block table all page 0, length 0, every slot -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .manifest import BLOCK_TABLES, POSITIONS, SEQ_LENS, SLOT_MAPPING, TOKEN_IDS, Entry
+
+
+@dataclass(frozen=True)
+class Row:
+    tokens: tuple[int, ...]
+    start: int  # position of tokens[0]
+    pages: tuple[int, ...]  # the sequence's pages in logical order
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+def build_step(entry: Entry, rows: list[Row], block_size: int) -> dict[str, np.ndarray]:
+    b, t = entry.batch, entry.tokens_per_seq
+    m = entry.context // block_size
+    assert 1 <= len(rows) <= b, f"{entry.name}: {len(rows)} rows for batch {b}"
+    token_ids = np.zeros((b, t), np.int32)
+    positions = np.zeros((b, t), np.int32)
+    slot_mapping = np.full((b, t), -1, np.int32)
+    block_tables = np.zeros((b, m), np.int32)
+    seq_lens = np.zeros((b,), np.int32)
+    for r, row in enumerate(rows):
+        n = len(row.tokens)
+        assert 1 <= n <= t, f"{entry.name}: a row of {n} tokens, the entry takes {t}"
+        assert row.end <= entry.context, f"{entry.name}: position {row.end - 1} past its context"
+        assert len(row.pages) <= m and len(row.pages) * block_size >= row.end, \
+            f"{entry.name}: {len(row.pages)} pages do not hold {row.end} positions"
+        pos = np.arange(row.start, row.end, dtype=np.int64)
+        pages = np.asarray(row.pages, dtype=np.int64)
+        token_ids[r, t - n:] = row.tokens
+        positions[r, t - n:] = pos
+        slot_mapping[r, t - n:] = pages[pos // block_size] * block_size + pos % block_size
+        block_tables[r, :len(row.pages)] = row.pages
+        seq_lens[r] = row.end
+    return {TOKEN_IDS: token_ids, POSITIONS: positions, BLOCK_TABLES: block_tables,
+            SEQ_LENS: seq_lens, SLOT_MAPPING: slot_mapping}
