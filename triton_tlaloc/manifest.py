@@ -500,7 +500,11 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
 
     entries: dict[str, Entry] = {}
     for e in raw_entries:
-        name = e.get("name", "?")
+        name = e.get("name", "?") if isinstance(e, dict) else "?"
+        missing = [k for k in ("name", "kind", "batch", "context", "tokensPerSeq", "body",
+                               "sha256", "program") if not isinstance(e, dict) or k not in e]
+        if missing:
+            raise _refuse(f"entry {name}: missing field(s) {', '.join(missing)}", mpath)
         body_path = root / e["body"]
         prog_path = root / e["program"]
         for p in (body_path, prog_path):

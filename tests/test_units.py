@@ -1,0 +1,69 @@
+"""Pure-Python pieces: page pool, step building, the compile cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from triton_tlaloc.manifest import load_artifact
+from triton_tlaloc.pages import PagePool, PagesExhausted, pages_for
+from triton_tlaloc.runtime import Runtime, StepInputError
+from triton_tlaloc.steps import Row, build_step
+
+
+def test_page_pool_never_gives_page_0_and_refuses_by_count():
+    pool = PagePool(5)
+    got = pool.allocate(4)
+    assert sorted(got) == [1, 2, 3, 4] and pool.free == 0
+    with pytest.raises(PagesExhausted, match="1 pages needed, 0 free of 4"):
+        pool.allocate(1)
+    pool.release(got[:2])
+    assert pool.free == 2 and pool.used == 2
+    with pytest.raises(AssertionError):
+        pool.release([got[0]])  # released twice
+    assert pages_for(16, 16) == 1 and pages_for(17, 16) == 2 and pages_for(0, 16) == 0
+
+
+def test_build_step_right_aligns_rows_and_pads(tiny):
+    art = load_artifact(tiny.artifact("llama", False))
+    entry = art.entries["prefill_b2_c32"]
+    step = build_step(entry, [Row((7, 8, 9), 8, (3, 5))], block_size=8)
+    assert step["TOKEN_IDS"][0, -3:].tolist() == [7, 8, 9]
+    assert step["TOKEN_IDS"][0, :-3].tolist() == [0] * 29
+    assert step["POSITIONS"][0, -3:].tolist() == [8, 9, 10]
+    # positions 8..10 are on the second page (5): slots 40, 41, 42; padding -1
+    assert step["SLOT_MAPPING"][0, -3:].tolist() == [40, 41, 42]
+    assert (step["SLOT_MAPPING"][0, :-3] == -1).all() and (step["SLOT_MAPPING"][1] == -1).all()
+    assert step["BLOCK_TABLES"].tolist() == [[3, 5, 0, 0], [0, 0, 0, 0]]
+    assert step["SEQ_LENS"].tolist() == [11, 0]
+    with pytest.raises(AssertionError, match="do not hold"):
+        build_step(entry, [Row((7,), 16, (3, 5))], block_size=8)
+
+
+def test_runtime_checks_shape_and_dtype_that_pjrt_does_not(tiny):
+    art = tiny.artifact("llama", False)
+    rt = Runtime(art, entries=["decode_b1_c32"])
+    entry = rt.artifact.entries["decode_b1_c32"]
+    good = build_step(entry, [Row((5,), 0, (1,))], 8)
+    bad = dict(good, BLOCK_TABLES=good["BLOCK_TABLES"].astype(np.float32))  # same byte size
+    with pytest.raises(StepInputError, match="BLOCK_TABLES must be i32 \\[1, 4\\], got float32"):
+        rt.run("decode_b1_c32", bad)
+    bad = dict(good, BLOCK_TABLES=good["BLOCK_TABLES"].reshape(4, 1))
+    with pytest.raises(StepInputError, match="BLOCK_TABLES must be i32 \\[1, 4\\], got int32 \\[4, 1\\]"):
+        rt.run("decode_b1_c32", bad)
+    assert rt.donation.runs == 0, "a refused step runs nothing"
+    assert rt.run("decode_b1_c32", good).shape == (1, 256)
+
+
+def test_second_load_comes_from_the_compile_cache(tiny, tmp_path):
+    art = tiny.artifact("qwen3", True)
+    first = Runtime(art, cache_dir=tmp_path)
+    n = len(first.artifact.entries)
+    assert (first.compile_stats.compiled, first.compile_stats.cache_hits) == (n, 0)
+    second = Runtime(art, cache_dir=tmp_path)
+    assert (second.compile_stats.compiled, second.compile_stats.cache_hits) == (0, n)
+    step = build_step(first.artifact.entries["prefill_b1_c32"], [Row((1, 2, 3), 0, (1,))], 8)
+    assert np.array_equal(first.run("prefill_b1_c32", step), second.run("prefill_b1_c32", step))
+    # the control program (aliases stripped) is a different text: its own cache entries
+    control = Runtime(art, cache_dir=tmp_path, donate=False)
+    assert control.compile_stats.compiled == n
