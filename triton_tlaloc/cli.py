@@ -35,7 +35,13 @@ def _cmd_run(args) -> int:
     from .engine import Engine
     from .runtime import Runtime
 
-    rt = Runtime(args.artifact, platform=args.platform, donate=not args.no_donate)
+    from .manifest import load_artifact
+
+    artifact = load_artifact(args.artifact)
+    # One sequence: only the smallest batch's entries are compiled.
+    batch = min(artifact.batch_ladder)
+    entries = sorted(e.name for e in artifact.entries.values() if e.batch == batch)
+    rt = Runtime(artifact, platform=args.platform, donate=not args.no_donate, entries=entries)
     engine = Engine(rt)
     tok = None
     if args.prompt is not None:
