@@ -81,6 +81,86 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_repository(args) -> int:
+    from .repository import RepositoryOptions, write_repository
+
+    opts = RepositoryOptions(max_sequence_idle_microseconds=args.max_sequence_idle_us,
+                             donate_kv_pools=not args.no_donate,
+                             cohort_wait_microseconds=args.cohort_wait_us,
+                             prefill_wait_microseconds=args.prefill_wait_us,
+                             instance_kind=args.instance_kind, copy=args.copy,
+                             compile_cache_dir=args.compile_cache_dir or "")
+    model_dir = write_repository(args.artifact, args.repo, args.name, opts)
+    print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/")
+    return 0
+
+
+def _cmd_serve(args) -> int:
+    import signal
+    import time
+
+    from .server import TritonServer
+
+    server = TritonServer(args.repo, host=args.host, http_port=args.http_port,
+                          grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                          log_path=args.log_file, exit_timeout_s=args.exit_timeout)
+    print(f"starting tritonserver (log: {server.log_path}) ...", file=sys.stderr, flush=True)
+    server.start()
+    print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}",
+          flush=True)
+    stop = []
+    # Explicit handlers: a shell starting us in the background may have SIGINT ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(1))
+    while not stop and server.proc.poll() is None:
+        time.sleep(0.2)
+    rc = server.stop()
+    print(f"tritonserver stopped ({rc})", file=sys.stderr)
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from .client import InferError, TlalocClient
+    from .tokenizer import ArtifactTokenizer
+
+    with TlalocClient(args.url, args.model, args.protocol) as client:
+        tok = None
+        if args.prompt is not None:
+            tok_dir = args.tokenizer or client.model_parameters().get("tokenizer_dir")
+            if not tok_dir:
+                print("tlaloc generate: error: no tokenizer: pass --tokenizer DIR",
+                      file=sys.stderr)
+                return 2
+            from pathlib import Path
+
+            tok_dir = Path(tok_dir)
+            tok = ArtifactTokenizer(tok_dir / "tokenizer" if (tok_dir / "tokenizer").is_dir()
+                                    else tok_dir)
+            prompt_ids = (tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+                          if args.chat else tok.encode(args.prompt))
+        else:
+            prompt_ids = list(args.prompt_ids)
+        stop = () if args.ignore_eos or tok is None or tok.eos_token_id is None \
+            else (tok.eos_token_id,)
+        try:
+            gen = client.generate_greedy(prompt_ids, args.max_new_tokens, stop)
+        except InferError as e:
+            print(f"tlaloc generate: the server refused: {e}", file=sys.stderr)
+            return 1
+    text = tok.decode(gen.generated_ids) if tok is not None else None
+    if args.json:
+        print(json.dumps({"prompt_ids": gen.prompt_ids, "generated_ids": gen.generated_ids,
+                          "text": text, "finish_reason": gen.finish_reason,
+                          "prefill_ms": round(gen.prefill_ms, 3),
+                          "ms_per_token": round(gen.ms_per_token, 3)}))
+    else:
+        print(text if text is not None else " ".join(map(str, gen.generated_ids)))
+        print(f"[{args.protocol}: {len(gen.prompt_ids)} prompt tokens, prompt {gen.prefill_ms:.1f} "
+              f"ms; {len(gen.generated_ids)} tokens, {gen.ms_per_token:.2f} ms per token (median);"
+              f" finish: {gen.finish_reason}]", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tlaloc", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
@@ -115,6 +195,47 @@ def main(argv: list[str] | None = None) -> int:
                    help="strip the pools' aliasing (control: pools copied every run)")
     p.set_defaults(fn=_cmd_run)
 
+    p = sub.add_parser("repository", help="write a Triton model repository for an artifact")
+    p.add_argument("artifact")
+    p.add_argument("repo")
+    p.add_argument("--name", required=True, help="the model's name in the repository")
+    p.add_argument("--max-sequence-idle-us", type=int, default=60_000_000,
+                   help="Triton ends a sequence idle this long (default 60 s)")
+    p.add_argument("--no-donate", action="store_true",
+                   help="donate_kv_pools false: pools copied every run (a control)")
+    p.add_argument("--cohort-wait-us", type=int, default=20_000)
+    p.add_argument("--prefill-wait-us", type=int, default=2_000)
+    p.add_argument("--instance-kind", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--copy", action="store_true", help="copy the artifact instead of linking it")
+    p.add_argument("--compile-cache-dir", default=None)
+    p.set_defaults(fn=_cmd_repository)
+
+    p = sub.add_parser("serve", help="start the tritonserver from the nvidia-pytriton wheel")
+    p.add_argument("repo")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--log-file", default=None)
+    p.add_argument("--exit-timeout", type=int, default=5)
+    p.set_defaults(fn=_cmd_serve)
+
+    p = sub.add_parser("generate", help="greedy generation through a served model")
+    p.add_argument("--url", default="127.0.0.1:8001")
+    p.add_argument("--model", required=True)
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-ids", type=_ints)
+    p.add_argument("--chat", action="store_true")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--tokenizer", default=None,
+                   help="the artifact (or its tokenizer folder); default: the model's "
+                        "tokenizer_dir parameter")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_cmd_generate)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("triton_tlaloc").setLevel(logging.INFO if args.verbose else logging.WARNING)
@@ -122,10 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     from .engine import RequestError
     from .export import ExportError
     from .manifest import ArtifactError
+    from .server import ServerError
 
     try:
         return args.fn(args)
-    except (ArtifactError, CheckpointError, ExportError, RequestError, FileNotFoundError) as e:
+    except (ArtifactError, CheckpointError, ExportError, RequestError, FileNotFoundError,
+            ServerError, ValueError) as e:
         print(f"tlaloc {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -19,7 +19,12 @@ from .steps import Row, build_step
 
 
 class RequestError(ValueError):
-    """A request the artifact cannot run (too long, a refused token); names the problem."""
+    """A request the artifact cannot run (too long, a refused token); names the problem.
+    `reason` is a short label for counters (token, context, empty)."""
+
+    def __init__(self, message: str, reason: str = "invalid"):
+        super().__init__(message)
+        self.reason = reason
 
 
 _ids = itertools.count(1)
@@ -28,9 +33,10 @@ _ids = itertools.count(1)
 @dataclass
 class Sequence:
     token_ids: list[int]
-    seq_id: int = field(default_factory=lambda: next(_ids))
+    seq_id: int | str = field(default_factory=lambda: next(_ids))
     num_cached: int = 0  # tokens whose K/V are in the pool
     pages: list[int] = field(default_factory=list)
+    last_active: float = 0.0  # clock time of its latest request (the backend's reclamation rule)
 
     @property
     def uncached(self) -> list[int]:
@@ -67,21 +73,43 @@ class Engine:
     def new_sequence(self, prompt_ids: list[int]) -> Sequence:
         self.check_tokens(prompt_ids)
         if len(prompt_ids) == 0:
-            raise RequestError("an empty prompt")
+            raise RequestError("an empty prompt", "empty")
         return Sequence(list(prompt_ids))
 
     def check_tokens(self, ids) -> None:
         vocab = self.art.model.vocab
         for t in ids:
             if not 0 <= t < vocab:
-                raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab})")
+                raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab})", "token")
             if t in self.refused:
-                raise RequestError(f"token id {t} is a refused placeholder token")
+                raise RequestError(f"token id {t} is a placeholder the manifest refuses "
+                                   f"(model.refusedTokens)", "token")
+
+    def admit(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append `tokens` to a sequence and reserve the pages they need, or raise (RequestError,
+        PagesExhausted) leaving the sequence and the pool exactly as they were."""
+        self.check_tokens(tokens)
+        length = len(seq.token_ids) + len(tokens)
+        if length > self.art.max_context:
+            raise RequestError(f"{length} positions would exceed the largest context "
+                               f"{self.art.max_context}", "context")
+        need = pages_for(length, self.block_size) - len(seq.pages)
+        if need > 0:
+            seq.pages += self.pages.allocate(need)  # raises before allocating anything
+        seq.token_ids += tokens
+
+    def rollback(self, seq: Sequence, num_tokens: int, num_pages: int) -> None:
+        """Undo an admit whose call failed: the sequence as it was before it."""
+        del seq.token_ids[num_tokens:]
+        seq.num_cached = min(seq.num_cached, num_tokens)
+        extra = seq.pages[num_pages:]
+        del seq.pages[num_pages:]
+        self.pages.release(extra)
 
     def _reserve(self, seq: Sequence, length: int) -> None:
         if length > self.art.max_context:
             raise RequestError(f"sequence {seq.seq_id}: {length} positions exceed the largest "
-                               f"context {self.art.max_context}")
+                               f"context {self.art.max_context}", "context")
         need = pages_for(length, self.block_size) - len(seq.pages)
         if need > 0:
             seq.pages += self.pages.allocate(need)
@@ -123,7 +151,7 @@ class Engine:
     def _entry(self, kind: str, batch: int, end: int, tokens: int):
         if end > self.art.max_context:
             raise RequestError(f"{end} positions exceed the largest context "
-                               f"{self.art.max_context}")
+                               f"{self.art.max_context}", "context")
         fits = [e for e in self.art.entries.values()
                 if e.name in self.rt.executables and e.kind == kind and e.batch >= batch
                 and e.context >= end and e.tokens_per_seq >= tokens]

@@ -244,6 +244,10 @@ class Runtime:
                 self.donation.copied += 1
             else:
                 self.donation.in_place += 1
+            if self.donation.checked_runs == CHECKED_RUNS:
+                d = self.donation
+                log.info("KV pools over the first %d runs: in place %d/%d, copied %d/%d",
+                         CHECKED_RUNS, d.in_place, d.checked_runs, d.copied, d.checked_runs)
             if entry_name not in self.donation.entries_checked:
                 self.donation.entries_checked.add(entry_name)
                 log.info("entry %s first run: pools %s", entry_name,

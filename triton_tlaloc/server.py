@@ -1,0 +1,159 @@
+"""Starting the tritonserver that ships in the `nvidia-pytriton` wheel (FACTS.md).
+
+- The backend directory is made in a temporary folder: links to the wheel's libtriton_python.so
+  and triton_python_backend_utils.py, and a copy of the stub built for this Python. The stub's
+  RPATH does not reach the wheel's libraries from there, so LD_LIBRARY_PATH names them.
+- The stub runs the first python3 on PATH: this environment's bin goes first.
+- This Python's own LIBDIR goes first on LD_LIBRARY_PATH, or the stub may load another build of
+  libpython3.X and fail to import ssl.
+- Loopback addresses by default, a short exit timeout (an open sequence makes a graceful
+  shutdown wait the whole timeout), readiness polled over HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def pytriton_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("nvidia-pytriton is not installed: it carries the tritonserver binary")
+    return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_environment() -> dict:
+    site = pytriton_dir().parent.parent
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    libs = [sysconfig.get_config_var("LIBDIR") or "", str(site / "nvidia_pytriton.libs"),
+            env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libs if p)
+    return env
+
+
+def make_backend_dir(root: Path) -> Path:
+    triton = pytriton_dir()
+    backend = root / "backends" / "python"
+    backend.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        link = backend / name
+        if not link.exists():
+            link.symlink_to(triton / "backends" / "python" / name)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = triton / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"the wheel has no Python backend stub for Python {version}")
+    shutil.copy2(stub, backend / "triton_python_backend_stub")
+    return root / "backends"
+
+
+class TritonServer:
+    """A tritonserver process serving REPO; a context manager that stops it on exit."""
+
+    def __init__(self, repo: str | os.PathLike, *, host: str = "127.0.0.1",
+                 http_port: int | None = None, grpc_port: int | None = None,
+                 metrics_port: int | None = None, log_path: str | os.PathLike | None = None,
+                 exit_timeout_s: int = 5, log_verbose: int = 0, extra_args: tuple = ()):
+        self.repo = Path(repo).resolve()
+        self.host = host
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.exit_timeout_s = exit_timeout_s
+        self._tmp = Path(tempfile.mkdtemp(prefix="tlaloc-triton-"))
+        self.log_path = Path(log_path) if log_path else self._tmp / "tritonserver.log"
+        self.args = [
+            str(pytriton_dir() / "bin" / "tritonserver"),
+            "--model-repository", str(self.repo),
+            "--backend-directory", str(make_backend_dir(self._tmp)),
+            "--http-address", host, "--http-port", str(self.http_port),
+            "--grpc-address", host, "--grpc-port", str(self.grpc_port),
+            "--metrics-address", host, "--metrics-port", str(self.metrics_port),
+            "--exit-timeout-secs", str(exit_timeout_s),
+            "--log-verbose", str(log_verbose),
+            *extra_args,
+        ]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def start(self, timeout_s: float = 300.0) -> "TritonServer":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=server_environment(), start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"tritonserver exited with {self.proc.returncode}:\n"
+                                  f"{self.log_tail()}")
+            if self.ready():
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(self.exit_timeout_s + 30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self._tmp / "backends", ignore_errors=True)
+        return self.proc.returncode
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
