@@ -23,6 +23,12 @@ class CheckpointError(ValueError):
     """A checkpoint this exporter cannot read; the message names the problem."""
 
 
+# Config keys naming a multimodal checkpoint's placeholder ids. The artifact is the text decoder
+# only; a server refuses a request holding one of these by name (model.refusedTokens).
+PLACEHOLDER_KEYS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                    "audio_token_id", "audio_token_index")
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     family: str
@@ -41,6 +47,7 @@ class DecoderConfig:
     rope_scaling: dict = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    refused_tokens: tuple[tuple[str, int], ...] = ()  # (config key, id)
 
     @property
     def qk_norm(self) -> bool:
@@ -119,6 +126,8 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
         max_positions=int(cfg.get("max_position_embeddings", 0)),
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
+        refused_tokens=tuple((k, int(cfg[k])) for k in PLACEHOLDER_KEYS
+                             if isinstance(cfg.get(k), int)),
     )
 
 

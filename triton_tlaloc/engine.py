@@ -62,7 +62,7 @@ class Engine:
         self.art = runtime.artifact
         self.block_size = self.art.model.block_size
         self.pages = PagePool(self.art.model.num_blocks)
-        self.refused = {int(t["id"]) if isinstance(t, dict) else int(t)
+        self.refused = {int(t["id"]): t.get("configKey", "refusedTokens")
                         for t in self.art.model.refused_tokens}
         prefill = [e for e in self.art.entries.values()
                    if e.kind == "prefill" and e.name in runtime.executables]
@@ -82,8 +82,8 @@ class Engine:
             if not 0 <= t < vocab:
                 raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab})", "token")
             if t in self.refused:
-                raise RequestError(f"token id {t} is a placeholder the manifest refuses "
-                                   f"(model.refusedTokens)", "token")
+                raise RequestError(f"token id {t} is the checkpoint's {self.refused[t]} "
+                                   f"placeholder, which this text decoder refuses", "token")
 
     def admit(self, seq: Sequence, tokens: list[int]) -> None:
         """Append `tokens` to a sequence and reserve the pages they need, or raise (RequestError,

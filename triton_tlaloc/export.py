@@ -177,7 +177,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                 "ropeTheta": cfg.rope_theta,
                 "rmsNormEps": cfg.rms_norm_eps,
                 "tieWordEmbeddings": cfg.tie_word_embeddings,
-                "refusedTokens": [],
+                "refusedTokens": [{"id": i, "configKey": k} for k, i in cfg.refused_tokens],
                 "eosTokenIds": list(cfg.eos_token_ids),
                 "bosTokenId": cfg.bos_token_id,
             },

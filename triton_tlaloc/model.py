@@ -48,11 +48,12 @@ class _TritonLogHandler(logging.Handler):
             pb_utils.Logger.log_info(msg)
 
 
-def _setup_logging() -> None:
+def _setup_logging(model_name: str) -> None:
+    # Each model instance runs in its own stub process: the prefix names the model.
     logger = logging.getLogger("triton_tlaloc")
     if not any(isinstance(h, _TritonLogHandler) for h in logger.handlers):
         handler = _TritonLogHandler()
-        handler.setFormatter(logging.Formatter("[tlaloc] %(message)s"))
+        handler.setFormatter(logging.Formatter(f"[tlaloc {model_name}] %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -67,7 +68,7 @@ def _bool(text: str) -> bool:
 
 class TritonPythonModel:
     def initialize(self, args):
-        _setup_logging()
+        _setup_logging(args["model_name"])
         log = logging.getLogger("triton_tlaloc.model")
         t0 = time.perf_counter()
         config = json.loads(args["model_config"])

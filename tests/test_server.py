@@ -1,0 +1,192 @@
+"""A real tritonserver (from the nvidia-pytriton wheel) serving tiny artifacts, over HTTP and
+gRPC: transformers' greedy ids, concurrent sequences, donation, and every refusal."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+from oracle import load_reference, reference_greedy
+
+from triton_tlaloc.client import InferError, TlalocClient, new_sequence_id
+from triton_tlaloc.engine import Engine
+from triton_tlaloc.export import ExportOptions, export_artifact
+from triton_tlaloc.repository import RepositoryOptions, write_repository
+from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.server import TritonServer
+
+PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 150, 12, 5, 230, 64, 9, 101, 33, 2, 77, 180, 45]
+PROTOCOLS = ["http", "grpc"]
+PLACEHOLDER = 7  # the small model's image_token_id
+
+
+@pytest.fixture(scope="module")
+def served(tiny, work):
+    """One server for the module: llama, qwen3, llama with donate_kv_pools false, and a small
+    model (a pool of 8 pages of 8 tokens, contexts 32 and 64, an image placeholder id)."""
+    ckpt = tiny.checkpoint("llama", False)
+    small_ckpt = work / "ckpt-small"
+    if not small_ckpt.exists():
+        import shutil
+        shutil.copytree(ckpt, small_ckpt)
+        cfg = json.loads((small_ckpt / "config.json").read_text())
+        cfg["image_token_id"] = PLACEHOLDER
+        (small_ckpt / "config.json").write_text(json.dumps(cfg))
+    small = export_artifact(small_ckpt, work / "art-small",
+                            ExportOptions(batch_ladder=(1, 2), context_ladder=(32, 64),
+                                          block_size=8, num_blocks=9))
+    arts = {"llama": tiny.artifact("llama", False), "qwen3": tiny.artifact("qwen3", True),
+            "small": small}
+    repo = work / "repo"
+    for name, art in arts.items():
+        write_repository(art, repo, name, RepositoryOptions(max_sequence_idle_microseconds=600_000_000))
+    write_repository(arts["llama"], repo, "llama_copied",
+                     RepositoryOptions(donate_kv_pools=False))
+    server = TritonServer(repo, exit_timeout_s=3).start()
+    yield server, arts
+    server.stop()
+
+
+def client_for(served, protocol) -> TlalocClient:
+    server, _ = served
+    return TlalocClient(server.http_url if protocol == "http" else server.grpc_url,
+                        "llama", protocol)
+
+
+def use(client: TlalocClient, model: str) -> TlalocClient:
+    client.model = model
+    return client
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("model,family,tied", [("llama", "llama", False), ("qwen3", "qwen3", True)])
+def test_greedy_ids_equal_transformers(served, tiny, protocol, model, family, tied):
+    want, _ = reference_greedy(load_reference(tiny.checkpoint(family, tied)), PROMPT, 16)
+    with use(client_for(served, protocol), model) as client:
+        got = client.generate_greedy(PROMPT, 16)
+    assert got.generated_ids == want
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_four_concurrent_sequences_equal_their_solo_runs(served, protocol):
+    _, arts = served
+    prompts = [PROMPT[:n] for n in (3, 7, 12, 20)]
+    engine = Engine(Runtime(arts["llama"]))
+    solo = [engine.generate_greedy(p, 12).generated_ids for p in prompts]
+    got = [None] * 4
+    errors = []
+
+    def run(i):
+        try:
+            with client_for(served, protocol) as client:
+                got[i] = client.generate_greedy(prompts[i], 12).generated_ids
+        except Exception as e:  # reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert got == solo
+
+
+def test_donation_in_place_and_the_control_copied_with_the_same_ids(served):
+    server, _ = served
+    ids = {}
+    for model in ("llama", "llama_copied"):
+        with use(client_for(served, "grpc"), model) as client:
+            ids[model] = client.generate_greedy([1, 5, 9], 101).generated_ids  # 101 runs
+    assert ids["llama"] == ids["llama_copied"]
+    log = server.log_text()
+    assert "[tlaloc llama] KV pools over the first 100 runs: in place 100/100, copied 0/100" in log
+    assert "[tlaloc llama_copied] KV pools over the first 100 runs: in place 0/100, copied 100/100" \
+        in log
+
+
+def refused(client, seq_id, tokens, **kw) -> InferError:
+    with pytest.raises(InferError) as e:
+        client.infer(seq_id, tokens, **kw)
+    return e.value
+
+
+def status_of(err: InferError, protocol: str) -> str:
+    text = f"{err.status} {err}"
+    for name, http, grpc in (("INVALID_ARG", "400", "INVALID_ARGUMENT"),
+                             ("UNAVAILABLE", "503", "UNAVAILABLE")):
+        if (http if protocol == "http" else grpc) in text:
+            return name
+    return text
+
+
+def greedy_continue(client, seq_id, logits, steps) -> list[int]:
+    import numpy as np
+    ids = []
+    for _ in range(steps):
+        ids.append(int(np.argmax(logits)))
+        logits, _ = client.infer(seq_id, [ids[-1]])
+    return ids
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_refusals_leave_the_sequence_to_continue_with_its_solo_ids(served, protocol):
+    _, arts = served
+    engine = Engine(Runtime(arts["small"]))
+    prompt = [1, 17, 99, 3, 200]
+    solo = engine.generate_greedy(prompt, 6).generated_ids
+    with use(client_for(served, protocol), "small") as client:
+        sid = new_sequence_id()
+        logits, pages = client.infer(sid, prompt, start=True, want_pages=True)
+        assert list(pages) == [1, 0]
+        cases = [
+            ([5, 256], "INVALID_ARG", "token id 256 is outside the vocabulary [0, 256)"),
+            ([-3], "INVALID_ARG", "token id -3 is outside the vocabulary"),
+            ([PLACEHOLDER], "INVALID_ARG", "token id 7 is the checkpoint's image_token_id "
+                                           "placeholder"),
+            ([], "INVALID_ARG", "TOKENS is empty"),
+            (list(range(10, 70)), "INVALID_ARG", "65 positions would exceed the largest context 64"),
+        ]
+        for tokens, code, message in cases:
+            err = refused(client, sid, tokens)
+            assert status_of(err, protocol) == code, err
+            assert message in str(err) and f"sequence {sid}" in str(err)
+        assert greedy_continue(client, sid, logits, 6) == solo
+        client.infer(sid, [], end=True)
+        # a placeholder or an over-long prompt in a START is refused too
+        for tokens, message in (([1, PLACEHOLDER], "image_token_id"),
+                                (list(range(10, 75)), "largest context 64")):
+            err = refused(client, new_sequence_id(), tokens, start=True)
+            assert status_of(err, protocol) == "INVALID_ARG" and message in str(err)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_full_pool_refused_as_unavailable_then_the_same_request_succeeds(served, protocol):
+    _, arts = served
+    engine = Engine(Runtime(arts["small"]))
+    prompt_b = list(range(20, 44))  # 24 tokens: 3 pages
+    solo_b = engine.generate_greedy(prompt_b, 4).generated_ids
+    with use(client_for(served, protocol), "small") as client:
+        a, b = new_sequence_id(), new_sequence_id()
+        client.infer(a, list(range(60, 100)), start=True)  # 40 tokens: 5 pages
+        logits_b, _ = client.infer(b, prompt_b, start=True)  # the pool's last 3 pages
+        first = int(logits_b.argmax())
+        err = refused(client, b, [first])  # position 24 needs a fourth page
+        assert status_of(err, protocol) == "UNAVAILABLE", err
+        assert "KV pool full" in str(err)
+        assert re.search(rf"{a} \(5 pages\), {b} \(3 pages\)", str(err))
+        client.infer(a, [], end=True)
+        logits, pages = client.infer(b, [first], want_pages=True)  # the same request again
+        assert list(pages) == [4, 0]
+        assert [first] + greedy_continue(client, b, logits, 3) == solo_b
+        client.infer(b, [], end=True)
+        # a sequence at the largest context: one more step is refused by name
+        c = new_sequence_id()
+        logits, _ = client.infer(c, list(range(100, 163)), start=True)
+        logits, pages = client.infer(c, [int(logits.argmax())], want_pages=True)
+        assert list(pages) == [8, 0]
+        err = refused(client, c, [int(logits.argmax())])
+        assert status_of(err, protocol) == "INVALID_ARG"
+        assert "65 positions would exceed the largest context 64" in str(err)
+        client.infer(c, [], end=True)
