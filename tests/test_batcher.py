@@ -209,3 +209,21 @@ def test_the_thread_answers_every_request(runtime):
     batcher.stop()
     assert len(got) == 1 and got[0].error is None and got[0].logits.shape == (256,)
     assert "t" not in batcher.sequences and batcher.engine.pages.used == 0
+
+
+def test_a_later_request_with_several_tokens_is_a_prefill_continuation(batcher, runtime):
+    """Tokens sent after the prompt in one request equal the same tokens sent one by one."""
+    col = Collector()
+    extra = [88, 150, 12, 5]
+    batcher.submit(col.request("a", PROMPTS["a"], start=True))
+    batcher.submit(col.request("b", PROMPTS["a"], start=True))
+    batcher.run_pending()
+    batcher.submit(col.request("a", extra))
+    batcher.run_pending()
+    assert batcher.stats.calls["prefill"] == 2, "the continuation ran as a prefill call"
+    for t in extra:
+        batcher.submit(col.request("b", [t]))
+        batcher.run_pending()
+    a, b = col.last_logits("a"), col.last_logits("b")
+    assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, np.max(np.abs(b)))
+    assert len(batcher.sequences["a"].token_ids) == len(PROMPTS["a"]) + len(extra)

@@ -1,4 +1,4 @@
-"""The `tlaloc` command: export, run (more subcommands come with the backend)."""
+"""The `tlaloc` command: export, run, repository, serve, generate."""
 
 from __future__ import annotations
 
