@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from triton_tlaloc.batcher import INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, Reply, Request
+from triton_tlaloc.batcher import (INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, BatchPolicy, Reply,
+                                   Request)
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.runtime import Runtime
 
@@ -25,10 +26,14 @@ def runtime(tiny):
     return Runtime(tiny.artifact("llama", False))
 
 
+# No waiting: these tests are about what a round does, not when it runs (test_policy.py).
+NO_WAIT = BatchPolicy(cohort_wait_s=0.0, prefill_wait_s=0.0)
+
+
 @pytest.fixture
 def batcher(runtime):
     # A fresh engine (page pool) per test over the one compiled runtime.
-    return Batcher(Engine(runtime), clock=Clock())
+    return Batcher(Engine(runtime), NO_WAIT, clock=Clock())
 
 
 class Collector:
@@ -140,7 +145,7 @@ def test_unknown_sequence_without_start_is_refused(batcher):
 
 def test_full_pool_refused_with_the_holders_then_the_same_request_succeeds(runtime):
     engine = Engine(runtime)
-    batcher = Batcher(engine, clock=Clock())
+    batcher = Batcher(engine, NO_WAIT, clock=Clock())
     col = Collector()
     # 32 usable pages of 8 tokens: four 64-token prompts (8 pages each) fill the pool.
     assert engine.pages.free == 32
@@ -196,7 +201,7 @@ def test_a_failed_call_answers_each_request_once_and_rolls_back(batcher, monkeyp
 def test_the_thread_answers_every_request(runtime):
     import threading
 
-    batcher = Batcher(Engine(runtime))
+    batcher = Batcher(Engine(runtime))  # the real clock and the default waits
     batcher.start()
     done = threading.Event()
     got = []

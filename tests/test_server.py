@@ -190,3 +190,30 @@ def test_full_pool_refused_as_unavailable_then_the_same_request_succeeds(served,
         assert status_of(err, protocol) == "INVALID_ARG"
         assert "65 positions would exceed the largest context 64" in str(err)
         client.infer(c, [], end=True)
+
+
+def test_metrics_on_the_metrics_port(served):
+    from triton_tlaloc.client import metric, scrape_metrics
+
+    server, _ = served
+    before = scrape_metrics(server.metrics_url)
+    with use(client_for(served, "http"), "llama") as client:
+        client.generate_greedy([1, 2, 3], 5)
+        with pytest.raises(InferError):
+            client.infer(new_sequence_id(), [1, 999], start=True)
+    after = scrape_metrics(server.metrics_url)
+
+    def delta(name, **labels):
+        return metric(after, name, model="llama", **labels) - metric(before, name, model="llama",
+                                                                     **labels)
+    assert delta("tlaloc_executions_total", kind="prefill") == 1
+    assert delta("tlaloc_executions_total", kind="decode") == 4
+    assert delta("tlaloc_tokens_total", kind="prefill") == 3
+    assert delta("tlaloc_tokens_total", kind="decode") == 4
+    assert delta("tlaloc_refusals_total", reason="token") == 1
+    assert delta("tlaloc_backend_wait_seconds_count") == 5
+    assert delta("tlaloc_execution_seconds_count", kind="decode") == 4
+    assert delta("tlaloc_batch_size_bucket", kind="decode", le="1") == 4
+    assert metric(after, "tlaloc_kv_pages_used", model="llama", pool="full") == 0
+    assert metric(after, "tlaloc_kv_pages_free", model="llama", pool="full") == 32
+    assert metric(after, "tlaloc_sequences_held", model="llama") == 0

@@ -1,15 +1,31 @@
 """The backend's own batching thread: requests in, entry calls on the engine, one reply each.
 
 Triton hands every request over at once (max_queue_delay_microseconds 0) and execute() returns
-without waiting; this thread forms the calls. Each round takes the requests waiting (at most one
-per sequence, in arrival order), admits each (validate, reserve pages: a refusal changes
-nothing), then runs the decode requests of several sequences as one decode call on the smallest
-entry that holds them, and the prompts (START) and multi-token continuations as prefill calls,
-merging prompts of one context bucket into one call. Every request gets exactly one reply: its
-logits, or a typed error naming the problem.
+without waiting; this thread forms the calls (design section 6, "Per-step overhead and
+batching"):
 
-Pure Python over an `Engine`: no Triton import, so it is tested without a server (with an
-injected clock).
+- Decode cohorts. The sequences that took a decode step in the previous decode batch form its
+  cohort. The next decode batch runs once every cohort member still held has its next request in,
+  or `cohort_wait` after the previous batch without it. A lone sequence is its own cohort, so it
+  never waits; sequences decoding together stay together whatever the spread of their clients.
+  The batch runs as one decode call on the smallest entry that holds it.
+- Merged prompts. A prompt waits up to `prefill_wait` for prompts sent with it; prompts of one
+  context bucket run as one prefill call on the smallest entry whose batch holds them. Prompts of
+  different buckets are not merged (a call computes every row at its entry's context). A later
+  request with several tokens is a prefill continuation and runs like a prompt.
+- Admission. Each request is validated and its pages reserved before any call (a refusal changes
+  nothing). When pages run short, pages are reclaimed only from sequences Triton has already
+  ended: idle longer than twice its idle timeout plus an allowance (Triton sends no END for a
+  sequence it times out), least recently active first, only as many as needed. Otherwise the
+  request is refused by name, listing the sequences that hold pages. A refused request still
+  counts as activity. A live sequence is never touched.
+- Every request gets exactly one reply: its logits, or a typed error naming the problem.
+
+With `backend_batching` off, each execute() call's requests run as one round as Triton formed
+them (the control for Triton's own batching with a queue delay).
+
+Pure Python over an `Engine`: no Triton or JAX import here, so it is tested with a fake clock
+and a fake runner.
 """
 
 from __future__ import annotations
@@ -24,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 from .engine import Engine, RequestError, Sequence
-from .pages import PagesExhausted
+from .pages import PagesExhausted, choose_reclaim
 
 log = logging.getLogger("triton_tlaloc.batcher")
 
@@ -32,8 +48,21 @@ INVALID_ARG = "INVALID_ARG"
 UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
 
-# Calls logged one by one at INFO at the start; later ones only in the counters.
+# Calls logged one by one at INFO at the start; later ones only in the counters and metrics.
 LOGGED_CALLS = 20
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    cohort_wait_s: float = 0.020
+    prefill_wait_s: float = 0.002
+    backend_batching: bool = True
+    idle_timeout_s: float = 60.0  # the model's max_sequence_idle_microseconds
+    reclaim_allowance_s: float = 2.0  # Triton's timeout is checked on its own schedule
+
+    @property
+    def reclaim_after_s(self) -> float:
+        return 2 * self.idle_timeout_s + self.reclaim_allowance_s
 
 
 @dataclass
@@ -52,7 +81,17 @@ class Request:
     end: bool
     reply_fn: Callable[[Reply], None]
     arrived: float = 0.0
+    group: int = 0  # the execute() call it came in (backend_batching off)
     _answered: bool = field(default=False, repr=False)
+
+    @property
+    def is_decode(self) -> bool:
+        """One token for a held sequence: a decode step (everything else runs as a prompt)."""
+        return not self.start and len(self.tokens) == 1
+
+    @property
+    def is_prompt(self) -> bool:
+        return self.start or len(self.tokens) > 1
 
     def reply(self, reply: Reply) -> None:
         assert not self._answered, f"sequence {self.seq_id}: a request answered twice"
@@ -71,43 +110,86 @@ class _Job:
     num_pages: int
 
 
-@dataclass
 class BatcherStats:
-    calls: dict = field(default_factory=lambda: {"decode": 0, "prefill": 0})
-    rows: dict = field(default_factory=lambda: {"decode": 0, "prefill": 0})
-    refusals: dict = field(default_factory=dict)
-    replies: int = 0
+    """Counters kept by the batcher itself; also the interface of an observer (metrics)."""
+
+    def __init__(self):
+        self.calls = {"decode": 0, "prefill": 0}
+        self.rows = {"decode": 0, "prefill": 0}
+        self.tokens = {"decode": 0, "prefill": 0}
+        self.refusals: dict[str, int] = {}
+        self.pages_reclaimed = 0
+        self.sequences_reclaimed = 0
+        self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
+        self.call_sizes: list[tuple[str, int]] = []
+
+    def call(self, kind: str, entry: str, rows: int, tokens: int, waits_s: list[float],
+             seconds: float) -> None:
+        self.calls[kind] += 1
+        self.rows[kind] += rows
+        self.tokens[kind] += tokens
+        self.waits_s.extend(waits_s)
+        if len(self.call_sizes) < 100_000:
+            self.call_sizes.append((kind, rows))
+
+    def refusal(self, reason: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+    def reclaimed(self, sequences: int, pages: int) -> None:
+        self.sequences_reclaimed += sequences
+        self.pages_reclaimed += pages
+
+    def state(self, pages_used: int, pages_free: int, sequences: int) -> None:
+        pass
 
 
 class Batcher:
-    def __init__(self, engine: Engine, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, engine: Engine, policy: BatchPolicy = BatchPolicy(),
+                 clock: Callable[[], float] = time.monotonic, observer=None):
         self.engine = engine
+        self.policy = policy
         self.clock = clock
         self.sequences: dict[int | str, Sequence] = {}
         self.stats = BatcherStats()
+        self._observers = [self.stats] + ([observer] if observer is not None else [])
         self._pending: deque[Request] = deque()
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        art = engine.art
-        self.max_decode_batch = max((e.batch for e in art.entries.values()
-                                     if e.kind == "decode" and e.name in engine.rt.executables),
-                                    default=1)
-        self.max_prefill_batch = max((e.batch for e in art.entries.values()
-                                      if e.kind == "prefill" and e.name in engine.rt.executables),
-                                     default=1)
-        self.context_ladder = sorted(art.context_ladder)
+        self._groups = 0
+        # The cohort: sequences of the previous decode batch, and when it may stop waiting.
+        self.cohort: set = set()
+        self.cohort_deadline = 0.0
+        compiled = [e for e in engine.art.entries.values() if e.name in engine.rt.executables]
+        self.max_decode_batch = max((e.batch for e in compiled if e.kind == "decode"), default=1)
+        self.max_prefill_batch = max((e.batch for e in compiled if e.kind == "prefill"), default=1)
+        self.context_ladder = sorted(engine.art.context_ladder)
+
+    def _observe(self, method: str, *args) -> None:
+        for o in self._observers:
+            try:
+                getattr(o, method)(*args)
+            except Exception:  # metrics must never take the batcher down
+                log.exception("observer %s.%s failed", type(o).__name__, method)
 
     # ------------------------------------------------------------ thread
 
     def submit(self, request: Request) -> None:
-        """Called from Triton's execute(): queue and return at once."""
-        request.arrived = self.clock()
+        self.submit_group([request])
+
+    def submit_group(self, requests: list[Request]) -> None:
+        """Called from Triton's execute() with the requests of one call: queue and return."""
+        now = self.clock()
         with self._cv:
+            self._groups += 1
+            for r in requests:
+                r.arrived = now
+                r.group = self._groups
             if self._stopping:
-                request.reply(Reply(error="the model is unloading", code=UNAVAILABLE))
+                for r in requests:
+                    r.reply(Reply(error="the model is unloading", code=UNAVAILABLE))
                 return
-            self._pending.append(request)
+            self._pending.extend(requests)
             self._cv.notify()
 
     def start(self) -> None:
@@ -129,11 +211,14 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._pending and not self._stopping:
-                    self._cv.wait()
-                if self._stopping:
-                    return
-                taken = self._take()
+                while True:
+                    if self._stopping:
+                        return
+                    now = self.clock()
+                    taken, wake_at = self._select(now)
+                    if taken:
+                        break
+                    self._cv.wait(None if wake_at is None else max(0.0, wake_at - now))
             try:
                 self.process(taken)
             except Exception:  # never leave a request unanswered, never let the thread die
@@ -143,25 +228,58 @@ class Batcher:
                         r.reply(Reply(error="internal error in the batcher (see the server "
                                             "log)", code=INTERNAL))
 
-    def _take(self) -> list[Request]:
-        """The waiting requests, at most one per sequence (a sequence's later requests stay
-        queued, in order, for the next round)."""
-        taken, seen, keep = [], set(), deque()
-        while self._pending:
-            r = self._pending.popleft()
-            if r.seq_id in seen:
-                keep.append(r)
-            else:
-                seen.add(r.seq_id)
-                taken.append(r)
-        self._pending = keep
-        return taken
-
-    def run_pending(self) -> None:
-        """One round on whatever is queued, on the caller's thread (tests)."""
+    def run_pending(self) -> bool:
+        """One round on the caller's thread if one is due now (tests drive the clock)."""
         with self._cv:
-            taken = self._take()
-        self.process(taken)
+            taken, _ = self._select(self.clock())
+        if taken:
+            self.process(taken)
+        return bool(taken)
+
+    # ------------------------------------------------------------ what runs when
+
+    def _select(self, now: float) -> tuple[list[Request], float | None]:
+        """The requests to run now, and when to look again if something waits. Called with the
+        lock held. A sequence's later requests stay queued, in order, behind its first."""
+        if not self._pending:
+            return [], None
+        if not self.policy.backend_batching:
+            group = self._pending[0].group
+            firsts = self._firsts(lambda r: r.group == group)
+            return self._remove(firsts), None
+        firsts = self._firsts()
+        prompts = [r for r in firsts if r.is_prompt]
+        others = [r for r in firsts if not r.is_prompt]
+        take, wake_at = [], None
+        if others:
+            present = {r.seq_id for r in firsts}
+            missing = [s for s in self.cohort if s in self.sequences and s not in present]
+            if not missing or now >= self.cohort_deadline:
+                take += others
+            else:
+                wake_at = self.cohort_deadline
+        if prompts:
+            due = prompts[0].arrived + self.policy.prefill_wait_s
+            if now >= due or len(prompts) >= self.max_prefill_batch:
+                take += prompts
+            else:
+                wake_at = due if wake_at is None else min(wake_at, due)
+        return self._remove(take), wake_at
+
+    def _firsts(self, keep=lambda r: True) -> list[Request]:
+        seen, out = set(), []
+        for r in self._pending:
+            if r.seq_id not in seen:
+                seen.add(r.seq_id)
+                if keep(r):
+                    out.append(r)
+        return out
+
+    def _remove(self, taken: list[Request]) -> list[Request]:
+        if taken:
+            ids = {id(r) for r in taken}
+            self._pending = deque(r for r in self._pending if id(r) not in ids)
+        return taken
 
     # ------------------------------------------------------------ one round
 
@@ -171,17 +289,19 @@ class Batcher:
             job = self._admit(r)
             if job is None:
                 continue
-            if not r.start and len(job.seq.token_ids) - job.seq.num_cached == 1:
-                decode.append(job)
-            else:
-                prefill.append(job)
-        for i in range(0, len(decode), self.max_decode_batch):
-            self._run("decode", decode[i:i + self.max_decode_batch])
+            (decode if r.is_decode else prefill).append(job)
+        if decode:
+            for i in range(0, len(decode), self.max_decode_batch):
+                self._run("decode", decode[i:i + self.max_decode_batch])
+            self.cohort = {j.seq.seq_id for j in decode if not j.request.end}
+            self.cohort_deadline = self.clock() + self.policy.cohort_wait_s
         for group in self._prefill_groups(prefill):
             self._run("prefill", group)
+        self._observe("state", self.engine.pages.used, self.engine.pages.free,
+                      len(self.sequences))
 
     def _refuse(self, r: Request, code: str, reason: str, message: str) -> None:
-        self.stats.refusals[reason] = self.stats.refusals.get(reason, 0) + 1
+        self._observe("refusal", reason)
         log.info("sequence %s refused (%s): %s", r.seq_id, reason, message)
         r.reply(Reply(error=message, code=code))
 
@@ -213,7 +333,12 @@ class Batcher:
             return None
         before = (len(seq.token_ids), len(seq.pages))
         try:
-            engine.admit(seq, r.tokens)
+            try:
+                engine.admit(seq, r.tokens)
+            except PagesExhausted:
+                if not self._reclaim_for(seq, len(r.tokens)):
+                    raise
+                engine.admit(seq, r.tokens)
         except RequestError as e:
             self._refuse(r, INVALID_ARG, e.reason, f"sequence {r.seq_id}: {e}")
             return None
@@ -228,10 +353,30 @@ class Batcher:
             self.sequences[r.seq_id] = seq
         return _Job(r, seq, *before)
 
+    def _reclaim_for(self, seq: Sequence, n_tokens: int) -> bool:
+        """Free pages held by sequences Triton has ended, as many as `seq` needs to take
+        `n_tokens` more; False (and nothing reclaimed) when they cannot cover it."""
+        need = self.engine.pages_needed(seq, n_tokens) - self.engine.pages.free
+        now = self.clock()
+        candidates = [(s.seq_id, len(s.pages), s.last_active) for s in self.sequences.values()
+                      if s is not seq]
+        victims = choose_reclaim(candidates, need, now, self.policy.reclaim_after_s)
+        if not victims:
+            return False
+        pages = 0
+        for seq_id in victims:
+            victim = self.sequences[seq_id]
+            log.info("reclaimed sequence %s: %d pages, idle %.1f s (Triton ends a sequence idle "
+                     "%.1f s)", seq_id, len(victim.pages), now - victim.last_active,
+                     self.policy.idle_timeout_s)
+            pages += len(victim.pages)
+            self._release(victim)
+        self._observe("reclaimed", len(victims), pages)
+        return True
+
     def _prefill_groups(self, jobs: list[_Job]) -> list[list[_Job]]:
-        """Prompts of one context bucket run as one call, up to the largest prefill batch;
-        prompts of different buckets are not merged (a call computes every row at its entry's
-        context). A prompt longer than the largest prefill entry runs alone, in chunks."""
+        """Prompts of one context bucket run as one call, up to the largest prefill batch. A
+        prompt longer than the largest prefill entry runs alone, in chunks."""
         by_bucket: dict[int, list[_Job]] = {}
         alone = []
         for job in jobs:
@@ -251,7 +396,9 @@ class Batcher:
 
     def _run(self, kind: str, jobs: list[_Job]) -> None:
         seqs = [j.seq for j in jobs]
+        tokens = sum(len(s.token_ids) - s.num_cached for s in seqs)
         t0 = self.clock()
+        waits = [t0 - j.request.arrived for j in jobs]
         try:
             if kind == "decode":
                 logits = self.engine.decode(seqs)
@@ -270,18 +417,16 @@ class Batcher:
                 j.request.reply(Reply(error=f"sequence {j.seq.seq_id}: the {kind} call failed: "
                                             f"{type(e).__name__}: {e}", code=INTERNAL))
             return
-        n_calls = sum(self.stats.calls.values())
-        self.stats.calls[kind] += 1
-        self.stats.rows[kind] += len(jobs)
-        if n_calls < LOGGED_CALLS:
-            log.info("%s call: %d rows (sequences %s) in %.1f ms", kind, len(jobs),
-                     [s.seq_id for s in seqs], (self.clock() - t0) * 1e3)
+        seconds = self.clock() - t0
+        if sum(self.stats.calls.values()) < LOGGED_CALLS:
+            log.info("%s call %s: %d rows (sequences %s), %d tokens, in %.1f ms", kind,
+                     self.engine.last_entry, len(jobs), [s.seq_id for s in seqs], tokens,
+                     seconds * 1e3)
+        self._observe("call", kind, self.engine.last_entry, len(jobs), tokens, waits, seconds)
         for j, row in zip(jobs, logits):
-            seq = j.seq
-            pages = (len(seq.pages), 0)
+            pages = (len(j.seq.pages), 0)
             if j.request.end:
-                self._release(seq)
-            self.stats.replies += 1
+                self._release(j.seq)
             j.request.reply(Reply(logits=row, kv_pages=pages))
 
     def _release(self, seq: Sequence) -> None:

@@ -88,6 +88,9 @@ def _cmd_repository(args) -> int:
                              donate_kv_pools=not args.no_donate,
                              cohort_wait_microseconds=args.cohort_wait_us,
                              prefill_wait_microseconds=args.prefill_wait_us,
+                             backend_batching=not args.triton_batching,
+                             triton_queue_delay_microseconds=args.triton_queue_delay_us,
+                             reclaim_allowance_microseconds=args.reclaim_allowance_us,
                              instance_kind=args.instance_kind, copy=args.copy,
                              compile_cache_dir=args.compile_cache_dir or "")
     model_dir = write_repository(args.artifact, args.repo, args.name, opts)
@@ -205,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="donate_kv_pools false: pools copied every run (a control)")
     p.add_argument("--cohort-wait-us", type=int, default=20_000)
     p.add_argument("--prefill-wait-us", type=int, default=2_000)
+    p.add_argument("--reclaim-allowance-us", type=int, default=2_000_000,
+                   help="added to twice the idle timeout before an idle sequence's pages may "
+                        "be reclaimed")
+    p.add_argument("--triton-batching", action="store_true",
+                   help="a control: the backend runs each execute() call as Triton formed it")
+    p.add_argument("--triton-queue-delay-us", type=int, default=0,
+                   help="the sequence batcher's max_queue_delay_microseconds (with "
+                        "--triton-batching)")
     p.add_argument("--instance-kind", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--copy", action="store_true", help="copy the artifact instead of linking it")
     p.add_argument("--compile-cache-dir", default=None)

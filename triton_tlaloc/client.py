@@ -127,3 +127,30 @@ class TlalocClient:
                     self.infer(seq_id, [], end=True)
                 except InferError:
                     pass
+
+
+def scrape_metrics(url: str, prefix: str = "tlaloc_") -> dict[tuple[str, tuple], float]:
+    """Triton's Prometheus text at `url`, as {(name, sorted label pairs): value} for the metrics
+    whose name starts with `prefix`."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    line_re = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)')
+    label_re = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        m = line_re.match(line)
+        if m:
+            labels = tuple(sorted(label_re.findall(m.group(2) or "")))
+            out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def metric(values: dict, name: str, **labels) -> float:
+    """The sum of a scraped metric over the series whose labels include `labels`."""
+    want = {(k, str(v)) for k, v in labels.items()}
+    return sum(v for (n, ls), v in values.items() if n == name and want <= set(ls))

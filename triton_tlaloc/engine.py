@@ -67,6 +67,7 @@ class Engine:
         prefill = [e for e in self.art.entries.values()
                    if e.kind == "prefill" and e.name in runtime.executables]
         self.max_prefill_tokens = max((e.tokens_per_seq for e in prefill), default=0)
+        self.last_entry = ""  # the entry of the latest call (logs and metrics)
 
     # ------------------------------------------------------------ sequences and pages
 
@@ -93,10 +94,14 @@ class Engine:
         if length > self.art.max_context:
             raise RequestError(f"{length} positions would exceed the largest context "
                                f"{self.art.max_context}", "context")
-        need = pages_for(length, self.block_size) - len(seq.pages)
+        need = self.pages_needed(seq, len(tokens))
         if need > 0:
             seq.pages += self.pages.allocate(need)  # raises before allocating anything
         seq.token_ids += tokens
+
+    def pages_needed(self, seq: Sequence, n_tokens: int) -> int:
+        """Pages `seq` must add to take `n_tokens` more tokens."""
+        return max(0, pages_for(len(seq.token_ids) + n_tokens, self.block_size) - len(seq.pages))
 
     def rollback(self, seq: Sequence, num_tokens: int, num_pages: int) -> None:
         """Undo an admit whose call failed: the sequence as it was before it."""
@@ -164,6 +169,7 @@ class Engine:
         for s, feed in zip(seqs, feeds):
             self._reserve(s, s.num_cached + len(feed))
         rows = [Row(tuple(feed), s.num_cached, tuple(s.pages)) for s, feed in zip(seqs, feeds)]
+        self.last_entry = entry.name
         logits = self.rt.run(entry.name, build_step(entry, rows, self.block_size))
         for s, feed in zip(seqs, feeds):
             s.num_cached += len(feed)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .batcher import INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, Reply, Request
+from .batcher import INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, BatchPolicy, Reply, Request
 from .engine import Engine
 from .manifest import load_artifact
 from .runtime import Runtime
@@ -29,6 +29,8 @@ DEFAULTS = {
     "donate_kv_pools": "true",
     "cohort_wait_microseconds": "20000",
     "prefill_wait_microseconds": "2000",
+    "backend_batching": "true",
+    "reclaim_allowance_microseconds": "2000000",
     "compile_cache_dir": "",
     "platform": "",
     "tokenizer_dir": "",
@@ -87,18 +89,29 @@ class TritonPythonModel:
         self.runtime = Runtime(artifact, platform=platform, device_index=device,
                                donate=_bool(params["donate_kv_pools"]),
                                cache_dir=Path(cache) if cache else None)
-        self.batcher = Batcher(Engine(self.runtime))
+        idle_us = int(config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
+                      or 1_000_000)  # Triton's default when unset
+        policy = BatchPolicy(
+            cohort_wait_s=int(params["cohort_wait_microseconds"]) / 1e6,
+            prefill_wait_s=int(params["prefill_wait_microseconds"]) / 1e6,
+            backend_batching=_bool(params["backend_batching"]),
+            idle_timeout_s=idle_us / 1e6,
+            reclaim_allowance_s=int(params["reclaim_allowance_microseconds"]) / 1e6)
+        self.metrics = TritonMetrics(args["model_name"])
+        self.batcher = Batcher(Engine(self.runtime), policy, observer=self.metrics)
+        self.metrics.state(0, self.batcher.engine.pages.free, 0)
         self.batcher.start()
         rt = self.runtime
         log.info("model %s loaded in %.1f s: %s, %d entries (%d compiled, %d from the cache), "
                  "weights %.1f MiB, KV pools %.1f MiB (%d pages of %d tokens), platform %s, "
-                 "donate_kv_pools %s", args["model_name"], time.perf_counter() - t0,
+                 "donate_kv_pools %s; %s", args["model_name"], time.perf_counter() - t0,
                  artifact.model.model_name, len(rt.executables), rt.compile_stats.compiled,
                  rt.compile_stats.cache_hits, rt.weight_bytes / 2**20, rt.pool_bytes / 2**20,
                  artifact.model.num_blocks, artifact.model.block_size, platform,
-                 params["donate_kv_pools"])
+                 params["donate_kv_pools"], policy)
 
     def execute(self, requests):
+        batch = []
         for r in requests:
             sender = r.get_response_sender()
             want_pages = "KV_PAGES" in r.requested_output_names()
@@ -116,7 +129,8 @@ class TritonPythonModel:
             except Exception as e:  # a malformed request: answered here, once
                 reply_fn(Reply(error=f"malformed request: {e}", code=INVALID_ARG))
                 continue
-            self.batcher.submit(request)
+            batch.append(request)
+        self.batcher.submit_group(batch)
         return None
 
     def finalize(self):
@@ -126,6 +140,80 @@ class TritonPythonModel:
             "unloading: %s calls, %s rows, refusals %s; pools in place %d/%d checked runs",
             stats.calls, stats.rows, stats.refusals or "none", d.in_place, d.checked_runs)
         self.batcher.stop()
+
+
+class TritonMetrics:
+    """The batcher's observer: Prometheus metrics on Triton's metrics port (README.md names
+    them). Every metric carries the model's name as a label."""
+
+    WAIT_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
+    EXEC_BUCKETS = [1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+    SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+    def __init__(self, model_name: str):
+        F = pb_utils.MetricFamily
+        self.labels = {"model": model_name}
+        self.has_histograms = hasattr(F, "HISTOGRAM")
+
+        # A MetricFamily must outlive its Metrics: every family is kept here.
+        self.families = []
+
+        def family(name, description, kind):
+            self.families.append(F(name=name, description=description, kind=kind))
+            return self.families[-1]
+
+        pages_used = family("tlaloc_kv_pages_used", "KV pages held by sequences", F.GAUGE)
+        pages_free = family("tlaloc_kv_pages_free", "KV pages free", F.GAUGE)
+        self.pages_used = {"full": pages_used.Metric(labels={**self.labels, "pool": "full"})}
+        self.pages_free = {"full": pages_free.Metric(labels={**self.labels, "pool": "full"})}
+        self.sequences = family("tlaloc_sequences_held", "Sequences holding state in the "
+                                "backend", F.GAUGE).Metric(labels=self.labels)
+        self._executions = family("tlaloc_executions_total", "Entry executions by kind",
+                                  F.COUNTER)
+        self._tokens = family("tlaloc_tokens_total", "Tokens run, prefill and decode", F.COUNTER)
+        self._refusals = family("tlaloc_refusals_total", "Requests refused, by reason",
+                                F.COUNTER)
+        self.reclaimed_pages = family("tlaloc_pages_reclaimed_total", "KV pages reclaimed from "
+                                      "sequences Triton ended", F.COUNTER).Metric(labels=self.labels)
+        self.reclaimed_sequences = family(
+            "tlaloc_sequences_reclaimed_total", "Sequences reclaimed after Triton ended them",
+            F.COUNTER).Metric(labels=self.labels)
+        self._by_label: dict = {}
+        if self.has_histograms:
+            self._batch = family("tlaloc_batch_size", "Rows per execution", F.HISTOGRAM)
+            self._exec = family("tlaloc_execution_seconds", "Execution time of a call",
+                                F.HISTOGRAM)
+            self.wait = family("tlaloc_backend_wait_seconds", "Time a request waits in the "
+                               "backend before its execution starts", F.HISTOGRAM).Metric(
+                labels=self.labels, buckets=self.WAIT_BUCKETS)
+
+    def _metric(self, family, key: str, value: str, buckets=None):
+        k = (id(family), key, value)
+        if k not in self._by_label:
+            kw = {"buckets": buckets} if buckets is not None else {}
+            self._by_label[k] = family.Metric(labels={**self.labels, key: value}, **kw)
+        return self._by_label[k]
+
+    def call(self, kind, entry, rows, tokens, waits_s, seconds):
+        self._metric(self._executions, "kind", kind).increment(1)
+        self._metric(self._tokens, "kind", kind).increment(tokens)
+        if self.has_histograms:
+            self._metric(self._batch, "kind", kind, self.SIZE_BUCKETS).observe(rows)
+            self._metric(self._exec, "kind", kind, self.EXEC_BUCKETS).observe(seconds)
+            for w in waits_s:
+                self.wait.observe(w)
+
+    def refusal(self, reason):
+        self._metric(self._refusals, "reason", reason).increment(1)
+
+    def reclaimed(self, sequences, pages):
+        self.reclaimed_sequences.increment(sequences)
+        self.reclaimed_pages.increment(pages)
+
+    def state(self, pages_used, pages_free, sequences):
+        self.pages_used["full"].set(pages_used)
+        self.pages_free["full"].set(pages_free)
+        self.sequences.set(sequences)
 
 
 def _error_code(code: str):

@@ -49,3 +49,24 @@ class PagePool:
             assert p in self._used, f"{self.name} pool: page {p} released but not held"
             self._used.remove(p)
             self._free.append(p)
+
+
+def choose_reclaim(candidates: list[tuple[object, int, float]], need: int, now: float,
+                   idle_limit: float) -> list[object]:
+    """Which sequences to reclaim so that `need` more pages are free.
+
+    candidates: (sequence id, pages held, last activity time). Only sequences idle longer than
+    `idle_limit` qualify: Triton has ended them (it sends no END for a sequence it times out),
+    so no client can continue them. Least recently active first, and only as many as `need`.
+    When the qualifying sequences cannot free `need` pages, nothing is reclaimed: the request
+    is refused and no sequence loses its KV for nothing.
+    """
+    idle = sorted((c for c in candidates if now - c[2] > idle_limit and c[1] > 0),
+                  key=lambda c: c[2])
+    chosen, freed = [], 0
+    for seq_id, pages, _ in idle:
+        if freed >= need:
+            break
+        chosen.append(seq_id)
+        freed += pages
+    return chosen if freed >= need else []

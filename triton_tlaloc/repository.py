@@ -25,6 +25,10 @@ class RepositoryOptions:
     donate_kv_pools: bool = True
     cohort_wait_microseconds: int = 20_000
     prefill_wait_microseconds: int = 2_000
+    # backend_batching false and a queue delay: Triton forms the batches (a control)
+    backend_batching: bool = True
+    triton_queue_delay_microseconds: int = 0
+    reclaim_allowance_microseconds: int = 2_000_000
     instance_kind: str = "cpu"  # cpu | gpu
     copy: bool = False  # copy the artifact instead of linking it
     compile_cache_dir: str = ""
@@ -62,6 +66,8 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         "donate_kv_pools": "true" if opts.donate_kv_pools else "false",
         "cohort_wait_microseconds": opts.cohort_wait_microseconds,
         "prefill_wait_microseconds": opts.prefill_wait_microseconds,
+        "backend_batching": "true" if opts.backend_batching else "false",
+        "reclaim_allowance_microseconds": opts.reclaim_allowance_microseconds,
         # Where `tlaloc generate` finds the tokenizer when it runs on the serving machine.
         "tokenizer_dir": str(src / "tokenizer") if artifact.tokenizer_dir else "",
         **({"compile_cache_dir": opts.compile_cache_dir} if opts.compile_cache_dir else {}),
@@ -76,6 +82,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         # Every sequence holds at least one page: Triton's slot count must never be what limits
         # admission (a sequence past it waits unanswered); the page policy refuses by name.
         max_candidate_sequences=artifact.model.num_blocks - 1,
+        max_queue_delay_microseconds=opts.triton_queue_delay_microseconds,
         instance_kind=INSTANCE_KINDS[opts.instance_kind],
         parameters=",\n".join(_parameter(k, v) for k, v in params.items()),
     )

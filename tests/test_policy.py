@@ -1,0 +1,211 @@
+"""When the batcher runs what, and what it reclaims: a fake clock and a fake runner (no JAX, no
+Triton), deterministic and fast. The artifact is only read for its entries and pool size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from triton_tlaloc.batcher import INVALID_ARG, UNAVAILABLE, Batcher, BatchPolicy, Reply, Request
+from triton_tlaloc.engine import Engine
+from triton_tlaloc.manifest import load_artifact
+from triton_tlaloc.pages import choose_reclaim
+
+MS = 1e-3
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, seconds):
+        self.t += seconds
+
+
+class FakeRuntime:
+    """Runs no program: each row's logits are one-hot at (last token + last position) % vocab,
+    so a reply shows which row it came from. Records every call."""
+
+    def __init__(self, artifact):
+        self.artifact = artifact
+        self.executables = {name: None for name in artifact.entries}
+        self.calls: list[tuple[str, int]] = []
+
+    def run(self, entry_name, step):
+        tokens, positions, lens = step["TOKEN_IDS"], step["POSITIONS"], step["SEQ_LENS"]
+        vocab = self.artifact.model.vocab
+        logits = np.zeros((tokens.shape[0], vocab), np.float32)
+        for r in range(tokens.shape[0]):
+            logits[r, (tokens[r, -1] + positions[r, -1]) % vocab] = 1.0
+        self.calls.append((entry_name, int((lens > 0).sum())))
+        return logits
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny):
+    # batches 1 and 2, contexts 32 and 128, 8-token pages, 32 usable pages
+    return load_artifact(tiny.artifact("llama", False))
+
+
+class Harness:
+    def __init__(self, artifact, **policy):
+        self.clock = Clock()
+        self.rt = FakeRuntime(artifact)
+        self.batcher = Batcher(Engine(self.rt), BatchPolicy(**policy), clock=self.clock)
+        self.replies: dict = {}
+
+    def send(self, seq_id, tokens, start=False, end=False):
+        def reply_fn(reply: Reply):
+            self.replies.setdefault(seq_id, []).append(reply)
+        self.batcher.submit(Request(seq_id, list(tokens), start, end, reply_fn))
+
+    def run(self) -> list[tuple[str, int]]:
+        """Rounds due now; returns the calls they made."""
+        before = len(self.rt.calls)
+        while self.batcher.run_pending():
+            pass
+        return self.rt.calls[before:]
+
+    def last(self, seq_id) -> Reply:
+        return self.replies[seq_id][-1]
+
+
+def test_a_lone_sequence_never_waits(artifact):
+    h = Harness(artifact)
+    h.send("a", [1, 2, 3], start=True)
+    assert h.run() == [], "a prompt waits prefill_wait for prompts sent with it"
+    h.clock.advance(2 * MS)
+    assert h.run() == [("prefill_b1_c32", 1)]
+    for t in range(5):
+        h.send("a", [t + 4])
+        assert h.run() == [("decode_b1_c32", 1)], "its own cohort is complete at once"
+    assert max(h.batcher.stats.waits_s) <= 2 * MS
+    assert list(h.batcher.stats.waits_s)[1:] == [0.0] * 5
+
+
+def test_a_cohort_runs_together_or_after_the_cohort_wait(artifact):
+    h = Harness(artifact, cohort_wait_s=20 * MS)
+    for s in ("a", "b"):
+        h.send(s, [1, 2, 3], start=True)
+    h.clock.advance(2 * MS)
+    assert h.run() == [("prefill_b2_c32", 2)], "two prompts of one bucket, one call"
+    h.send("a", [7])
+    h.send("b", [8])
+    assert h.run() == [("decode_b2_c32", 2)], "the first decode batch: no cohort yet"
+    h.send("a", [9])
+    h.clock.advance(5 * MS)
+    assert h.run() == [], "a waits for b, its cohort"
+    h.send("b", [10])
+    assert h.run() == [("decode_b2_c32", 2)], "both in: one call at once"
+    # b's client stops without END: a runs alone after the wait, then without b
+    h.send("a", [11])
+    h.clock.advance(19 * MS)
+    assert h.run() == []
+    h.clock.advance(2 * MS)
+    assert h.run() == [("decode_b1_c32", 1)]
+    h.send("a", [12])
+    assert h.run() == [("decode_b1_c32", 1)], "b is no longer in the cohort"
+    # a member that ended is not waited for
+    h.send("b", [13])
+    h.clock.advance(21 * MS)
+    h.run()
+    h.send("b", [], end=True)
+    h.run()
+    h.send("a", [14])
+    assert h.run() == [("decode_b1_c32", 1)]
+
+
+def test_prompts_within_the_prefill_wait_merge(artifact):
+    h = Harness(artifact, prefill_wait_s=2 * MS)
+    h.send("x", [1, 2], start=True)
+    h.clock.advance(1 * MS)
+    assert h.run() == []
+    h.send("y", [3, 4, 5], start=True)
+    h.clock.advance(1 * MS)
+    assert h.run() == [("prefill_b2_c32", 2)]
+    # a full batch of prompts does not wait
+    h.send("u", [1], start=True)
+    h.send("v", [2], start=True)
+    assert h.run() == [("prefill_b2_c32", 2)]
+    # different buckets: not merged
+    h.send("p", [1, 2], start=True)
+    h.send("q", list(range(3, 43)), start=True)
+    h.clock.advance(2 * MS)
+    assert sorted(h.run()) == [("prefill_b1_c128", 1), ("prefill_b1_c32", 1)]
+
+
+def test_triton_batching_control_runs_each_execute_call_as_it_came(artifact):
+    h = Harness(artifact, backend_batching=False)
+    h.batcher.submit_group([Request("a", [1, 2], True, False, lambda r: None),
+                            Request("b", [3], True, False, lambda r: None)])
+    h.batcher.submit_group([Request("c", [4], True, False, lambda r: None)])
+    assert h.run() == [("prefill_b2_c32", 2), ("prefill_b1_c32", 1)]
+
+
+def fill(h, names, tokens=60):
+    """Sequences of `tokens` tokens each (8 pages at 8 tokens a page, room for 4 more)."""
+    for s in names:
+        h.send(s, list(range(10, 10 + tokens)), start=True)
+        h.clock.advance(2 * MS)
+        h.run()
+        assert h.last(s).error is None
+
+
+def test_reclaims_only_ended_sequences_least_recently_active_first_as_many_as_needed(artifact):
+    h = Harness(artifact, idle_timeout_s=1.0, reclaim_allowance_s=0.5)  # rule: idle > 2.5 s
+    fill(h, ["p", "q", "r", "s"])
+    assert h.batcher.engine.pages.free == 0
+    h.clock.advance(1.0)
+    h.send("s", [5])  # s stays active
+    h.clock.advance(2 * MS)
+    h.run()
+    # nobody is past the rule yet: refused by name, nothing reclaimed
+    h.send("new", list(range(10, 26)), start=True)  # 2 pages
+    h.clock.advance(2 * MS)
+    h.run()
+    assert h.last("new").code == UNAVAILABLE
+    assert "p (8 pages), q (8 pages), r (8 pages), s (8 pages)" in h.last("new").error
+    assert h.batcher.stats.pages_reclaimed == 0
+    # q's client keeps being refused: that is activity, so q is not reclaimed
+    h.clock.advance(2.0)
+    h.send("q", [999])
+    h.run()
+    assert h.last("q").code == INVALID_ARG
+    h.clock.advance(0.6)  # p and r idle 3.6 s, s 2.6 s, q 0.6 s
+    h.send("new", list(range(10, 26)), start=True)
+    h.clock.advance(2 * MS)
+    h.run()
+    assert h.last("new").error is None
+    assert set(h.batcher.sequences) == {"q", "r", "s", "new"}, "only p: 8 pages cover 2"
+    assert (h.batcher.stats.sequences_reclaimed, h.batcher.stats.pages_reclaimed) == (1, 8)
+    # p's client comes back: refused by name, its KV is gone
+    h.send("p", [5])
+    h.run()
+    assert "not held" in h.last("p").error
+
+
+def test_control_without_the_rule_a_live_sequence_is_reclaimed(artifact):
+    """The same pressure with no idle rule (reclaim anything idle at all): the live sequence p,
+    whose client is mid-generation, loses its KV. The rule is what prevents this."""
+    h = Harness(artifact, idle_timeout_s=0.0, reclaim_allowance_s=0.0)
+    fill(h, ["p", "q", "r", "s"])
+    h.clock.advance(0.1)
+    h.send("new", list(range(10, 26)), start=True)
+    h.clock.advance(2 * MS)
+    h.run()
+    assert h.last("new").error is None and "p" not in h.batcher.sequences
+    h.send("p", [5])
+    h.run()
+    assert "not held" in h.last("p").error
+
+
+def test_choose_reclaim():
+    cands = [("a", 3, 10.0), ("b", 5, 5.0), ("c", 2, 1.0), ("live", 9, 99.0)]
+    assert choose_reclaim(cands, need=4, now=100.0, idle_limit=50.0) == ["c", "b"]
+    assert choose_reclaim(cands, need=2, now=100.0, idle_limit=50.0) == ["c"]
+    assert choose_reclaim(cands, need=11, now=100.0, idle_limit=50.0) == [], \
+        "not enough: reclaim nothing"
+    assert choose_reclaim(cands, need=1, now=100.0, idle_limit=95.0) == ["c"]
