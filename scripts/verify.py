@@ -26,7 +26,8 @@ from oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # n
                     with_rope_theta)
 
 from triton_tlaloc.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.client import InferError, TlalocClient, new_sequence_id  # noqa: E402
+from triton_tlaloc.client import (InferError, TlalocClient, metric, new_sequence_id,  # noqa: E402
+                                  scrape_metrics)
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.server import TritonServer  # noqa: E402
@@ -107,6 +108,20 @@ def build(work: Path) -> dict:
     for name, (_, art) in arts.items():
         write_repository(art, repo, name, RepositoryOptions())
     write_repository(arts["llama"][1], repo, "llama_copied", RepositoryOptions(donate_kv_pools=False))
+    # The control for backend batching: Triton's sequence batcher forms the batches after a
+    # 1 ms queue delay, and the backend runs each execute() call as it came.
+    write_repository(arts["llama"][1], repo, "llama_triton_batching", RepositoryOptions(
+        backend_batching=False, triton_queue_delay_microseconds=1000))
+    # Reclamation: the small pool, Triton ends a sequence idle 1 s, pages reclaimable after 2.5 s.
+    write_repository(arts["small"][1], repo, "reclaim", RepositoryOptions(
+        max_sequence_idle_microseconds=1_000_000, reclaim_allowance_microseconds=500_000))
+    # The soak: 64 pages for 16 sequences of up to 80 positions (10 pages), so pages run short.
+    arts["soak"] = (arts["llama"][0], work / "art-soak")
+    if not (arts["soak"][1] / "tlaloc-serving.json").exists():
+        export_artifact(arts["llama"][0], arts["soak"][1], ExportOptions(
+            batch_ladder=(1, 2, 4), context_ladder=(32, 128), block_size=8, num_blocks=65))
+    write_repository(arts["soak"][1], repo, "soak", RepositoryOptions(
+        max_sequence_idle_microseconds=2_000_000, reclaim_allowance_microseconds=1_000_000))
     return {"arts": arts, "repo": repo}
 
 
@@ -134,9 +149,245 @@ def continue_greedy(client, seq_id, logits, steps) -> list[int]:
     return ids
 
 
+# ---------------------------------------------------------------- batching and page policy
+
+def metrics_delta(server, fn):
+    """Run fn(); returns (its result, a function giving a tlaloc_/nv_ metric's change)."""
+    before = scrape_metrics(server.metrics_url, prefix="")
+    result = fn()
+    after = scrape_metrics(server.metrics_url, prefix="")
+    return result, lambda name, **labels: metric(after, name, **labels) - metric(before, name,
+                                                                                  **labels)
+
+
+def lone_sequence_wait(server, url, protocol, model):
+    """100 decode steps of one sequence: the share of requests that waited under 0.5 ms in the
+    backend, and Triton's queue time per request."""
+    def run():
+        with TlalocClient(url, model, protocol) as c:
+            return c.generate_greedy([1, 5, 9, 14], 101)
+    gen, delta = metrics_delta(server, run)
+    n = delta("tlaloc_backend_wait_seconds_count", model=model)
+    under = delta("tlaloc_backend_wait_seconds_bucket", model=model, le="0.0005")
+    queue_us = delta("nv_inference_queue_duration_us", model=model) / max(
+        1, delta("nv_inference_request_success", model=model))
+    return under / max(n, 1), queue_us, gen.ms_per_token
+
+
+def four_paused_sequences(server, url, protocol, model, steps=15, seed=0):
+    """Four sequences started together whose clients pause a random 0-5 ms before each step:
+    decode executions for their 4 x steps steps, and whether each equals its solo run."""
+    import random
+
+    prompts = [TINY_PROMPT[:n] for n in (4, 6, 9, 13)]
+    with TlalocClient(url, model, protocol) as c:
+        solo = [c.generate_greedy(p, steps + 1).generated_ids for p in prompts]
+    barrier = threading.Barrier(4)
+    got = [None] * 4
+
+    def worker(i):
+        rng = random.Random(seed + i)
+        with TlalocClient(url, model, protocol) as c:
+            sid = new_sequence_id()
+            barrier.wait()
+            logits, _ = c.infer(sid, prompts[i], start=True)
+            ids = []
+            for _ in range(steps):
+                ids.append(int(np.argmax(logits)))
+                time.sleep(rng.uniform(0, 0.005))
+                logits, _ = c.infer(sid, [ids[-1]])
+            ids.append(int(np.argmax(logits)))
+            c.infer(sid, [], end=True)
+            got[i] = ids
+
+    def run():
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    _, delta = metrics_delta(server, run)
+    return int(delta("tlaloc_executions_total", model=model, kind="decode")), got == solo
+
+
+def prompts_together(server, url, protocol, model, n):
+    """n prompts sent at once: prefill executions, and each prompt's 8 greedy ids against its
+    solo run."""
+    prompts = [TINY_PROMPT[:k] for k in (5, 8, 11, 14)][:n]
+    with TlalocClient(url, model, protocol) as c:
+        solo = [c.generate_greedy(p, 8).generated_ids for p in prompts]
+    barrier = threading.Barrier(n)
+    got = [None] * n
+
+    def worker(i):
+        with TlalocClient(url, model, protocol) as c:
+            barrier.wait()
+            got[i] = c.generate_greedy(prompts[i], 8).generated_ids
+
+    def run():
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    _, delta = metrics_delta(server, run)
+    return int(delta("tlaloc_executions_total", model=model, kind="prefill")), got == solo
+
+
+def reclamation(server, url, protocol, table):
+    """The small pool (8 pages of 8 tokens; Triton ends a sequence idle 1 s; reclaimable after
+    2.5 s). Abandoned a (4 pages) and b (2 pages), live c (2 pages, a step every 0.6 s): a new
+    prompt needing 2 pages reclaims a only. Then f (4 pages), whose client keeps being refused,
+    is not reclaimed; once f ends, b is."""
+    model = "reclaim"
+    ids = {k: new_sequence_id() for k in "abcdfg"}
+    stop = threading.Event()
+    c_prompt, c_steps = [3, 4, 5, 6], 11  # at most 15 positions: two pages
+    c_ids = []
+    with TlalocClient(url, model, protocol) as c:
+        c_solo = c.generate_greedy(c_prompt, c_steps + 1).generated_ids
+
+    def live_c():
+        with TlalocClient(url, model, protocol) as c:
+            logits, _ = c.infer(ids["c"], c_prompt, start=True)
+            while len(c_ids) < c_steps:
+                stop.wait(0.6)  # under Triton's 1 s idle timeout: c stays live
+                c_ids.append(int(np.argmax(logits)))
+                logits, _ = c.infer(ids["c"], [c_ids[-1]])
+            c_ids.append(int(np.argmax(logits)))
+            c.infer(ids["c"], [], end=True)
+
+    with TlalocClient(url, model, protocol) as c:
+        c.infer(ids["a"], list(range(20, 52)), start=True)  # 4 pages, abandoned
+        time.sleep(0.2)
+        c.infer(ids["b"], list(range(20, 36)), start=True)  # 2 pages, abandoned
+        t_c = threading.Thread(target=live_c)
+        t_c.start()
+        time.sleep(3.2)  # a and b past the rule; c has taken its second page: the pool is full
+        c.infer(ids["d"], list(range(40, 56)), start=True)  # needs 2 pages
+        log = server.log_text()
+        lru = (f"reclaimed sequence {ids['a']}:" in log and f"reclaimed sequence {ids['b']}:"
+               not in log)
+        table.add(f"{protocol}: abandoned sequences reclaimed least recently active first, "
+                  f"only as many as needed", "a reclaimed (4 pages >= 2 needed), b kept",
+                  "a reclaimed, b kept" if lru else "other (see log)", lru)
+        c.infer(ids["d"], [], end=True)
+        c.infer(ids["f"], list(range(60, 92)), start=True)  # 4 pages: full (b2 c2 f4)
+        for _ in range(8):  # f's client is refused (an id outside the vocabulary) again and again
+            time.sleep(0.4)
+            refusal(c, ids["f"], [999])
+        text = refusal(c, ids["g"], list(range(100, 148)), start=True)  # needs 6 pages
+        kept = (code_of(text, protocol) == "UNAVAILABLE" and f"{ids['f']} (4 pages)" in text
+                and f"reclaimed sequence {ids['f']}:" not in server.log_text())
+        c.infer(ids["f"], [], end=True)
+        g_ok = refusal(c, ids["g"], list(range(100, 148)), start=True) == "accepted"
+        c.infer(ids["g"], [], end=True)
+        b_gone = f"reclaimed sequence {ids['b']}:" in server.log_text()
+        table.add(f"{protocol}: a sequence whose requests are refused is not reclaimed",
+                  "g refused naming f; after f ends g succeeds, reclaiming b",
+                  f"f kept: {kept}; g then: {g_ok}; b reclaimed: {b_gone}", kept and g_ok and b_gone)
+        t_c.join(60)
+    table.add(f"{protocol}: the live sequence c through all of it", "its solo ids",
+              "its solo ids" if c_ids == c_solo else f"{c_ids} != {c_solo}", c_ids == c_solo)
+
+
+def soak(server, arts, seconds, table):
+    """16 sequences of random lengths for `seconds` over HTTP and gRPC on a 64-page pool, some
+    abandoned without END; a full pool is retried after 50 ms (the request is unchanged by a
+    refusal). Afterwards no page is leaked and every completed sequence equals its solo run."""
+    import random
+
+    from triton_tlaloc.engine import Engine
+    from triton_tlaloc.runtime import Runtime
+
+    model = "soak"
+    deadline = time.monotonic() + seconds
+    done, abandoned, errors, retries, gave_up = [], [], [], [0], [0]
+    lock = threading.Lock()
+
+    class GiveUp(Exception):
+        pass
+
+    def call(c, sid, tokens, **kw):
+        """A full pool: the same request again after 50 ms, for up to 2 s (then give up and
+        END, so that sequences all waiting for pages cannot wait for each other forever)."""
+        until = time.monotonic() + 2.0
+        while True:
+            try:
+                return c.infer(sid, tokens, **kw)[0]
+            except InferError as e:
+                if "KV pool full" not in str(e) or time.monotonic() > until:
+                    if "KV pool full" in str(e):
+                        raise GiveUp() from None
+                    raise
+                with lock:
+                    retries[0] += 1
+                time.sleep(0.05)
+
+    def worker(i):
+        rng = random.Random(1000 + i)
+        protocol = PROTOCOLS[i % 2]
+        url = server.http_url if protocol == "http" else server.grpc_url
+        with TlalocClient(url, model, protocol) as c:
+            while time.monotonic() < deadline:
+                prompt = [rng.randrange(3, 256) for _ in range(rng.randint(1, 40))]
+                steps = rng.randint(2, 40)
+                abandon = rng.random() < 0.15
+                sid = new_sequence_id()
+                try:
+                    logits = call(c, sid, prompt, start=True)
+                    ids = []
+                    for k in range(steps):
+                        ids.append(int(np.argmax(logits)))
+                        if abandon and k == steps // 2:
+                            break
+                        logits = call(c, sid, [ids[-1]])
+                    if abandon:
+                        with lock:
+                            abandoned.append((sid, len(prompt) + len(ids) - 1))
+                        continue
+                    ids.append(int(np.argmax(logits)))
+                    c.infer(sid, [], end=True)
+                    with lock:
+                        done.append((prompt, ids))
+                except GiveUp:
+                    c.infer(sid, [], end=True)  # also closes a START the pool refused
+                    with lock:
+                        gave_up[0] += 1
+                except Exception as e:
+                    with lock:
+                        errors.append(f"{type(e).__name__}: {e}")
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Abandoned sequences hold their pages until reclaimed: the books must balance exactly.
+    log = server.log_text()
+    reclaimed = {sid for sid, _ in abandoned if f"reclaimed sequence {sid}:" in log}
+    expect_pages = sum(-(-n // 8) for sid, n in abandoned if sid not in reclaimed)
+    m = scrape_metrics(server.metrics_url)
+    used = metric(m, "tlaloc_kv_pages_used", model=model)
+    held = metric(m, "tlaloc_sequences_held", model=model)
+    books = used == expect_pages and held == len(abandoned) - len(reclaimed)
+    table.add("soak: no page leaked", "pages used = pages of abandoned, unreclaimed sequences",
+              f"{int(used)} used, {expect_pages} expected; {int(held)} held; "
+              f"{len(reclaimed)} of {len(abandoned)} abandoned reclaimed", books)
+    engine = Engine(Runtime(arts["soak"][1]))
+    same = sum(engine.generate_greedy(p, len(ids)).generated_ids == ids for p, ids in done)
+    table.add(f"soak: {seconds:.0f} s, 16 sequences over HTTP and gRPC",
+              "every completed sequence equals its solo run; no error",
+              f"{same}/{len(done)} equal; {len(errors)} errors; {retries[0]} full-pool retries, "
+              f"{gave_up[0]} given up",
+              same == len(done) and not errors and len(done) > 0)
+    if errors:
+        print("soak errors:", errors[:5], file=sys.stderr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=ROOT / "artifacts" / "verify")
+    ap.add_argument("--soak-seconds", type=float, default=180.0)
     ap.add_argument("--reuse", action="store_true",
                     help="keep artifacts from an earlier run (default: export afresh, so the "
                          "certificate is for the exporter as it is now)")
@@ -260,6 +511,56 @@ def main() -> int:
                         named and cont == solo_b)
             table.run(f"{protocol}: full pool", "UNAVAILABLE with holders; same request "
                       "succeeds after an END", full_pool)
+
+            # Batching: the backend's own against Triton's with a 1 ms queue delay.
+            def lone():
+                share, queue, ms = lone_sequence_wait(server, url, protocol, "llama")
+                c_share, c_queue, c_ms = lone_sequence_wait(server, url, protocol,
+                                                            "llama_triton_batching")
+                return (f"{share:.0%} under 0.5 ms, Triton queue {queue:.0f} us, {ms:.2f} "
+                        f"ms/token; control: Triton queue {c_queue:.0f} us, {c_ms:.2f} ms/token",
+                        share > 0.5)
+            table.run(f"{protocol}: one sequence's wait in the backend (100 steps)",
+                      "median under 0.5 ms", lone)
+
+            def paused():
+                execs, same = four_paused_sequences(server, url, protocol, "llama")
+                c_execs, c_same = four_paused_sequences(server, url, protocol,
+                                                        "llama_triton_batching")
+                return (f"{execs} executions, solo ids {same}; control (Triton, 1 ms delay): "
+                        f"{c_execs} executions", execs <= 16 and same and c_execs > execs)
+            table.run(f"{protocol}: 4 sequences pausing 0-5 ms, 60 steps",
+                      "<= 16 executions, solo ids; the control needs more", paused)
+
+            for n in (2, 4):
+                def together(n=n):
+                    calls, same = prompts_together(server, url, protocol, "llama", n)
+                    return f"{calls} prefill call(s); solo ids: {same}", calls == 1 and same
+                table.run(f"{protocol}: {n} prompts sent together", "1 prefill call; each "
+                          "its solo ids", together)
+
+            def second_start():
+                with client("small") as c:
+                    sid = new_sequence_id()
+                    c.infer(sid, [1, 17, 99, 3, 200], start=True)
+                    first = refusal(c, sid, list(range(10, 75)), start=True)  # refused START
+                    after = refusal(c, sid, [5])  # the earlier KV must not be continued
+                    c.infer(sid, [], end=True)
+                ok = code_of(first, protocol) == "INVALID_ARG" and "is not held" in after
+                return (f"second START refused; the next step: "
+                        f"{'refused, not held' if 'is not held' in after else after[:60]}", ok)
+            table.run(f"{protocol}: a refused second START on a held id", "the earlier KV is "
+                      "not continuable", second_start)
+
+            try:
+                reclamation(server, url, protocol, table)
+            except Exception as e:
+                traceback.print_exc()
+                table.add(f"{protocol}: reclamation", "the page policy", f"{type(e).__name__}: "
+                          f"{e}", False)
+
+        table.run("soak", "completes", lambda: (soak(server, arts, args.soak_seconds, table)
+                                               or "ran", True))
 
         def donation():
             ids = {}

@@ -93,8 +93,9 @@ def test_a_cohort_runs_together_or_after_the_cohort_wait(artifact):
     h.clock.advance(2 * MS)
     assert h.run() == [("prefill_b2_c32", 2)], "two prompts of one bucket, one call"
     h.send("a", [7])
+    assert h.run() == [], "prompts run together decode together: a waits for b"
     h.send("b", [8])
-    assert h.run() == [("decode_b2_c32", 2)], "the first decode batch: no cohort yet"
+    assert h.run() == [("decode_b2_c32", 2)]
     h.send("a", [9])
     h.clock.advance(5 * MS)
     assert h.run() == [], "a waits for b, its cohort"
@@ -183,6 +184,7 @@ def test_reclaims_only_ended_sequences_least_recently_active_first_as_many_as_ne
     assert (h.batcher.stats.sequences_reclaimed, h.batcher.stats.pages_reclaimed) == (1, 8)
     # p's client comes back: refused by name, its KV is gone
     h.send("p", [5])
+    h.clock.advance(0.1)  # past the cohort wait (s and new are in the cohort)
     h.run()
     assert "not held" in h.last("p").error
 
@@ -198,6 +200,7 @@ def test_control_without_the_rule_a_live_sequence_is_reclaimed(artifact):
     h.run()
     assert h.last("new").error is None and "p" not in h.batcher.sequences
     h.send("p", [5])
+    h.clock.advance(0.1)  # past the cohort wait
     h.run()
     assert "not held" in h.last("p").error
 
@@ -209,3 +212,12 @@ def test_choose_reclaim():
     assert choose_reclaim(cands, need=11, now=100.0, idle_limit=50.0) == [], \
         "not enough: reclaim nothing"
     assert choose_reclaim(cands, need=1, now=100.0, idle_limit=95.0) == ["c"]
+
+
+def test_end_without_tokens_for_a_sequence_already_gone_is_acknowledged(artifact):
+    """A START refused for a full pool still opened the sequence in Triton: the client closes it
+    with END, which must succeed (nothing to free), not be refused."""
+    h = Harness(artifact)
+    h.send("gone", [], end=True)
+    h.run()
+    assert h.last("gone").error is None and h.last("gone").kv_pages == (0, 0)

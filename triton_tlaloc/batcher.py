@@ -5,7 +5,7 @@ without waiting; this thread forms the calls (design section 6, "Per-step overhe
 batching"):
 
 - Decode cohorts. The sequences that took a decode step in the previous decode batch form its
-  cohort. The next decode batch runs once every cohort member still held has its next request in,
+  cohort (with those whose prompt ran since: they decode next). The next decode batch runs once every cohort member still held has its next request in,
   or `cohort_wait` after the previous batch without it. A lone sequence is its own cohort, so it
   never waits; sequences decoding together stay together whatever the spread of their clients.
   The batch runs as one decode call on the smallest entry that holds it.
@@ -297,6 +297,11 @@ class Batcher:
             self.cohort_deadline = self.clock() + self.policy.cohort_wait_s
         for group in self._prefill_groups(prefill):
             self._run("prefill", group)
+        if prefill:
+            # A sequence whose prompt just ran decodes next: it joins the cohort, so prompts
+            # sent together decode together from their first step.
+            self.cohort |= {j.seq.seq_id for j in prefill if j.seq.seq_id in self.sequences}
+            self.cohort_deadline = self.clock() + self.policy.cohort_wait_s
         self._observe("state", self.engine.pages.used, self.engine.pages.free,
                       len(self.sequences))
 
@@ -318,6 +323,11 @@ class Batcher:
             seq = Sequence([], seq_id=r.seq_id)
         else:
             seq = self.sequences.get(r.seq_id)
+            if seq is None and r.end and not r.tokens:
+                # END with nothing to run: the sequence is already gone (its START was refused,
+                # or it was reclaimed). Closing it is what the client should do: acknowledged.
+                r.reply(Reply(kv_pages=(0, 0)))
+                return None
             if seq is None:
                 self._refuse(r, INVALID_ARG, "unknown_sequence",
                              f"sequence {r.seq_id} is not held by the model: send its first "
