@@ -1,0 +1,90 @@
+"""Blockwise attention against the one-pass form at the edges of design section 2."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from triton_tlaloc.attention import blockwise, one_pass
+
+# Pages of 4 positions, key blocks of 8 (2 pages), a context of 32 (4 key blocks).
+BLOCK, KEY_BLOCK, PAGES_PER_ROW = 4, 8, 8
+KH, G, D = 2, 2, 8
+# f32, the same products summed in another order: stated tolerance on |difference|.
+TOL = 1e-5
+
+
+def setup(rows, t=3, seed=0):
+    """rows: per row (seq_len, first position of its t tokens) or None for a padding row."""
+    rng = np.random.default_rng(seed)
+    pages = 1 + len(rows) * PAGES_PER_ROW
+    k_pool = rng.standard_normal((pages, BLOCK, KH, D)).astype(np.float32)
+    v_pool = rng.standard_normal((pages, BLOCK, KH, D)).astype(np.float32)
+    q = rng.standard_normal((len(rows), t, KH, G, D)).astype(np.float32) * 2
+    tables = np.zeros((len(rows), PAGES_PER_ROW), np.int32)
+    positions = np.zeros((len(rows), t), np.int32)
+    lens = np.zeros((len(rows),), np.int32)
+    perm = rng.permutation(np.arange(1, pages))
+    for r, row in enumerate(rows):
+        tables[r] = perm[r * PAGES_PER_ROW:(r + 1) * PAGES_PER_ROW]
+        if row is not None:
+            lens[r], first = row
+            positions[r] = np.clip(np.arange(first, first + t), 0, None)
+    return q, k_pool, v_pool, tables, positions, lens
+
+
+def both(args):
+    one = jax.jit(one_pass)(*args)
+    blk = jax.jit(blockwise, static_argnums=6)(*args, KEY_BLOCK)
+    return np.asarray(one), np.asarray(blk)
+
+
+CASES = {
+    "at a block boundary": [(8, 5)],
+    "one past a block boundary": [(9, 6)],
+    "two blocks and one past": [(17, 14)],
+    "the whole context": [(32, 29)],
+    "length 1": [(1, 0)],
+    "length 0 (comes out 0)": [(0, 0)],
+    "blocks fully masked for some rows": [(32, 29), (3, 0), (9, 6)],
+    "a padding row beside a live one": [(20, 17), None],
+}
+
+
+@pytest.mark.parametrize("rows", CASES.values(), ids=CASES.keys())
+def test_blockwise_equals_one_pass(rows):
+    one, blk = both(setup(rows))
+    assert np.max(np.abs(one - blk)) <= TOL
+    for r, row in enumerate(rows):
+        if row is None or row[0] == 0:
+            assert not blk[r].any(), "a row that sees nothing comes out 0"
+
+
+def test_a_call_with_no_live_position_comes_out_0():
+    one, blk = both(setup([None, None]))
+    assert not one.any() and not blk.any()
+
+
+def test_tolerance_tells_a_missing_block():
+    """Negative control: one key block fewer (the last block dropped) fails the tolerance."""
+    q, k, v, tables, positions, lens = setup([(17, 14)])
+    full = np.asarray(jax.jit(blockwise, static_argnums=6)(q, k, v, tables, positions, lens,
+                                                             KEY_BLOCK))
+    short = np.asarray(jax.jit(one_pass)(q, k, v, tables, np.minimum(positions, 15),
+                                         np.minimum(lens, 16)))
+    assert np.max(np.abs(full[:, -1] - short[:, -1])) > 100 * TOL
+
+
+def test_the_loop_stops_at_the_last_live_block():
+    """A call early in a large bucket scores only the blocks its rows reach: with the pages past
+    the first block filled with NaN, the result is still finite."""
+    q, k, v, tables, positions, lens = setup([(6, 3)])
+    k, v = k.copy(), v.copy()
+    for page in tables[0, 2:]:  # pages of blocks 1.. (key block = 2 pages)
+        k[page] = np.nan
+        v[page] = np.nan
+    blk = np.asarray(jax.jit(blockwise, static_argnums=6)(q, k, v, tables, positions, lens,
+                                                            KEY_BLOCK))
+    assert np.isfinite(blk).all()

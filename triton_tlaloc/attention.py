@@ -1,0 +1,94 @@
+"""PAGED_ATTENTION, in two forms that give the same result (design section 2).
+
+Both take the queries of a call, the pools, each row's block table, each token's position and
+each row's length; a token sees the keys at positions <= its own and < its row's length. Scores,
+softmax and P.V are f32. A token that sees no key (a row of length 0, a padding row) comes out 0.
+
+- `one_pass`: gather every page the block table names once per row, score all of them, mask,
+  normalize. Used by decode entries and by calls whose context is one key block.
+- `blockwise`: a while loop over key blocks of `key_block` positions, from block 0 to the block
+  holding the call's last live position (a dynamic trip count: a call early in a large bucket
+  scores only the positions its rows have). Each iteration gathers one block's pages, scores
+  them, and folds them into a running max, sum and P.V (the online softmax), so no score tensor
+  as wide as the context is ever written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _masked_scores(q, keys, key_pos, positions, seq_lens, scale):
+    """q [b,t,kh,g,d], keys [b,c,kh,d], key_pos [c] -> (scores [b,kh,g,t,c], mask [b,1,1,t,c])."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    s = jnp.einsum("btkgd,bckd->bkgtc", q, keys.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST) * scale
+    mask = ((key_pos[None, None, :] <= positions[:, :, None])
+            & (key_pos[None, None, :] < seq_lens[:, None, None]))[:, None, None, :, :]
+    return s, mask
+
+
+def one_pass(q, k_pool, v_pool, block_tables, positions, seq_lens):
+    """q [b,t,kh,g,d] f32; pools [pages, block, kh, d]; block_tables [b, m]; positions [b, t];
+    seq_lens [b]. Returns [b,t,kh,g,d] f32."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    b, m = block_tables.shape
+    _, block_size, kh, d = k_pool.shape
+    context = m * block_size
+    keys = jnp.take(k_pool, block_tables, axis=0).reshape(b, context, kh, d)
+    values = jnp.take(v_pool, block_tables, axis=0).reshape(b, context, kh, d)
+    s, mask = _masked_scores(q, keys, jnp.arange(context, dtype=jnp.int32), positions, seq_lens,
+                             np.float32(1.0 / np.sqrt(d)))
+    neg = jnp.finfo(jnp.float32).min
+    s = jnp.where(mask, s, neg)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)) * mask
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(total > 0, total, 1.0)
+    return jnp.einsum("bkgtc,bckd->btkgd", p, values.astype(jnp.float32),
+                      precision=lax.Precision.HIGHEST)
+
+
+def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: int):
+    """The same attention as `one_pass`, one key block of `key_block` positions at a time."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    b, m = block_tables.shape
+    _, block_size, kh, d = k_pool.shape
+    assert key_block % block_size == 0, "a key block is whole pages"
+    pages_per_block = key_block // block_size
+    assert m % pages_per_block == 0, "the context is whole key blocks"
+    t, g = q.shape[1], q.shape[3]
+    scale = np.float32(1.0 / np.sqrt(d))
+    neg = jnp.finfo(jnp.float32).min
+    # From the first block any row can see (0: no window) to the block holding the call's last
+    # live position; a call with no live position runs no iteration and comes out 0.
+    last = jnp.max(jnp.where(seq_lens > 0, seq_lens - 1, -1))
+    n_blocks = jnp.where(last >= 0, last // key_block + 1, 0)
+
+    def body(j, carry):
+        run_max, run_sum, acc = carry
+        pages = lax.dynamic_slice_in_dim(block_tables, j * pages_per_block, pages_per_block,
+                                         axis=1)
+        keys = jnp.take(k_pool, pages, axis=0).reshape(b, key_block, kh, d)
+        values = jnp.take(v_pool, pages, axis=0).reshape(b, key_block, kh, d)
+        key_pos = j * key_block + jnp.arange(key_block, dtype=jnp.int32)
+        s, mask = _masked_scores(q, keys, key_pos, positions, seq_lens, scale)
+        s = jnp.where(mask, s, neg)
+        new_max = jnp.maximum(run_max, jnp.max(s, axis=-1))
+        correction = jnp.exp(run_max - new_max)
+        p = jnp.exp(s - new_max[..., None]) * mask  # masked keys add nothing, even at neg
+        run_sum = run_sum * correction + jnp.sum(p, axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum(
+            "bkgtc,bckd->bkgtd", p, values.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        return new_max, run_sum, acc
+
+    init = (jnp.full((b, kh, g, t), neg, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
+            jnp.zeros((b, kh, g, t, d), jnp.float32))
+    _, run_sum, acc = lax.fori_loop(0, n_blocks, body, init)
+    out = acc / jnp.where(run_sum > 0, run_sum, 1.0)[..., None]
+    return jnp.transpose(out, (0, 3, 1, 2, 4))  # [b, t, kh, g, d]
