@@ -124,8 +124,8 @@ class BatcherStats:
         self.call_sizes: list[tuple[str, int]] = []
 
     def call(self, kind: str, entry: str, rows: int, tokens: int, waits_s: list[float],
-             seconds: float) -> None:
-        self.calls[kind] += 1
+             seconds: float, executions: int = 1) -> None:
+        self.calls[kind] += executions
         self.rows[kind] += rows
         self.tokens[kind] += tokens
         self.waits_s.extend(waits_s)
@@ -408,6 +408,7 @@ class Batcher:
         seqs = [j.seq for j in jobs]
         tokens = sum(len(s.token_ids) - s.num_cached for s in seqs)
         t0 = self.clock()
+        executions_before = self.engine.executions
         waits = [t0 - j.request.arrived for j in jobs]
         try:
             if kind == "decode":
@@ -432,7 +433,8 @@ class Batcher:
             log.info("%s call %s: %d rows (sequences %s), %d tokens, in %.1f ms", kind,
                      self.engine.last_entry, len(jobs), [s.seq_id for s in seqs], tokens,
                      seconds * 1e3)
-        self._observe("call", kind, self.engine.last_entry, len(jobs), tokens, waits, seconds)
+        self._observe("call", kind, self.engine.last_entry, len(jobs), tokens, waits, seconds,
+                      self.engine.executions - executions_before)
         for j, row in zip(jobs, logits):
             pages = (len(j.seq.pages), 0)
             if j.request.end:

@@ -21,7 +21,8 @@ def _cmd_export(args) -> int:
     opts = ExportOptions(batch_ladder=args.batch_ladder, context_ladder=args.context_ladder,
                          prefill_max_batch=args.prefill_max_batch, block_size=args.block_size,
                          num_blocks=args.num_blocks, weight_dtype=args.weight_dtype,
-                         model_name=args.model_name)
+                         model_name=args.model_name, prefill_chunk=args.prefill_chunk,
+                         attention_block=args.attention_block)
     checkpoint = args.checkpoint
     if checkpoint == "smollm2":
         from .checkpoint import smollm2_gguf_path
@@ -181,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="pages per pool (default: largest batch x largest context / block size + 1)")
     p.add_argument("--weight-dtype", choices=("f32", "bf16"), default="f32")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="tokens per prefill call (tokensPerSeq); longer prompts run in several "
+                        "calls (default: the entry's whole context)")
+    p.add_argument("--attention-block", type=int, default=2048,
+                   help="key block of blockwise attention in prefill entries whose context "
+                        "spans several")
     p.add_argument("--model-name", default=None)
     p.set_defaults(fn=_cmd_export)
 

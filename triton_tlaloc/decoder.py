@@ -95,11 +95,14 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
     return Program(name, tuple(inputs), tuple(outputs), donation)
 
 
-def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str):
+def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str,
+                  attention_block: int = 2048):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits, pools...)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
+
+    from .attention import blockwise, one_pass
 
     slots = weight_slots(cfg)
     n_pools = 2 * cfg.num_layers
@@ -151,11 +154,6 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         def rows(x):  # a call's K or V rows for the scatter, with the dropped row when padded
             x = x.reshape(b * t, kv_heads, d)
             return jnp.concatenate([x, jnp.zeros_like(x)]) if pad_row else x
-        key_pos = jnp.arange(context, dtype=jnp.int32)
-        # A token sees the keys at positions <= its own, within its row's length.
-        mask = (key_pos[None, None, :] <= positions[:, :, None]) & \
-               (key_pos[None, None, :] < seq_lens[:, None, None])  # [b, t, c]
-        neg = jnp.finfo(jnp.float32).min
 
         new_pools = []
         for i in range(cfg.num_layers):
@@ -178,17 +176,16 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                 rows(v).astype(v_pool.dtype), mode="drop").reshape(pool_shape)
             new_pools += [k_pool, v_pool]
 
-            # PAGED_ATTENTION: a row's pages are gathered once; every token of the row attends
-            # over them with its own causal length.
-            keys = jnp.take(k_pool, block_tables, axis=0).reshape(b, context, kv_heads, d)
-            values = jnp.take(v_pool, block_tables, axis=0).reshape(b, context, kv_heads, d)
+            # PAGED_ATTENTION: a row's pages are gathered once and every token of the row attends
+            # over them with its own causal length; a prefill call over several key blocks
+            # attends one block at a time (attention.py).
             qg = q.reshape(b, t, kv_heads, group, d)
-            scores = jnp.einsum("btkgd,bckd->bkgtc", qg, keys.astype(jnp.float32),
-                                precision=highest) * np.float32(1.0 / np.sqrt(d))
-            scores = jnp.where(mask[:, None, None, :, :], scores, neg)
-            probs = jax.nn.softmax(scores, axis=-1)
-            attn = jnp.einsum("bkgtc,bckd->btkgd", probs, values.astype(jnp.float32),
-                              precision=highest).reshape(b, t, heads * d)
+            if t > 1 and context > attention_block:
+                attn = blockwise(qg, k_pool, v_pool, block_tables, positions, seq_lens,
+                                 attention_block)
+            else:
+                attn = one_pass(qg, k_pool, v_pool, block_tables, positions, seq_lens)
+            attn = attn.reshape(b, t, heads * d)
             x = x + linear(attn, w[f"l{i}.o"])
 
             hdn = rms_norm(x, w[f"l{i}.mlp_norm"])
@@ -212,13 +209,13 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
 
 def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_blocks: int,
-                weight_dtype: str) -> str:
+                weight_dtype: str, attention_block: int = 2048) -> str:
     """StableHLO text of one entry; every KV pool parameter is donated (tf.aliasing_output)."""
     import jax
 
     from .manifest import numpy_dtype
 
-    fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype)
+    fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)

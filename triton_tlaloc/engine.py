@@ -68,6 +68,7 @@ class Engine:
                    if e.kind == "prefill" and e.name in runtime.executables]
         self.max_prefill_tokens = max((e.tokens_per_seq for e in prefill), default=0)
         self.last_entry = ""  # the entry of the latest call (logs and metrics)
+        self.executions = 0  # entry executions so far (a chunked prompt makes several)
 
     # ------------------------------------------------------------ sequences and pages
 
@@ -168,8 +169,13 @@ class Engine:
     def _call(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:
         for s, feed in zip(seqs, feeds):
             self._reserve(s, s.num_cached + len(feed))
-        rows = [Row(tuple(feed), s.num_cached, tuple(s.pages)) for s, feed in zip(seqs, feeds)]
+        # A row's block table names the pages up to its call's end: a sequence may hold more
+        # (admitted for a whole prompt that runs in chunks) than a small entry's table holds.
+        rows = [Row(tuple(feed), s.num_cached,
+                    tuple(s.pages[:pages_for(s.num_cached + len(feed), self.block_size)]))
+                for s, feed in zip(seqs, feeds)]
         self.last_entry = entry.name
+        self.executions += 1
         logits = self.rt.run(entry.name, build_step(entry, rows, self.block_size))
         for s, feed in zip(seqs, feeds):
             s.num_cached += len(feed)

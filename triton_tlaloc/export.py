@@ -41,6 +41,8 @@ class ExportOptions:
     weight_dtype: str = "f32"
     kv_dtype: str = "f32"
     model_name: str | None = None
+    prefill_chunk: int | None = None  # tokensPerSeq of the prefill entries (None: the context)
+    attention_block: int = 2048  # key block of blockwise attention in prefill entries
 
     def validate(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -58,6 +60,18 @@ class ExportOptions:
                                   f"the block size {self.block_size}")
         if self.prefill_max_batch is not None and self.prefill_max_batch < 1:
             raise ExportError("--prefill-max-batch must be >= 1")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ExportError("--prefill-chunk must be >= 1")
+        if self.attention_block < 1 or self.attention_block % self.block_size:
+            raise ExportError(f"--attention-block {self.attention_block}: not a positive "
+                              f"multiple of the block size {self.block_size}")
+        for c in self.context_ladder:
+            if c > self.attention_block and c % self.attention_block:
+                raise ExportError(f"--context-ladder: context {c} spans several key blocks of "
+                                  f"{self.attention_block} but is not a multiple of it")
+
+    def tokens_per_seq(self, context: int) -> int:
+        return min(self.prefill_chunk, context) if self.prefill_chunk else context
 
     def resolved_num_blocks(self) -> int:
         if self.num_blocks is not None:
@@ -174,6 +188,8 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                 "weightDtype": opts.weight_dtype,
                 "kvDtype": opts.kv_dtype,
                 "maxPositions": cfg.max_positions,
+                "prefillChunk": opts.prefill_chunk,
+                "attentionBlock": opts.attention_block,
                 "ropeTheta": cfg.rope_theta,
                 "rmsNormEps": cfg.rms_norm_eps,
                 "tieWordEmbeddings": cfg.tie_word_embeddings,
@@ -211,14 +227,15 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
             plan.append(("decode", b, c, 1))
         for b in sorted(opts.batch_ladder):
             if opts.prefill_max_batch is None or b <= opts.prefill_max_batch:
-                plan.append(("prefill", b, c, c))
+                plan.append(("prefill", b, c, opts.tokens_per_seq(c)))
     entries = []
     for n, (kind, b, c, tps) in enumerate(plan, 1):
         t0 = time.perf_counter()
         name = f"{kind}_b{b}_c{c}"
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
                                 opts.weight_dtype, opts.kv_dtype)
-        text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype)
+        text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
+                           opts.attention_block)
         sha = hashlib.sha256(text.encode()).hexdigest()
         body = f"bodies/{sha}.mlir"
         (out / body).write_text(text)

@@ -194,8 +194,8 @@ class TritonMetrics:
             self._by_label[k] = family.Metric(labels={**self.labels, key: value}, **kw)
         return self._by_label[k]
 
-    def call(self, kind, entry, rows, tokens, waits_s, seconds):
-        self._metric(self._executions, "kind", kind).increment(1)
+    def call(self, kind, entry, rows, tokens, waits_s, seconds, executions=1):
+        self._metric(self._executions, "kind", kind).increment(executions)
         self._metric(self._tokens, "kind", kind).increment(tokens)
         if self.has_histograms:
             self._metric(self._batch, "kind", kind, self.SIZE_BUCKETS).observe(rows)
