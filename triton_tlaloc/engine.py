@@ -62,7 +62,9 @@ class Engine:
         self.art = runtime.artifact
         self.block_size = self.art.model.block_size
         self.pages = PagePool(self.art.model.num_blocks)
-        self.refused = {int(t["id"]): t.get("configKey", "refusedTokens")
+        self.refused = {(int(t["id"]) if isinstance(t, dict) else int(t)):
+                        (t.get("configKey", "refusedTokens") if isinstance(t, dict)
+                         else "refusedTokens")
                         for t in self.art.model.refused_tokens}
         prefill = [e for e in self.art.entries.values()
                    if e.kind == "prefill" and e.name in runtime.executables]
