@@ -17,7 +17,8 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
                          seed: int = 0, save_dtype=torch.float32) -> Path:
     """A seeded random model built with transformers and saved as a Hugging Face checkpoint.
     initializer_range 0.2 makes its logits peaked enough that greedy ids are a stable check."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                              Qwen3Config)
 
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -28,6 +29,15 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
     elif family == "qwen3":
         # head_dim 32 is not hidden / heads: the exporter must read it from the config.
         cfg = Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+    elif family == "mistral":
+        cfg = MistralConfig(**common, head_dim=16, rope_theta=10000.0, sliding_window=8)
+    elif family == "gemma3_text":
+        types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        cfg = Gemma3TextConfig(**{**common, "num_hidden_layers": len(types)}, head_dim=16,
+                               sliding_window=8, layer_types=types, query_pre_attn_scalar=24,
+                               rope_parameters={
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     else:
         raise ValueError(family)
     torch.manual_seed(seed)

@@ -35,9 +35,9 @@ def setup(rows, t=3, seed=0):
     return q, k_pool, v_pool, tables, positions, lens
 
 
-def both(args):
-    one = jax.jit(one_pass)(*args)
-    blk = jax.jit(blockwise, static_argnums=6)(*args, KEY_BLOCK)
+def both(args, window=None):
+    one = jax.jit(one_pass, static_argnums=6)(*args, window)
+    blk = jax.jit(blockwise, static_argnums=(6, 7))(*args, KEY_BLOCK, window)
     return np.asarray(one), np.asarray(blk)
 
 
@@ -60,6 +60,23 @@ def test_blockwise_equals_one_pass(rows):
     for r, row in enumerate(rows):
         if row is None or row[0] == 0:
             assert not blk[r].any(), "a row that sees nothing comes out 0"
+
+
+WINDOW_CASES = {
+    "window starts crossing a block boundary inside one call": ([(18, 14)], 4),
+    "window inside one block": ([(30, 27)], 3),
+    "window, rows far apart": ([(30, 27), (5, 2)], 3),
+    "window wider than the row": ([(4, 1)], 3),
+}
+
+
+@pytest.mark.parametrize("rows,t", WINDOW_CASES.values(), ids=WINDOW_CASES.keys())
+def test_blockwise_equals_one_pass_with_a_window(rows, t):
+    one, blk = both(setup(rows, t=t), window=8)
+    assert np.max(np.abs(one - blk)) <= TOL
+    full, _ = both(setup(rows, t=t))
+    assert np.max(np.abs(one - full)) > 100 * TOL or rows[0][0] <= 8, \
+        "the window changes the result where a row is longer than it"
 
 
 def test_a_call_with_no_live_position_comes_out_0():

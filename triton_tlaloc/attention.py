@@ -18,21 +18,25 @@ from __future__ import annotations
 import numpy as np
 
 
-def _masked_scores(q, keys, key_pos, positions, seq_lens, scale):
-    """q [b,t,kh,g,d], keys [b,c,kh,d], key_pos [c] -> (scores [b,kh,g,t,c], mask [b,1,1,t,c])."""
+def _masked_scores(q, keys, key_pos, positions, seq_lens, scale, window):
+    """q [b,t,kh,g,d], keys [b,c,kh,d], key_pos [c] -> (scores [b,kh,g,t,c], mask [b,1,1,t,c]).
+    A token at position p sees the keys at p - window + 1 .. p (all up to p without a window)."""
     import jax.numpy as jnp
     from jax import lax
 
     s = jnp.einsum("btkgd,bckd->bkgtc", q, keys.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST) * scale
-    mask = ((key_pos[None, None, :] <= positions[:, :, None])
-            & (key_pos[None, None, :] < seq_lens[:, None, None]))[:, None, None, :, :]
-    return s, mask
+    kp, pos = key_pos[None, None, :], positions[:, :, None]
+    mask = (kp <= pos) & (kp < seq_lens[:, None, None])
+    if window is not None:
+        mask = mask & (kp > pos - window)
+    return s, mask[:, None, None, :, :]
 
 
-def one_pass(q, k_pool, v_pool, block_tables, positions, seq_lens):
+def one_pass(q, k_pool, v_pool, block_tables, positions, seq_lens, window=None, scale=None):
     """q [b,t,kh,g,d] f32; pools [pages, block, kh, d]; block_tables [b, m]; positions [b, t];
-    seq_lens [b]. Returns [b,t,kh,g,d] f32."""
+    seq_lens [b]; window: a sliding window in positions or None; scale: the score scale (default
+    head_size ** -0.5). Returns [b,t,kh,g,d] f32."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -41,8 +45,9 @@ def one_pass(q, k_pool, v_pool, block_tables, positions, seq_lens):
     context = m * block_size
     keys = jnp.take(k_pool, block_tables, axis=0).reshape(b, context, kh, d)
     values = jnp.take(v_pool, block_tables, axis=0).reshape(b, context, kh, d)
+    scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
     s, mask = _masked_scores(q, keys, jnp.arange(context, dtype=jnp.int32), positions, seq_lens,
-                             np.float32(1.0 / np.sqrt(d)))
+                             scale, window)
     neg = jnp.finfo(jnp.float32).min
     s = jnp.where(mask, s, neg)
     p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)) * mask
@@ -52,8 +57,12 @@ def one_pass(q, k_pool, v_pool, block_tables, positions, seq_lens):
                       precision=lax.Precision.HIGHEST)
 
 
-def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: int):
-    """The same attention as `one_pass`, one key block of `key_block` positions at a time."""
+def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: int, window=None,
+              scale=None):
+    """The same attention as `one_pass`, one key block of `key_block` positions at a time.
+    Positions of padding tokens must not be below their row's first token (steps.py gives them
+    the first token's position): with a window, the loop starts at the first block the call's
+    earliest token can see."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -63,12 +72,17 @@ def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: i
     pages_per_block = key_block // block_size
     assert m % pages_per_block == 0, "the context is whole key blocks"
     t, g = q.shape[1], q.shape[3]
-    scale = np.float32(1.0 / np.sqrt(d))
+    scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
     neg = jnp.finfo(jnp.float32).min
-    # From the first block any row can see (0: no window) to the block holding the call's last
-    # live position; a call with no live position runs no iteration and comes out 0.
-    last = jnp.max(jnp.where(seq_lens > 0, seq_lens - 1, -1))
+    # From the first block any row can see to the block holding the call's last live position;
+    # a call with no live position runs no iteration and comes out 0.
+    live = seq_lens > 0
+    last = jnp.max(jnp.where(live, seq_lens - 1, -1))
     n_blocks = jnp.where(last >= 0, last // key_block + 1, 0)
+    first_block = 0
+    if window is not None:
+        earliest = jnp.min(jnp.where(live[:, None], positions, jnp.iinfo(jnp.int32).max))
+        first_block = jnp.where(last >= 0, jnp.maximum(earliest - window + 1, 0) // key_block, 0)
 
     def body(j, carry):
         run_max, run_sum, acc = carry
@@ -77,7 +91,7 @@ def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: i
         keys = jnp.take(k_pool, pages, axis=0).reshape(b, key_block, kh, d)
         values = jnp.take(v_pool, pages, axis=0).reshape(b, key_block, kh, d)
         key_pos = j * key_block + jnp.arange(key_block, dtype=jnp.int32)
-        s, mask = _masked_scores(q, keys, key_pos, positions, seq_lens, scale)
+        s, mask = _masked_scores(q, keys, key_pos, positions, seq_lens, scale, window)
         s = jnp.where(mask, s, neg)
         new_max = jnp.maximum(run_max, jnp.max(s, axis=-1))
         correction = jnp.exp(run_max - new_max)
@@ -89,6 +103,6 @@ def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: i
 
     init = (jnp.full((b, kh, g, t), neg, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
             jnp.zeros((b, kh, g, t, d), jnp.float32))
-    _, run_sum, acc = lax.fori_loop(0, n_blocks, body, init)
+    _, run_sum, acc = lax.fori_loop(first_block, n_blocks, body, init)
     out = acc / jnp.where(run_sum > 0, run_sum, 1.0)[..., None]
     return jnp.transpose(out, (0, 3, 1, 2, 4))  # [b, t, kh, g, d]

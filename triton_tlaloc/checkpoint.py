@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "mistral", "gemma3_text")
+GGUF_FAMILIES = ("llama", "qwen3")
 
 
 class CheckpointError(ValueError):
@@ -48,24 +49,37 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     refused_tokens: tuple[tuple[str, int], ...] = ()  # (config key, id)
+    # Family switches (defaults: llama).
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (qwen3, gemma3)
+    layer_windows: tuple = ()  # per layer: a sliding window in positions, or None (full)
+    layer_rope: tuple = ()  # per layer: {"rope_theta": ..., "rope_type": ..., ...}; () = global
+    attn_scale: float | None = None  # None: head_size ** -0.5
+    embed_scale: float | None = None  # gemma: the embedding is multiplied by sqrt(hidden)
+    norm_offset: float = 0.0  # gemma: RMSNorm scales by (1 + weight); folded in at export
+    sandwich_norms: bool = False  # gemma: norms after attention and after the MLP too
+    activation: str = "silu"  # silu | gelu_tanh
 
-    @property
-    def qk_norm(self) -> bool:
-        """Qwen3 normalizes each head's query and key (RMSNorm over head_size) before RoPE."""
-        return self.family == "qwen3"
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies, computed in f32 as transformers computes them."""
+    def rope_of(self, layer: int) -> dict:
+        if self.layer_rope:
+            return self.layer_rope[layer]
+        return {"rope_theta": self.rope_theta, **self.rope_scaling}
+
+    def inv_freq(self, layer: int = 0) -> np.ndarray:
+        """RoPE inverse frequencies of a layer, computed in f32 as transformers computes them."""
+        rope = self.rope_of(layer)
         dim = self.head_size
         exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-        inv = (np.float32(1.0) / (np.float32(self.rope_theta) ** exponent)).astype(np.float32)
-        kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+        inv = (np.float32(1.0) / (np.float32(rope["rope_theta"]) ** exponent)).astype(np.float32)
+        kind = rope.get("rope_type", rope.get("type", "default"))
         if kind == "default":
             return inv
         if kind == "linear":
-            return (inv / np.float32(self.rope_scaling["factor"])).astype(np.float32)
+            return (inv / np.float32(rope["factor"])).astype(np.float32)
         if kind == "llama3":
-            s = self.rope_scaling
+            s = rope
             factor = s["factor"]
             low, high = s["low_freq_factor"], s["high_freq_factor"]
             old_len = s["original_max_position_embeddings"]
@@ -101,18 +115,42 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise CheckpointError(f"{key}=true is not supported for {family}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"hidden_act {act!r} is not supported (silu is)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    activations = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+    if act not in activations:
+        raise CheckpointError(f"activation {act!r} is not supported ({', '.join(activations)} are)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise CheckpointError(f"{key} is not supported")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    theta, scaling = _rope_from_hf(cfg)
+    layers = int(cfg["num_hidden_layers"])
+    gemma = family == "gemma3_text"
+    if gemma and isinstance((cfg.get("rope_parameters") or {}).get("full_attention"), dict):
+        per_type = cfg["rope_parameters"]
+        theta, scaling = float(per_type["full_attention"]["rope_theta"]), {}
+    elif gemma:  # older configs: rope_theta for full layers, rope_local_base_freq for sliding
+        per_type = {"full_attention": {"rope_type": "default",
+                                       "rope_theta": cfg.get("rope_theta", 1e6),
+                                       **(cfg.get("rope_scaling") or {})},
+                    "sliding_attention": {"rope_type": "default",
+                                          "rope_theta": cfg.get("rope_local_base_freq", 1e4)}}
+        theta, scaling = float(per_type["full_attention"]["rope_theta"]), {}
+    else:
+        theta, scaling = _rope_from_hf(cfg)
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types") or (["sliding_attention"] * layers if window and family in
+                                       ("mistral",) else ["full_attention"] * layers)
+    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise CheckpointError(f"layer_types {types!r}: expected {layers} of sliding_attention / "
+                              f"full_attention")
+    windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     return DecoderConfig(
         family=family,
         model_name=model_name,
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=layers,
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -128,6 +166,14 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
         bos_token_id=cfg.get("bos_token_id"),
         refused_tokens=tuple((k, int(cfg[k])) for k in PLACEHOLDER_KEYS
                              if isinstance(cfg.get(k), int)),
+        qk_norm=family in ("qwen3", "gemma3_text"),
+        layer_windows=windows if any(windows) else (),
+        layer_rope=tuple(dict(per_type[t]) for t in types) if gemma else (),
+        attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+        embed_scale=float(hidden) ** 0.5 if gemma else None,
+        norm_offset=1.0 if gemma else 0.0,
+        sandwich_norms=gemma,
+        activation=activations[act],
     )
 
 
@@ -275,9 +321,9 @@ class GgufCheckpoint(Checkpoint):
             return default if f is None else f.contents()
 
         arch = get("general.architecture")
-        if arch not in FAMILIES:
+        if arch not in GGUF_FAMILIES:
             raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported "
-                                  f"(supported: {', '.join(FAMILIES)})")
+                                  f"(supported: {', '.join(GGUF_FAMILIES)})")
         self._tensors = {}
         for t in self.reader.tensors:
             hf = _hf_name_of_gguf(t.name)
@@ -311,6 +357,7 @@ class GgufCheckpoint(Checkpoint):
             max_positions=int(get(f"{arch}.context_length", 0)),
             eos_token_ids=() if eos is None else (int(eos),),
             bos_token_id=get("tokenizer.ggml.bos_token_id"),
+            qk_norm=arch == "qwen3",
         )
 
     def names(self) -> list[str]:

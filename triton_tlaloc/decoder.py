@@ -51,12 +51,16 @@ def weight_slots(cfg: DecoderConfig) -> list[WeightSlot]:
         ]
         if cfg.qk_norm:
             slots += [WeightSlot(f"l{i}.q_norm", (d,), "norm"), WeightSlot(f"l{i}.k_norm", (d,), "norm")]
+        slots.append(WeightSlot(f"l{i}.o", (cfg.num_heads * d, h), "linear"))
+        if cfg.sandwich_norms:
+            slots.append(WeightSlot(f"l{i}.post_attn_norm", (h,), "norm"))
         slots += [
-            WeightSlot(f"l{i}.o", (cfg.num_heads * d, h), "linear"),
             WeightSlot(f"l{i}.mlp_norm", (h,), "norm"),
             WeightSlot(f"l{i}.gate_up", (h, 2 * cfg.intermediate_size), "linear"),
             WeightSlot(f"l{i}.down", (cfg.intermediate_size, h), "linear"),
         ]
+        if cfg.sandwich_norms:
+            slots.append(WeightSlot(f"l{i}.post_mlp_norm", (h,), "norm"))
     slots.append(WeightSlot("final_norm", (h,), "norm"))
     if not cfg.tie_word_embeddings:
         slots.append(WeightSlot("lm_head", (h, cfg.vocab_size), "linear"))
@@ -108,7 +112,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     n_pools = 2 * cfg.num_layers
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
     group = heads // kv_heads
-    inv_freq = jnp.asarray(cfg.inv_freq())
+    act = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}[
+        cfg.activation]
     eps = np.float32(cfg.rms_norm_eps)
     highest = lax.Precision.HIGHEST
     bf16 = weight_dtype == "bf16"
@@ -137,9 +142,17 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         context = m * block_size
 
         x = jnp.take(w["embed"], token_ids, axis=0).astype(jnp.float32)  # [b, t, h]
-        freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, d/2]
-        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-        cos, sin = jnp.cos(emb), jnp.sin(emb)
+        if cfg.embed_scale is not None:
+            x = x * np.float32(cfg.embed_scale)
+        rotary = {}  # cos and sin per distinct RoPE (gemma3: one for sliding, one for full)
+
+        def cos_sin(layer):
+            key = tuple(cfg.inv_freq(layer).tolist())
+            if key not in rotary:
+                freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(cfg.inv_freq(layer))
+                emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+                rotary[key] = (jnp.cos(emb), jnp.sin(emb))
+            return rotary[key]
         # Padding tokens carry slot -1. JAX wraps negative scatter indices, so send them past the
         # pool's end, where mode="drop" skips them: their KV is never written.
         flat_slots = slot_mapping.reshape(-1)
@@ -166,6 +179,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             if cfg.qk_norm:
                 q = rms_norm(q, w[f"l{i}.q_norm"])
                 k = rms_norm(k, w[f"l{i}.k_norm"])
+            cos, sin = cos_sin(i)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
 
             # KV_CACHE_WRITE: scatter each token's key and value at its slot.
@@ -180,18 +194,25 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             # over them with its own causal length; a prefill call over several key blocks
             # attends one block at a time (attention.py).
             qg = q.reshape(b, t, kv_heads, group, d)
+            window, scale = cfg.window(i), cfg.attn_scale
             if t > 1 and context > attention_block:
                 attn = blockwise(qg, k_pool, v_pool, block_tables, positions, seq_lens,
-                                 attention_block)
+                                 attention_block, window, scale)
             else:
-                attn = one_pass(qg, k_pool, v_pool, block_tables, positions, seq_lens)
-            attn = attn.reshape(b, t, heads * d)
-            x = x + linear(attn, w[f"l{i}.o"])
+                attn = one_pass(qg, k_pool, v_pool, block_tables, positions, seq_lens, window,
+                                scale)
+            attn = linear(attn.reshape(b, t, heads * d), w[f"l{i}.o"])
+            if cfg.sandwich_norms:
+                attn = rms_norm(attn, w[f"l{i}.post_attn_norm"])
+            x = x + attn
 
             hdn = rms_norm(x, w[f"l{i}.mlp_norm"])
             gu = linear(hdn, w[f"l{i}.gate_up"])
             gate, up = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
-            x = x + linear(jax.nn.silu(gate) * up, w[f"l{i}.down"])
+            mlp = linear(act(gate) * up, w[f"l{i}.down"])
+            if cfg.sandwich_norms:
+                mlp = rms_norm(mlp, w[f"l{i}.post_mlp_norm"])
+            x = x + mlp
 
         last = rms_norm(x[:, -1, :], w["final_norm"])  # rows are right-aligned
         if cfg.tie_word_embeddings:

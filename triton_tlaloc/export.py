@@ -85,6 +85,14 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _norm_weight(cfg: DecoderConfig, w: np.ndarray) -> np.ndarray:
+    """Gemma's RMSNorm scales by (1 + weight), in f32: folded into the stored weight, so every
+    family's graph scales by the weight alone."""
+    if cfg.norm_offset:
+        return (w.astype(np.float32) + np.float32(cfg.norm_offset)).astype(np.float32)
+    return w
+
+
 def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.ndarray:
     """A weight slot's tensor from the checkpoint, in the artifact's layout ([in, out] linears,
     q|k|v and gate|up fused), still in the checkpoint's dtype."""
@@ -92,18 +100,20 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
     if name == "embed":
         return ckpt.tensor("model.embed_tokens.weight")
     if name == "final_norm":
-        return ckpt.tensor("model.norm.weight")
+        return _norm_weight(cfg, ckpt.tensor("model.norm.weight"))
     if name == "lm_head":
         return ckpt.tensor("lm_head.weight").T
     layer, part = name.split(".", 1)
     pre = f"model.layers.{int(layer[1:])}."
     t = ckpt.tensor
-    if part == "attn_norm":
-        return t(pre + "input_layernorm.weight")
-    if part == "mlp_norm":
-        return t(pre + "post_attention_layernorm.weight")
+    norms = ({"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+              "mlp_norm": "pre_feedforward_layernorm",
+              "post_mlp_norm": "post_feedforward_layernorm"} if cfg.sandwich_norms else
+             {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"})
+    if part in norms:
+        return _norm_weight(cfg, t(pre + f"{norms[part]}.weight"))
     if part in ("q_norm", "k_norm"):
-        return t(pre + f"self_attn.{part}.weight")
+        return _norm_weight(cfg, t(pre + f"self_attn.{part}.weight"))
     if part == "qkv":
         return np.concatenate([t(pre + f"self_attn.{p}_proj.weight").T for p in "qkv"], axis=1)
     if part == "o":
@@ -190,6 +200,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                 "maxPositions": cfg.max_positions,
                 "prefillChunk": opts.prefill_chunk,
                 "attentionBlock": opts.attention_block,
+                "layerWindows": [cfg.window(i) for i in range(cfg.num_layers)],
                 "ropeTheta": cfg.rope_theta,
                 "rmsNormEps": cfg.rms_norm_eps,
                 "tieWordEmbeddings": cfg.tie_word_embeddings,

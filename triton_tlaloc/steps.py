@@ -1,8 +1,8 @@
 """Building an entry's step inputs from rows of tokens. Pure numpy, no JAX, no Triton.
 
 A row is one sequence's part of a call: the tokens it feeds, the position of the first, and the
-pages the sequence holds. Rows are right-aligned in the token axis: padding first (token 0,
-position 0, slot -1: never written), then the row's tokens. Rows past the call's own are padding
+pages the sequence holds. Rows are right-aligned in the token axis: padding first (token 0, the
+first token's position, slot -1: never written), then the row's tokens. Rows past the call's own are padding
 rows: block table all page 0, length 0, every slot -1.
 """
 
@@ -44,6 +44,10 @@ def build_step(entry: Entry, rows: list[Row], block_size: int) -> dict[str, np.n
         pos = np.arange(row.start, row.end, dtype=np.int64)
         pages = np.asarray(row.pages, dtype=np.int64)
         token_ids[r, t - n:] = row.tokens
+        # Padding tokens take the first token's position (they are never written and their
+        # outputs are dropped): no position in a call is below its earliest real one, which
+        # blockwise attention with a window relies on.
+        positions[r, :t - n] = row.start
         positions[r, t - n:] = pos
         slot_mapping[r, t - n:] = pages[pos // block_size] * block_size + pos % block_size
         block_tables[r, :len(row.pages)] = row.pages
