@@ -81,6 +81,16 @@ def build(work: Path) -> dict:
         arts[family] = (ckpt, work / f"art-{family}")
         if not (arts[family][1] / "tlaloc-serving.json").exists():
             export_artifact(ckpt, arts[family][1], ExportOptions(**tiny_opts))
+    # Sliding-window families (windows as masks over full-history pages; pages of 4).
+    for family in ("mistral", "gemma3_text"):
+        ckpt = work / f"ckpt-{family}"
+        if not ckpt.exists():
+            make_tiny_checkpoint(ckpt, family, tied=family == "gemma3_text", seed=5)
+        arts[family] = (ckpt, work / f"art-{family}")
+        if not (arts[family][1] / "tlaloc-serving.json").exists():
+            export_artifact(ckpt, arts[family][1], ExportOptions(
+                batch_ladder=(1, 2, 4), context_ladder=(32, 64), block_size=4, prefill_chunk=16,
+                attention_block=16))
     small_ckpt = work / "ckpt-small"
     if not small_ckpt.exists():
         shutil.copytree(arts["llama"][0], small_ckpt)
@@ -404,6 +414,11 @@ def main() -> int:
     want = {}
     for family in ("llama", "qwen3"):
         want[family], _ = reference_greedy(load_reference(arts[family][0]), TINY_PROMPT, 16)
+    window_prompts = [[(i * 53 + 7 + k) % 240 + 10 for i in range(n)]
+                      for k, n in enumerate((30, 26, 33, 40))]  # three windows of 8 and more
+    for family in ("mistral", "gemma3_text"):
+        ref = load_reference(arts[family][0])
+        want[family] = [reference_greedy(ref, p, 16)[0] for p in window_prompts]
     gguf = arts["smollm2"][0]
     tok = ArtifactTokenizer(arts["smollm2"][1] / "tokenizer")
     chat_prompt = tok.apply_chat_template([{"role": "user",
@@ -440,6 +455,27 @@ def main() -> int:
                     return f"{same}/16 equal", got == want[family]
                 table.run(f"{protocol}: tiny {family}, 16 greedy ids", "16/16 equal to "
                           "transformers", tiny_ids)
+
+            for family in ("mistral", "gemma3_text"):
+                def windowed(family=family):
+                    with client(family) as c:
+                        alone = c.generate_greedy(window_prompts[0], 16).generated_ids
+                    got = [None] * 4
+
+                    def run(i):
+                        with client(family) as c:
+                            got[i] = c.generate_greedy(window_prompts[i], 16).generated_ids
+                    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join(300)
+                    ok_alone = alone == want[family][0]
+                    ok_batched = sum(g == w for g, w in zip(got, want[family]))
+                    return (f"alone {'equal' if ok_alone else 'differs'}; batched {ok_batched}/4 "
+                            f"equal", ok_alone and ok_batched == 4)
+                table.run(f"{protocol}: tiny {family} (sliding window 8, prompts of 26-40), 16 "
+                          f"greedy ids alone and 4 batched", "equal to transformers", windowed)
 
             def control():
                 with client("llama_wrong_theta") as c:
