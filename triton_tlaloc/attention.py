@@ -106,3 +106,37 @@ def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: i
     _, run_sum, acc = lax.fori_loop(first_block, n_blocks, body, init)
     out = acc / jnp.where(run_sum > 0, run_sum, 1.0)[..., None]
     return jnp.transpose(out, (0, 3, 1, 2, 4))  # [b, t, kh, g, d]
+
+
+def ring(q, k_pool, v_pool, ring_tables, positions, seq_lens, window: int, period: int,
+         scale=None):
+    """A sliding layer over its ring (design section 2): `ring_tables` [b, r] names each row's
+    ring pages in ring order; ring slot s holds the latest position written with position ==
+    s (mod period), i.e. (L - 1) - ((L - 1 - s) mod period) for a row of length L. A token at
+    position p sees the slots whose position lies in p - window + 1 .. p. Valid when every call
+    wrote at most period - min(p0, window - 1) tokens (the runtime splits longer ones), so no
+    key a token needs was overwritten by a later token of its own call."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    b, r = ring_tables.shape
+    _, block_size, kh, d = k_pool.shape
+    width = r * block_size
+    keys = jnp.take(k_pool, ring_tables, axis=0).reshape(b, width, kh, d)
+    values = jnp.take(v_pool, ring_tables, axis=0).reshape(b, width, kh, d)
+    scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
+    s = jnp.einsum("btkgd,bckd->bkgtc", q, keys.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST) * scale
+    last = (seq_lens - 1)[:, None]  # [b, 1]
+    slot = jnp.arange(width, dtype=jnp.int32)[None, :]
+    held = last - jnp.mod(last - slot, period)  # [b, width]: the position in each slot
+    kp, pos = held[:, None, :], positions[:, :, None]
+    mask = (kp >= 0) & (kp <= pos) & (kp > pos - window) & (seq_lens > 0)[:, None, None]
+    mask = mask[:, None, None, :, :]
+    neg = jnp.finfo(jnp.float32).min
+    s = jnp.where(mask, s, neg)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)) * mask
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(total > 0, total, 1.0)
+    return jnp.einsum("bkgtc,bckd->btkgd", p, values.astype(jnp.float32),
+                      precision=lax.Precision.HIGHEST)

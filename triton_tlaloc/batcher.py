@@ -108,6 +108,7 @@ class _Job:
     seq: Sequence
     num_tokens: int  # the sequence's tokens before this request (for rollback)
     num_pages: int
+    num_ring: int
 
 
 class BatcherStats:
@@ -139,8 +140,8 @@ class BatcherStats:
         self.sequences_reclaimed += sequences
         self.pages_reclaimed += pages
 
-    def state(self, pages_used: int, pages_free: int, sequences: int) -> None:
-        pass
+    def state(self, pools: dict[str, tuple[int, int]], sequences: int) -> None:
+        """pools: name -> (pages used, pages free)."""
 
 
 class Batcher:
@@ -302,8 +303,14 @@ class Batcher:
             # sent together decode together from their first step.
             self.cohort |= {j.seq.seq_id for j in prefill if j.seq.seq_id in self.sequences}
             self.cohort_deadline = self.clock() + self.policy.cohort_wait_s
-        self._observe("state", self.engine.pages.used, self.engine.pages.free,
-                      len(self.sequences))
+        self._observe("state", self.pool_state(), len(self.sequences))
+
+    def pool_state(self) -> dict[str, tuple[int, int]]:
+        return {name: (pool.used, pool.free) for name, pool in self.engine.pools().items()}
+
+    def _holding(self, s: Sequence) -> str:
+        ring = f", {len(s.ring)} ring pages" if self.engine.rings is not None else ""
+        return f"{s.seq_id} ({len(s.pages)} pages{ring})"
 
     def _refuse(self, r: Request, code: str, reason: str, message: str) -> None:
         self._observe("refusal", reason)
@@ -341,7 +348,7 @@ class Batcher:
                 return None
             self._refuse(r, INVALID_ARG, "empty", f"sequence {r.seq_id}: TOKENS is empty")
             return None
-        before = (len(seq.token_ids), len(seq.pages))
+        before = (len(seq.token_ids), len(seq.pages), len(seq.ring))
         try:
             try:
                 engine.admit(seq, r.tokens)
@@ -353,8 +360,8 @@ class Batcher:
             self._refuse(r, INVALID_ARG, e.reason, f"sequence {r.seq_id}: {e}")
             return None
         except PagesExhausted as e:
-            holders = ", ".join(f"{s.seq_id} ({len(s.pages)} pages)"
-                                for s in self.sequences.values() if s.pages) or "none"
+            holders = ", ".join(self._holding(s) for s in self.sequences.values()
+                                if s.pages or s.ring) or "none"
             self._refuse(r, UNAVAILABLE, "pages",
                          f"sequence {r.seq_id}: KV pool full: {e}; sequences holding pages: "
                          f"{holders}")
@@ -365,21 +372,23 @@ class Batcher:
 
     def _reclaim_for(self, seq: Sequence, n_tokens: int) -> bool:
         """Free pages held by sequences Triton has ended, as many as `seq` needs to take
-        `n_tokens` more; False (and nothing reclaimed) when they cannot cover it."""
-        need = self.engine.pages_needed(seq, n_tokens) - self.engine.pages.free
+        `n_tokens` more (in every pool); False (and nothing reclaimed) when they cannot."""
+        pools = self.engine.pools()
+        need = {k: n - pools[k].free for k, n in self.engine.pages_needed(seq, n_tokens).items()}
         now = self.clock()
-        candidates = [(s.seq_id, len(s.pages), s.last_active) for s in self.sequences.values()
-                      if s is not seq]
+        candidates = [(s.seq_id, {"full": len(s.pages), "windowed": len(s.ring)}, s.last_active)
+                      for s in self.sequences.values() if s is not seq]
         victims = choose_reclaim(candidates, need, now, self.policy.reclaim_after_s)
         if not victims:
             return False
         pages = 0
         for seq_id in victims:
             victim = self.sequences[seq_id]
-            log.info("reclaimed sequence %s: %d pages, idle %.1f s (Triton ends a sequence idle "
-                     "%.1f s)", seq_id, len(victim.pages), now - victim.last_active,
-                     self.policy.idle_timeout_s)
-            pages += len(victim.pages)
+            log.info("reclaimed sequence %s: %d pages%s, idle %.1f s (Triton ends a sequence "
+                     "idle %.1f s)", seq_id, len(victim.pages),
+                     f" and {len(victim.ring)} ring pages" if victim.ring else "",
+                     now - victim.last_active, self.policy.idle_timeout_s)
+            pages += len(victim.pages) + len(victim.ring)
             self._release(victim)
         self._observe("reclaimed", len(victims), pages)
         return True
@@ -391,7 +400,7 @@ class Batcher:
         alone = []
         for job in jobs:
             n = len(job.seq.token_ids) - job.seq.num_cached
-            if n > self.engine.max_prefill_tokens:
+            if n > self.engine.max_call_tokens(job.seq):
                 alone.append([job])
                 continue
             end = len(job.seq.token_ids)
@@ -414,14 +423,14 @@ class Batcher:
             if kind == "decode":
                 logits = self.engine.decode(seqs)
             elif len(seqs) == 1 and len(seqs[0].token_ids) - seqs[0].num_cached > \
-                    self.engine.max_prefill_tokens:
+                    self.engine.max_call_tokens(seqs[0]):
                 logits = self.engine.prefill_chunked(seqs[0])
             else:
                 logits = self.engine.prefill(seqs)
         except Exception as e:
             log.exception("%s call for sequences %s failed", kind, [s.seq_id for s in seqs])
             for j in jobs:
-                self.engine.rollback(j.seq, j.num_tokens, j.num_pages)
+                self.engine.rollback(j.seq, j.num_tokens, j.num_pages, j.num_ring)
                 if j.request.start:
                     self.sequences.pop(j.seq.seq_id, None)
                     self.engine.free(j.seq)
@@ -436,7 +445,7 @@ class Batcher:
         self._observe("call", kind, self.engine.last_entry, len(jobs), tokens, waits, seconds,
                       self.engine.executions - executions_before)
         for j, row in zip(jobs, logits):
-            pages = (len(j.seq.pages), 0)
+            pages = (len(j.seq.pages), len(j.seq.ring))
             if j.request.end:
                 self._release(j.seq)
             j.request.reply(Reply(logits=row, kv_pages=pages))

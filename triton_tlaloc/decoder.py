@@ -23,7 +23,9 @@ import numpy as np
 
 from .checkpoint import DecoderConfig
 from .manifest import (BLOCK_TABLES, KV_POOL_IN, KV_POOL_OUT, LOGITS, POSITIONS, SEQ_LENS,
-                       SLOT_MAPPING, TOKEN_IDS, WEIGHT, KvPool, Program, TensorSpec, dtype_name)
+                       SLOT_MAPPING, TOKEN_IDS, WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN,
+                       WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING, KvPool, Program, TensorSpec,
+                       WindowedKv, dtype_name)
 
 
 @dataclass(frozen=True)
@@ -67,18 +69,23 @@ def weight_slots(cfg: DecoderConfig) -> list[WeightSlot]:
     return slots
 
 
-def kv_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, kv_dtype: str) -> list[KvPool]:
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_size)
+def kv_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, kv_dtype: str,
+             windowed: WindowedKv | None = None) -> list[KvPool]:
+    """K then V for each layer; a windowed layer's pools hold rings (schema v3)."""
     pools = []
     for i in range(cfg.num_layers):
+        ring = windowed is not None and i in windowed.layers
+        pages = windowed.num_blocks if ring else num_blocks
         for kind in ("k", "v"):
-            pools.append(KvPool(f"l{i}.{kind}", i, kind, kv_dtype, shape))
+            pools.append(KvPool(f"l{i}.{kind}", i, kind, kv_dtype,
+                                (pages, block_size, cfg.num_kv_heads, cfg.head_size),
+                                "windowed" if ring else "full"))
     return pools
 
 
 def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, tokens_per_seq: int,
                   block_size: int, num_blocks: int, weight_dtype: str,
-                  kv_dtype: str) -> Program:
+                  kv_dtype: str, windowed: WindowedKv | None = None) -> Program:
     """The signature of one entry, in @main's order."""
     b, t, m = batch, tokens_per_seq, context // block_size
     inputs = [
@@ -88,25 +95,32 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
         TensorSpec("seq_lens", SEQ_LENS, "i32", (b,)),
         TensorSpec("slot_mapping", SLOT_MAPPING, "i32", (b, t)),
     ]
-    pools = kv_pools(cfg, num_blocks, block_size, kv_dtype)
+    if windowed is not None:
+        inputs += [TensorSpec("window_block_tables", WINDOW_BLOCK_TABLES, "i32", (b, m)),
+                   TensorSpec("window_slot_mapping", WINDOW_SLOT_MAPPING, "i32", (b, t))]
+    pools = kv_pools(cfg, num_blocks, block_size, kv_dtype, windowed)
     pool_start = len(inputs)
-    inputs += [TensorSpec(f"{p.name}.in", KV_POOL_IN, p.dtype, p.shape, pool=p.name) for p in pools]
+    for p in pools:
+        role = WINDOW_KV_POOL_IN if p.pool_class == "windowed" else KV_POOL_IN
+        inputs.append(TensorSpec(f"{p.name}.in", role, p.dtype, p.shape, pool=p.name))
     for s in weight_slots(cfg):
         inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, s.dtype(weight_dtype), s.shape, slot=s.name))
     outputs = [TensorSpec("logits", LOGITS, "f32", (b, cfg.vocab_size))]
-    outputs += [TensorSpec(f"{p.name}.out", KV_POOL_OUT, p.dtype, p.shape, pool=p.name) for p in pools]
+    for p in pools:
+        role = WINDOW_KV_POOL_OUT if p.pool_class == "windowed" else KV_POOL_OUT
+        outputs.append(TensorSpec(f"{p.name}.out", role, p.dtype, p.shape, pool=p.name))
     donation = tuple((1 + i, pool_start + i) for i in range(len(pools)))
     return Program(name, tuple(inputs), tuple(outputs), donation)
 
 
 def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str,
-                  attention_block: int = 2048):
+                  attention_block: int = 2048, windowed: WindowedKv | None = None):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits, pools...)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
 
-    from .attention import blockwise, one_pass
+    from .attention import blockwise, one_pass, ring
 
     slots = weight_slots(cfg)
     n_pools = 2 * cfg.num_layers
@@ -118,6 +132,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     highest = lax.Precision.HIGHEST
     bf16 = weight_dtype == "bf16"
     num_slots = num_blocks * block_size
+    ring_layers = set(windowed.layers) if windowed is not None else set()
+    n_step = 7 if windowed is not None else 5
 
     def rms_norm(x, w):
         var = jnp.mean(x * x, axis=-1, keepdims=True)
@@ -135,8 +151,10 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
     def fn(*args):
         token_ids, positions, block_tables, seq_lens, slot_mapping = args[:5]
-        pools = list(args[5:5 + n_pools])
-        w = dict(zip((s.name for s in slots), args[5 + n_pools:]))
+        if windowed is not None:
+            window_tables, window_slots = args[5:7]
+        pools = list(args[n_step:n_step + n_pools])
+        w = dict(zip((s.name for s in slots), args[n_step + n_pools:]))
         b, t = token_ids.shape
         m = block_tables.shape[1]
         context = m * block_size
@@ -155,14 +173,25 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             return rotary[key]
         # Padding tokens carry slot -1. JAX wraps negative scatter indices, so send them past the
         # pool's end, where mode="drop" skips them: their KV is never written.
-        flat_slots = slot_mapping.reshape(-1)
-        flat_slots = jnp.where(flat_slots < 0, num_slots, flat_slots)
         # XLA turns a scatter of one index into a dynamic-update-slice on a copy of the pool (a
         # whole-pool copy per layer and step: measured 0.8 ms per 1.5 MiB pool). A second index,
         # past the end and so dropped, keeps it a scatter, done in place.
         pad_row = b * t == 1
-        if pad_row:
-            flat_slots = jnp.concatenate([flat_slots, jnp.array([num_slots], jnp.int32)])
+
+        def scatter_slots(mapping, pool_slots):
+            # Padding tokens carry slot -1. JAX wraps negative scatter indices, so send them past
+            # the pool's end, where mode="drop" skips them: their KV is never written.
+            flat = mapping.reshape(-1)
+            flat = jnp.where(flat < 0, pool_slots, flat)
+            if pad_row:
+                flat = jnp.concatenate([flat, jnp.array([pool_slots], jnp.int32)])
+            return flat
+
+        flat_slots = scatter_slots(slot_mapping, num_slots)
+        if windowed is not None:
+            ring_slots_n = windowed.num_blocks * block_size
+            flat_window_slots = scatter_slots(window_slots, ring_slots_n)
+            ring_width = min(m, windowed.ring_pages)  # the ring's entries of the window table
 
         def rows(x):  # a call's K or V rows for the scatter, with the dropped row when padded
             x = x.reshape(b * t, kv_heads, d)
@@ -182,11 +211,15 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             cos, sin = cos_sin(i)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
 
-            # KV_CACHE_WRITE: scatter each token's key and value at its slot.
+            # KV_CACHE_WRITE: scatter each token's key and value at its slot (a ring layer: at
+            # its slot in the windowed pool).
             pool_shape = k_pool.shape
-            k_pool = k_pool.reshape(num_slots, kv_heads, d).at[flat_slots].set(
+            on_ring = i in ring_layers
+            idx = flat_window_slots if on_ring else flat_slots
+            n_slots = pool_shape[0] * block_size
+            k_pool = k_pool.reshape(n_slots, kv_heads, d).at[idx].set(
                 rows(k).astype(k_pool.dtype), mode="drop").reshape(pool_shape)
-            v_pool = v_pool.reshape(num_slots, kv_heads, d).at[flat_slots].set(
+            v_pool = v_pool.reshape(n_slots, kv_heads, d).at[idx].set(
                 rows(v).astype(v_pool.dtype), mode="drop").reshape(pool_shape)
             new_pools += [k_pool, v_pool]
 
@@ -195,7 +228,10 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             # attends one block at a time (attention.py).
             qg = q.reshape(b, t, kv_heads, group, d)
             window, scale = cfg.window(i), cfg.attn_scale
-            if t > 1 and context > attention_block:
+            if on_ring:  # a sliding layer scores only its ring, masking each slot by its age
+                attn = ring(qg, k_pool, v_pool, window_tables[:, :ring_width], positions,
+                            seq_lens, window, windowed.ring_pages * block_size, scale)
+            elif t > 1 and context > attention_block:
                 attn = blockwise(qg, k_pool, v_pool, block_tables, positions, seq_lens,
                                  attention_block, window, scale)
             else:
@@ -230,13 +266,14 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
 
 def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_blocks: int,
-                weight_dtype: str, attention_block: int = 2048) -> str:
+                weight_dtype: str, attention_block: int = 2048,
+                windowed: WindowedKv | None = None) -> str:
     """StableHLO text of one entry; every KV pool parameter is donated (tf.aliasing_output)."""
     import jax
 
     from .manifest import numpy_dtype
 
-    fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block)
+    fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block, windowed)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .pages import PagePool, pages_for
+from .pages import PagePool, PagesExhausted, pages_for
 from .runtime import Runtime
 from .steps import Row, build_step
 
@@ -36,6 +36,7 @@ class Sequence:
     seq_id: int | str = field(default_factory=lambda: next(_ids))
     num_cached: int = 0  # tokens whose K/V are in the pool
     pages: list[int] = field(default_factory=list)
+    ring: list[int] = field(default_factory=list)  # windowed pages: block b on ring[b % R]
     last_active: float = 0.0  # clock time of its latest request (the backend's reclamation rule)
 
     @property
@@ -61,7 +62,13 @@ class Engine:
         self.rt = runtime
         self.art = runtime.artifact
         self.block_size = self.art.model.block_size
-        self.pages = PagePool(self.art.model.num_blocks)
+        self.pages = PagePool(self.art.model.num_blocks, "full")
+        windowed = self.art.windowed
+        self.rings = PagePool(windowed.num_blocks, "windowed") if windowed else None
+        self.ring_pages = windowed.ring_pages if windowed else 0
+        self.window = windowed.window if windowed else None
+        # A model whose every layer is windowed (mistral) has no full-history pools to page.
+        self.holds_full_pages = any(p.pool_class == "full" for p in self.art.pools)
         self.refused = {(int(t["id"]) if isinstance(t, dict) else int(t)):
                         (t.get("configKey", "refusedTokens") if isinstance(t, dict)
                          else "refusedTokens")
@@ -91,41 +98,78 @@ class Engine:
 
     def admit(self, seq: Sequence, tokens: list[int]) -> None:
         """Append `tokens` to a sequence and reserve the pages they need, or raise (RequestError,
-        PagesExhausted) leaving the sequence and the pool exactly as they were."""
+        PagesExhausted) leaving the sequence and the pools exactly as they were."""
         self.check_tokens(tokens)
         length = len(seq.token_ids) + len(tokens)
         if length > self.art.max_context:
             raise RequestError(f"{length} positions would exceed the largest context "
                                f"{self.art.max_context}", "context")
-        need = self.pages_needed(seq, len(tokens))
-        if need > 0:
-            seq.pages += self.pages.allocate(need)  # raises before allocating anything
+        self._take_pages(seq, self._need(seq, length))
         seq.token_ids += tokens
 
-    def pages_needed(self, seq: Sequence, n_tokens: int) -> int:
-        """Pages `seq` must add to take `n_tokens` more tokens."""
-        return max(0, pages_for(len(seq.token_ids) + n_tokens, self.block_size) - len(seq.pages))
+    def pools(self) -> dict[str, PagePool]:
+        return {"full": self.pages, **({"windowed": self.rings} if self.rings else {})}
 
-    def rollback(self, seq: Sequence, num_tokens: int, num_pages: int) -> None:
+    def _need(self, seq: Sequence, length: int) -> dict[str, int]:
+        """Pages per pool `seq` must add to hold `length` positions: full-history pages for
+        every block, ring pages up to the ring's size."""
+        blocks = pages_for(length, self.block_size)
+        need = {"full": max(0, blocks - len(seq.pages)) if self.holds_full_pages else 0}
+        if self.rings is not None:
+            need["windowed"] = max(0, min(blocks, self.ring_pages) - len(seq.ring))
+        return need
+
+    def pages_needed(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
+        """Pages per pool `seq` must add to take `n_tokens` more tokens."""
+        return self._need(seq, len(seq.token_ids) + n_tokens)
+
+    def _take_pages(self, seq: Sequence, need: dict[str, int]) -> None:
+        """All the pages of `need` or none (PagesExhausted naming each pool short of pages)."""
+        pools = self.pools()
+        short = [f"{name} pool: {n} pages needed, {pools[name].free} free of "
+                 f"{pools[name].num_blocks - 1}" for name, n in need.items()
+                 if n > pools[name].free]
+        if short:
+            raise PagesExhausted("; ".join(short))
+        seq.pages += self.pages.allocate(need["full"])
+        if self.rings is not None:
+            seq.ring += self.rings.allocate(need["windowed"])
+
+    def rollback(self, seq: Sequence, num_tokens: int, num_pages: int, num_ring: int = 0) -> None:
         """Undo an admit whose call failed: the sequence as it was before it."""
         del seq.token_ids[num_tokens:]
         seq.num_cached = min(seq.num_cached, num_tokens)
         extra = seq.pages[num_pages:]
         del seq.pages[num_pages:]
         self.pages.release(extra)
+        if self.rings is not None:
+            extra = seq.ring[num_ring:]
+            del seq.ring[num_ring:]
+            self.rings.release(extra)
 
     def _reserve(self, seq: Sequence, length: int) -> None:
         if length > self.art.max_context:
             raise RequestError(f"sequence {seq.seq_id}: {length} positions exceed the largest "
                                f"context {self.art.max_context}", "context")
-        need = pages_for(length, self.block_size) - len(seq.pages)
-        if need > 0:
-            seq.pages += self.pages.allocate(need)
+        self._take_pages(seq, self._need(seq, length))
 
     def free(self, seq: Sequence) -> None:
         self.pages.release(seq.pages)
         seq.pages = []
+        if self.rings is not None:
+            self.rings.release(seq.ring)
+            seq.ring = []
         seq.num_cached = 0
+
+    def max_call_tokens(self, seq: Sequence) -> int:
+        """The most tokens one prefill call may feed `seq` now: the largest prefill entry's, and
+        with a windowed pool what the ring holds past the window (design section 3: a call of n
+        tokens from p0 needs min(p0, window - 1) + n positions of the ring at once)."""
+        cap = self.max_prefill_tokens
+        if self.window is not None:
+            cap = min(cap, self.ring_pages * self.block_size - min(seq.num_cached,
+                                                                   self.window - 1))
+        return cap
 
     # ------------------------------------------------------------ calls
 
@@ -150,7 +194,7 @@ class Engine:
         on the smallest entry whose context holds the call's last position."""
         logits = None
         while seq.uncached:
-            chunk = min(len(seq.uncached), self.max_prefill_tokens)
+            chunk = min(len(seq.uncached), self.max_call_tokens(seq))
             end = seq.num_cached + chunk
             entry = self._entry("prefill", 1, end, chunk)
             logits = self._call(entry, [seq], [seq.uncached[:chunk]])
@@ -174,11 +218,13 @@ class Engine:
         # A row's block table names the pages up to its call's end: a sequence may hold more
         # (admitted for a whole prompt that runs in chunks) than a small entry's table holds.
         rows = [Row(tuple(feed), s.num_cached,
-                    tuple(s.pages[:pages_for(s.num_cached + len(feed), self.block_size)]))
+                    tuple(s.pages[:pages_for(s.num_cached + len(feed), self.block_size)]),
+                    tuple(s.ring))
                 for s, feed in zip(seqs, feeds)]
         self.last_entry = entry.name
         self.executions += 1
-        logits = self.rt.run(entry.name, build_step(entry, rows, self.block_size))
+        logits = self.rt.run(entry.name, build_step(entry, rows, self.block_size,
+                                                    self.ring_pages))
         for s, feed in zip(seqs, feeds):
             s.num_cached += len(feed)
         return logits[:len(seqs)]

@@ -22,7 +22,8 @@ import numpy as np
 
 from .checkpoint import Checkpoint, DecoderConfig, open_checkpoint
 from .decoder import WeightSlot, entry_program, kv_pools, lower_entry, weight_slots
-from .manifest import MANIFEST_NAME, SCHEMA_V2, Entry, WeightFile, load_artifact, numpy_dtype
+from .manifest import (MANIFEST_NAME, SCHEMA_V2, SCHEMA_V3, Entry, WeightFile, WindowedKv,
+                       load_artifact, numpy_dtype)
 
 WEIGHT_DTYPES = ("f32", "bf16")
 
@@ -43,6 +44,10 @@ class ExportOptions:
     model_name: str | None = None
     prefill_chunk: int | None = None  # tokensPerSeq of the prefill entries (None: the context)
     attention_block: int = 2048  # key block of blockwise attention in prefill entries
+    windowed_kv: bool | None = None  # None: a windowed pool when the model has sliding layers
+    ring_spare_pages: int = 1  # pages a ring holds beyond one window
+    window_blocks: int | None = None  # pages per windowed pool (None: the design's budget)
+    ring_pages: int | None = None  # override the ring size (tests: a ring one page short)
 
     def validate(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -69,6 +74,31 @@ class ExportOptions:
             if c > self.attention_block and c % self.attention_block:
                 raise ExportError(f"--context-ladder: context {c} spans several key blocks of "
                                   f"{self.attention_block} but is not a multiple of it")
+
+    def windowed(self, cfg: DecoderConfig, num_blocks: int) -> WindowedKv | None:
+        """The windowed pool (design section 3) for a model with sliding layers, or None."""
+        layers = tuple(i for i in range(cfg.num_layers) if cfg.window(i))
+        if not layers or self.windowed_kv is False:
+            return None
+        windows = {cfg.window(i) for i in layers}
+        if len(windows) != 1:
+            raise ExportError(f"sliding layers with different windows {sorted(windows)}: one "
+                              f"windowed pool needs one window")
+        window = windows.pop()
+        bs = self.block_size
+        most = max(self.context_ladder) // bs
+        # One window plus the spare page, or what a chunk written past the window needs.
+        ring = -(-window // bs) + self.ring_spare_pages
+        if self.prefill_chunk:
+            ring = max(ring, -(-(window - 1 + self.prefill_chunk) // bs))
+        ring = min(ring, most) if self.ring_pages is None else self.ring_pages
+        if ring * bs < window:
+            raise ExportError(f"a ring of {ring} pages of {bs} does not hold a window of {window}")
+        if self.window_blocks is not None:
+            blocks = self.window_blocks
+        else:  # as many rings as the full pool holds sequences of the largest context
+            blocks = min(num_blocks, max(1, (num_blocks - 1) // most) * ring + 1)
+        return WindowedKv(window, layers, ring, blocks)
 
     def tokens_per_seq(self, context: int) -> int:
         return min(self.prefill_chunk, context) if self.prefill_chunk else context
@@ -177,10 +207,15 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         tokenizer_files = ckpt.save_tokenizer(tmp / "tokenizer")
         _log(f"[export] tokenizer: {', '.join(tokenizer_files) or 'none in the checkpoint'}")
 
-        entries = _write_entries(cfg, opts, num_blocks, tmp)
-        pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_dtype)
+        windowed = opts.windowed(cfg, num_blocks)
+        entries = _write_entries(cfg, opts, num_blocks, windowed, tmp)
+        pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_dtype, windowed)
+        if windowed is not None:
+            _log(f"[export] windowed KV pool: window {windowed.window}, {len(windowed.layers)} of "
+                 f"{cfg.num_layers} layers, rings of {windowed.ring_pages} pages, "
+                 f"{windowed.num_blocks} pages per pool")
         manifest = {
-            "schema": SCHEMA_V2,
+            "schema": SCHEMA_V3 if windowed is not None else SCHEMA_V2,
             "exporter": "triton-tlaloc",
             "model": {
                 "family": cfg.family,
@@ -201,6 +236,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                 "prefillChunk": opts.prefill_chunk,
                 "attentionBlock": opts.attention_block,
                 "layerWindows": [cfg.window(i) for i in range(cfg.num_layers)],
+                **({"windowedKv": windowed.to_json()} if windowed is not None else {}),
                 "ropeTheta": cfg.rope_theta,
                 "rmsNormEps": cfg.rms_norm_eps,
                 "tieWordEmbeddings": cfg.tie_word_embeddings,
@@ -229,7 +265,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
 
 
 def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
-                   out: Path) -> list[Entry]:
+                   windowed: WindowedKv | None, out: Path) -> list[Entry]:
     (out / "bodies").mkdir()
     (out / "programs").mkdir()
     plan = []
@@ -244,9 +280,9 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
         t0 = time.perf_counter()
         name = f"{kind}_b{b}_c{c}"
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
-                                opts.weight_dtype, opts.kv_dtype)
+                                opts.weight_dtype, opts.kv_dtype, windowed)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
-                           opts.attention_block)
+                           opts.attention_block, windowed)
         sha = hashlib.sha256(text.encode()).hexdigest()
         body = f"bodies/{sha}.mlir"
         (out / body).write_text(text)

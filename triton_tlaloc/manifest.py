@@ -26,10 +26,10 @@ import numpy as np
 
 MANIFEST_NAME = "tlaloc-serving.json"
 SCHEMA_V2 = "tlaloc-serving-v2"
-SUPPORTED_SCHEMAS = (SCHEMA_V2,)
+SCHEMA_V3 = "tlaloc-serving-v3"  # v2 plus the windowed KV pool (rings for sliding layers)
+SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3)
 # Schemas the design defines that this package does not serve yet: refused by name.
 KNOWN_UNBUILT_SCHEMAS = {
-    "tlaloc-serving-v3": "the windowed KV pool (sliding-window layers) is not built yet",
     "tlaloc-serving-v4": "linear-attention state pools are not built yet",
     "tlaloc-bounded-v1": "bounded programs are not built yet",
 }
@@ -41,12 +41,19 @@ BLOCK_TABLES = "BLOCK_TABLES"
 SEQ_LENS = "SEQ_LENS"
 SLOT_MAPPING = "SLOT_MAPPING"
 KV_POOL_IN = "KV_POOL_IN"
+WINDOW_BLOCK_TABLES = "WINDOW_BLOCK_TABLES"
+WINDOW_SLOT_MAPPING = "WINDOW_SLOT_MAPPING"
+WINDOW_KV_POOL_IN = "WINDOW_KV_POOL_IN"
+WINDOW_KV_POOL_OUT = "WINDOW_KV_POOL_OUT"
 WEIGHT = "WEIGHT"
 LOGITS = "LOGITS"
 KV_POOL_OUT = "KV_POOL_OUT"
 STEP_ROLES = (TOKEN_IDS, POSITIONS, BLOCK_TABLES, SEQ_LENS, SLOT_MAPPING)
-INPUT_ROLES = STEP_ROLES + (KV_POOL_IN, WEIGHT)
-OUTPUT_ROLES = (LOGITS, KV_POOL_OUT)
+WINDOW_STEP_ROLES = (WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING)
+POOL_IN_ROLES = (KV_POOL_IN, WINDOW_KV_POOL_IN)
+POOL_OUT_ROLES = (KV_POOL_OUT, WINDOW_KV_POOL_OUT)
+INPUT_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + POOL_IN_ROLES + (WEIGHT,)
+OUTPUT_ROLES = (LOGITS,) + POOL_OUT_ROLES
 
 # Element types, spelled as StableHLO spells them, with their numpy dtypes.
 _NUMPY_DTYPES = {
@@ -276,10 +283,26 @@ class KvPool:
     kind: str  # "k" | "v"
     dtype: str
     shape: tuple[int, ...]  # [numBlocks, blockSize, kvHeads, headSize]
+    pool_class: str = "full"  # "full" | "windowed" (a sliding layer's rings, schema v3)
 
     def to_json(self) -> dict:
         return {"name": self.name, "layer": self.layer, "kind": self.kind, "dtype": self.dtype,
-                "shape": list(self.shape)}
+                "shape": list(self.shape), "class": self.pool_class}
+
+
+@dataclass(frozen=True)
+class WindowedKv:
+    """The windowed KV pool (schema v3): each sequence holds a ring of at most ring_pages pages;
+    logical block b lives on ring page b % ring_pages."""
+
+    window: int
+    layers: tuple[int, ...]
+    ring_pages: int
+    num_blocks: int  # pages in each windowed pool, page 0 never given to a sequence
+
+    def to_json(self) -> dict:
+        return {"window": self.window, "layers": list(self.layers), "ringPages": self.ring_pages,
+                "numBlocks": self.num_blocks}
 
 
 @dataclass
@@ -293,6 +316,7 @@ class Artifact:
     weights: tuple[WeightFile, ...]
     pools: tuple[KvPool, ...]
     manifest: dict = field(repr=False, default_factory=dict)
+    windowed: WindowedKv | None = None
 
     def entries_of(self, kind: str) -> list[Entry]:
         return sorted((e for e in self.entries.values() if e.kind == kind),
@@ -474,13 +498,28 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
         buckets = manifest["buckets"]
         batch_ladder = tuple(int(b) for b in buckets["batchLadder"])
         context_ladder = tuple(int(c) for c in buckets["contextLadder"])
-        pools = tuple(KvPool(p["name"], int(p["layer"]), p["kind"], p["dtype"], tuple(p["shape"]))
+        pools = tuple(KvPool(p["name"], int(p["layer"]), p["kind"], p["dtype"], tuple(p["shape"]),
+                             p.get("class", "full"))
                       for p in manifest["kvPool"]["pools"])
+        wk = manifest["model"].get("windowedKv")
+        windowed = None if wk is None else WindowedKv(
+            int(wk["window"]), tuple(int(x) for x in wk["layers"]), int(wk["ringPages"]),
+            int(wk["numBlocks"]))
         weights = tuple(WeightFile(w["slot"], w["dtype"], tuple(int(d) for d in w["shape"]),
                                    int(w["byteLength"]), w["file"]) for w in manifest["weights"])
         raw_entries = manifest["entries"]
     except (KeyError, TypeError, ValueError) as e:
         raise _refuse(f"the manifest is missing or has a malformed field: {e!r}", mpath) from None
+
+    if schema == SCHEMA_V3 and windowed is None:
+        raise _refuse("schema tlaloc-serving-v3 needs model.windowedKv (window, layers, "
+                      "ringPages, numBlocks)", mpath)
+    if schema == SCHEMA_V2 and (windowed is not None
+                                or any(p.pool_class == "windowed" for p in pools)):
+        raise _refuse("a windowed KV pool needs schema tlaloc-serving-v3", mpath)
+    if windowed is not None and not (1 <= windowed.ring_pages and windowed.num_blocks >= 2):
+        raise _refuse(f"model.windowedKv: ringPages {windowed.ring_pages} and numBlocks "
+                      f"{windowed.num_blocks} cannot hold a ring", mpath)
 
     # Weights: each file exists and holds exactly dtype x shape bytes.
     for w in weights:
@@ -527,7 +566,7 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     if not entries:
         raise _refuse("the manifest has no entries", mpath)
     return Artifact(root, schema, model, batch_ladder, context_ladder, entries, weights, pools,
-                    manifest)
+                    manifest, windowed)
 
 
 def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFile],
@@ -545,9 +584,10 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
                 raise _refuse(f"entry {entry.name}: weight slot {s.slot} is {w.dtype} "
                               f"{list(w.shape)} in the weight table but {s.dtype} "
                               f"{list(s.shape)} in the program", prog_path)
-        if s.role in (KV_POOL_IN,):
+        if s.role in POOL_IN_ROLES:
             p = pools.get(s.pool)
-            if p is None or (p.dtype, p.shape) != (s.dtype, s.shape):
+            want_class = "windowed" if s.role == WINDOW_KV_POOL_IN else "full"
+            if p is None or (p.dtype, p.shape, p.pool_class) != (s.dtype, s.shape, want_class):
                 raise _refuse(f"entry {entry.name}: input {s.name} does not match KV pool "
                               f"{s.pool} of the manifest", prog_path)
     for s in prog.outputs:
@@ -562,12 +602,13 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
             raise _refuse(f"entry {entry.name}: donation pair output {o.name} {o.dtype} "
                           f"{list(o.shape)} and input {i.name} {i.dtype} {list(i.shape)} differ "
                           f"in shape or dtype", prog_path)
-        if (o.role, i.role) != (KV_POOL_OUT, KV_POOL_IN) or o.pool != i.pool:
+        if (o.role, i.role) not in ((KV_POOL_OUT, KV_POOL_IN),
+                                    (WINDOW_KV_POOL_OUT, WINDOW_KV_POOL_IN)) or o.pool != i.pool:
             raise _refuse(f"entry {entry.name}: donation pair ({o.name}, {i.name}) does not pair "
                           f"a KV_POOL_OUT with the KV_POOL_IN of the same pool", prog_path)
     donated_inputs = {i for _, i in prog.donation}
-    for idx, s in prog.inputs_with_role(KV_POOL_IN):
-        if idx not in donated_inputs:
+    for idx, s in enumerate(prog.inputs):
+        if s.role in POOL_IN_ROLES and idx not in donated_inputs:
             raise _refuse(f"entry {entry.name}: KV pool input {s.name} has no donation pair",
                           prog_path)
 

@@ -99,7 +99,7 @@ class TritonPythonModel:
             reclaim_allowance_s=int(params["reclaim_allowance_microseconds"]) / 1e6)
         self.metrics = TritonMetrics(args["model_name"])
         self.batcher = Batcher(Engine(self.runtime), policy, observer=self.metrics)
-        self.metrics.state(0, self.batcher.engine.pages.free, 0)
+        self.metrics.state(self.batcher.pool_state(), 0)
         self.batcher.start()
         rt = self.runtime
         log.info("model %s loaded in %.1f s: %s, %d entries (%d compiled, %d from the cache), "
@@ -164,8 +164,10 @@ class TritonMetrics:
 
         pages_used = family("tlaloc_kv_pages_used", "KV pages held by sequences", F.GAUGE)
         pages_free = family("tlaloc_kv_pages_free", "KV pages free", F.GAUGE)
-        self.pages_used = {"full": pages_used.Metric(labels={**self.labels, "pool": "full"})}
-        self.pages_free = {"full": pages_free.Metric(labels={**self.labels, "pool": "full"})}
+        self.pages_used = {pool: pages_used.Metric(labels={**self.labels, "pool": pool})
+                           for pool in ("full", "windowed")}
+        self.pages_free = {pool: pages_free.Metric(labels={**self.labels, "pool": pool})
+                           for pool in ("full", "windowed")}
         self.sequences = family("tlaloc_sequences_held", "Sequences holding state in the "
                                 "backend", F.GAUGE).Metric(labels=self.labels)
         self._executions = family("tlaloc_executions_total", "Entry executions by kind",
@@ -210,9 +212,10 @@ class TritonMetrics:
         self.reclaimed_sequences.increment(sequences)
         self.reclaimed_pages.increment(pages)
 
-    def state(self, pages_used, pages_free, sequences):
-        self.pages_used["full"].set(pages_used)
-        self.pages_free["full"].set(pages_free)
+    def state(self, pools, sequences):
+        for pool, (used, free) in pools.items():
+            self.pages_used[pool].set(used)
+            self.pages_free[pool].set(free)
         self.sequences.set(sequences)
 
 

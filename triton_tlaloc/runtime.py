@@ -24,10 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifest import (KV_POOL_IN, KV_POOL_OUT, LOGITS, STEP_ROLES, WEIGHT, Artifact, Entry,
+from .manifest import (LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, STEP_ROLES, WEIGHT,
+                       WINDOW_STEP_ROLES, Artifact, Entry,
                        load_artifact, numpy_dtype, strip_aliasing)
 
 log = logging.getLogger("triton_tlaloc.runtime")
+
+# The inputs a call supplies (the rest are pools and weights the runtime holds).
+CALL_ROLES = STEP_ROLES + WINDOW_STEP_ROLES
 
 # How many runs have their pools' addresses checked: the first CHECKED_RUNS runs, and the first
 # run of every entry (design section 6: checking every run costs host time for nothing).
@@ -198,7 +202,7 @@ class Runtime:
 
     def check_step_inputs(self, entry: Entry, step: dict[str, np.ndarray]) -> None:
         """Shape and dtype of every step input against the program; PJRT checks only bytes."""
-        for _, spec in ((i, s) for i, s in enumerate(entry.program.inputs) if s.role in STEP_ROLES):
+        for spec in (s for s in entry.program.inputs if s.role in CALL_ROLES):
             if spec.role not in step:
                 raise StepInputError(f"entry {entry.name}: step input {spec.role} is missing")
             a = step[spec.role]
@@ -219,9 +223,9 @@ class Runtime:
         prog = entry.program
         args = []
         for spec in prog.inputs:
-            if spec.role in STEP_ROLES:
+            if spec.role in CALL_ROLES:
                 args.append(self.device.put(step[spec.role]))
-            elif spec.role == KV_POOL_IN:
+            elif spec.role in POOL_IN_ROLES:
                 args.append(self.pools[spec.pool])
             elif spec.role == WEIGHT:
                 args.append(self.weights[spec.slot])
@@ -230,14 +234,14 @@ class Runtime:
         check = (self.check_every_run or self.donation.runs < CHECKED_RUNS
                  or entry_name not in self.donation.entries_checked)
         before = ({s.pool: self.pools[s.pool].unsafe_buffer_pointer()
-                   for s in prog.inputs if s.role == KV_POOL_IN} if check else None)
+                   for s in prog.inputs if s.role in POOL_IN_ROLES} if check else None)
         outs = self.device.execute(exe, args)
         del args
         logits = None
         for spec, out in zip(prog.outputs, outs):
             if spec.role == LOGITS:
                 logits = np.array(out)  # a copy: no view of a device buffer is kept
-            elif spec.role == KV_POOL_OUT:
+            elif spec.role in POOL_OUT_ROLES:
                 self.pools[spec.pool] = out
         self.donation.runs += 1
         if check:

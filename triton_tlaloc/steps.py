@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .manifest import BLOCK_TABLES, POSITIONS, SEQ_LENS, SLOT_MAPPING, TOKEN_IDS, Entry
+from .manifest import (BLOCK_TABLES, POSITIONS, SEQ_LENS, SLOT_MAPPING, TOKEN_IDS,
+                       WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING, Entry)
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,17 @@ class Row:
     tokens: tuple[int, ...]
     start: int  # position of tokens[0]
     pages: tuple[int, ...]  # the sequence's pages in logical order
+    ring: tuple[int, ...] = ()  # its ring of windowed pages (schema v3): block b on ring[b % R]
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
 
 
-def build_step(entry: Entry, rows: list[Row], block_size: int) -> dict[str, np.ndarray]:
+def build_step(entry: Entry, rows: list[Row], block_size: int,
+               ring_pages: int = 0) -> dict[str, np.ndarray]:
+    """The step inputs of one call; with `ring_pages` (a windowed pool) also the window block
+    table (entry b: the ring page of block b) and the window slots."""
     b, t = entry.batch, entry.tokens_per_seq
     m = entry.context // block_size
     assert 1 <= len(rows) <= b, f"{entry.name}: {len(rows)} rows for batch {b}"
@@ -39,18 +44,37 @@ def build_step(entry: Entry, rows: list[Row], block_size: int) -> dict[str, np.n
         n = len(row.tokens)
         assert 1 <= n <= t, f"{entry.name}: a row of {n} tokens, the entry takes {t}"
         assert row.end <= entry.context, f"{entry.name}: position {row.end - 1} past its context"
-        assert len(row.pages) <= m and len(row.pages) * block_size >= row.end, \
+        # A model with only windowed layers holds no full-history pages (its rows have none).
+        assert len(row.pages) <= m and (len(row.pages) * block_size >= row.end
+                                        or (ring_pages and not row.pages)), \
             f"{entry.name}: {len(row.pages)} pages do not hold {row.end} positions"
         pos = np.arange(row.start, row.end, dtype=np.int64)
-        pages = np.asarray(row.pages, dtype=np.int64)
         token_ids[r, t - n:] = row.tokens
         # Padding tokens take the first token's position (they are never written and their
         # outputs are dropped): no position in a call is below its earliest real one, which
         # blockwise attention with a window relies on.
         positions[r, :t - n] = row.start
         positions[r, t - n:] = pos
-        slot_mapping[r, t - n:] = pages[pos // block_size] * block_size + pos % block_size
+        if row.pages:
+            pages = np.asarray(row.pages, dtype=np.int64)
+            slot_mapping[r, t - n:] = pages[pos // block_size] * block_size + pos % block_size
         block_tables[r, :len(row.pages)] = row.pages
         seq_lens[r] = row.end
-    return {TOKEN_IDS: token_ids, POSITIONS: positions, BLOCK_TABLES: block_tables,
+    step = {TOKEN_IDS: token_ids, POSITIONS: positions, BLOCK_TABLES: block_tables,
             SEQ_LENS: seq_lens, SLOT_MAPPING: slot_mapping}
+    if ring_pages:
+        window_tables = np.zeros((b, m), np.int32)
+        window_slots = np.full((b, t), -1, np.int32)
+        for r, row in enumerate(rows):
+            n = len(row.tokens)
+            blocks = -(-row.end // block_size)
+            assert len(row.ring) == min(blocks, ring_pages), \
+                f"{entry.name}: a ring of {len(row.ring)} pages for {blocks} blocks"
+            ring = np.asarray(row.ring, dtype=np.int64)
+            window_tables[r, :min(blocks, m)] = ring[np.arange(min(blocks, m)) % len(ring)]
+            pos = np.arange(row.start, row.end, dtype=np.int64)
+            window_slots[r, t - n:] = (ring[(pos // block_size) % ring_pages] * block_size
+                                       + pos % block_size)
+        step[WINDOW_BLOCK_TABLES] = window_tables
+        step[WINDOW_SLOT_MAPPING] = window_slots
+    return step
