@@ -29,6 +29,7 @@ from triton_tlaloc.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.client import (InferError, TlalocClient, metric, new_sequence_id,  # noqa: E402
                                   scrape_metrics)
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
+from triton_tlaloc.manifest import load_artifact  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.server import TritonServer  # noqa: E402
 from triton_tlaloc.tokenizer import ArtifactTokenizer  # noqa: E402
@@ -91,6 +92,12 @@ def build(work: Path) -> dict:
             export_artifact(ckpt, arts[family][1], ExportOptions(
                 batch_ladder=(1, 2, 4), context_ladder=(32, 64), block_size=4, prefill_chunk=16,
                 attention_block=16))
+    # The same gemma3_text weights with full-history pages: the windowed pool's reference.
+    arts["gemma3_text_full"] = (arts["gemma3_text"][0], work / "art-gemma3_text-full")
+    if not (arts["gemma3_text_full"][1] / "tlaloc-serving.json").exists():
+        export_artifact(arts["gemma3_text"][0], arts["gemma3_text_full"][1], ExportOptions(
+            batch_ladder=(1, 2, 4), context_ladder=(32, 64), block_size=4, prefill_chunk=16,
+            attention_block=16, windowed_kv=False))
     small_ckpt = work / "ckpt-small"
     if not small_ckpt.exists():
         shutil.copytree(arts["llama"][0], small_ckpt)
@@ -474,8 +481,36 @@ def main() -> int:
                     ok_batched = sum(g == w for g, w in zip(got, want[family]))
                     return (f"alone {'equal' if ok_alone else 'differs'}; batched {ok_batched}/4 "
                             f"equal", ok_alone and ok_batched == 4)
-                table.run(f"{protocol}: tiny {family} (sliding window 8, prompts of 26-40), 16 "
-                          f"greedy ids alone and 4 batched", "equal to transformers", windowed)
+                table.run(f"{protocol}: tiny {family} (window 8 in a windowed pool of rings, "
+                          f"prompts of 26-40), 16 greedy ids alone and 4 batched",
+                          "equal to transformers", windowed)
+
+            def windowed_vs_full():
+                """The windowed model against full-history pages, sent the same calls: the
+                logits of every request, and KV_PAGES as the sequence grows."""
+                ring = load_artifact(arts["gemma3_text"][1]).windowed.ring_pages
+                prompt = window_prompts[3]
+                logs, pages = {}, []
+                for model in ("gemma3_text", "gemma3_text_full"):
+                    with client(model) as c:
+                        sid = new_sequence_id()
+                        logits, kv = c.infer(sid, prompt, start=True, want_pages=True)
+                        out = [logits]
+                        for _ in range(20):
+                            logits, kv = c.infer(sid, [int(np.argmax(logits))], want_pages=True)
+                            out.append(logits)
+                            if model == "gemma3_text":
+                                pages.append(tuple(int(x) for x in kv))
+                        c.infer(sid, [], end=True)
+                    logs[model] = out
+                worst = max(float(np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b))))
+                            for a, b in zip(logs["gemma3_text"], logs["gemma3_text_full"]))
+                ring_ok = max(w for _, w in pages) <= ring and pages[-1][0] > pages[0][0]
+                return (f"worst {worst:.1e} of the largest logit over 21 requests; KV_PAGES "
+                        f"{pages[0]} -> {pages[-1]} (ring {ring})", worst <= 1e-5 and ring_ok)
+            table.run(f"{protocol}: gemma3_text windowed pool against full-history pages",
+                      "logits within 1e-5; windowed pages <= ringPages as full pages grow",
+                      windowed_vs_full)
 
             def control():
                 with client("llama_wrong_theta") as c:

@@ -81,6 +81,21 @@ def test_windowed_equals_full_history_and_transformers(models, family):
         assert seq.pages == [], "mistral: every layer is windowed, no full-history pages"
 
 
+def test_a_long_prompt_through_the_batcher_equals_the_engine(models):
+    """The backend admits a whole prompt (its ring reserved up front) and runs it in calls the
+    ring can hold; each call's ring is the part its blocks reach."""
+    art = models["gemma3_text"]["windowed"]
+    rt = Runtime(art)
+    batcher = Batcher(Engine(rt), BatchPolicy(cohort_wait_s=0.0, prefill_wait_s=0.0))
+    got = []
+    batcher.submit(Request("s", PROMPT, True, False, got.append))
+    batcher.run_pending()
+    want, *_ = stepwise_logits(art, steps=0)
+    assert got[0].error is None, got[0].error
+    assert logits_error(got[0].logits, want[0]) <= TOL
+    assert got[0].kv_pages == (8, 4)
+
+
 def test_kv_pages_through_the_batcher(models):
     """KV_PAGES: the windowed pages stay at most ringPages as the full pages grow."""
     rt = Runtime(models["gemma3_text"]["windowed"])

@@ -22,7 +22,9 @@ def _cmd_export(args) -> int:
                          prefill_max_batch=args.prefill_max_batch, block_size=args.block_size,
                          num_blocks=args.num_blocks, weight_dtype=args.weight_dtype,
                          model_name=args.model_name, prefill_chunk=args.prefill_chunk,
-                         attention_block=args.attention_block)
+                         attention_block=args.attention_block,
+                         windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
+                         ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks)
     checkpoint = args.checkpoint
     if checkpoint == "smollm2":
         from .checkpoint import smollm2_gguf_path
@@ -185,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="tokens per prefill call (tokensPerSeq); longer prompts run in several "
                         "calls (default: the entry's whole context)")
+    p.add_argument("--windowed-kv", choices=("true", "false"), default=None,
+                   help="sliding layers in a windowed pool of rings (schema v3; default: true "
+                        "when the model has sliding layers); false: full-history pages")
+    p.add_argument("--ring-spare-pages", type=int, default=1,
+                   help="pages a ring holds beyond one window")
+    p.add_argument("--window-blocks", type=int, default=None,
+                   help="pages per windowed pool (default: as many rings as the full pool holds "
+                        "sequences of the largest context)")
     p.add_argument("--attention-block", type=int, default=2048,
                    help="key block of blockwise attention in prefill entries whose context "
                         "spans several")

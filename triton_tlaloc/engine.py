@@ -217,10 +217,11 @@ class Engine:
             self._reserve(s, s.num_cached + len(feed))
         # A row's block table names the pages up to its call's end: a sequence may hold more
         # (admitted for a whole prompt that runs in chunks) than a small entry's table holds.
-        rows = [Row(tuple(feed), s.num_cached,
-                    tuple(s.pages[:pages_for(s.num_cached + len(feed), self.block_size)]),
-                    tuple(s.ring))
-                for s, feed in zip(seqs, feeds)]
+        rows = []
+        for s, feed in zip(seqs, feeds):
+            blocks = pages_for(s.num_cached + len(feed), self.block_size)
+            rows.append(Row(tuple(feed), s.num_cached, tuple(s.pages[:blocks]),
+                            tuple(s.ring[:min(blocks, self.ring_pages)])))
         self.last_entry = entry.name
         self.executions += 1
         logits = self.rt.run(entry.name, build_step(entry, rows, self.block_size,

@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""KV bytes per sequence of an artifact, full-history pages against the windowed pool, at three
+context sizes, computed from its manifest (design section 3's table).
+
+    .venv/bin/python scripts/kv_bytes.py ARTIFACT [--positions 64,256,1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from triton_tlaloc.manifest import load_artifact, numpy_dtype  # noqa: E402
+from triton_tlaloc.pages import pages_for  # noqa: E402
+
+
+def per_sequence(art, positions: int) -> tuple[int, int]:
+    """(bytes with every layer full-history, bytes with the artifact's windowed pool)."""
+    m, w = art.model, art.windowed
+    page = m.block_size * m.kv_heads * m.head_size * numpy_dtype(m.kv_dtype).itemsize * 2
+    blocks = pages_for(positions, m.block_size)
+    full = m.layers * blocks * page
+    if w is None:
+        return full, full
+    ring = min(blocks, w.ring_pages)
+    return full, ((m.layers - len(w.layers)) * blocks + len(w.layers) * ring) * page
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("artifact")
+    ap.add_argument("--positions", default="64,256,1024")
+    args = ap.parse_args()
+    art = load_artifact(args.artifact)
+    w = art.windowed
+    print(f"{art.model.model_name}: {art.model.layers} layers"
+          + (f", {len(w.layers)} windowed (window {w.window}, rings of {w.ring_pages} pages of "
+             f"{art.model.block_size})" if w else ", no windowed pool"))
+    print("| positions | full history, all layers | windowed pool | ratio |")
+    print("|---:|---:|---:|---:|")
+    for n in (int(x) for x in args.positions.split(",")):
+        full, windowed = per_sequence(art, n)
+        print(f"| {n:,} | {full / 1024:,.1f} KiB | {windowed / 1024:,.1f} KiB | "
+              f"{full / windowed:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
