@@ -221,3 +221,14 @@ def test_end_without_tokens_for_a_sequence_already_gone_is_acknowledged(artifact
     h.send("gone", [], end=True)
     h.run()
     assert h.last("gone").error is None and h.last("gone").kv_pages == (0, 0)
+
+
+def test_choose_reclaim_covers_every_pool():
+    """With a windowed pool, victims must cover the need in both pools."""
+    cands = [("a", {"full": 4, "windowed": 0}, 1.0), ("b", {"full": 0, "windowed": 3}, 2.0),
+             ("c", {"full": 1, "windowed": 1}, 3.0)]
+    assert choose_reclaim(cands, {"full": 2, "windowed": 1}, now=100.0, idle_limit=10.0) == \
+        ["a", "b"]
+    assert choose_reclaim(cands, {"full": 0, "windowed": 4}, now=100.0, idle_limit=10.0) == \
+        ["a", "b", "c"]
+    assert choose_reclaim(cands, {"full": 6, "windowed": 0}, now=100.0, idle_limit=10.0) == []

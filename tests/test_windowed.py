@@ -73,6 +73,11 @@ def test_windowed_equals_full_history_and_transformers(models, family):
     want, want_logits = reference_greedy(load_reference(m["ckpt"]), PROMPT, STEPS)
     assert ids_win == ids_full == want
     assert logits_error(win[0], want_logits) <= 1e-4
+    # chunked through the rings against the whole prompt in one call with full-history pages
+    whole = export_artifact(m["ckpt"], m["full"].parent / f"art-{family}-whole",
+                            ExportOptions(**{**OPTS, "prefill_chunk": None}, windowed_kv=False))
+    one_call, ids_whole, *_ = stepwise_logits(whole, steps=STEPS)
+    assert logits_error(win[0], one_call[0]) <= TOL and ids_whole == ids_win
     # the ring never grows past its pages while the full-history pages grow with the sequence
     assert len(seq.ring) == 4
     if family == "gemma3_text":
