@@ -46,6 +46,15 @@ class Tiny:
             self._ckpts[key] = make_tiny_checkpoint(path, family, layers=layers, tied=tied)
         return self._ckpts[key]
 
+    def window_checkpoint(self, family: str) -> Path:
+        """mistral (window 8 on every layer) or gemma3_text (sliding, sliding, full, sliding;
+        window 8; tied head)."""
+        key = (family, "window")
+        if key not in self._ckpts:
+            self._ckpts[key] = make_tiny_checkpoint(self.work / f"ckpt-{family}", family,
+                                                    tied=family == "gemma3_text", seed=5)
+        return self._ckpts[key]
+
     def artifact(self, family: str, tied: bool, weight_dtype: str = "f32", layers: int = 2,
                  **overrides) -> Path:
         opts = {**TINY_OPTS, **overrides}

@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from oracle import load_reference, logits_error, make_tiny_checkpoint, reference_greedy
+from oracle import load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
@@ -21,14 +21,8 @@ OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=4)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(work):
-    out = {}
-    for family in ("mistral", "gemma3_text"):
-        path = work / f"ckpt-{family}"
-        if not path.exists():
-            make_tiny_checkpoint(path, family, tied=family == "gemma3_text", seed=5)
-        out[family] = path
-    return out
+def checkpoints(tiny):
+    return {family: tiny.window_checkpoint(family) for family in ("mistral", "gemma3_text")}
 
 
 def run(art, prompt=PROMPT):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from oracle import load_reference, logits_error, make_tiny_checkpoint, reference_greedy
+from oracle import load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.batcher import Batcher, BatchPolicy, Request
 from triton_tlaloc.engine import Engine
@@ -23,12 +23,10 @@ TOL = 1e-5  # windowed against full-history: the same sums over other key sets (
 
 
 @pytest.fixture(scope="module")
-def models(work):
+def models(tiny, work):
     out = {}
     for family in ("mistral", "gemma3_text"):
-        ckpt = work / f"ckpt-{family}"
-        if not ckpt.exists():
-            make_tiny_checkpoint(ckpt, family, tied=family == "gemma3_text", seed=5)
+        ckpt = tiny.window_checkpoint(family)
         out[family] = {
             "ckpt": ckpt,
             "windowed": export_artifact(ckpt, work / f"art-{family}-windowed",

@@ -48,8 +48,16 @@ def one_pass(q, k_pool, v_pool, block_tables, positions, seq_lens, window=None, 
     scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
     s, mask = _masked_scores(q, keys, jnp.arange(context, dtype=jnp.int32), positions, seq_lens,
                              scale, window)
-    neg = jnp.finfo(jnp.float32).min
-    s = jnp.where(mask, s, neg)
+    return _softmax_pv(s, mask, values)
+
+
+def _softmax_pv(s, mask, values):
+    """Softmax over the live keys and P.V: [b,kh,g,t,c] scores and mask, [b,c,kh,d] values ->
+    [b,t,kh,g,d]. Masked keys add exactly nothing; a token with no live key comes out 0."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
     p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)) * mask
     total = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(total > 0, total, 1.0)
@@ -132,11 +140,4 @@ def ring(q, k_pool, v_pool, ring_tables, positions, seq_lens, window: int, perio
     held = last - jnp.mod(last - slot, period)  # [b, width]: the position in each slot
     kp, pos = held[:, None, :], positions[:, :, None]
     mask = (kp >= 0) & (kp <= pos) & (kp > pos - window) & (seq_lens > 0)[:, None, None]
-    mask = mask[:, None, None, :, :]
-    neg = jnp.finfo(jnp.float32).min
-    s = jnp.where(mask, s, neg)
-    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)) * mask
-    total = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(total > 0, total, 1.0)
-    return jnp.einsum("bkgtc,bckd->btkgd", p, values.astype(jnp.float32),
-                      precision=lax.Precision.HIGHEST)
+    return _softmax_pv(s, mask[:, None, None, :, :], values)

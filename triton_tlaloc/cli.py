@@ -15,6 +15,20 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _report(args, prompt_ids, generated_ids, text, finish_reason, prefill_ms, ms_per_token,
+            where: str, extra: dict) -> None:
+    """What `tlaloc run` and `tlaloc generate` print: the text and timings, or one JSON object."""
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt_ids, "generated_ids": generated_ids, "text": text,
+                          "finish_reason": finish_reason, "prefill_ms": round(prefill_ms, 3),
+                          "ms_per_token": round(ms_per_token, 3), **extra}))
+    else:
+        print(text if text is not None else " ".join(map(str, generated_ids)))
+        print(f"[{where}{len(prompt_ids)} prompt tokens, prompt {prefill_ms:.1f} ms; "
+              f"{len(generated_ids)} tokens, {ms_per_token:.2f} ms per token (median); finish: "
+              f"{finish_reason}]", file=sys.stderr)
+
+
 def _cmd_export(args) -> int:
     from .export import ExportOptions, export_artifact
 
@@ -64,23 +78,10 @@ def _cmd_run(args) -> int:
         stop = set()
     result = engine.generate_greedy(prompt_ids, args.max_new_tokens, tuple(sorted(stop)))
     text = tok.decode(result.generated_ids) if tok is not None else None
-    if args.json:
-        print(json.dumps({
-            "prompt_ids": result.prompt_ids,
-            "generated_ids": result.generated_ids,
-            "text": text,
-            "finish_reason": result.finish_reason,
-            "prefill_ms": round(result.prefill_ms, 3),
-            "ms_per_token": round(result.median_ms_per_token, 3),
-            "decode_ms": [round(x, 3) for x in result.decode_ms_per_token],
-            "pools_in_place": rt.donation.in_place,
-            "pools_copied": rt.donation.copied,
-        }))
-    else:
-        print(text if text is not None else " ".join(map(str, result.generated_ids)))
-        print(f"[{len(result.prompt_ids)} prompt tokens, prefill {result.prefill_ms:.1f} ms; "
-              f"{len(result.generated_ids)} tokens, {result.median_ms_per_token:.2f} ms per token "
-              f"(median); finish: {result.finish_reason}]", file=sys.stderr)
+    _report(args, result.prompt_ids, result.generated_ids, text, result.finish_reason,
+            result.prefill_ms, result.median_ms_per_token, "", {
+                "decode_ms": [round(x, 3) for x in result.decode_ms_per_token],
+                "pools_in_place": rt.donation.in_place, "pools_copied": rt.donation.copied})
     return 0
 
 
@@ -154,16 +155,8 @@ def _cmd_generate(args) -> int:
             print(f"tlaloc generate: the server refused: {e}", file=sys.stderr)
             return 1
     text = tok.decode(gen.generated_ids) if tok is not None else None
-    if args.json:
-        print(json.dumps({"prompt_ids": gen.prompt_ids, "generated_ids": gen.generated_ids,
-                          "text": text, "finish_reason": gen.finish_reason,
-                          "prefill_ms": round(gen.prefill_ms, 3),
-                          "ms_per_token": round(gen.ms_per_token, 3)}))
-    else:
-        print(text if text is not None else " ".join(map(str, gen.generated_ids)))
-        print(f"[{args.protocol}: {len(gen.prompt_ids)} prompt tokens, prompt {gen.prefill_ms:.1f} "
-              f"ms; {len(gen.generated_ids)} tokens, {gen.ms_per_token:.2f} ms per token (median);"
-              f" finish: {gen.finish_reason}]", file=sys.stderr)
+    _report(args, gen.prompt_ids, gen.generated_ids, text, gen.finish_reason, gen.prefill_ms,
+            gen.ms_per_token, f"{args.protocol}: ", {})
     return 0
 
 
