@@ -129,6 +129,8 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
     name = slot.name
     if name == "embed":
         return ckpt.tensor("model.embed_tokens.weight")
+    if name == "embed_t":  # tied: stored once, [hidden, vocab]
+        return ckpt.tensor("model.embed_tokens.weight").T
     if name == "final_norm":
         return _norm_weight(cfg, ckpt.tensor("model.norm.weight"))
     if name == "lm_head":
