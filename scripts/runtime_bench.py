@@ -94,6 +94,30 @@ def compile_cache_ratio(artifact: Path) -> dict:
                 "entries": len(second.executables)}
 
 
+def rows_ratio(artifact: Path, context: int, rows: int = 4) -> dict:
+    """The decode executable alone, 1 row against `rows` rows (medians of 20 runs each)."""
+    from triton_tlaloc.runtime import Runtime
+    from triton_tlaloc.steps import Row, build_step
+
+    names = [f"decode_b1_c{context}", f"decode_b{rows}_c{context}"]
+    rt = Runtime(artifact, entries=names)
+    bs = rt.artifact.model.block_size
+    out = {}
+    for name, b in zip(names, (1, rows)):
+        entry = rt.artifact.entries[name]
+        step = build_step(entry, [Row((5,), 40, tuple(range(1 + 4 * r, 5 + 4 * r)))
+                                  for r in range(b)], bs)
+        for _ in range(3):
+            rt.run(name, step)
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            rt.run(name, step)
+            times.append(time.perf_counter() - t0)
+        out[b] = statistics.median(times) * 1e3
+    return {"one_row_ms": out[1], f"{rows}_rows_ms": out[rows], "ratio": out[rows] / out[1]}
+
+
 def run_tlaloc(artifact: Path, question: str, tokens: int) -> dict:
     proc = subprocess.run([sys.executable, "-m", "triton_tlaloc.cli", "run", str(artifact),
                            "--chat", "--prompt", question, "--max-new-tokens", str(tokens + 1),
@@ -156,10 +180,11 @@ def main() -> int:
     gguf = smollm2_gguf_path()
     arts = {}
     for dtype in ("f32", "bf16"):
-        out = args.out / f"smollm2-{dtype}-c{args.context}"
+        out = args.out / f"smollm2-{dtype}-c{args.context}-b14"
         if not (out / "tlaloc-serving.json").is_file():
             t0 = time.perf_counter()
-            export_artifact(gguf, out, ExportOptions(batch_ladder=(1,), context_ladder=(args.context,),
+            export_artifact(gguf, out, ExportOptions(batch_ladder=(1, 4),
+                                                     context_ladder=(args.context,),
                                                      weight_dtype=dtype))
             log(f"exported {out} in {time.perf_counter() - t0:.1f} s")
         arts[dtype] = out
@@ -168,6 +193,8 @@ def main() -> int:
     cache = compile_cache_ratio(arts["f32"])
     log("read bandwidth ...")
     bw = measure_bandwidth()
+    log("1 row against 4 rows ...")
+    rows = {dtype: rows_ratio(arts[dtype], args.context) for dtype in ("f32", "bf16")}
 
     configs = [("tlaloc run", "f32"), ("tlaloc run", "bf16"), ("transformers", "f32"),
                ("transformers", "bf16")]
@@ -185,7 +212,7 @@ def main() -> int:
                 samples[c].append(res)
 
     result = {"cache": cache, "bandwidth": bw, "tokens": args.tokens, "rounds": args.rounds,
-              "decode": {}}
+              "decode": {}, "rows": rows}
     print(f"\nSmolLM2-135M-Instruct (GGUF Q4_1 dequantized), decode of {args.tokens} tokens, "
           f"medians of {max(1, args.rounds - 1)} rounds; read bandwidth {bw['read_gbps']:.1f} GB/s "
           f"(numpy {bw['numpy_gbps']:.1f}, XLA {bw['xla_gbps']:.1f})\n")
@@ -206,6 +233,9 @@ def main() -> int:
           f"(compile {cache['first_compile_s']:.2f} s), second load {cache['second_load_s']:.2f} s "
           f"(cache {cache['second_compile_s']:.2f} s): {cache['first_load_s'] / cache['second_load_s']:.1f}x "
           f"faster")
+    for dtype, r in rows.items():
+        print(f"decode executable, {dtype}: 1 row {r['one_row_ms']:.1f} ms, 4 rows "
+              f"{r['4_rows_ms']:.1f} ms: {r['ratio']:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "runtime_bench.json").write_text(json.dumps(result, indent=1))
     return 0

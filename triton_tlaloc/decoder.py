@@ -42,14 +42,17 @@ class WeightSlot:
         return weight_dtype if self.kind in ("linear", "embed") else "f32"
 
 
-def weight_slots(cfg: DecoderConfig) -> list[WeightSlot]:
+def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32") -> list[WeightSlot]:
     h, d = cfg.hidden_size, cfg.head_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    # A tied table is stored once, [hidden, vocab]: the head's [in, out] layout (XLA's CPU dot
-    # against a [vocab, hidden] table contracting [1] x [1] took 62.6 ms at 4 rows against 6.4 ms
-    # for this layout, FACTS.md); the embedding gathers its columns. An untied table stays
-    # [vocab, hidden] (row gathers) beside its own lm_head.
-    slots = [WeightSlot("embed_t", (h, cfg.vocab_size), "embed") if cfg.tie_word_embeddings
+    # A tied f32 table is stored once, [hidden, vocab]: the head's [in, out] layout (XLA's CPU
+    # dot against a [vocab, hidden] table contracting [1] x [1] took 62.6 ms at 4 rows against
+    # 6.4 ms for this layout, FACTS.md); the embedding gathers its columns. A tied bf16 table
+    # stays [vocab, hidden] with the [1] x [1] head: measured on SmolLM2, the bf16 [in, out] head
+    # at one row made a decode step 198 ms against 121 ms. An untied table stays [vocab, hidden]
+    # (row gathers) beside its own lm_head.
+    transposed = cfg.tie_word_embeddings and weight_dtype == "f32"
+    slots = [WeightSlot("embed_t", (h, cfg.vocab_size), "embed") if transposed
              else WeightSlot("embed", (cfg.vocab_size, h), "embed")]
     for i in range(cfg.num_layers):
         slots += [
@@ -108,7 +111,7 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
     for p in pools:
         role = WINDOW_KV_POOL_IN if p.pool_class == "windowed" else KV_POOL_IN
         inputs.append(TensorSpec(f"{p.name}.in", role, p.dtype, p.shape, pool=p.name))
-    for s in weight_slots(cfg):
+    for s in weight_slots(cfg, weight_dtype):
         inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, s.dtype(weight_dtype), s.shape, slot=s.name))
     outputs = [TensorSpec("logits", LOGITS, "f32", (b, cfg.vocab_size))]
     for p in pools:
@@ -127,7 +130,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
     from .attention import blockwise, one_pass, ring
 
-    slots = weight_slots(cfg)
+    slots = weight_slots(cfg, weight_dtype)
+    transposed_table = any(s.name == "embed_t" for s in slots)
     n_pools = 2 * cfg.num_layers
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
     group = heads // kv_heads
@@ -164,7 +168,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         m = block_tables.shape[1]
         context = m * block_size
 
-        if cfg.tie_word_embeddings:  # columns of the [hidden, vocab] table
+        if transposed_table:  # columns of the [hidden, vocab] table
             x = jnp.moveaxis(jnp.take(w["embed_t"], token_ids, axis=1), 0, -1)
         else:
             x = jnp.take(w["embed"], token_ids, axis=0)
@@ -261,7 +265,13 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
         last = rms_norm(x[:, -1, :], w["final_norm"])  # rows are right-aligned
         # The head: a tied model's reads the embedding table (the same buffer as the gather).
-        logits = linear(last, w["embed_t"] if cfg.tie_word_embeddings else w["lm_head"])
+        if transposed_table:
+            logits = linear(last, w["embed_t"])
+        elif cfg.tie_word_embeddings:  # bf16: contract the hidden axes, [1] x [1]
+            logits = lax.dot_general(last.astype(jnp.bfloat16), w["embed"],
+                                     (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        else:
+            logits = linear(last, w["lm_head"])
         return (logits, *new_pools)
 
     return fn

@@ -164,7 +164,7 @@ def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, ou
     written = []
     total = 0
     t0 = time.perf_counter()
-    for idx, slot in enumerate(weight_slots(cfg)):
+    for idx, slot in enumerate(weight_slots(cfg, opts.weight_dtype)):
         dtype = slot.dtype(opts.weight_dtype)
         arr = slot_tensor(ckpt, cfg, slot)
         if tuple(arr.shape) != slot.shape:
