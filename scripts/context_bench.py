@@ -123,8 +123,8 @@ def main() -> int:
 
     result = {"model": args.model, "protocol": args.protocol, "runs": args.runs,
               "contexts": {}, "concurrency": {}}
-    print(f"| context | prompt | prefill | tokens/s | 1 seq ms/step | 2 seqs | 4 seqs | "
-          f"4 seqs tokens/s | executions per 64 steps (1/2/4) |")
+    print("| context | prompt | prefill | tokens/s | 1 seq ms/step | 2 seqs | 4 seqs | "
+          "4 seqs tokens/s | executions per 64 steps (1/2/4) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for ctx in contexts:
         n = max(1, ctx - STEPS - 8)  # the prompt and the steps fit the bucket

@@ -38,7 +38,6 @@ def one_pass(q, k_pool, v_pool, block_tables, positions, seq_lens, window=None, 
     seq_lens [b]; window: a sliding window in positions or None; scale: the score scale (default
     head_size ** -0.5). Returns [b,t,kh,g,d] f32."""
     import jax.numpy as jnp
-    from jax import lax
 
     b, m = block_tables.shape
     _, block_size, kh, d = k_pool.shape
