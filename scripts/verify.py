@@ -168,6 +168,15 @@ def continue_greedy(client, seq_id, logits, steps) -> list[int]:
 
 # ---------------------------------------------------------------- batching and page policy
 
+def run_parallel(fn, n: int, timeout: float | None = 300.0) -> None:
+    """fn(0) .. fn(n - 1) on n threads at once; returns when all are done."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def metrics_delta(server, fn):
     """Run fn(); returns (its result, a function giving a tlaloc_/nv_ metric's change)."""
     before = scrape_metrics(server.metrics_url, prefix="")
@@ -217,13 +226,7 @@ def four_paused_sequences(server, url, protocol, model, steps=15, seed=0):
             c.infer(sid, [], end=True)
             got[i] = ids
 
-    def run():
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-    _, delta = metrics_delta(server, run)
+    _, delta = metrics_delta(server, lambda: run_parallel(worker, 4))
     return int(delta("tlaloc_executions_total", model=model, kind="decode")), got == solo
 
 
@@ -241,13 +244,7 @@ def prompts_together(server, url, protocol, model, n):
             barrier.wait()
             got[i] = c.generate_greedy(prompts[i], 8).generated_ids
 
-    def run():
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-    _, delta = metrics_delta(server, run)
+    _, delta = metrics_delta(server, lambda: run_parallel(worker, n))
     return int(delta("tlaloc_executions_total", model=model, kind="prefill")), got == solo
 
 
@@ -374,11 +371,7 @@ def soak(server, arts, seconds, table):
                 except Exception as e:
                     with lock:
                         errors.append(f"{type(e).__name__}: {e}")
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_parallel(worker, 16, timeout=None)  # the soak ends at its own deadline
     # Abandoned sequences hold their pages until reclaimed: the books must balance exactly.
     log = server.log_text()
     reclaimed = {sid for sid, _ in abandoned if f"reclaimed sequence {sid}:" in log}
@@ -472,11 +465,7 @@ def main() -> int:
                     def run(i):
                         with client(family) as c:
                             got[i] = c.generate_greedy(window_prompts[i], 16).generated_ids
-                    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-                    for t in threads:
-                        t.start()
-                    for t in threads:
-                        t.join(300)
+                    run_parallel(run, 4)
                     ok_alone = alone == want[family][0]
                     ok_batched = sum(g == w for g, w in zip(got, want[family]))
                     return (f"alone {'equal' if ok_alone else 'differs'}; batched {ok_batched}/4 "
@@ -529,11 +518,7 @@ def main() -> int:
                 def run(i):
                     with client("llama") as c:
                         got[i] = c.generate_greedy(prompts[i], 12).generated_ids
-                threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(300)
+                run_parallel(run, 4)
                 same = sum(g == s for g, s in zip(got, solo))
                 return f"{same}/4 equal to their solo runs", same == 4
             table.run(f"{protocol}: four concurrent sequences", "4/4 equal to solo", concurrent)

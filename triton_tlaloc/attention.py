@@ -18,6 +18,16 @@ from __future__ import annotations
 import numpy as np
 
 
+def _gather(k_pool, v_pool, tables):
+    """The pages a table names, per row: [b, pages x block, kh, d] keys and values."""
+    import jax.numpy as jnp
+
+    b, n = tables.shape
+    _, block_size, kh, d = k_pool.shape
+    return tuple(jnp.take(pool, tables, axis=0).reshape(b, n * block_size, kh, d)
+                 for pool in (k_pool, v_pool))
+
+
 def _masked_scores(q, keys, key_pos, positions, seq_lens, scale, window):
     """q [b,t,kh,g,d], keys [b,c,kh,d], key_pos [c] -> (scores [b,kh,g,t,c], mask [b,1,1,t,c]).
     A token at position p sees the keys at p - window + 1 .. p (all up to p without a window)."""
@@ -42,8 +52,7 @@ def one_pass(q, k_pool, v_pool, block_tables, positions, seq_lens, window=None, 
     b, m = block_tables.shape
     _, block_size, kh, d = k_pool.shape
     context = m * block_size
-    keys = jnp.take(k_pool, block_tables, axis=0).reshape(b, context, kh, d)
-    values = jnp.take(v_pool, block_tables, axis=0).reshape(b, context, kh, d)
+    keys, values = _gather(k_pool, v_pool, block_tables)
     scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
     s, mask = _masked_scores(q, keys, jnp.arange(context, dtype=jnp.int32), positions, seq_lens,
                              scale, window)
@@ -95,8 +104,7 @@ def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: i
         run_max, run_sum, acc = carry
         pages = lax.dynamic_slice_in_dim(block_tables, j * pages_per_block, pages_per_block,
                                          axis=1)
-        keys = jnp.take(k_pool, pages, axis=0).reshape(b, key_block, kh, d)
-        values = jnp.take(v_pool, pages, axis=0).reshape(b, key_block, kh, d)
+        keys, values = _gather(k_pool, v_pool, pages)
         key_pos = j * key_block + jnp.arange(key_block, dtype=jnp.int32)
         s, mask = _masked_scores(q, keys, key_pos, positions, seq_lens, scale, window)
         s = jnp.where(mask, s, neg)
@@ -129,8 +137,7 @@ def ring(q, k_pool, v_pool, ring_tables, positions, seq_lens, window: int, perio
     b, r = ring_tables.shape
     _, block_size, kh, d = k_pool.shape
     width = r * block_size
-    keys = jnp.take(k_pool, ring_tables, axis=0).reshape(b, width, kh, d)
-    values = jnp.take(v_pool, ring_tables, axis=0).reshape(b, width, kh, d)
+    keys, values = _gather(k_pool, v_pool, ring_tables)
     scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
     s = jnp.einsum("btkgd,bckd->bkgtc", q, keys.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST) * scale

@@ -25,7 +25,7 @@ from .checkpoint import DecoderConfig
 from .manifest import (BLOCK_TABLES, KV_POOL_IN, KV_POOL_OUT, LOGITS, POSITIONS, SEQ_LENS,
                        SLOT_MAPPING, TOKEN_IDS, WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN,
                        WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING, KvPool, Program, TensorSpec,
-                       WindowedKv, dtype_name)
+                       WindowedKv)
 
 
 @dataclass(frozen=True)
@@ -293,4 +293,4 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
 
 
 __all__ = ["WeightSlot", "weight_slots", "kv_pools", "entry_program", "make_entry_fn",
-           "lower_entry", "dtype_name"]
+           "lower_entry"]

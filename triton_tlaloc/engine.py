@@ -204,13 +204,11 @@ class Engine:
         if end > self.art.max_context:
             raise RequestError(f"{end} positions exceed the largest context "
                                f"{self.art.max_context}", "context")
-        fits = [e for e in self.art.entries.values()
-                if e.name in self.rt.executables and e.kind == kind and e.batch >= batch
-                and e.context >= end and e.tokens_per_seq >= tokens]
-        if not fits:
+        entry = self.art.smallest_entry(kind, batch, end, tokens, among=self.rt.executables)
+        if entry is None:
             raise RequestError(f"no {kind} entry holds {batch} rows of {tokens} tokens reaching "
                                f"position {end - 1}")
-        return min(fits, key=lambda e: (e.context, e.batch, e.tokens_per_seq))
+        return entry
 
     def _call(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:
         for s, feed in zip(seqs, feeds):

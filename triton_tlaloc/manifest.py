@@ -138,14 +138,6 @@ class Program:
     outputs: tuple[TensorSpec, ...]
     donation: tuple[tuple[int, int], ...]  # (output index, input index)
 
-    def inputs_with_role(self, role: str) -> list[tuple[int, TensorSpec]]:
-        return [(i, s) for i, s in enumerate(self.inputs) if s.role == role]
-
-    def input(self, role: str) -> TensorSpec:
-        found = self.inputs_with_role(role)
-        assert len(found) == 1, f"{self.entry}: expected one {role} input, found {len(found)}"
-        return found[0][1]
-
     def to_json(self) -> dict:
         return {
             "entry": self.entry,
@@ -322,12 +314,14 @@ class Artifact:
         return sorted((e for e in self.entries.values() if e.kind == kind),
                       key=lambda e: (e.context, e.batch))
 
-    def smallest_entry(self, kind: str, batch: int, context: int, tokens: int = 1) -> Entry | None:
-        """The smallest entry of a kind that holds `batch` rows of `tokens` tokens reaching
-        position `context - 1`: smallest context first (the work grows with it), then batch."""
+    def smallest_entry(self, kind: str, batch: int, context: int, tokens: int = 1,
+                       among=None) -> Entry | None:
+        """The smallest entry of a kind (of those named in `among`, default all) that holds
+        `batch` rows of `tokens` tokens reaching position `context - 1`: smallest context first
+        (the work grows with it), then batch."""
         fits = [e for e in self.entries.values()
-                if e.kind == kind and e.batch >= batch and e.context >= context
-                and e.tokens_per_seq >= tokens]
+                if (among is None or e.name in among) and e.kind == kind and e.batch >= batch
+                and e.context >= context and e.tokens_per_seq >= tokens]
         return min(fits, key=lambda e: (e.context, e.batch, e.tokens_per_seq), default=None)
 
     @property

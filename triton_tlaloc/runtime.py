@@ -265,5 +265,3 @@ class Runtime:
         """A host copy of one pool (tests): never a view, which would stop donation."""
         return np.array(self.pools[name], copy=True)
 
-    def reset_pools(self) -> None:
-        self.pools = self._allocate_pools()
