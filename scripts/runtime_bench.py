@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Runtime benchmark, no server: printed ratios measured side by side in one run.
+"""The side-by-side benchmark: printed ratios measured in one run.
 
 1. The compile cache: a second load of SmolLM2 against the first (fresh cache).
-2. SmolLM2-135M-Instruct decode, ms per token, f32 and bf16 weights: through `tlaloc run`,
-   against transformers' generate on the same checkpoint (the GGUF, dequantized), and against
-   the floor: the bytes a step reads over a read bandwidth measured in this run.
+2. SmolLM2-135M-Instruct decode, ms per token, f32 and bf16 weights, each three ways: through
+   Triton (a real tritonserver serving both artifacts, greedy over gRPC with `tlaloc generate`),
+   through `tlaloc run` (no server), and transformers' generate on the same checkpoint (the
+   GGUF, dequantized); against the floor: the bytes a step reads over a read bandwidth measured
+   in this run. The prompt's prefill time and tokens/s the same three ways.
+3. The decode executable alone at 1 row and at 4 rows.
 
-Method: each measurement runs in its own process, the four decode configurations in turn, for
+Method: each measurement runs in its own process, the six decode configurations in turn, for
 several rounds (changing one thing at a time); each round has a unique prompt; the first round
 is a warm-up and is not counted; a figure is the median over the counted rounds of the median
 step in each. Run it on an otherwise idle machine:
@@ -126,6 +129,16 @@ def run_tlaloc(artifact: Path, question: str, tokens: int) -> dict:
             "prompt_tokens": len(out["prompt_ids"])}
 
 
+def run_triton(url: str, model: str, question: str, tokens: int) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "triton_tlaloc.cli", "generate", "--url", url,
+                           "--protocol", "grpc", "--model", model, "--chat", "--prompt", question,
+                           "--max-new-tokens", str(tokens + 1), "--ignore-eos", "--json"],
+                          capture_output=True, text=True, check=True)
+    out = json.loads(proc.stdout)
+    return {"ms_per_token": out["ms_per_token"], "prefill_ms": out["prefill_ms"],
+            "prompt_tokens": len(out["prompt_ids"])}
+
+
 def hf_worker(gguf: str, dtype: str, question: str, tokens: int) -> None:
     """In a child process: transformers' greedy generate; ms per token from the difference
     between a (tokens + 1)-token generate and a 1-token one (which is the prefill)."""
@@ -195,20 +208,34 @@ def main() -> int:
     log("1 row against 4 rows ...")
     rows = {dtype: rows_ratio(arts[dtype], args.context) for dtype in ("f32", "bf16")}
 
-    configs = [("tlaloc run", "f32"), ("tlaloc run", "bf16"), ("transformers", "f32"),
-               ("transformers", "bf16")]
+    from triton_tlaloc.repository import write_repository
+    from triton_tlaloc.server import TritonServer
+
+    configs = [(path, dtype) for dtype in ("f32", "bf16")
+               for path in ("triton", "tlaloc run", "transformers")]
     samples: dict = {c: [] for c in configs}
-    for r in range(args.rounds):
-        for c in configs:
-            question = QUESTIONS[(r * len(configs) + configs.index(c)) % len(QUESTIONS)]
-            question = f"{question} (round {r})"  # unique prompts
-            path, dtype = c
-            res = (run_tlaloc(arts[dtype], question, args.tokens) if path == "tlaloc run"
-                   else run_hf(gguf, dtype, question, args.tokens))
-            log(f"round {r}{' (warm-up)' if r == 0 else ''}: {path} {dtype}: "
-                f"{res['ms_per_token']:.2f} ms/token")
-            if r > 0 or args.rounds == 1:
-                samples[c].append(res)
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in ("f32", "bf16"):
+            write_repository(arts[dtype], Path(tmp) / "repo", f"smollm2-{dtype}")
+        with TritonServer(Path(tmp) / "repo", log_path=args.out / "tritonserver.log") as server:
+            log(f"tritonserver up at {server.grpc_url} (log {server.log_path})")
+            for r in range(args.rounds):
+                for c in configs:
+                    question = QUESTIONS[(r * len(configs) + configs.index(c)) % len(QUESTIONS)]
+                    question = f"{question} (round {r})"  # unique prompts
+                    path, dtype = c
+                    if path == "triton":
+                        res = run_triton(server.grpc_url, f"smollm2-{dtype}", question,
+                                         args.tokens)
+                    elif path == "tlaloc run":
+                        res = run_tlaloc(arts[dtype], question, args.tokens)
+                    else:
+                        res = run_hf(gguf, dtype, question, args.tokens)
+                    log(f"round {r}{' (warm-up)' if r == 0 else ''}: {path} {dtype}: "
+                        f"{res['ms_per_token']:.2f} ms/token, prompt of {res['prompt_tokens']} "
+                        f"tokens {res['prefill_ms']:.1f} ms")
+                    if r > 0 or args.rounds == 1:
+                        samples[c].append(res)
 
     result = {"cache": cache, "bandwidth": bw, "tokens": args.tokens, "rounds": args.rounds,
               "decode": {}, "rows": rows}
@@ -216,18 +243,26 @@ def main() -> int:
           f"medians of {max(1, args.rounds - 1)} rounds; read bandwidth {bw['read_gbps']:.1f} GB/s "
           f"(numpy {bw['numpy_gbps']:.1f}, XLA {bw['xla_gbps']:.1f})\n")
     print(f"{'path':<14}{'weights':<9}{'ms/token':>10}{'floor ms':>10}{'x floor':>9}"
-          f"{'x transformers':>16}{'prefill ms':>12}")
+          f"{'tok/s vs HF':>13}{'prompt':>8}{'prefill ms':>12}{'prefill tok/s':>15}"
+          f"{'vs HF':>8}")
     for path, dtype in configs:
-        ms = statistics.median(s["ms_per_token"] for s in samples[(path, dtype)])
-        pre = statistics.median(s["prefill_ms"] for s in samples[(path, dtype)])
+        mine = samples[(path, dtype)]
+        ms = statistics.median(s["ms_per_token"] for s in mine)
+        pre = statistics.median(s["prefill_ms"] for s in mine)
+        prompt = statistics.median(s["prompt_tokens"] for s in mine)
+        pre_tps = statistics.median(s["prompt_tokens"] / s["prefill_ms"] * 1e3 for s in mine)
         nbytes = step_bytes(arts[dtype])
         floor = nbytes / (bw["read_gbps"] * 1e9) * 1e3
-        hf = statistics.median(s["ms_per_token"] for s in samples[("transformers", dtype)])
-        result["decode"][f"{path} {dtype}"] = {"ms_per_token": ms, "floor_ms": floor,
-                                               "step_bytes": nbytes, "prefill_ms": pre,
-                                               "x_floor": ms / floor, "x_transformers": ms / hf}
+        hf = samples[("transformers", dtype)]
+        hf_ms = statistics.median(s["ms_per_token"] for s in hf)
+        hf_tps = statistics.median(s["prompt_tokens"] / s["prefill_ms"] * 1e3 for s in hf)
+        result["decode"][f"{path} {dtype}"] = {
+            "ms_per_token": ms, "floor_ms": floor, "step_bytes": nbytes, "prefill_ms": pre,
+            "prompt_tokens": prompt, "prefill_tokens_per_s": pre_tps, "x_floor": ms / floor,
+            "tokens_per_s_x_transformers": hf_ms / ms, "prefill_x_transformers": pre_tps / hf_tps}
         print(f"{path:<14}{dtype:<9}{ms:>10.2f}{floor:>10.2f}{ms / floor:>9.2f}"
-              f"{ms / hf:>16.2f}{pre:>12.1f}")
+              f"{hf_ms / ms:>13.2f}{prompt:>8.0f}{pre:>12.1f}{pre_tps:>15.0f}"
+              f"{pre_tps / hf_tps:>8.2f}")
     print(f"\ncompile cache ({cache['entries']} entries): first load {cache['first_load_s']:.2f} s "
           f"(compile {cache['first_compile_s']:.2f} s), second load {cache['second_load_s']:.2f} s "
           f"(cache {cache['second_compile_s']:.2f} s): {cache['first_load_s'] / cache['second_load_s']:.1f}x "

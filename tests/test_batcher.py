@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -232,3 +234,38 @@ def test_a_later_request_with_several_tokens_is_a_prefill_continuation(batcher, 
     a, b = col.last_logits("a"), col.last_logits("b")
     assert np.max(np.abs(a - b)) <= 1e-5 * max(1.0, np.max(np.abs(b)))
     assert len(batcher.sequences["a"].token_ids) == len(PROMPTS["a"]) + len(extra)
+
+
+def test_timing_log_accounts_for_each_call(runtime, tmp_path):
+    """The step profile's source: one CallTiming per call, its phases adding up to its total,
+    the executable's time taken from the runtime, and one JSON line each in the timing log."""
+    from triton_tlaloc.batcher import CallTiming, Observer, TimingLog
+
+    class Keep(Observer):
+        def __init__(self):
+            self.timings: list[CallTiming] = []
+
+        def timing(self, t):
+            self.timings.append(t)
+
+    keep, path = Keep(), tmp_path / "timing.jsonl"
+    log = TimingLog(str(path))
+    batcher = Batcher(Engine(runtime), NO_WAIT, clock=Clock(), observers=(keep, log))
+    col = Collector()
+    execute_before = runtime.phase_seconds["execute"]
+    batcher.submit_group([col.request("a", PROMPTS["a"], start=True),
+                          col.request("b", PROMPTS["b"], start=True)])
+    assert batcher.run_pending()
+    batcher.submit_group([col.request("a", [5]), col.request("b", [6])])
+    assert batcher.run_pending()
+    log.close()
+    assert [(t.kind, t.rows) for t in keep.timings] == [("prefill", 2), ("decode", 2)]
+    for t in keep.timings:
+        parts = [getattr(t, p) for p in CallTiming.PHASES]
+        assert min(parts[1:]) >= 0.0 and t.execute > 0.0, t
+        assert abs(sum(parts[1:]) - t.total) < 1e-6, t  # wait is before the round
+    assert abs(sum(t.execute for t in keep.timings)
+               - (runtime.phase_seconds["execute"] - execute_before)) < 1e-9
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(x["kind"], x["entry"]) for x in lines] == [(t.kind, t.entry) for t in keep.timings]
+    assert lines[1]["entry"] == "decode_b2_c32" and lines[1]["execute_ms"] > 0

@@ -133,3 +133,21 @@ def test_pools_in_place_100_of_100_and_copied_without_the_aliases(tiny):
     ids_copied, stats = results[False]
     assert (stats.runs, stats.checked_runs, stats.in_place, stats.copied) == (101, 101, 0, 101)
     assert ids_copied == ids_in_place
+
+
+def test_a_short_prompt_runs_in_a_small_prefill_entry_with_the_same_logits(tiny):
+    """The prefill token ladder: a 40-token prompt at the 128 context runs in the 64-token
+    entry, and its logits equal those of the 128-token entry (padding changes nothing)."""
+    art = tiny.artifact("llama", False)
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(40)]
+    small = Engine(Runtime(art, entries=["prefill_b1_c128_t64"]))
+    whole = Engine(Runtime(art, entries=["prefill_b1_c128"]))
+    assert small.rt.artifact.entries["prefill_b1_c128_t64"].tokens_per_seq == 64
+    got = small.prefill([small.new_sequence(prompt)])[0]
+    want = whole.prefill([whole.new_sequence(prompt)])[0]
+    assert small.rt.donation.entries_checked == {"prefill_b1_c128_t64"}
+    tol = SAME_TOL * max(1.0, float(np.max(np.abs(want))))
+    assert float(np.max(np.abs(got - want))) <= tol
+    # Negative control: a padding bug that lost the prompt's first token fails the check.
+    lost = whole.prefill([whole.new_sequence(prompt[1:])])[0]
+    assert float(np.max(np.abs(lost - want))) > tol

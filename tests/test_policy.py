@@ -33,6 +33,7 @@ class FakeRuntime:
         self.artifact = artifact
         self.executables = {name: None for name in artifact.entries}
         self.calls: list[tuple[str, int]] = []
+        self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
 
     def run(self, entry_name, step):
         tokens, positions, lens = step["TOKEN_IDS"], step["POSITIONS"], step["SEQ_LENS"]
@@ -135,7 +136,8 @@ def test_prompts_within_the_prefill_wait_merge(artifact):
     h.send("p", [1, 2], start=True)
     h.send("q", list(range(3, 43)), start=True)
     h.clock.advance(2 * MS)
-    assert sorted(h.run()) == [("prefill_b1_c128", 1), ("prefill_b1_c32", 1)]
+    # 40 tokens: the 128 context bucket, in its 64-token prefill entry
+    assert sorted(h.run()) == [("prefill_b1_c128_t64", 1), ("prefill_b1_c32", 1)]
 
 
 def test_triton_batching_control_runs_each_execute_call_as_it_came(artifact):

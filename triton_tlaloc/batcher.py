@@ -30,6 +30,7 @@ and a fake runner.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -111,8 +112,72 @@ class _Job:
     num_ring: int
 
 
-class BatcherStats:
-    """Counters kept by the batcher itself; also the interface of an observer (metrics)."""
+@dataclass
+class CallTiming:
+    """Where one call's time went, in seconds (the step profile, scripts/profile.py): the
+    longest wait of its requests (arrival in execute() to the start of its round), admission of
+    the round's requests, building the step inputs, putting them on the device, the executable,
+    the logits copy, the replies (responses built and sent), and the rest (the engine's own
+    bookkeeping). `total` is admission to the last reply sent."""
+
+    kind: str
+    entry: str
+    rows: int
+    tokens: int
+    wait: float
+    admit: float
+    build: float
+    inputs: float
+    execute: float
+    copy: float
+    respond: float
+    other: float
+    total: float
+
+    PHASES = ("wait", "admit", "build", "inputs", "execute", "copy", "respond", "other")
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "entry": self.entry, "rows": self.rows, "tokens": self.tokens,
+                **{f"{k}_ms": round(getattr(self, k) * 1e3, 4) for k in (*self.PHASES, "total")}}
+
+
+class Observer:
+    """What the batcher reports; every method is optional (a no-op here)."""
+
+    def call(self, kind: str, entry: str, rows: int, tokens: int, waits_s: list[float],
+             seconds: float, executions: int = 1) -> None:
+        pass
+
+    def refusal(self, reason: str) -> None:
+        pass
+
+    def reclaimed(self, sequences: int, pages: int) -> None:
+        pass
+
+    def state(self, pools: dict[str, tuple[int, int]], sequences: int) -> None:
+        """pools: name -> (pages used, pages free)."""
+
+    def timing(self, t: CallTiming) -> None:
+        pass
+
+
+class TimingLog(Observer):
+    """One JSON line per call (CallTiming) appended to a file: the backend's timing log, read
+    by scripts/profile.py. Opt-in (model parameter timing_log): a line is ~250 bytes a step."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "a", buffering=1)
+
+    def timing(self, t: CallTiming) -> None:
+        self._file.write(json.dumps(t.to_json()) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class BatcherStats(Observer):
+    """Counters kept by the batcher itself."""
 
     def __init__(self):
         self.calls = {"decode": 0, "prefill": 0}
@@ -140,19 +205,17 @@ class BatcherStats:
         self.sequences_reclaimed += sequences
         self.pages_reclaimed += pages
 
-    def state(self, pools: dict[str, tuple[int, int]], sequences: int) -> None:
-        """pools: name -> (pages used, pages free)."""
-
 
 class Batcher:
     def __init__(self, engine: Engine, policy: BatchPolicy = BatchPolicy(),
-                 clock: Callable[[], float] = time.monotonic, observer=None):
+                 clock: Callable[[], float] = time.monotonic, observers: tuple = ()):
         self.engine = engine
         self.policy = policy
         self.clock = clock
         self.sequences: dict[int | str, Sequence] = {}
         self.stats = BatcherStats()
-        self._observers = [self.stats] + ([observer] if observer is not None else [])
+        self._observers = [self.stats, *observers]
+        self._admit_seconds = 0.0  # admission of the current round's requests
         self._pending: deque[Request] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -286,11 +349,13 @@ class Batcher:
 
     def process(self, requests: list[Request]) -> None:
         decode, prefill = [], []
+        t0 = time.perf_counter()
         for r in requests:
             job = self._admit(r)
             if job is None:
                 continue
             (decode if r.is_decode else prefill).append(job)
+        self._admit_seconds = time.perf_counter() - t0  # charged to the round's first call
         if decode:
             for i in range(0, len(decode), self.max_decode_batch):
                 self._run("decode", decode[i:i + self.max_decode_batch])
@@ -419,6 +484,8 @@ class Batcher:
         t0 = self.clock()
         executions_before = self.engine.executions
         waits = [t0 - j.request.arrived for j in jobs]
+        phases_before = self.engine.phase_seconds()
+        t_call = time.perf_counter()
         try:
             if kind == "decode":
                 logits = self.engine.decode(seqs)
@@ -438,6 +505,7 @@ class Batcher:
                                             f"{type(e).__name__}: {e}", code=INTERNAL))
             return
         seconds = self.clock() - t0
+        t_called = time.perf_counter()
         if sum(self.stats.calls.values()) < LOGGED_CALLS:
             log.info("%s call %s: %d rows (sequences %s), %d tokens, in %.1f ms", kind,
                      self.engine.last_entry, len(jobs), [s.seq_id for s in seqs], tokens,
@@ -449,6 +517,14 @@ class Batcher:
             if j.request.end:
                 self._release(j.seq)
             j.request.reply(Reply(logits=row, kv_pages=pages))
+        t_done = time.perf_counter()
+        phases = {k: v - phases_before[k] for k, v in self.engine.phase_seconds().items()}
+        admit, self._admit_seconds = self._admit_seconds, 0.0
+        self._observe("timing", CallTiming(
+            kind, self.engine.last_entry, len(jobs), tokens, wait=max(waits), admit=admit,
+            **phases, respond=t_done - t_called,
+            other=(t_called - t_call) - sum(phases.values()),
+            total=admit + (t_done - t_call)))
 
     def _release(self, seq: Sequence) -> None:
         if self.sequences.get(seq.seq_id) is seq:

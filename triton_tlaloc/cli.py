@@ -15,6 +15,10 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _ints_or_none(text: str) -> tuple[int, ...]:
+    return () if text.strip().lower() == "none" else _ints(text)
+
+
 def _report(args, prompt_ids, generated_ids, text, finish_reason, prefill_ms, ms_per_token,
             where: str, extra: dict) -> None:
     """What `tlaloc run` and `tlaloc generate` print: the text and timings, or one JSON object."""
@@ -36,7 +40,7 @@ def _cmd_export(args) -> int:
                          prefill_max_batch=args.prefill_max_batch, block_size=args.block_size,
                          num_blocks=args.num_blocks, weight_dtype=args.weight_dtype,
                          model_name=args.model_name, prefill_chunk=args.prefill_chunk,
-                         attention_block=args.attention_block,
+                         attention_block=args.attention_block, prefill_tokens=args.prefill_tokens,
                          windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
                          ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks)
     checkpoint = args.checkpoint
@@ -180,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="tokens per prefill call (tokensPerSeq); longer prompts run in several "
                         "calls (default: the entry's whole context)")
+    p.add_argument("--prefill-tokens", type=_ints_or_none, default=None,
+                   help="tokensPerSeq of smaller prefill entries below each context's largest, "
+                        "so short prompts are not padded to the context (default: powers of two "
+                        "from 32; 'none': only the largest)")
     p.add_argument("--windowed-kv", choices=("true", "false"), default=None,
                    help="sliding layers in a windowed pool of rings (schema v3; default: true "
                         "when the model has sliding layers); false: full-history pages")

@@ -76,6 +76,17 @@ class TlalocClient:
             return {k: v.string_value for k, v in cfg.config.parameters.items()}
         return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
 
+    def inference_statistics(self) -> dict[str, tuple[int, int]]:
+        """Triton's cumulative statistics of the model: {"queue": (count, ns), "compute_input",
+        "compute_infer", "compute_output", "success"}."""
+        if self.protocol == "grpc":
+            stats = self._client.get_inference_statistics(self.model, as_json=True)
+        else:
+            stats = self._client.get_inference_statistics(self.model)
+        inference = stats["model_stats"][0]["inference_stats"]
+        return {k: (int(v.get("count", 0)), int(v.get("ns", 0))) for k, v in inference.items()
+                if k in ("success", "queue", "compute_input", "compute_infer", "compute_output")}
+
     def infer(self, seq_id, tokens, *, start: bool = False, end: bool = False,
               want_pages: bool = False) -> tuple[np.ndarray | None, np.ndarray | None]:
         """One request; returns (logits [vocab] or None, KV_PAGES [2] or None)."""

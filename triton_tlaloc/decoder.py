@@ -30,11 +30,13 @@ from .manifest import (BLOCK_TABLES, KV_POOL_IN, KV_POOL_OUT, LOGITS, POSITIONS,
 
 @dataclass(frozen=True)
 class WeightSlot:
-    """A weight as the artifact stores it: linears [in, out], q|k|v and gate|up fused."""
+    """A weight as the artifact stores it: q|k|v and gate|up fused; a linear is [in, out] in an
+    f32 artifact and [out, in] (the checkpoint's own layout) in a bf16 one (`out_first`)."""
 
     name: str
     shape: tuple[int, ...]
     kind: str  # "linear" | "norm" | "embed"
+    out_first: bool = False
 
     def dtype(self, weight_dtype: str) -> str:
         """Norm weights stay f32 (they are tiny and the norms compute in f32); linears and the
@@ -42,38 +44,54 @@ class WeightSlot:
         return weight_dtype if self.kind in ("linear", "embed") else "f32"
 
 
+def out_first_linears(weight_dtype: str) -> bool:
+    """Whether an artifact's linears are stored [out, in].
+
+    XLA's CPU backend turns a one-row dot into a fused multiply-reduce, and only fuses a widening
+    convert into it when the reduced axis is the weight's minor one: a bf16 [out, in] weight is
+    read once as bf16 (SmolLM2's layers at one row: 15 ms, against 190 ms for bf16 [in, out] and
+    27 ms for f32 [in, out]). An f32 artifact keeps [in, out]: its several-row decode and its
+    prefill run as GEMMs, which Eigen does 1.75x faster on [in, out] at 64 rows (FACTS.md,
+    docs/performance.md)."""
+    return weight_dtype != "f32"
+
+
 def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32") -> list[WeightSlot]:
     h, d = cfg.hidden_size, cfg.head_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    of = out_first_linears(weight_dtype)
+
+    def linear(name, n_in, n_out):
+        return WeightSlot(name, (n_out, n_in) if of else (n_in, n_out), "linear", of)
+
     # A tied f32 table is stored once, [hidden, vocab]: the head's [in, out] layout (XLA's CPU
     # dot against a [vocab, hidden] table contracting [1] x [1] took 62.6 ms at 4 rows against
-    # 6.4 ms for this layout, FACTS.md); the embedding gathers its columns. A tied bf16 table
-    # stays [vocab, hidden] with the [1] x [1] head: measured on SmolLM2, the bf16 [in, out] head
-    # at one row made a decode step 198 ms against 121 ms. An untied table stays [vocab, hidden]
-    # (row gathers) beside its own lm_head.
-    transposed = cfg.tie_word_embeddings and weight_dtype == "f32"
+    # 6.4 ms for this layout, FACTS.md); the embedding gathers its columns. A tied table in an
+    # [out, in] artifact is [vocab, hidden], which is already the head's [out, in]. An untied
+    # table stays [vocab, hidden] (row gathers) beside its own lm_head.
+    transposed = cfg.tie_word_embeddings and not of
     slots = [WeightSlot("embed_t", (h, cfg.vocab_size), "embed") if transposed
-             else WeightSlot("embed", (cfg.vocab_size, h), "embed")]
+             else WeightSlot("embed", (cfg.vocab_size, h), "embed", of)]
     for i in range(cfg.num_layers):
         slots += [
             WeightSlot(f"l{i}.attn_norm", (h,), "norm"),
-            WeightSlot(f"l{i}.qkv", (h, qkv), "linear"),
+            linear(f"l{i}.qkv", h, qkv),
         ]
         if cfg.qk_norm:
             slots += [WeightSlot(f"l{i}.q_norm", (d,), "norm"), WeightSlot(f"l{i}.k_norm", (d,), "norm")]
-        slots.append(WeightSlot(f"l{i}.o", (cfg.num_heads * d, h), "linear"))
+        slots.append(linear(f"l{i}.o", cfg.num_heads * d, h))
         if cfg.sandwich_norms:
             slots.append(WeightSlot(f"l{i}.post_attn_norm", (h,), "norm"))
         slots += [
             WeightSlot(f"l{i}.mlp_norm", (h,), "norm"),
-            WeightSlot(f"l{i}.gate_up", (h, 2 * cfg.intermediate_size), "linear"),
-            WeightSlot(f"l{i}.down", (cfg.intermediate_size, h), "linear"),
+            linear(f"l{i}.gate_up", h, 2 * cfg.intermediate_size),
+            linear(f"l{i}.down", cfg.intermediate_size, h),
         ]
         if cfg.sandwich_norms:
             slots.append(WeightSlot(f"l{i}.post_mlp_norm", (h,), "norm"))
     slots.append(WeightSlot("final_norm", (h,), "norm"))
     if not cfg.tie_word_embeddings:
-        slots.append(WeightSlot("lm_head", (h, cfg.vocab_size), "linear"))
+        slots.append(linear("lm_head", h, cfg.vocab_size))
     return slots
 
 
@@ -148,10 +166,39 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         var = jnp.mean(x * x, axis=-1, keepdims=True)
         return (x * lax.rsqrt(var + eps)) * w
 
-    def linear(x, w):
-        if bf16:  # bf16 weights stay bf16: the input is rounded to bf16, products sum in f32
-            return jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
-        return jnp.matmul(x, w, precision=highest)
+    # Rows of a decode call up to this many run as one matrix-vector product each (an [out, in]
+    # artifact): XLA fuses each into a read of the weight, where a GEMM would first widen the
+    # whole weight to f32. A weight small enough to stay in the last-level cache is read from
+    # memory once for all the rows.
+    matvec_rows = 8
+
+    def linear(x, w, out_first):
+        if bf16:  # bf16 weights: the input is rounded to bf16, products sum in f32
+            # reduce_precision rounds exactly as a bf16 round trip does, but XLA fuses a round
+            # trip of converts into every output of a matrix-vector product (SmolLM2 bf16 at one
+            # row: 22.4 ms against 11.9 ms).
+            x = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+        # The input is computed once, before the product: a reduce is a fusion boundary, and
+        # adding zero changes no value. Without it XLA fuses the norm (and the rounding) into
+        # the matrix-vector product and recomputes them for every output: SmolLM2 bf16 layers
+        # at 4 rows 56 ms against 27 ms, at 1 row 15 ms against 10.7 ms (docs/performance.md).
+        x = jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
+        if not out_first:
+            return jnp.matmul(x.astype(w.dtype), w, precision=highest,
+                              preferred_element_type=jnp.float32)
+        wf = w.astype(jnp.float32)  # fused into the reads below, never materialized at one row
+        lead, n_in = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, n_in)
+        # No precision=HIGHEST: both operands hold bf16 values, whose products TF32 and f32 hold
+        # exactly, and XLA's CPU matrix-vector emitter is 1.3x slower with it.
+        prec = None if bf16 else highest
+        if flat.shape[0] <= matvec_rows:
+            out = jnp.stack([jnp.dot(wf, r, precision=prec) for r in flat])
+        else:
+            out = lax.dot_general(flat, wf, (((1,), (1,)), ((), ())), precision=prec)
+        return out.reshape(*lead, w.shape[0])
+
+    of = out_first_linears(weight_dtype)
 
     def rope(x, cos, sin):
         half = d // 2
@@ -214,7 +261,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         for i in range(cfg.num_layers):
             k_pool, v_pool = pools[2 * i], pools[2 * i + 1]
             hdn = rms_norm(x, w[f"l{i}.attn_norm"])
-            qkv = linear(hdn, w[f"l{i}.qkv"])
+            qkv = linear(hdn, w[f"l{i}.qkv"], of)
             q = qkv[..., :heads * d].reshape(b, t, heads, d)
             k = qkv[..., heads * d:(heads + kv_heads) * d].reshape(b, t, kv_heads, d)
             v = qkv[..., (heads + kv_heads) * d:].reshape(b, t, kv_heads, d)
@@ -250,15 +297,15 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             else:
                 attn = one_pass(qg, k_pool, v_pool, block_tables, positions, seq_lens, window,
                                 scale)
-            attn = linear(attn.reshape(b, t, heads * d), w[f"l{i}.o"])
+            attn = linear(attn.reshape(b, t, heads * d), w[f"l{i}.o"], of)
             if cfg.sandwich_norms:
                 attn = rms_norm(attn, w[f"l{i}.post_attn_norm"])
             x = x + attn
 
             hdn = rms_norm(x, w[f"l{i}.mlp_norm"])
-            gu = linear(hdn, w[f"l{i}.gate_up"])
+            gu = linear(hdn, w[f"l{i}.gate_up"], of)
             gate, up = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
-            mlp = linear(act(gate) * up, w[f"l{i}.down"])
+            mlp = linear(act(gate) * up, w[f"l{i}.down"], of)
             if cfg.sandwich_norms:
                 mlp = rms_norm(mlp, w[f"l{i}.post_mlp_norm"])
             x = x + mlp
@@ -266,12 +313,11 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         last = rms_norm(x[:, -1, :], w["final_norm"])  # rows are right-aligned
         # The head: a tied model's reads the embedding table (the same buffer as the gather).
         if transposed_table:
-            logits = linear(last, w["embed_t"])
-        elif cfg.tie_word_embeddings:  # bf16: contract the hidden axes, [1] x [1]
-            logits = lax.dot_general(last.astype(jnp.bfloat16), w["embed"],
-                                     (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            logits = linear(last, w["embed_t"], False)
+        elif cfg.tie_word_embeddings:  # [vocab, hidden] is the head's [out, in]
+            logits = linear(last, w["embed"], True)
         else:
-            logits = linear(last, w["lm_head"])
+            logits = linear(last, w["lm_head"], of)
         return (logits, *new_pools)
 
     return fn

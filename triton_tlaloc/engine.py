@@ -78,6 +78,12 @@ class Engine:
         self.max_prefill_tokens = max((e.tokens_per_seq for e in prefill), default=0)
         self.last_entry = ""  # the entry of the latest call (logs and metrics)
         self.executions = 0  # entry executions so far (a chunked prompt makes several)
+        self.build_seconds = 0.0  # building step inputs, summed (the step profile)
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds spent so far in each phase of a call: building the step inputs, and the
+        runtime's (inputs to the device, the executable, the logits copy)."""
+        return {"build": self.build_seconds, **self.rt.phase_seconds}
 
     # ------------------------------------------------------------ sequences and pages
 
@@ -222,8 +228,10 @@ class Engine:
                             tuple(s.ring[:min(blocks, self.ring_pages)])))
         self.last_entry = entry.name
         self.executions += 1
-        logits = self.rt.run(entry.name, build_step(entry, rows, self.block_size,
-                                                    self.ring_pages))
+        t0 = time.perf_counter()
+        step = build_step(entry, rows, self.block_size, self.ring_pages)
+        self.build_seconds += time.perf_counter() - t0
+        logits = self.rt.run(entry.name, step)
         for s, feed in zip(seqs, feeds):
             s.num_cached += len(feed)
         return logits[:len(seqs)]

@@ -1,7 +1,7 @@
 """The exporter: a Hugging Face checkpoint or a GGUF file in, a Tlaloc serving artifact out.
 
-The weights are streamed: each tensor is read (a GGUF tensor dequantized), transposed to
-[in, out], converted to the weight dtype and written before the next is read. The entries are
+The weights are streamed: each tensor is read (a GGUF tensor dequantized), put in the
+artifact's layout (decoder.weight_slots), converted to the weight dtype and written before the next is read. The entries are
 lowered from ShapeDtypeStructs, so no weight is held while lowering. The artifact is written
 into a temporary directory beside OUT, validated with the same loader the backend uses, and
 only then moved into place: a failed export leaves no half-written artifact.
@@ -43,6 +43,9 @@ class ExportOptions:
     kv_dtype: str = "f32"
     model_name: str | None = None
     prefill_chunk: int | None = None  # tokensPerSeq of the prefill entries (None: the context)
+    # Smaller prefill entries below the largest, so a short prompt is not padded to a whole
+    # context: tokensPerSeq values (None: powers of two from 32; () none).
+    prefill_tokens: tuple[int, ...] | None = None
     attention_block: int = 2048  # key block of blockwise attention in prefill entries
     windowed_kv: bool | None = None  # None: a windowed pool when the model has sliding layers
     ring_spare_pages: int = 1  # pages a ring holds beyond one window
@@ -67,6 +70,8 @@ class ExportOptions:
             raise ExportError("--prefill-max-batch must be >= 1")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ExportError("--prefill-chunk must be >= 1")
+        if self.prefill_tokens is not None and any(t < 1 for t in self.prefill_tokens):
+            raise ExportError(f"--prefill-tokens {list(self.prefill_tokens)}: must be >= 1")
         if self.attention_block < 1 or self.attention_block % self.block_size:
             raise ExportError(f"--attention-block {self.attention_block}: not a positive "
                               f"multiple of the block size {self.block_size}")
@@ -103,6 +108,15 @@ class ExportOptions:
     def tokens_per_seq(self, context: int) -> int:
         return min(self.prefill_chunk, context) if self.prefill_chunk else context
 
+    def prefill_token_ladder(self, context: int) -> list[int]:
+        """tokensPerSeq of the prefill entries at a context, smallest first. A prompt runs in
+        the smallest that holds it: prefill's work grows with the tokens computed, padding
+        included (SmolLM2 f32: a 40-token prompt took 542 ms in a 256-token entry)."""
+        top = self.tokens_per_seq(context)
+        below = (self.prefill_tokens if self.prefill_tokens is not None
+                 else [2 ** k for k in range(5, top.bit_length())])
+        return sorted({t for t in below if t < top} | {top})
+
     def resolved_num_blocks(self) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
@@ -124,8 +138,9 @@ def _norm_weight(cfg: DecoderConfig, w: np.ndarray) -> np.ndarray:
 
 
 def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.ndarray:
-    """A weight slot's tensor from the checkpoint, in the artifact's layout ([in, out] linears,
-    q|k|v and gate|up fused), still in the checkpoint's dtype."""
+    """A weight slot's tensor from the checkpoint, in the artifact's layout (linears [in, out],
+    or [out, in] when the slot says so; q|k|v and gate|up fused), still in the checkpoint's
+    dtype."""
     name = slot.name
     if name == "embed":
         return ckpt.tensor("model.embed_tokens.weight")
@@ -133,11 +148,16 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
         return ckpt.tensor("model.embed_tokens.weight").T
     if name == "final_norm":
         return _norm_weight(cfg, ckpt.tensor("model.norm.weight"))
+    t = ckpt.tensor
+
+    def linear(*names):  # checkpoint linears are [out, in]; fused along out
+        w = np.concatenate([t(n) for n in names], axis=0) if len(names) > 1 else t(names[0])
+        return w if slot.out_first else w.T
+
     if name == "lm_head":
-        return ckpt.tensor("lm_head.weight").T
+        return linear("lm_head.weight")
     layer, part = name.split(".", 1)
     pre = f"model.layers.{int(layer[1:])}."
-    t = ckpt.tensor
     norms = ({"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
               "mlp_norm": "pre_feedforward_layernorm",
               "post_mlp_norm": "post_feedforward_layernorm"} if cfg.sandwich_norms else
@@ -147,14 +167,13 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
     if part in ("q_norm", "k_norm"):
         return _norm_weight(cfg, t(pre + f"self_attn.{part}.weight"))
     if part == "qkv":
-        return np.concatenate([t(pre + f"self_attn.{p}_proj.weight").T for p in "qkv"], axis=1)
+        return linear(*(pre + f"self_attn.{p}_proj.weight" for p in "qkv"))
     if part == "o":
-        return t(pre + "self_attn.o_proj.weight").T
+        return linear(pre + "self_attn.o_proj.weight")
     if part == "gate_up":
-        return np.concatenate([t(pre + "mlp.gate_proj.weight").T, t(pre + "mlp.up_proj.weight").T],
-                              axis=1)
+        return linear(pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight")
     if part == "down":
-        return t(pre + "mlp.down_proj.weight").T
+        return linear(pre + "mlp.down_proj.weight")
     raise AssertionError(f"unknown weight slot {name}")
 
 
@@ -276,11 +295,13 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
             plan.append(("decode", b, c, 1))
         for b in sorted(opts.batch_ladder):
             if opts.prefill_max_batch is None or b <= opts.prefill_max_batch:
-                plan.append(("prefill", b, c, opts.tokens_per_seq(c)))
+                plan += [("prefill", b, c, t) for t in opts.prefill_token_ladder(c)]
     entries = []
     for n, (kind, b, c, tps) in enumerate(plan, 1):
         t0 = time.perf_counter()
-        name = f"{kind}_b{b}_c{c}"
+        # The largest prefill entry of a (batch, context) keeps the plain name.
+        name = (f"{kind}_b{b}_c{c}" if kind == "decode" or tps == opts.tokens_per_seq(c)
+                else f"{kind}_b{b}_c{c}_t{tps}")
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
                                 opts.weight_dtype, opts.kv_dtype, windowed)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,

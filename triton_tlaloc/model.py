@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .batcher import INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, BatchPolicy, Reply, Request
+from .batcher import (INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, BatchPolicy, Observer, Reply,
+                      Request, TimingLog)
 from .engine import Engine
 from .manifest import load_artifact
 from .runtime import Runtime
@@ -33,6 +34,7 @@ DEFAULTS = {
     "compile_cache_dir": "",
     "platform": "",
     "tokenizer_dir": "",
+    "timing_log": "",
 }
 
 
@@ -97,7 +99,12 @@ class TritonPythonModel:
             idle_timeout_s=idle_us / 1e6,
             reclaim_allowance_s=int(params["reclaim_allowance_microseconds"]) / 1e6)
         self.metrics = TritonMetrics(args["model_name"])
-        self.batcher = Batcher(Engine(self.runtime), policy, observer=self.metrics)
+        observers = [self.metrics]
+        self.timing_log = TimingLog(params["timing_log"]) if params["timing_log"] else None
+        if self.timing_log is not None:
+            observers.append(self.timing_log)
+            log.info("timing log: one line per call in %s", params["timing_log"])
+        self.batcher = Batcher(Engine(self.runtime), policy, observers=tuple(observers))
         self.metrics.state(self.batcher.pool_state(), 0)
         self.batcher.start()
         rt = self.runtime
@@ -114,7 +121,7 @@ class TritonPythonModel:
         for r in requests:
             sender = r.get_response_sender()
             want_pages = "KV_PAGES" in r.requested_output_names()
-            reply_fn = _reply_fn(sender, want_pages)
+            reply_fn = _reply_fn(sender, want_pages, self.metrics)
             try:
                 tokens = pb_utils.get_input_tensor_by_name(r, "TOKENS").as_numpy().reshape(-1)
                 start = pb_utils.get_input_tensor_by_name(r, "START")
@@ -139,9 +146,11 @@ class TritonPythonModel:
             "unloading: %s calls, %s rows, refusals %s; pools in place %d/%d checked runs",
             stats.calls, stats.rows, stats.refusals or "none", d.in_place, d.checked_runs)
         self.batcher.stop()
+        if self.timing_log is not None:
+            self.timing_log.close()
 
 
-class TritonMetrics:
+class TritonMetrics(Observer):
     """The batcher's observer: Prometheus metrics on Triton's metrics port (README.md names
     them). Every metric carries the model's name as a label."""
 
@@ -179,6 +188,9 @@ class TritonMetrics:
         self.reclaimed_sequences = family(
             "tlaloc_sequences_reclaimed_total", "Sequences reclaimed after Triton ended them",
             F.COUNTER).Metric(labels=self.labels)
+        self._phases = family("tlaloc_call_phase_seconds_total", "Seconds spent in each phase "
+                              "of the calls (batcher.CallTiming), by kind of call", F.COUNTER)
+        self._phase_metrics: dict = {}
         self._by_label: dict = {}
         if self.has_histograms:
             self._batch = family("tlaloc_batch_size", "Rows per execution", F.HISTOGRAM)
@@ -187,6 +199,13 @@ class TritonMetrics:
             self.wait = family("tlaloc_backend_wait_seconds", "Time a request waits in the "
                                "backend before its execution starts", F.HISTOGRAM).Metric(
                 labels=self.labels, buckets=self.WAIT_BUCKETS)
+            self.send = family("tlaloc_response_send_seconds", "Time a response takes to hand "
+                               "over to Triton (the python backend's IPC)", F.HISTOGRAM).Metric(
+                labels=self.labels, buckets=self.WAIT_BUCKETS)
+
+    def sent(self, seconds: float) -> None:
+        if self.has_histograms:
+            self.send.observe(seconds)
 
     def _metric(self, family, key: str, value: str, buckets=None):
         k = (id(family), key, value)
@@ -207,6 +226,14 @@ class TritonMetrics:
     def refusal(self, reason):
         self._metric(self._refusals, "reason", reason).increment(1)
 
+    def timing(self, t):
+        for phase in t.PHASES:
+            key = (t.kind, phase)
+            if key not in self._phase_metrics:
+                self._phase_metrics[key] = self._phases.Metric(
+                    labels={**self.labels, "kind": t.kind, "phase": phase})
+            self._phase_metrics[key].increment(getattr(t, phase))
+
     def reclaimed(self, sequences, pages):
         self.reclaimed_sequences.increment(sequences)
         self.reclaimed_pages.increment(pages)
@@ -225,18 +252,33 @@ def _error_code(code: str):
             INTERNAL: pb_utils.TritonError.INTERNAL}[code]
 
 
-def _reply_fn(sender, want_pages: bool):
+def _reply_fn(sender, want_pages: bool, metrics: TritonMetrics | None = None):
+    """The function that answers one request: builds its response and sends it. Called exactly
+    once per request (batcher.Request.reply), always from one thread at a time: a send waits
+    for Triton's process to take the response (~1 ms, whatever its size), and sends from
+    several threads at once crashed tritonserver (boost::interprocess::lock_exception in
+    libtriton_python.so, docs/performance.md)."""
     def send(reply: Reply) -> None:
-        if reply.error is not None:
-            response = pb_utils.InferenceResponse(
-                output_tensors=[], error=pb_utils.TritonError(reply.error, _error_code(reply.code)))
-        else:
-            outputs = []
-            if reply.logits is not None:
-                outputs.append(pb_utils.Tensor("LOGITS", np.ascontiguousarray(
-                    reply.logits.reshape(1, -1), dtype=np.float32)))
-            if want_pages and reply.kv_pages is not None:
-                outputs.append(pb_utils.Tensor("KV_PAGES", np.array([reply.kv_pages], np.int32)))
-            response = pb_utils.InferenceResponse(output_tensors=outputs)
-        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        t0 = time.perf_counter()
+        try:
+            if reply.error is not None:
+                response = pb_utils.InferenceResponse(
+                    output_tensors=[],
+                    error=pb_utils.TritonError(reply.error, _error_code(reply.code)))
+            else:
+                outputs = []
+                if reply.logits is not None:
+                    outputs.append(pb_utils.Tensor("LOGITS", np.ascontiguousarray(
+                        reply.logits.reshape(1, -1), dtype=np.float32)))
+                if want_pages and reply.kv_pages is not None:
+                    outputs.append(pb_utils.Tensor("KV_PAGES",
+                                                   np.array([reply.kv_pages], np.int32)))
+                response = pb_utils.InferenceResponse(output_tensors=outputs)
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # a client gone away must not take a responder thread down
+            logging.getLogger("triton_tlaloc.model").exception("sending a response failed")
+            return
+        if metrics is not None:
+            metrics.sent(time.perf_counter() - t0)
+
     return send
