@@ -29,7 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from triton_tlaloc.client import TlalocClient, metric, new_sequence_id, scrape_metrics  # noqa: E402
+from triton_tlaloc.client import (METRICS_SETTLE_S, TlalocClient, metric,  # noqa: E402
+                                  new_sequence_id, scrape_metrics)
 
 STEPS = 16
 
@@ -46,7 +47,8 @@ class Bench:
         return [self.rng.randrange(10, self.args.vocab_hi) for _ in range(n)]
 
     def executions(self) -> float:
-        return metric(scrape_metrics(self.args.metrics), "tlaloc_executions_total",
+        return metric(scrape_metrics(self.args.metrics, settle_s=METRICS_SETTLE_S),
+                      "tlaloc_executions_total",
                       model=self.args.model, kind="decode")
 
     def prefill(self, n: int) -> float:

@@ -9,8 +9,9 @@
    in this run. The prompt's prefill time and tokens/s the same three ways.
 3. The decode executable alone at 1 row and at 4 rows.
 
-Method: each measurement runs in its own process, the six decode configurations in turn, for
-several rounds (changing one thing at a time); each round has a unique prompt; the first round
+Method: each measurement runs in its own process (warmed up first: transformers by a 2-token
+generate, `tlaloc run` by one untimed 2-token generation, the server by the warm-up round), the
+six decode configurations in turn, for several rounds (changing one thing at a time); each round has a unique prompt; the first round
 is a warm-up and is not counted; a figure is the median over the counted rounds of the median
 step in each. Run it on an otherwise idle machine:
 
@@ -97,33 +98,36 @@ def compile_cache_ratio(artifact: Path) -> dict:
 
 
 def rows_ratio(artifact: Path, context: int, rows: int = 4) -> dict:
-    """The decode executable alone, 1 row against `rows` rows (medians of 20 runs each)."""
+    """The decode executable alone, 1 row against `rows` rows: runs alternate between the two
+    (this machine's speed drifts), medians of 20 runs each."""
     from triton_tlaloc.runtime import Runtime
     from triton_tlaloc.steps import Row, build_step
 
     names = [f"decode_b1_c{context}", f"decode_b{rows}_c{context}"]
     rt = Runtime(artifact, entries=names)
     bs = rt.artifact.model.block_size
-    out = {}
+    steps = {}
     for name, b in zip(names, (1, rows)):
-        entry = rt.artifact.entries[name]
-        step = build_step(entry, [Row((5,), 40, tuple(range(1 + 4 * r, 5 + 4 * r)))
-                                  for r in range(b)], bs)
+        steps[b] = (name, build_step(rt.artifact.entries[name],
+                                     [Row((5,), 40, tuple(range(1 + 4 * r, 5 + 4 * r)))
+                                      for r in range(b)], bs))
         for _ in range(3):
-            rt.run(name, step)
-        times = []
-        for _ in range(20):
+            rt.run(*steps[b])
+    times: dict = {1: [], rows: []}
+    for _ in range(20):
+        for b in (1, rows):
             t0 = time.perf_counter()
-            rt.run(name, step)
-            times.append(time.perf_counter() - t0)
-        out[b] = statistics.median(times) * 1e3
+            rt.run(*steps[b])
+            times[b].append(time.perf_counter() - t0)
+    out = {b: statistics.median(t) * 1e3 for b, t in times.items()}
     return {"one_row_ms": out[1], f"{rows}_rows_ms": out[rows], "ratio": out[rows] / out[1]}
 
 
 def run_tlaloc(artifact: Path, question: str, tokens: int) -> dict:
     proc = subprocess.run([sys.executable, "-m", "triton_tlaloc.cli", "run", str(artifact),
                            "--chat", "--prompt", question, "--max-new-tokens", str(tokens + 1),
-                           "--ignore-eos", "--json"], capture_output=True, text=True, check=True)
+                           "--ignore-eos", "--json", "--warmup-runs", "1"],
+                          capture_output=True, text=True, check=True)
     out = json.loads(proc.stdout)
     return {"ms_per_token": out["ms_per_token"], "prefill_ms": out["prefill_ms"],
             "prompt_tokens": len(out["prompt_ids"])}

@@ -27,7 +27,7 @@ from oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # n
 
 from triton_tlaloc.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.client import (InferError, TlalocClient, metric, new_sequence_id,  # noqa: E402
-                                  scrape_metrics)
+                                  scrape_metrics, METRICS_SETTLE_S)
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.manifest import load_artifact  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
@@ -179,9 +179,9 @@ def run_parallel(fn, n: int, timeout: float | None = 300.0) -> None:
 
 def metrics_delta(server, fn):
     """Run fn(); returns (its result, a function giving a tlaloc_/nv_ metric's change)."""
-    before = scrape_metrics(server.metrics_url, prefix="")
+    before = scrape_metrics(server.metrics_url, prefix="", settle_s=METRICS_SETTLE_S)
     result = fn()
-    after = scrape_metrics(server.metrics_url, prefix="")
+    after = scrape_metrics(server.metrics_url, prefix="", settle_s=METRICS_SETTLE_S)
     return result, lambda name, **labels: metric(after, name, **labels) - metric(before, name,
                                                                                   **labels)
 
@@ -376,7 +376,7 @@ def soak(server, arts, seconds, table):
     log = server.log_text()
     reclaimed = {sid for sid, _ in abandoned if f"reclaimed sequence {sid}:" in log}
     expect_pages = sum(-(-n // 8) for sid, n in abandoned if sid not in reclaimed)
-    m = scrape_metrics(server.metrics_url)
+    m = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
     used = metric(m, "tlaloc_kv_pages_used", model=model)
     held = metric(m, "tlaloc_sequences_held", model=model)
     books = used == expect_pages and held == len(abandoned) - len(reclaimed)

@@ -193,15 +193,15 @@ def test_full_pool_refused_as_unavailable_then_the_same_request_succeeds(served,
 
 
 def test_metrics_on_the_metrics_port(served):
-    from triton_tlaloc.client import metric, scrape_metrics
+    from triton_tlaloc.client import METRICS_SETTLE_S, metric, scrape_metrics
 
     server, _ = served
-    before = scrape_metrics(server.metrics_url)
+    before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
     with use(client_for(served, "http"), "llama") as client:
         client.generate_greedy([1, 2, 3], 5)
         with pytest.raises(InferError):
             client.infer(new_sequence_id(), [1, 999], start=True)
-    after = scrape_metrics(server.metrics_url)
+    after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
 
     def delta(name, **labels):
         return metric(after, name, model="llama", **labels) - metric(before, name, model="llama",
@@ -217,3 +217,6 @@ def test_metrics_on_the_metrics_port(served):
     assert metric(after, "tlaloc_kv_pages_used", model="llama", pool="full") == 0
     assert metric(after, "tlaloc_kv_pages_free", model="llama", pool="full") == 32
     assert metric(after, "tlaloc_sequences_held", model="llama") == 0
+    # The step phases (batcher.CallTiming): the executable's share of the decode calls' time.
+    assert delta("tlaloc_call_phase_seconds_total", kind="decode", phase="execute") > 0
+    assert delta("tlaloc_response_send_seconds_count") >= 6

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,46 @@ def test_no_entry_copies_its_pools(tiny):
     assert pool_bytes > 2 * 2**20
     for name in temps[33]:
         assert temps[2049][name] == temps[33][name], (name, temps[2049][name], temps[33][name])
+
+
+def test_metrics_writer_applies_updates_on_its_own_thread_in_batches():
+    """metrics.MetricsWriter: counters summed, a gauge's last value, observations in order, all
+    applied by its thread (nothing on the caller's), and a last flush at close."""
+    import threading
+
+    from triton_tlaloc.metrics import MetricsWriter
+
+    class Fake:
+        def __init__(self):
+            self.calls, self.threads = [], set()
+
+        def _record(self, kind, v):
+            self.calls.append((kind, v))
+            self.threads.add(threading.current_thread().name)
+
+        def increment(self, v):
+            self._record("increment", v)
+
+        def set(self, v):
+            self._record("set", v)
+
+        def observe(self, v):
+            self._record("observe", v)
+
+    counter, gauge, hist = Fake(), Fake(), Fake()
+    writer = MetricsWriter(interval_s=0.5)  # first flush well after the updates below
+    for v in (1, 2, 3.5):
+        writer.increment(counter, v)
+        writer.set(gauge, v)
+        writer.observe(hist, v)
+    assert counter.calls == gauge.calls == hist.calls == []  # nothing on the caller's thread
+    deadline = time.monotonic() + 5
+    while not counter.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert counter.calls == [("increment", 6.5)]
+    assert gauge.calls == [("set", 3.5)]
+    assert hist.calls == [("observe", 1), ("observe", 2), ("observe", 3.5)]
+    assert counter.threads == {"tlaloc-metrics"}
+    writer.increment(counter, 4)
+    writer.close()  # flushes what is left
+    assert counter.calls[-1] == ("increment", 4)

@@ -114,7 +114,7 @@ class _Job:
 
 @dataclass
 class CallTiming:
-    """Where one call's time went, in seconds (the step profile, scripts/profile.py): the
+    """Where one call's time went, in seconds (the step profile, scripts/step_profile.py): the
     longest wait of its requests (arrival in execute() to the start of its round), admission of
     the round's requests, building the step inputs, putting them on the device, the executable,
     the logits copy, the replies (responses built and sent), and the rest (the engine's own
@@ -163,7 +163,7 @@ class Observer:
 
 class TimingLog(Observer):
     """One JSON line per call (CallTiming) appended to a file: the backend's timing log, read
-    by scripts/profile.py. Opt-in (model parameter timing_log): a line is ~250 bytes a step."""
+    by scripts/step_profile.py. Opt-in (model parameter timing_log): a line is ~250 bytes a step."""
 
     def __init__(self, path: str):
         self.path = path

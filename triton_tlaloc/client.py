@@ -140,11 +140,21 @@ class TlalocClient:
                     pass
 
 
-def scrape_metrics(url: str, prefix: str = "tlaloc_") -> dict[tuple[str, tuple], float]:
+# The backend applies its metric updates every 250 ms (metrics_interval_microseconds, on a
+# thread of their own): a scrape that must see the requests just answered waits this long.
+METRICS_SETTLE_S = 0.6
+
+
+def scrape_metrics(url: str, prefix: str = "tlaloc_", settle_s: float = 0.0,
+                   ) -> dict[tuple[str, tuple], float]:
     """Triton's Prometheus text at `url`, as {(name, sorted label pairs): value} for the metrics
-    whose name starts with `prefix`."""
+    whose name starts with `prefix`; after waiting `settle_s` (METRICS_SETTLE_S to see every
+    request answered so far)."""
     import re
     import urllib.request
+
+    if settle_s:
+        time.sleep(settle_s)
 
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()

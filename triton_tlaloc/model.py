@@ -21,6 +21,7 @@ from .batcher import (INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, BatchPolicy, 
                       Request, TimingLog)
 from .engine import Engine
 from .manifest import load_artifact
+from .metrics import MetricsWriter
 from .runtime import Runtime
 
 # Model config parameters and their defaults (README.md, "Model parameters").
@@ -35,6 +36,7 @@ DEFAULTS = {
     "platform": "",
     "tokenizer_dir": "",
     "timing_log": "",
+    "metrics_interval_microseconds": "250000",
 }
 
 
@@ -98,7 +100,8 @@ class TritonPythonModel:
             backend_batching=_bool(params["backend_batching"]),
             idle_timeout_s=idle_us / 1e6,
             reclaim_allowance_s=int(params["reclaim_allowance_microseconds"]) / 1e6)
-        self.metrics = TritonMetrics(args["model_name"])
+        self.metrics = TritonMetrics(args["model_name"],
+                                     int(params["metrics_interval_microseconds"]) / 1e6)
         observers = [self.metrics]
         self.timing_log = TimingLog(params["timing_log"]) if params["timing_log"] else None
         if self.timing_log is not None:
@@ -146,6 +149,7 @@ class TritonPythonModel:
             "unloading: %s calls, %s rows, refusals %s; pools in place %d/%d checked runs",
             stats.calls, stats.rows, stats.refusals or "none", d.in_place, d.checked_runs)
         self.batcher.stop()
+        self.metrics.writer.close()
         if self.timing_log is not None:
             self.timing_log.close()
 
@@ -158,9 +162,11 @@ class TritonMetrics(Observer):
     EXEC_BUCKETS = [1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
     SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, interval_s: float = 0.25):
         F = pb_utils.MetricFamily
         self.labels = {"model": model_name}
+        # Updates are applied on the writer's thread (metrics.py): each is an IPC round trip.
+        self.writer = MetricsWriter(interval_s)
         self.has_histograms = hasattr(F, "HISTOGRAM")
 
         # A MetricFamily must outlive its Metrics: every family is kept here.
@@ -205,7 +211,7 @@ class TritonMetrics(Observer):
 
     def sent(self, seconds: float) -> None:
         if self.has_histograms:
-            self.send.observe(seconds)
+            self.writer.observe(self.send, seconds)
 
     def _metric(self, family, key: str, value: str, buckets=None):
         k = (id(family), key, value)
@@ -215,16 +221,17 @@ class TritonMetrics(Observer):
         return self._by_label[k]
 
     def call(self, kind, entry, rows, tokens, waits_s, seconds, executions=1):
-        self._metric(self._executions, "kind", kind).increment(executions)
-        self._metric(self._tokens, "kind", kind).increment(tokens)
+        w = self.writer
+        w.increment(self._metric(self._executions, "kind", kind), executions)
+        w.increment(self._metric(self._tokens, "kind", kind), tokens)
         if self.has_histograms:
-            self._metric(self._batch, "kind", kind, self.SIZE_BUCKETS).observe(rows)
-            self._metric(self._exec, "kind", kind, self.EXEC_BUCKETS).observe(seconds)
-            for w in waits_s:
-                self.wait.observe(w)
+            w.observe(self._metric(self._batch, "kind", kind, self.SIZE_BUCKETS), rows)
+            w.observe(self._metric(self._exec, "kind", kind, self.EXEC_BUCKETS), seconds)
+            for wait in waits_s:
+                w.observe(self.wait, wait)
 
     def refusal(self, reason):
-        self._metric(self._refusals, "reason", reason).increment(1)
+        self.writer.increment(self._metric(self._refusals, "reason", reason), 1)
 
     def timing(self, t):
         for phase in t.PHASES:
@@ -232,17 +239,17 @@ class TritonMetrics(Observer):
             if key not in self._phase_metrics:
                 self._phase_metrics[key] = self._phases.Metric(
                     labels={**self.labels, "kind": t.kind, "phase": phase})
-            self._phase_metrics[key].increment(getattr(t, phase))
+            self.writer.increment(self._phase_metrics[key], getattr(t, phase))
 
     def reclaimed(self, sequences, pages):
-        self.reclaimed_sequences.increment(sequences)
-        self.reclaimed_pages.increment(pages)
+        self.writer.increment(self.reclaimed_sequences, sequences)
+        self.writer.increment(self.reclaimed_pages, pages)
 
     def state(self, pools, sequences):
         for pool, (used, free) in pools.items():
-            self.pages_used[pool].set(used)
-            self.pages_free[pool].set(free)
-        self.sequences.set(sequences)
+            self.writer.set(self.pages_used[pool], used)
+            self.writer.set(self.pages_free[pool], free)
+        self.writer.set(self.sequences, sequences)
 
 
 def _error_code(code: str):

@@ -14,10 +14,11 @@ timing_log), runs decode steps with 1 and with 4 sequences over gRPC, and prints
 - the executable alone, run in a loop in this process after the server has stopped (no server,
   no batcher: the same entry at the same context).
 
-Method: a warm-up of --warmup steps first; every figure is over --steps steps; prompts are
-unique; nothing else should run on the machine.
+Method: --warmup steps first (in sequences of their own, so that the measured one decodes at
+the smallest context bucket); every figure is over --steps steps; prompts are unique; nothing
+else should run on the machine.
 
-    .venv/bin/python scripts/profile.py [--artifact artifacts/smollm2-f32] [--steps 64]
+    .venv/bin/python scripts/step_profile.py [--artifact artifacts/smollm2-f32] [--steps 64]
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from triton_tlaloc.batcher import CallTiming  # noqa: E402
-from triton_tlaloc.client import TlalocClient, metric, new_sequence_id, scrape_metrics  # noqa: E402
+from triton_tlaloc.client import (METRICS_SETTLE_S, TlalocClient, metric,  # noqa: E402
+                                  new_sequence_id, scrape_metrics)
 
 
 def log(msg: str) -> None:
@@ -64,13 +66,18 @@ def decode_run(url: str, metrics_url: str, model: str, rows: int, prompt_len: in
     def worker(i: int) -> None:
         try:
             with TlalocClient(url, model, "grpc") as c:
+                # The warm-up runs in sequences of at most 32 steps, so the measured sequence
+                # decodes at the smallest context that holds its prompt and steps.
+                done = 0
+                while done < warmup:
+                    n = min(32, warmup - done)
+                    c.generate_greedy([7 + i, 11 + done % 1000], n)
+                    done += n
                 sid = new_sequence_id()
                 prompt = [(seed * 7919 + i * 104729 + j * 31) % 5000 + 10
                           for j in range(prompt_len)]
                 logits, _ = c.infer(sid, prompt, start=True)
                 token = int(logits.argmax())
-                for _ in range(warmup):
-                    token = int(c.infer(sid, [token])[0].argmax())
                 barrier.wait()  # the main thread marks the log and the statistics here
                 barrier.wait()
                 for _ in range(steps):
@@ -92,11 +99,11 @@ def decode_run(url: str, metrics_url: str, model: str, rows: int, prompt_len: in
             barrier.wait()
             mark = timing_log.stat().st_size
             before = c.inference_statistics()
-            sends_before = scrape_metrics(metrics_url)
+            sends_before = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
             barrier.wait()
             barrier.wait()
             after = c.inference_statistics()
-            sends_after = scrape_metrics(metrics_url)
+            sends_after = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
     except threading.BrokenBarrierError:
         pass  # a worker failed: its error is raised below
     for t in threads:
@@ -153,7 +160,9 @@ def main() -> int:
     ap.add_argument("--weight-dtype", choices=("f32", "bf16"), default="f32")
     ap.add_argument("--rows", default="1,4", help="concurrent sequences, one run each")
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=100,
+                    help="steps before measuring (past the runtime's first 100 runs, whose "
+                         "pool addresses are checked)")
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "profile")

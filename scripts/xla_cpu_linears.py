@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Why the decoder writes its linears the way it does: SmolLM2-135M's 30 layers of linears and
+its tied head (random weights, the real shapes), with an RMSNorm in front of each, as XLA's CPU
+backend runs them at 1 and at 4 rows, one way of writing them at a time (docs/performance.md).
+
+    f32 [in,out]            the f32 artifact: x @ W
+    bf16 [in,out]           bf16 weights as an f32 artifact lays them out: dot(bf16(x), W) -> f32
+    bf16 [out,in] trip      widened in the product, input rounded by a bf16 round trip
+    bf16 [out,in] rp        the same, input rounded by reduce_precision
+    bf16 [out,in] rp+mat    the same, input materialized first (a reduce: the bf16 artifact)
+
+Each variant and row count runs in its own process, in turn, for --rounds rounds; a figure is the
+median over rounds of the median of 11 timed calls (after 3 untimed). GB/s is weight bytes over
+time.
+
+    .venv/bin/python scripts/xla_cpu_linears.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ["f32 [in,out]", "bf16 [in,out]", "bf16 [out,in] trip", "bf16 [out,in] rp",
+            "bf16 [out,in] rp+mat"]
+LAYERS, HIDDEN, INTER, VOCAB, QKV = 30, 576, 1536, 49152, 576 + 2 * 192
+
+
+def worker(variant: str, rows: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    f32 = variant.startswith("f32")
+    out_first = "[out,in]" in variant
+    dtype = jnp.float32 if f32 else jnp.bfloat16
+    rng = np.random.default_rng(0)
+
+    def weight(n_in, n_out):
+        shape = (n_out, n_in) if out_first else (n_in, n_out)
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 0.02, dtype=dtype)
+
+    layers = [(weight(HIDDEN, QKV), weight(HIDDEN, HIDDEN), weight(HIDDEN, 2 * INTER),
+               weight(INTER, HIDDEN)) for _ in range(LAYERS)]
+    head = weight(HIDDEN, VOCAB)
+    norm_w = jnp.full((HIDDEN,), 1.1, jnp.float32)
+
+    def linear(x, w):
+        if f32:
+            return jnp.dot(x, w, precision=lax.Precision.HIGHEST)
+        if not out_first:
+            return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+        if "trip" in variant:
+            x = x.astype(jnp.bfloat16).astype(jnp.float32)
+        else:
+            x = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+        if "mat" in variant:
+            x = jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
+        wf = w.astype(jnp.float32)
+        return jnp.stack([jnp.dot(wf, r) for r in x])
+
+    def norm(x):
+        return x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5) * norm_w
+
+    def forward(x, layers, head):
+        for qkv, o, gate_up, down in layers:
+            a = linear(norm(x), qkv)
+            x = x + linear(a[:, :HIDDEN], o)
+            g = linear(norm(x), gate_up)
+            x = x + linear(jax.nn.silu(g[:, :INTER]) * g[:, INTER:], down)
+        return linear(norm(x), head)
+
+    run = jax.jit(forward)
+    x = jnp.ones((rows, HIDDEN), jnp.float32)
+    for _ in range(3):
+        run(x, layers, head).block_until_ready()
+    times = []
+    for _ in range(11):
+        t0 = time.perf_counter()
+        run(x, layers, head).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    nbytes = sum(w.nbytes for ws in layers for w in ws) + head.nbytes
+    return {"ms": statistics.median(times) * 1e3, "bytes": nbytes}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]))))
+        return 0
+    results: dict = {}
+    for r in range(args.rounds):
+        for variant in VARIANTS:
+            for rows in (1, 4):
+                out = subprocess.run([sys.executable, __file__, "--worker", variant, str(rows)],
+                                     capture_output=True, text=True, check=True)
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                results.setdefault((variant, rows), []).append(res)
+                print(f"round {r}: {variant}, {rows} rows: {res['ms']:.1f} ms", file=sys.stderr,
+                      flush=True)
+    print(f"\nSmolLM2-135M's linears and tied head, XLA CPU, medians of {args.rounds} rounds\n")
+    print(f"{'variant':<24}{'MB':>6}{'1 row ms':>10}{'GB/s':>7}{'4 rows ms':>11}{'GB/s':>7}"
+          f"{'4 / 1':>7}")
+    for variant in VARIANTS:
+        one = statistics.median(x["ms"] for x in results[(variant, 1)])
+        four = statistics.median(x["ms"] for x in results[(variant, 4)])
+        nbytes = results[(variant, 1)][0]["bytes"]
+        print(f"{variant:<24}{nbytes / 1e6:>6.0f}{one:>10.1f}{nbytes / one / 1e6:>7.1f}"
+              f"{four:>11.1f}{nbytes / four / 1e6:>7.1f}{four / one:>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
