@@ -1,0 +1,141 @@
+"""Gated DeltaNet's two ops in JAX (design section 3, "Linear-attention layers"; the qwen3_5
+family's linear layers), each returning its output and its updated state:
+
+- CAUSAL_CONV1D: a depthwise causal convolution over each row's tokens, preceded by the row's
+  history (the last kernel - 1 inputs, the conv state), then SiLU.
+- GATED_DELTA_RULE: per token and value head, with k and q L2-normalized and q scaled by
+  1/sqrt(d):  S = S * exp(g);  S += k (x) beta * (v - k^T S);  o = q^T S.
+  `gated_delta_rule_recurrent` runs it one token at a time (decode); `gated_delta_rule_chunked`
+  runs the same rule in chunks of 64 tokens (prefill): per chunk, matmuls and a unit lower-
+  triangular solve (the UT transform), and a scan over the chunks carrying S.
+
+Both match transformers' torch fallbacks (`torch_recurrent_gated_delta_rule`,
+`torch_chunk_gated_delta_rule`, `causal_conv1d_fn` / `causal_conv1d_update` in
+models/qwen3_5) in f32: tests/test_linear_attention.py.
+
+Shapes: q, k [b, t, hk, dk]; v [b, t, hv, dv] (hv a multiple of hk: each q/k head serves
+hv / hk consecutive value heads); g, beta [b, t, hv]; state [b, hv, dk, dv].
+Not yet wired into the decoder, the manifest (tlaloc-serving-v4) or the backend: issue 7.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CHUNK = 64
+
+
+def l2norm(x, eps: float = 1e-6):
+    import jax.numpy as jnp
+    from jax import lax
+
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
+
+
+def causal_conv1d(x, state, weight, bias=None):
+    """x [b, t, c]; state [b, k - 1, c] (the previous inputs, oldest first); weight [c, k] (the
+    checkpoint's conv1d weight [c, 1, k] squeezed). Returns (SiLU of the convolution [b, t, c],
+    the new state: the last k - 1 inputs of history + x)."""
+    import jax
+    import jax.numpy as jnp
+
+    t = x.shape[1]
+    k = weight.shape[1]
+    full = jnp.concatenate([state.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+    # out[:, i] = sum_j full[:, i + j] * weight[:, j]: k shifted slices, no conv primitive needed
+    out = sum(full[:, j:j + t, :] * weight[:, j].astype(jnp.float32) for j in range(k))
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return jax.nn.silu(out), full[:, full.shape[1] - (k - 1):, :]
+
+
+def _prepare(q, k, v, g, beta):
+    """To [b, hv, t, ...] f32, q/k repeated per value head, L2-normalized, q scaled."""
+    import jax.numpy as jnp
+
+    hk, hv = k.shape[2], v.shape[2]
+    if hk != hv:
+        q = jnp.repeat(q, hv // hk, axis=2)
+        k = jnp.repeat(k, hv // hk, axis=2)
+    q, k, v = (jnp.swapaxes(a.astype(jnp.float32), 1, 2) for a in (q, k, v))
+    g, beta = (jnp.swapaxes(a.astype(jnp.float32), 1, 2) for a in (g, beta))
+    q, k = l2norm(q), l2norm(k)
+    q = q * np.float32(q.shape[-1] ** -0.5)
+    return q, k, v, g, beta
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, state):
+    """One token at a time (lax.scan over t). Returns (o [b, t, hv, dv], state)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [b, hv, d], [b, hv]
+        s = s * jnp.exp(g_t)[..., None, None]
+        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=lax.Precision.HIGHEST)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        o = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=lax.Precision.HIGHEST)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (q, k, v, g, beta))
+    state, o = lax.scan(step, state.astype(jnp.float32), xs)
+    return jnp.moveaxis(o, 0, 1), state  # [t, b, hv, dv] -> [b, t, hv, dv]
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The same rule in chunks of `chunk` tokens (the sequence zero-padded to a multiple: a
+    padded token has g = 0 and beta = 0, so it leaves the state as it was). Returns
+    (o [b, t, hv, dv], state)."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.scipy.linalg import solve_triangular
+
+    hi = lax.Precision.HIGHEST
+    t = q.shape[1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, h, _, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, 0), (0, 0), (0, pad))) for a in (g, beta))
+    n = (t + pad) // chunk
+
+    def chunks(a):  # [b, h, n*c, ...] -> [b, h, n, c, ...]
+        return a.reshape(b, h, n, chunk, *a.shape[3:])
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)  # [b, h, n, c]: log decay from the chunk's start
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+    # decay between positions j <= i of a chunk; masked above the diagonal before the exp
+    pair = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    # The UT system: I + strictly-lower (beta k k^T * decay); solved for the new values and the
+    # decayed keys that read the state (a unit lower-triangular solve).
+    kk = jnp.einsum("bhncd,bhnsd->bhncs", k_beta, k, precision=hi) * pair
+    system = jnp.where(strict, kk, 0.0) + jnp.eye(chunk, dtype=jnp.float32)
+    new_values = solve_triangular(system, v_beta, lower=True, unit_diagonal=True)
+    k_cumdecay = solve_triangular(system, k_beta * jnp.exp(cum)[..., None], lower=True,
+                                  unit_diagonal=True)
+    intra = jnp.where(lower, jnp.einsum("bhncd,bhnsd->bhncs", q, k, precision=hi) * pair, 0.0)
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]  # [b, h, n, 1, 1]
+
+    def over_chunks(s, xs):
+        nv, kc, qd, kd, attn, cd = xs
+        v_new = nv - jnp.einsum("bhcd,bhdv->bhcv", kc, s, precision=hi)
+        o = (jnp.einsum("bhcd,bhdv->bhcv", qd, s, precision=hi)
+             + jnp.einsum("bhcs,bhsv->bhcv", attn, v_new, precision=hi))
+        s = s * cd + jnp.einsum("bhcd,bhcv->bhdv", kd, v_new, precision=hi)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (new_values, k_cumdecay, q_decayed, k_decayed,
+                                                intra, chunk_decay))
+    state, o = lax.scan(over_chunks, state.astype(jnp.float32), xs)  # o [n, b, h, c, dv]
+    o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    return jnp.swapaxes(o, 1, 2), state
