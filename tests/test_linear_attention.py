@@ -104,3 +104,44 @@ def test_causal_conv_equals_transformers_and_carries_its_state():
     # Negative control: a state one input stale (history shifted) fails the check.
     stale, _ = causal_conv1d(x[:, 20:21], x[:, 16:19], w)
     assert rel_err(stale, one) > 100 * TOL
+
+
+def test_the_whole_layer_equals_transformers_gated_deltanet():
+    """gated_deltanet_layer against transformers' Qwen3_5GatedDeltaNet (seeded random weights,
+    a 150-token call from zero states; then the same tokens as a 100-token call and 50 single
+    steps carrying both states). Negative control: the conv kernel in the wrong time order."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    from triton_tlaloc.linear_attention import gated_deltanet_layer
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=8, linear_value_head_dim=8,
+                            linear_conv_kernel_dim=4, num_hidden_layers=1,
+                            layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    layer = ref.Qwen3_5GatedDeltaNet(cfg, 0).eval()
+    with torch.no_grad():
+        for prm in layer.parameters():  # the norm weight starts at ones: make every weight count
+            prm.copy_(torch.randn_like(prm) * 0.3)
+    x = np.random.default_rng(2).standard_normal((2, 150, 32)).astype(np.float32)
+    with torch.no_grad():
+        want = layer(torch.from_numpy(x)).numpy()
+    w = {n: p.detach().numpy() for n, p in layer.named_parameters()}
+    w["conv1d"] = w.pop("conv1d.weight")[:, 0, :]
+    w = {n.removesuffix(".weight"): a for n, a in w.items()}
+    dims = dict(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, eps=1e-6)
+    conv0 = np.zeros((2, 3, 2 * 16 + 32), np.float32)
+    rec0 = np.zeros((2, 4, 8, 8), np.float32)
+    got, _, _ = gated_deltanet_layer(x, w, conv0, rec0, **dims)
+    assert rel_err(got, want) <= TOL
+    # A prompt, then one token at a time from the states.
+    out, conv, rec = gated_deltanet_layer(x[:, :100], w, conv0, rec0, **dims)
+    steps = [out]
+    for i in range(100, 150):
+        o, conv, rec = gated_deltanet_layer(x[:, i:i + 1], w, conv, rec, chunked=False, **dims)
+        steps.append(o)
+    assert rel_err(jnp.concatenate(steps, axis=1), want) <= TOL
+    # Negative control: the conv kernel applied in the wrong time order fails the check.
+    flipped = np.ascontiguousarray(w["conv1d"][:, ::-1])
+    bad, _, _ = gated_deltanet_layer(x, {**w, "conv1d": flipped}, conv0, rec0, **dims)
+    assert rel_err(bad, want) > 100 * TOL

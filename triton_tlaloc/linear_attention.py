@@ -15,6 +15,9 @@ models/qwen3_5) in f32: tests/test_linear_attention.py.
 
 Shapes: q, k [b, t, hk, dk]; v [b, t, hv, dv] (hv a multiple of hk: each q/k head serves
 hv / hk consecutive value heads); g, beta [b, t, hv]; state [b, hv, dk, dv].
+`gated_deltanet_layer` is the whole linear layer (projections, conv, rule, gated norm, output
+projection) over one call's tokens with its two states.
+
 Not yet wired into the decoder, the manifest (tlaloc-serving-v4) or the backend: issue 7.
 """
 
@@ -139,3 +142,49 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     state, o = lax.scan(over_chunks, state.astype(jnp.float32), xs)  # o [n, b, h, c, dv]
     o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
     return jnp.swapaxes(o, 1, 2), state
+
+
+def gated_rms_norm(x, gate, weight, eps: float):
+    """Qwen3_5RMSNormGated: RMS-normalize over the last axis, scale by the weight (as stored:
+    no 1 + weight here), then multiply by SiLU(gate); f32."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    x = x.astype(jnp.float32)
+    x = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    return weight.astype(jnp.float32) * x * jax.nn.silu(gate.astype(jnp.float32))
+
+
+def gated_deltanet_layer(x, w: dict, conv_state, rec_state, *, num_k_heads: int,
+                         num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float,
+                         chunked: bool = True):
+    """One Gated DeltaNet layer over a call's tokens. x [b, t, hidden]; weights in the
+    checkpoint's [out, in] layout: in_proj_qkv [2·K + V, hidden], in_proj_z [V, hidden],
+    in_proj_b and in_proj_a [hv, hidden], conv1d [2·K + V, kernel], A_log and dt_bias [hv],
+    norm [dv], out_proj [hidden, V] (K = hk·dk, V = hv·dv). conv_state [b, kernel - 1, 2·K + V];
+    rec_state [b, hv, dk, dv]. Returns (out [b, t, hidden], conv_state, rec_state)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    hi = lax.Precision.HIGHEST
+
+    def proj(a, m):
+        return jnp.einsum("bti,oi->bto", a, m.astype(jnp.float32), precision=hi)
+
+    b, t, _ = x.shape
+    x = x.astype(jnp.float32)
+    key_dim = num_k_heads * head_k_dim
+    mixed, conv_state = causal_conv1d(proj(x, w["in_proj_qkv"]), conv_state, w["conv1d"])
+    q = mixed[..., :key_dim].reshape(b, t, num_k_heads, head_k_dim)
+    k = mixed[..., key_dim:2 * key_dim].reshape(b, t, num_k_heads, head_k_dim)
+    v = mixed[..., 2 * key_dim:].reshape(b, t, num_v_heads, head_v_dim)
+    beta = jax.nn.sigmoid(proj(x, w["in_proj_b"]))
+    g = -jnp.exp(w["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        proj(x, w["in_proj_a"]) + w["dt_bias"].astype(jnp.float32))
+    rule = gated_delta_rule_chunked if chunked else gated_delta_rule_recurrent
+    o, rec_state = rule(q, k, v, g, beta, rec_state)
+    z = proj(x, w["in_proj_z"]).reshape(b, t, num_v_heads, head_v_dim)
+    o = gated_rms_norm(o, z, w["norm"], eps).reshape(b, t, num_v_heads * head_v_dim)
+    return proj(o, w["out_proj"]), conv_state, rec_state
