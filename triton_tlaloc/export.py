@@ -1,8 +1,9 @@
 """The exporter: a Hugging Face checkpoint or a GGUF file in, a Tlaloc serving artifact out.
 
 The weights are streamed: each tensor is read (a GGUF tensor dequantized), put in the
-artifact's layout (decoder.weight_slots), converted to the weight dtype and written before the next is read. The entries are
-lowered from ShapeDtypeStructs, so no weight is held while lowering. The artifact is written
+artifact's layout (decoder.weight_slots), converted to the weight dtype and written before the
+next is read. The entries are lowered from ShapeDtypeStructs, so no weight is held while
+lowering. The artifact is written
 into a temporary directory beside OUT, validated with the same loader the backend uses, and
 only then moved into place: a failed export leaves no half-written artifact.
 """

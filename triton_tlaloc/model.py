@@ -196,7 +196,6 @@ class TritonMetrics(Observer):
             F.COUNTER).Metric(labels=self.labels)
         self._phases = family("tlaloc_call_phase_seconds_total", "Seconds spent in each phase "
                               "of the calls (batcher.CallTiming), by kind of call", F.COUNTER)
-        self._phase_metrics: dict = {}
         self._by_label: dict = {}
         if self.has_histograms:
             self._batch = family("tlaloc_batch_size", "Rows per execution", F.HISTOGRAM)
@@ -213,33 +212,31 @@ class TritonMetrics(Observer):
         if self.has_histograms:
             self.writer.observe(self.send, seconds)
 
-    def _metric(self, family, key: str, value: str, buckets=None):
-        k = (id(family), key, value)
+    def _metric(self, family, buckets=None, **labels):
+        """The family's metric for these labels (with the model's), made on first use."""
+        k = (id(family), tuple(sorted(labels.items())))
         if k not in self._by_label:
             kw = {"buckets": buckets} if buckets is not None else {}
-            self._by_label[k] = family.Metric(labels={**self.labels, key: value}, **kw)
+            self._by_label[k] = family.Metric(labels={**self.labels, **labels}, **kw)
         return self._by_label[k]
 
     def call(self, kind, entry, rows, tokens, waits_s, seconds, executions=1):
         w = self.writer
-        w.increment(self._metric(self._executions, "kind", kind), executions)
-        w.increment(self._metric(self._tokens, "kind", kind), tokens)
+        w.increment(self._metric(self._executions, kind=kind), executions)
+        w.increment(self._metric(self._tokens, kind=kind), tokens)
         if self.has_histograms:
-            w.observe(self._metric(self._batch, "kind", kind, self.SIZE_BUCKETS), rows)
-            w.observe(self._metric(self._exec, "kind", kind, self.EXEC_BUCKETS), seconds)
+            w.observe(self._metric(self._batch, self.SIZE_BUCKETS, kind=kind), rows)
+            w.observe(self._metric(self._exec, self.EXEC_BUCKETS, kind=kind), seconds)
             for wait in waits_s:
                 w.observe(self.wait, wait)
 
     def refusal(self, reason):
-        self.writer.increment(self._metric(self._refusals, "reason", reason), 1)
+        self.writer.increment(self._metric(self._refusals, reason=reason), 1)
 
     def timing(self, t):
         for phase in t.PHASES:
-            key = (t.kind, phase)
-            if key not in self._phase_metrics:
-                self._phase_metrics[key] = self._phases.Metric(
-                    labels={**self.labels, "kind": t.kind, "phase": phase})
-            self.writer.increment(self._phase_metrics[key], getattr(t, phase))
+            self.writer.increment(self._metric(self._phases, kind=t.kind, phase=phase),
+                                  getattr(t, phase))
 
     def reclaimed(self, sequences, pages):
         self.writer.increment(self.reclaimed_sequences, sequences)
