@@ -124,7 +124,7 @@ class PjrtDevice:
 @dataclass
 class _CallPlan:
     args: list  # the weights at their positions, None where a call fills in
-    step: list  # (position, role, numpy dtype, shape) of each step input
+    step: list  # (position, TensorSpec, numpy dtype) of each step input
     pools: list  # (position, pool name) of each pool input
     outputs: list  # (role, pool name or None) of each output, in order
 
@@ -215,7 +215,7 @@ class Runtime:
         args, step, pools = [], [], []
         for i, spec in enumerate(entry.program.inputs):
             if spec.role in CALL_ROLES:
-                step.append((i, spec.role, numpy_dtype(spec.dtype), tuple(spec.shape)))
+                step.append((i, spec, numpy_dtype(spec.dtype)))
                 args.append(None)
             elif spec.role in POOL_IN_ROLES:
                 pools.append((i, spec.pool))
@@ -229,17 +229,13 @@ class Runtime:
 
     # ---------------------------------------------------------------- run
 
-    def check_step_inputs(self, entry: Entry, step: dict[str, np.ndarray]) -> None:
-        """Shape and dtype of every step input against the program; PJRT checks only bytes."""
-        for spec in (s for s in entry.program.inputs if s.role in CALL_ROLES):
-            if spec.role not in step:
-                raise StepInputError(f"entry {entry.name}: step input {spec.role} is missing")
-            a = step[spec.role]
-            want = numpy_dtype(spec.dtype)
-            if not isinstance(a, np.ndarray) or a.dtype != want or tuple(a.shape) != spec.shape:
-                got = (f"{getattr(a, 'dtype', type(a).__name__)} {list(getattr(a, 'shape', []))}")
-                raise StepInputError(f"entry {entry.name}: {spec.role} must be {spec.dtype} "
-                                     f"{list(spec.shape)}, got {got}")
+    @staticmethod
+    def _step_input_error(entry_name: str, spec, a) -> StepInputError:
+        if a is None:
+            return StepInputError(f"entry {entry_name}: step input {spec.role} is missing")
+        got = f"{getattr(a, 'dtype', type(a).__name__)} {list(getattr(a, 'shape', []))}"
+        return StepInputError(f"entry {entry_name}: {spec.role} must be {spec.dtype} "
+                              f"{list(spec.shape)}, got {got}")
 
     def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
         """Run an entry; returns the logits [batch, vocab] as a host copy. The pools are donated
@@ -255,11 +251,11 @@ class Runtime:
                   if check else None)
         t_start = time.perf_counter()
         args = list(plan.args)
-        for i, role, dtype, shape in plan.step:
-            a = step.get(role)
-            if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != shape:
-                self.check_step_inputs(self.artifact.entries[entry_name], step)  # names it
-                raise AssertionError(role)
+        for i, spec, dtype in plan.step:
+            # Shape and dtype of every step input against the program; PJRT checks only bytes.
+            a = step.get(spec.role)
+            if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != spec.shape:
+                raise self._step_input_error(entry_name, spec, a)
             args[i] = self.device.put(a)
         for i, pool in plan.pools:
             args[i] = self.pools[pool]
