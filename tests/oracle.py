@@ -18,7 +18,7 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
     """A seeded random model built with transformers and saved as a Hugging Face checkpoint.
     initializer_range 0.2 makes its logits peaked enough that greedy ids are a stable check."""
     from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                              Qwen3Config)
+                              Qwen3_5TextConfig, Qwen3Config)
 
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -38,6 +38,15 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
                                rope_parameters={
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    elif family == "qwen3_5_text":
+        # Three Gated DeltaNet layers then a gated attention layer (the family's pattern), per
+        # pair of layers asked for: 4 layers by default. Partial rotary: 8 of 16 dims rotate.
+        cfg = Qwen3_5TextConfig(**{**common, "num_hidden_layers": max(4, 2 * layers)},
+                                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                linear_key_head_dim=16, linear_value_head_dim=8,
+                                linear_conv_kernel_dim=4,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5})
     else:
         raise ValueError(family)
     torch.manual_seed(seed)

@@ -42,11 +42,12 @@ def test_the_intact_copy_loads(artifact_copy):
 @pytest.mark.parametrize("schema,message", [
     ("tlaloc-serving-v9", "unknown schema version 'tlaloc-serving-v9'"),
     ("tlaloc-serving-v3", "schema tlaloc-serving-v3 needs model.windowedKv"),
-    ("tlaloc-serving-v4", "schema tlaloc-serving-v4 is refused: linear-attention"),
+    ("tlaloc-serving-v4", "schema tlaloc-serving-v4 needs model.linearState"),
     ("tlaloc-bounded-v1", "schema tlaloc-bounded-v1 is refused: bounded programs"),
 ])
 def test_schema_versions_refused_by_name(artifact_copy, schema, message):
-    """Unknown and unbuilt schemas by name; a v2 artifact relabelled v3 (no windowed pool)."""
+    """Unknown and unbuilt schemas by name; a v2 artifact relabelled v3 (no windowed pool) or
+    v4 (no state pools)."""
     edit_manifest(artifact_copy, lambda m: m.update(schema=schema))
     with pytest.raises(ArtifactError, match=re.escape(message)) as e:
         load_artifact(artifact_copy)
@@ -115,11 +116,11 @@ def test_donation_pair_whose_dtypes_differ(artifact_copy):
 
 
 def test_cli_reports_a_refusal_without_a_traceback(artifact_copy):
-    edit_manifest(artifact_copy, lambda m: m.update(schema="tlaloc-serving-v4"))
+    edit_manifest(artifact_copy, lambda m: m.update(schema="tlaloc-bounded-v1"))
     proc = subprocess.run([sys.executable, "-m", "triton_tlaloc.cli", "run", str(artifact_copy),
                            "--prompt-ids", "1,2,3"], capture_output=True, text=True)
     assert proc.returncode == 2
-    assert "schema tlaloc-serving-v4 is refused" in proc.stderr
+    assert "schema tlaloc-bounded-v1 is refused" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

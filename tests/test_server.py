@@ -113,12 +113,13 @@ def refused(client, seq_id, tokens, **kw) -> InferError:
 
 
 def status_of(err: InferError, protocol: str) -> str:
-    text = f"{err.status} {err}"
+    """The error's code, read from its status alone: a message may hold a sequence id whose
+    digits contain 400 or 503."""
     for name, http, grpc in (("INVALID_ARG", "400", "INVALID_ARGUMENT"),
                              ("UNAVAILABLE", "503", "UNAVAILABLE")):
-        if (http if protocol == "http" else grpc) in text:
+        if (http if protocol == "http" else grpc) in str(err.status):
             return name
-    return text
+    return f"{err.status} {err}"
 
 
 def greedy_continue(client, seq_id, logits, steps) -> list[int]:

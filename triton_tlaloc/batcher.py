@@ -13,8 +13,9 @@ batching"):
   context bucket run as one prefill call on the smallest entry whose batch holds them. Prompts of
   different buckets are not merged (a call computes every row at its entry's context). A later
   request with several tokens is a prefill continuation and runs like a prompt.
-- Admission. Each request is validated and its pages reserved before any call (a refusal changes
-  nothing). When pages run short, pages are reclaimed only from sequences Triton has already
+- Admission. Each request is validated and its pages (and, for a hybrid model, its state slot)
+  reserved before any call (a refusal changes nothing). When pages or slots run short, they
+  are reclaimed only from sequences Triton has already
   ended: idle longer than twice its idle timeout plus an allowance (Triton sends no END for a
   sequence it times out), least recently active first, only as many as needed. Otherwise the
   request is refused by name, listing the sequences that hold pages. A refused request still
@@ -110,6 +111,7 @@ class _Job:
     num_tokens: int  # the sequence's tokens before this request (for rollback)
     num_pages: int
     num_ring: int
+    had_state_slot: bool
 
 
 @dataclass
@@ -375,7 +377,8 @@ class Batcher:
 
     def _holding(self, s: Sequence) -> str:
         ring = f", {len(s.ring)} ring pages" if self.engine.rings is not None else ""
-        return f"{s.seq_id} ({len(s.pages)} pages{ring})"
+        slot = (f", state slot {s.state_slot}" if s.state_slot is not None else "")
+        return f"{s.seq_id} ({len(s.pages)} pages{ring}{slot})"
 
     def _refuse(self, r: Request, code: str, reason: str, message: str) -> None:
         self._observe("refusal", reason)
@@ -413,7 +416,7 @@ class Batcher:
                 return None
             self._refuse(r, INVALID_ARG, "empty", f"sequence {r.seq_id}: TOKENS is empty")
             return None
-        before = (len(seq.token_ids), len(seq.pages), len(seq.ring))
+        before = (len(seq.token_ids), len(seq.pages), len(seq.ring), seq.state_slot is not None)
         try:
             try:
                 engine.admit(seq, r.tokens)
@@ -426,10 +429,15 @@ class Batcher:
             return None
         except PagesExhausted as e:
             holders = ", ".join(self._holding(s) for s in self.sequences.values()
-                                if s.pages or s.ring) or "none"
-            self._refuse(r, UNAVAILABLE, "pages",
-                         f"sequence {r.seq_id}: KV pool full: {e}; sequences holding pages: "
-                         f"{holders}")
+                                if s.pages or s.ring or s.state_slot is not None) or "none"
+            if e.pools == ("state",):
+                self._refuse(r, UNAVAILABLE, "state_slots",
+                             f"sequence {r.seq_id}: no free linear-attention state slot: {e}; "
+                             f"sequences holding slots: {holders}")
+            else:
+                self._refuse(r, UNAVAILABLE, "pages",
+                             f"sequence {r.seq_id}: KV pool full: {e}; sequences holding "
+                             f"pages: {holders}")
             return None
         if r.start:
             self.sequences[r.seq_id] = seq
@@ -441,7 +449,8 @@ class Batcher:
         pools = self.engine.pools()
         need = {k: n - pools[k].free for k, n in self.engine.pages_needed(seq, n_tokens).items()}
         now = self.clock()
-        candidates = [(s.seq_id, {"full": len(s.pages), "windowed": len(s.ring)}, s.last_active)
+        candidates = [(s.seq_id, {"full": len(s.pages), "windowed": len(s.ring),
+                                  "state": int(s.state_slot is not None)}, s.last_active)
                       for s in self.sequences.values() if s is not seq]
         victims = choose_reclaim(candidates, need, now, self.policy.reclaim_after_s)
         if not victims:
@@ -449,9 +458,10 @@ class Batcher:
         pages = 0
         for seq_id in victims:
             victim = self.sequences[seq_id]
-            log.info("reclaimed sequence %s: %d pages%s, idle %.1f s (Triton ends a sequence "
+            log.info("reclaimed sequence %s: %d pages%s%s, idle %.1f s (Triton ends a sequence "
                      "idle %.1f s)", seq_id, len(victim.pages),
                      f" and {len(victim.ring)} ring pages" if victim.ring else "",
+                     f", state slot {victim.state_slot}" if victim.state_slot is not None else "",
                      now - victim.last_active, self.policy.idle_timeout_s)
             pages += len(victim.pages) + len(victim.ring)
             self._release(victim)
@@ -497,12 +507,15 @@ class Batcher:
         except Exception as e:
             log.exception("%s call for sequences %s failed", kind, [s.seq_id for s in seqs])
             for j in jobs:
-                self.engine.rollback(j.seq, j.num_tokens, j.num_pages, j.num_ring)
-                if j.request.start:
-                    self.sequences.pop(j.seq.seq_id, None)
-                    self.engine.free(j.seq)
+                kept = self.engine.rollback(j.seq, j.num_tokens, j.num_pages, j.num_ring,
+                                            j.had_state_slot)
+                lost = ""
+                if j.request.start or not kept:
+                    self._release(j.seq)
+                    if not kept:  # its state holds part of this request: it cannot go on
+                        lost = "; its linear-attention state cannot be rewound: sequence ended"
                 j.request.reply(Reply(error=f"sequence {j.seq.seq_id}: the {kind} call failed: "
-                                            f"{type(e).__name__}: {e}", code=INTERNAL))
+                                            f"{type(e).__name__}: {e}{lost}", code=INTERNAL))
             return
         seconds = self.clock() - t0
         t_called = time.perf_counter()

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen3", "mistral", "gemma3_text")
+FAMILIES = ("llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text")
+# A multimodal checkpoint whose text decoder is one of FAMILIES: its config's text_config is the
+# decoder's, and its tensors carry a prefix (the vision tower's are not read).
+TEXT_OF_MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "model.language_model.")}
 GGUF_FAMILIES = ("llama", "qwen3")
 
 
@@ -28,6 +31,38 @@ class CheckpointError(ValueError):
 # only; a server refuses a request holding one of these by name (model.refusedTokens).
 PLACEHOLDER_KEYS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
                     "audio_token_id", "audio_token_index")
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet layers of a hybrid model (qwen3_5): their head counts and sizes and the
+    causal conv's kernel. Each keeps a conv state [kernel - 1, 2·K + V] and a recurrent state
+    [value heads, key dim, value dim] per sequence (K = key heads·key dim, V = value heads·value
+    dim), whatever the context."""
+
+    layers: tuple[int, ...]
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def to_json(self) -> dict:
+        return {"layers": list(self.layers), "numKeyHeads": self.num_key_heads,
+                "numValueHeads": self.num_value_heads, "keyHeadDim": self.key_head_dim,
+                "valueHeadDim": self.value_head_dim, "convKernel": self.conv_kernel}
 
 
 @dataclass(frozen=True)
@@ -58,6 +93,16 @@ class DecoderConfig:
     norm_offset: float = 0.0  # gemma: RMSNorm scales by (1 + weight); folded in at export
     sandwich_norms: bool = False  # gemma: norms after attention and after the MLP too
     activation: str = "silu"  # silu | gelu_tanh
+    rotary_dim: int | None = None  # qwen3_5: only the first rotary_dim dims of a head rotate
+    attn_output_gate: bool = False  # qwen3_5: q_proj also gives a gate; out * sigmoid(gate)
+    linear: LinearAttention | None = None  # qwen3_5: the Gated DeltaNet layers
+
+    def is_linear(self, layer: int) -> bool:
+        return self.linear is not None and layer in self.linear.layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -70,7 +115,7 @@ class DecoderConfig:
     def inv_freq(self, layer: int = 0) -> np.ndarray:
         """RoPE inverse frequencies of a layer, computed in f32 as transformers computes them."""
         rope = self.rope_of(layer)
-        dim = self.head_size
+        dim = self.rotary_dim or self.head_size
         exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
         inv = (np.float32(1.0) / (np.float32(rope["rope_theta"]) ** exponent)).astype(np.float32)
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -93,7 +138,8 @@ class DecoderConfig:
         raise CheckpointError(f"rope_type {kind!r} is not supported (default, linear, llama3 are)")
 
     def to_json(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+        return {k: (list(v) if isinstance(v, tuple) else v.to_json() if hasattr(v, "to_json")
+                    else v) for k, v in self.__dict__.items()}
 
 
 def _rope_from_hf(cfg: dict) -> tuple[float, dict]:
@@ -102,6 +148,10 @@ def _rope_from_hf(cfg: dict) -> tuple[float, dict]:
     scaling = dict(cfg.get("rope_scaling") or {})
     theta = params.pop("rope_theta", cfg.get("rope_theta", scaling.pop("rope_theta", 10000.0)))
     scaling.update(params)
+    # Not scalings: qwen3_5's partial rotary (read by config_from_hf) and its multimodal RoPE
+    # sections (a text-only prompt gives every section the same position: plain RoPE).
+    for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+        scaling.pop(key, None)
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = {}
     return float(theta), scaling
@@ -109,6 +159,13 @@ def _rope_from_hf(cfg: dict) -> tuple[float, dict]:
 
 def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
     family = cfg.get("model_type")
+    if family in TEXT_OF_MULTIMODAL and isinstance(cfg.get("text_config"), dict):
+        outer = cfg
+        cfg = {**cfg["text_config"], "model_type": TEXT_OF_MULTIMODAL[family][0]}
+        for key in PLACEHOLDER_KEYS + ("eos_token_id", "tie_word_embeddings"):
+            if key in outer and key not in cfg:
+                cfg[key] = outer[key]
+        family = cfg["model_type"]
     if family not in FAMILIES:
         raise CheckpointError(f"model_type {family!r} is not supported (supported: "
                               f"{', '.join(FAMILIES)})")
@@ -141,9 +198,30 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types") or (["sliding_attention"] * layers if window and family in
                                        ("mistral",) else ["full_attention"] * layers)
-    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
-        raise CheckpointError(f"layer_types {types!r}: expected {layers} of sliding_attention / "
-                              f"full_attention")
+    qwen35 = family == "qwen3_5_text"
+    kinds = ("sliding_attention", "full_attention") + (("linear_attention",) if qwen35 else ())
+    if len(types) != layers or any(t not in kinds for t in types):
+        raise CheckpointError(f"layer_types {types!r}: expected {layers} of {' / '.join(kinds)}")
+    head_size = int(cfg.get("head_dim") or hidden // heads)
+    rotary_dim, linear = None, None
+    if qwen35:
+        factor = float((cfg.get("rope_parameters") or {}).get(
+            "partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+        rotary_dim = int(head_size * factor)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+            raise CheckpointError(f"partial_rotary_factor {factor}: {rotary_dim} rotary dims of "
+                                  f"a {head_size}-dim head")
+        linear = LinearAttention(
+            layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+            num_key_heads=int(cfg["linear_num_key_heads"]),
+            num_value_heads=int(cfg["linear_num_value_heads"]),
+            key_head_dim=int(cfg["linear_key_head_dim"]),
+            value_head_dim=int(cfg["linear_value_head_dim"]),
+            conv_kernel=int(cfg["linear_conv_kernel_dim"]))
+        if linear.num_value_heads % linear.num_key_heads:
+            raise CheckpointError(f"{linear.num_value_heads} linear value heads are not a "
+                                  f"multiple of {linear.num_key_heads} key heads")
+        types = ["full_attention" if t == "linear_attention" else t for t in types]
     windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -154,7 +232,7 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_size=int(cfg.get("head_dim") or hidden // heads),
+        head_size=head_size,
         intermediate_size=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -166,14 +244,17 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
         bos_token_id=cfg.get("bos_token_id"),
         refused_tokens=tuple((k, int(cfg[k])) for k in PLACEHOLDER_KEYS
                              if isinstance(cfg.get(k), int)),
-        qk_norm=family in ("qwen3", "gemma3_text"),
+        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_5_text"),
         layer_windows=windows if any(windows) else (),
         layer_rope=tuple(dict(per_type[t]) for t in types) if gemma else (),
         attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
         embed_scale=float(hidden) ** 0.5 if gemma else None,
-        norm_offset=1.0 if gemma else 0.0,
+        norm_offset=1.0 if gemma or qwen35 else 0.0,  # both scale by (1 + weight)
         sandwich_norms=gemma,
         activation=activations[act],
+        rotary_dim=rotary_dim,
+        attn_output_gate=qwen35,
+        linear=linear,
     )
 
 
@@ -215,6 +296,8 @@ class HfCheckpoint(Checkpoint):
         if gen.is_file() and "eos_token_id" in (g := json.loads(gen.read_text())):
             cfg = {**cfg, "eos_token_id": g["eos_token_id"]}
         self.config = config_from_hf(cfg, model_name)
+        # A multimodal checkpoint's decoder tensors: model.language_model.X is read as model.X.
+        prefix = TEXT_OF_MULTIMODAL.get(cfg.get("model_type"), (None, None))[1]
         self._where: dict[str, Path] = {}
         index = path / "model.safetensors.index.json"
         if index.is_file():
@@ -231,13 +314,20 @@ class HfCheckpoint(Checkpoint):
                     for name in st.keys():
                         self._where[name] = f
 
+        self._stored = {n: n for n in self._where}  # our name -> the file's
+        if prefix and any(n.startswith(prefix) for n in self._where):
+            self._stored = {"model." + n[len(prefix):]: n for n in self._where
+                            if n.startswith(prefix)}
+            self._stored.update({n: n for n in self._where if n.startswith("lm_head.")})
+
     def names(self) -> list[str]:
-        return list(self._where)
+        return list(self._stored)
 
     def tensor(self, name: str) -> np.ndarray:
-        if name not in self._where:
+        if name not in self._stored:
             raise CheckpointError(f"{self.path}: tensor {name} not found")
-        return _read_safetensor(self._where[name], name)
+        stored = self._stored[name]
+        return _read_safetensor(self._where[stored], stored)
 
     def save_tokenizer(self, out_dir: Path) -> list[str]:
         import shutil

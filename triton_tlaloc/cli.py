@@ -42,7 +42,8 @@ def _cmd_export(args) -> int:
                          model_name=args.model_name, prefill_chunk=args.prefill_chunk,
                          attention_block=args.attention_block, prefill_tokens=args.prefill_tokens,
                          windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
-                         ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks)
+                         ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks,
+                         state_slots=args.state_slots)
     checkpoint = args.checkpoint
     if checkpoint == "smollm2":
         from .checkpoint import smollm2_gguf_path
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-blocks", type=int, default=None,
                    help="pages per windowed pool (default: as many rings as the full pool holds "
                         "sequences of the largest context)")
+    p.add_argument("--state-slots", type=int, default=None,
+                   help="linear-attention models (schema v4): sequences that can hold state at "
+                        "once (default: four times the largest batch)")
     p.add_argument("--attention-block", type=int, default=2048,
                    help="key block of blockwise attention in prefill entries whose context "
                         "spans several")

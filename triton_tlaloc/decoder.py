@@ -6,10 +6,15 @@ table names, f32 scores, softmax masked to each token's causal length), o_proj, 
 RMSNorm, SwiGLU, residual; final norm, head, the last token's logits per row.
 
 An entry's @main takes, in this order: the step inputs (TOKEN_IDS, POSITIONS, BLOCK_TABLES,
-SEQ_LENS, SLOT_MAPPING), the KV pools (K then V for each layer, donated), and the weights in
-the order of `weight_slots`. It returns the logits of each row's last token and the updated
-pools. Rows are right-aligned: a row's last token is at index tokens_per_seq - 1, padding comes
-first with slot -1 and is never written.
+SEQ_LENS, SLOT_MAPPING, [the windowed pool's two], [STATE_SLOTS]), the KV pools (K then V for
+each attention layer, donated), [the state pools: conv then recurrent for each linear layer,
+donated], and the weights in the order of `weight_slots`. It returns the logits of each row's
+last token and the updated pools. Rows are right-aligned: a row's last token is at index
+tokens_per_seq - 1, padding comes first with slot -1 and is never written.
+
+A hybrid model's linear layers (qwen3_5, schema v4) read and write their states at each row's
+state slot instead of KV pages (design section 3, "Linear-attention layers"):
+linear_attention.py has the ops.
 
 Only this module and export.py import JAX at export time; the graph is traced from
 ShapeDtypeStructs, so no weight is held while lowering.
@@ -23,9 +28,9 @@ import numpy as np
 
 from .checkpoint import DecoderConfig
 from .manifest import (BLOCK_TABLES, KV_POOL_IN, KV_POOL_OUT, LOGITS, POSITIONS, SEQ_LENS,
-                       SLOT_MAPPING, TOKEN_IDS, WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN,
-                       WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING, KvPool, Program, TensorSpec,
-                       WindowedKv)
+                       SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS, TOKEN_IDS,
+                       WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT,
+                       WINDOW_SLOT_MAPPING, KvPool, Program, StatePool, TensorSpec, WindowedKv)
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class WeightSlot:
 
     name: str
     shape: tuple[int, ...]
-    kind: str  # "linear" | "norm" | "embed"
+    kind: str  # "linear" | "norm" | "embed" | "param" (f32: a conv kernel, a decay, a bias)
     out_first: bool = False
 
     def dtype(self, weight_dtype: str) -> str:
@@ -72,14 +77,28 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32") -> list[WeightSl
     transposed = cfg.tie_word_embeddings and not of
     slots = [WeightSlot("embed_t", (h, cfg.vocab_size), "embed") if transposed
              else WeightSlot("embed", (cfg.vocab_size, h), "embed", of)]
+    if cfg.attn_output_gate:  # q_proj gives each head's query and its output gate
+        qkv += cfg.num_heads * d
+    la = cfg.linear
     for i in range(cfg.num_layers):
-        slots += [
-            WeightSlot(f"l{i}.attn_norm", (h,), "norm"),
-            linear(f"l{i}.qkv", h, qkv),
-        ]
-        if cfg.qk_norm:
-            slots += [WeightSlot(f"l{i}.q_norm", (d,), "norm"), WeightSlot(f"l{i}.k_norm", (d,), "norm")]
-        slots.append(linear(f"l{i}.o", cfg.num_heads * d, h))
+        slots.append(WeightSlot(f"l{i}.attn_norm", (h,), "norm"))
+        if cfg.is_linear(i):
+            # A Gated DeltaNet layer: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a fused, the
+            # conv kernel [channels, kernel], A_log and dt_bias per value head, the gated norm
+            # (its weight as stored: no 1 + weight), out_proj.
+            hv = la.num_value_heads
+            slots += [linear(f"l{i}.lin_in", h, la.conv_channels + la.value_dim + 2 * hv),
+                      WeightSlot(f"l{i}.conv", (la.conv_channels, la.conv_kernel), "param"),
+                      WeightSlot(f"l{i}.A_log", (hv,), "param"),
+                      WeightSlot(f"l{i}.dt_bias", (hv,), "param"),
+                      WeightSlot(f"l{i}.lin_norm", (la.value_head_dim,), "param"),
+                      linear(f"l{i}.lin_out", la.value_dim, h)]
+        else:
+            slots.append(linear(f"l{i}.qkv", h, qkv))
+            if cfg.qk_norm:
+                slots += [WeightSlot(f"l{i}.q_norm", (d,), "norm"),
+                          WeightSlot(f"l{i}.k_norm", (d,), "norm")]
+            slots.append(linear(f"l{i}.o", cfg.num_heads * d, h))
         if cfg.sandwich_norms:
             slots.append(WeightSlot(f"l{i}.post_attn_norm", (h,), "norm"))
         slots += [
@@ -97,9 +116,9 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32") -> list[WeightSl
 
 def kv_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, kv_dtype: str,
              windowed: WindowedKv | None = None) -> list[KvPool]:
-    """K then V for each layer; a windowed layer's pools hold rings (schema v3)."""
+    """K then V for each attention layer; a windowed layer's pools hold rings (schema v3)."""
     pools = []
-    for i in range(cfg.num_layers):
+    for i in cfg.attention_layers:
         ring = windowed is not None and i in windowed.layers
         pages = windowed.num_blocks if ring else num_blocks
         for kind in ("k", "v"):
@@ -109,9 +128,24 @@ def kv_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, kv_dtype: str
     return pools
 
 
+def state_pools(cfg: DecoderConfig, num_slots: int) -> list[StatePool]:
+    """Conv then recurrent states for each linear layer, f32, one per state slot (schema v4)."""
+    la = cfg.linear
+    if la is None:
+        return []
+    pools = []
+    for i in la.layers:
+        pools += [StatePool(f"l{i}.conv", i, "conv", "f32",
+                            (num_slots, la.conv_kernel - 1, la.conv_channels)),
+                  StatePool(f"l{i}.recurrent", i, "recurrent", "f32",
+                            (num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim))]
+    return pools
+
+
 def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, tokens_per_seq: int,
                   block_size: int, num_blocks: int, weight_dtype: str,
-                  kv_dtype: str, windowed: WindowedKv | None = None) -> Program:
+                  kv_dtype: str, windowed: WindowedKv | None = None,
+                  num_state_slots: int = 0) -> Program:
     """The signature of one entry, in @main's order."""
     b, t, m = batch, tokens_per_seq, context // block_size
     inputs = [
@@ -124,32 +158,54 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
     if windowed is not None:
         inputs += [TensorSpec("window_block_tables", WINDOW_BLOCK_TABLES, "i32", (b, m)),
                    TensorSpec("window_slot_mapping", WINDOW_SLOT_MAPPING, "i32", (b, t))]
+    if cfg.linear is not None:
+        inputs.append(TensorSpec("state_slots", STATE_SLOTS, "i32", (b,)))
     pools = kv_pools(cfg, num_blocks, block_size, kv_dtype, windowed)
+    states = state_pools(cfg, num_state_slots)
     pool_start = len(inputs)
-    for p in pools:
-        role = WINDOW_KV_POOL_IN if p.pool_class == "windowed" else KV_POOL_IN
-        inputs.append(TensorSpec(f"{p.name}.in", role, p.dtype, p.shape, pool=p.name))
+
+    def role_of(p, windowed_role, kv_role, state_role):
+        if isinstance(p, StatePool):
+            return state_role
+        return windowed_role if p.pool_class == "windowed" else kv_role
+
+    for p in (*pools, *states):
+        inputs.append(TensorSpec(f"{p.name}.in", role_of(p, WINDOW_KV_POOL_IN, KV_POOL_IN,
+                                                          STATE_POOL_IN),
+                                 p.dtype, p.shape, pool=p.name))
     for s in weight_slots(cfg, weight_dtype):
         inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, s.dtype(weight_dtype), s.shape, slot=s.name))
     outputs = [TensorSpec("logits", LOGITS, "f32", (b, cfg.vocab_size))]
-    for p in pools:
-        role = WINDOW_KV_POOL_OUT if p.pool_class == "windowed" else KV_POOL_OUT
-        outputs.append(TensorSpec(f"{p.name}.out", role, p.dtype, p.shape, pool=p.name))
-    donation = tuple((1 + i, pool_start + i) for i in range(len(pools)))
+    for p in (*pools, *states):
+        outputs.append(TensorSpec(f"{p.name}.out", role_of(p, WINDOW_KV_POOL_OUT, KV_POOL_OUT,
+                                                            STATE_POOL_OUT),
+                                  p.dtype, p.shape, pool=p.name))
+    donation = tuple((1 + i, pool_start + i) for i in range(len(pools) + len(states)))
     return Program(name, tuple(inputs), tuple(outputs), donation)
 
 
 def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str,
-                  attention_block: int = 2048, windowed: WindowedKv | None = None):
+                  attention_block: int = 2048, windowed: WindowedKv | None = None,
+                  num_state_slots: int = 0):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits, pools...)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
 
+    from . import linear_attention as la_ops
     from .attention import blockwise, one_pass, ring
 
     slots = weight_slots(cfg, weight_dtype)
     transposed_table = any(s.name == "embed_t" for s in slots)
+    # Each layer's pools in @main's order: K and V of the attention layers, then conv and
+    # recurrent states of the linear layers.
+    pool_of = {}
+    for n, layer in enumerate(cfg.attention_layers):
+        pool_of[layer] = (2 * n, 2 * n + 1)
+    linear_layers = cfg.linear.layers if cfg.linear is not None else ()
+    for n, layer in enumerate(linear_layers):
+        pool_of[layer] = (2 * len(cfg.attention_layers) + 2 * n,
+                          2 * len(cfg.attention_layers) + 2 * n + 1)
     n_pools = 2 * cfg.num_layers
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
     group = heads // kv_heads
@@ -160,7 +216,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     bf16 = weight_dtype == "bf16"
     num_slots = num_blocks * block_size
     ring_layers = set(windowed.layers) if windowed is not None else set()
-    n_step = 7 if windowed is not None else 5
+    n_step = 5 + (2 if windowed is not None else 0) + (1 if linear_layers else 0)
+    rotary_dim = cfg.rotary_dim or d
 
     def rms_norm(x, w):
         var = jnp.mean(x * x, axis=-1, keepdims=True)
@@ -200,14 +257,85 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     of = out_first_linears(weight_dtype)
 
     def rope(x, cos, sin):
-        half = d // 2
-        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-        return x * cos + rotated * sin
+        # A partial rotary (qwen3_5) rotates the first rotary_dim dims and passes the rest.
+        xr, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        half = rotary_dim // 2
+        rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+        return jnp.concatenate([xr * cos + rotated * sin, rest], axis=-1)
+
+    la = cfg.linear
+
+    def linear_layer(hdn, w_in, conv_w, a_log, dt_bias, norm_w, w_out, conv_pool, rec_pool,
+                     positions, seq_lens, state_slots):
+        """A Gated DeltaNet layer over the call's rows: each row's states are read at its state
+        slot (zero for a row starting at position 0: a reused slot needs no clearing), the row's
+        live tokens run through the conv and the rule, and the states are written back (padding
+        rows, slot -1, write nothing). Returns (out, conv_pool, rec_pool)."""
+        b, t, _ = hdn.shape
+        hk, hv, dk, dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
+        kernel, channels, vdim = la.conv_kernel, la.conv_channels, la.value_dim
+        proj = linear(hdn, w_in, of)
+        mixed = proj[..., :channels]
+        z = proj[..., channels:channels + vdim].reshape(b, t, hv, dv)
+        b_in = proj[..., channels + vdim:channels + vdim + hv]
+        a_in = proj[..., channels + vdim + hv:]
+        read = jnp.where(state_slots < 0, 0, state_slots)
+        fresh = (positions[:, 0] == 0)[:, None, None]
+        conv_state = jnp.where(fresh, 0.0, jnp.take(conv_pool, read, axis=0))
+        rec_state = jnp.where(fresh[..., None], 0.0, jnp.take(rec_pool, read, axis=0))
+        live_n = seq_lens - positions[:, 0]  # a row's live tokens (right-aligned)
+        pad = (t - live_n)[:, None]
+        if t > 1:
+            # CAUSAL_CONV1D over each row's live tokens preceded by its history: the history is
+            # moved to just before the row's first live token (padding comes first), so the
+            # conv never sees a padding input and the new history is the last live inputs.
+            combined = jnp.concatenate([conv_state, mixed], axis=1)  # [b, kernel - 1 + t, c]
+            j = jnp.arange(t + kernel - 1)[None, :]
+            idx = jnp.where(j >= pad + kernel - 1, j, jnp.clip(j - pad, 0, kernel - 2))
+            arranged = jnp.take_along_axis(combined, idx[..., None], axis=1)
+            conv_state, mixed = arranged[:, :kernel - 1], arranged[:, kernel - 1:]
+        mixed, conv_state = la_ops.causal_conv1d(mixed, conv_state, conv_w)
+        q = mixed[..., :hk * dk].reshape(b, t, hk, dk)
+        k = mixed[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
+        v = mixed[..., 2 * hk * dk:].reshape(b, t, hv, dv)
+        beta = jax.nn.sigmoid(b_in)
+        g = -jnp.exp(a_log) * jax.nn.softplus(a_in + dt_bias)
+        if t > 1:
+            # GATED_DELTA_RULE: a padding token has g = 0 and beta = 0, so it leaves the state
+            # as it was. Prefill runs the chunked form, decode the recurrence.
+            live = (jnp.arange(t)[None, :] >= pad)[..., None]
+            g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
+            o, rec_state = la_ops.gated_delta_rule_chunked(q, k, v, g, beta, rec_state)
+        else:
+            o, rec_state = la_ops.gated_delta_rule_recurrent(q, k, v, g, beta, rec_state)
+        o = la_ops.gated_rms_norm(o, z, norm_w, cfg.rms_norm_eps).reshape(b, t, vdim)
+        out = linear(o, w_out, of)
+        # Padding rows carry slot -1: sent past the pool's end, where mode="drop" skips them.
+        # One row gets a second, dropped index so XLA keeps a scatter in place rather than a
+        # dynamic-update-slice on a copy of the pool (as for the KV write).
+        write = jnp.where(state_slots < 0, num_state_slots, state_slots)
+        if b == 1:
+            write = jnp.concatenate([write, jnp.array([num_state_slots], jnp.int32)])
+            conv_state = jnp.concatenate([conv_state, jnp.zeros_like(conv_state)])
+            rec_state = jnp.concatenate([rec_state, jnp.zeros_like(rec_state)])
+        conv_pool = conv_pool.at[write].set(conv_state.astype(conv_pool.dtype), mode="drop")
+        rec_pool = rec_pool.at[write].set(rec_state.astype(rec_pool.dtype), mode="drop")
+        return out, conv_pool, rec_pool
+
+    def mlp_block(x, w, i):
+        hdn = rms_norm(x, w[f"l{i}.mlp_norm"])
+        gu = linear(hdn, w[f"l{i}.gate_up"], of)
+        gate, up = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+        mlp = linear(act(gate) * up, w[f"l{i}.down"], of)
+        if cfg.sandwich_norms:
+            mlp = rms_norm(mlp, w[f"l{i}.post_mlp_norm"])
+        return x + mlp
 
     def fn(*args):
         token_ids, positions, block_tables, seq_lens, slot_mapping = args[:5]
         if windowed is not None:
             window_tables, window_slots = args[5:7]
+        state_slots = args[n_step - 1] if linear_layers else None
         pools = list(args[n_step:n_step + n_pools])
         w = dict(zip((s.name for s in slots), args[n_step + n_pools:]))
         b, t = token_ids.shape
@@ -256,14 +384,29 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             x = x.reshape(b * t, kv_heads, d)
             return jnp.concatenate([x, jnp.zeros_like(x)]) if pad_row else x
 
-        new_pools = []
+        new_pools = list(pools)
         for i in range(cfg.num_layers):
-            k_pool, v_pool = pools[2 * i], pools[2 * i + 1]
             hdn = rms_norm(x, w[f"l{i}.attn_norm"])
+            if i in linear_layers:
+                ci, ri = pool_of[i]
+                attn, new_pools[ci], new_pools[ri] = linear_layer(
+                    hdn, w[f"l{i}.lin_in"], w[f"l{i}.conv"], w[f"l{i}.A_log"],
+                    w[f"l{i}.dt_bias"], w[f"l{i}.lin_norm"], w[f"l{i}.lin_out"], pools[ci],
+                    pools[ri], positions, seq_lens, state_slots)
+                x = x + attn
+                x = mlp_block(x, w, i)
+                continue
+            ki, vi = pool_of[i]
+            k_pool, v_pool = pools[ki], pools[vi]
             qkv = linear(hdn, w[f"l{i}.qkv"], of)
-            q = qkv[..., :heads * d].reshape(b, t, heads, d)
-            k = qkv[..., heads * d:(heads + kv_heads) * d].reshape(b, t, kv_heads, d)
-            v = qkv[..., (heads + kv_heads) * d:].reshape(b, t, kv_heads, d)
+            q_width = 2 * heads * d if cfg.attn_output_gate else heads * d
+            if cfg.attn_output_gate:  # per head: [query (d), gate (d)]
+                qg = qkv[..., :q_width].reshape(b, t, heads, 2 * d)
+                q, gate = qg[..., :d], qg[..., d:].reshape(b, t, heads * d)
+            else:
+                q = qkv[..., :q_width].reshape(b, t, heads, d)
+            k = qkv[..., q_width:q_width + kv_heads * d].reshape(b, t, kv_heads, d)
+            v = qkv[..., q_width + kv_heads * d:].reshape(b, t, kv_heads, d)
             if cfg.qk_norm:
                 q = rms_norm(q, w[f"l{i}.q_norm"])
                 k = rms_norm(k, w[f"l{i}.k_norm"])
@@ -280,7 +423,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                 rows(k).astype(k_pool.dtype), mode="drop").reshape(pool_shape)
             v_pool = v_pool.reshape(n_slots, kv_heads, d).at[idx].set(
                 rows(v).astype(v_pool.dtype), mode="drop").reshape(pool_shape)
-            new_pools += [k_pool, v_pool]
+            new_pools[ki], new_pools[vi] = k_pool, v_pool
 
             # PAGED_ATTENTION: a row's pages are gathered once and every token of the row attends
             # over them with its own causal length; a prefill call over several key blocks
@@ -296,18 +439,14 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             else:
                 attn = one_pass(qg, k_pool, v_pool, block_tables, positions, seq_lens, window,
                                 scale)
-            attn = linear(attn.reshape(b, t, heads * d), w[f"l{i}.o"], of)
+            attn = attn.reshape(b, t, heads * d)
+            if cfg.attn_output_gate:
+                attn = attn * jax.nn.sigmoid(gate)
+            attn = linear(attn, w[f"l{i}.o"], of)
             if cfg.sandwich_norms:
                 attn = rms_norm(attn, w[f"l{i}.post_attn_norm"])
             x = x + attn
-
-            hdn = rms_norm(x, w[f"l{i}.mlp_norm"])
-            gu = linear(hdn, w[f"l{i}.gate_up"], of)
-            gate, up = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
-            mlp = linear(act(gate) * up, w[f"l{i}.down"], of)
-            if cfg.sandwich_norms:
-                mlp = rms_norm(mlp, w[f"l{i}.post_mlp_norm"])
-            x = x + mlp
+            x = mlp_block(x, w, i)
 
         last = rms_norm(x[:, -1, :], w["final_norm"])  # rows are right-aligned
         # The head: a tied model's reads the embedding table (the same buffer as the gather).
@@ -324,18 +463,19 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
 def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_blocks: int,
                 weight_dtype: str, attention_block: int = 2048,
-                windowed: WindowedKv | None = None) -> str:
-    """StableHLO text of one entry; every KV pool parameter is donated (tf.aliasing_output)."""
+                windowed: WindowedKv | None = None, num_state_slots: int = 0) -> str:
+    """StableHLO text of one entry; every pool parameter is donated (tf.aliasing_output)."""
     import jax
 
     from .manifest import numpy_dtype
 
-    fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block, windowed)
+    fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block, windowed,
+                       num_state_slots)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)
     return lowered.as_text()
 
 
-__all__ = ["WeightSlot", "weight_slots", "kv_pools", "entry_program", "make_entry_fn",
-           "lower_entry"]
+__all__ = ["WeightSlot", "weight_slots", "kv_pools", "state_pools", "entry_program",
+           "make_entry_fn", "lower_entry"]

@@ -1,7 +1,8 @@
 """The framework-free runtime (design section 4 (i)), done properly: sequences, pages, prefill
 and decode calls on the smallest entry that holds them, greedy generation.
 
-State lives on the `Sequence`: its tokens, how many have KV in the pool, and its pages.
+State lives on the `Sequence`: its tokens, how many have KV in the pool, its pages, and (a
+hybrid model, schema v4) its slot in the linear-attention state pools, held for its life.
 `Engine` turns sequences into entry calls through `steps.build_step` and `Runtime.run`.
 """
 
@@ -37,6 +38,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose K/V are in the pool
     pages: list[int] = field(default_factory=list)
     ring: list[int] = field(default_factory=list)  # windowed pages: block b on ring[b % R]
+    state_slot: int | None = None  # its linear-attention state slot (schema v4)
     last_active: float = 0.0  # clock time of its latest request (the backend's reclamation rule)
 
     @property
@@ -67,6 +69,9 @@ class Engine:
         self.rings = PagePool(windowed.num_blocks, "windowed") if windowed else None
         self.ring_pages = windowed.ring_pages if windowed else 0
         self.window = windowed.window if windowed else None
+        ls = self.art.linear_state
+        self.state_slots = (PagePool(ls.num_slots, "state", reserved=0, unit="slots")
+                            if ls is not None else None)
         # A model whose every layer is windowed (mistral) has no full-history pools to page.
         self.holds_full_pages = any(p.pool_class == "full" for p in self.art.pools)
         self.refused = {(int(t["id"]) if isinstance(t, dict) else int(t)):
@@ -114,7 +119,8 @@ class Engine:
         seq.token_ids += tokens
 
     def pools(self) -> dict[str, PagePool]:
-        return {"full": self.pages, **({"windowed": self.rings} if self.rings else {})}
+        return {"full": self.pages, **({"windowed": self.rings} if self.rings else {}),
+                **({"state": self.state_slots} if self.state_slots else {})}
 
     def _need(self, seq: Sequence, length: int) -> dict[str, int]:
         """Pages per pool `seq` must add to hold `length` positions: full-history pages for
@@ -123,6 +129,8 @@ class Engine:
         need = {"full": max(0, blocks - len(seq.pages)) if self.holds_full_pages else 0}
         if self.rings is not None:
             need["windowed"] = max(0, min(blocks, self.ring_pages) - len(seq.ring))
+        if self.state_slots is not None:
+            need["state"] = 0 if seq.state_slot is not None else 1
         return need
 
     def pages_needed(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
@@ -132,17 +140,26 @@ class Engine:
     def _take_pages(self, seq: Sequence, need: dict[str, int]) -> None:
         """All the pages of `need` or none (PagesExhausted naming each pool short of pages)."""
         pools = self.pools()
-        short = [f"{name} pool: {n} pages needed, {pools[name].free} free of "
-                 f"{pools[name].num_blocks - 1}" for name, n in need.items()
-                 if n > pools[name].free]
+        short = {name: pools[name].shortage(n) for name, n in need.items()}
+        short = {name: why for name, why in short.items() if why is not None}
         if short:
-            raise PagesExhausted("; ".join(short))
+            raise PagesExhausted("; ".join(short.values()), tuple(short))
         seq.pages += self.pages.allocate(need["full"])
         if self.rings is not None:
             seq.ring += self.rings.allocate(need["windowed"])
+        if need.get("state"):
+            seq.state_slot = self.state_slots.allocate(1)[0]
 
-    def rollback(self, seq: Sequence, num_tokens: int, num_pages: int, num_ring: int = 0) -> None:
-        """Undo an admit whose call failed: the sequence as it was before it."""
+    def rollback(self, seq: Sequence, num_tokens: int, num_pages: int, num_ring: int = 0,
+                 had_state_slot: bool = True) -> bool:
+        """Undo an admit whose call failed: the sequence as it was before it. False when that
+        cannot be: a linear-attention state already holds some of the failed request's tokens
+        (a chunked prompt failing after its first chunks), and a state cannot be rewound."""
+        if self.state_slots is not None and seq.num_cached > num_tokens:
+            return False
+        if not had_state_slot and seq.state_slot is not None:
+            self.state_slots.release([seq.state_slot])
+            seq.state_slot = None
         del seq.token_ids[num_tokens:]
         seq.num_cached = min(seq.num_cached, num_tokens)
         extra = seq.pages[num_pages:]
@@ -152,6 +169,7 @@ class Engine:
             extra = seq.ring[num_ring:]
             del seq.ring[num_ring:]
             self.rings.release(extra)
+        return True
 
     def _reserve(self, seq: Sequence, length: int) -> None:
         if length > self.art.max_context:
@@ -165,6 +183,11 @@ class Engine:
         if self.rings is not None:
             self.rings.release(seq.ring)
             seq.ring = []
+        if seq.state_slot is not None:
+            # Not cleared: the next sequence given this slot starts at position 0, and a row
+            # starting at position 0 starts from zero state.
+            self.state_slots.release([seq.state_slot])
+            seq.state_slot = None
         seq.num_cached = 0
 
     def max_call_tokens(self, seq: Sequence) -> int:
@@ -225,11 +248,13 @@ class Engine:
         for s, feed in zip(seqs, feeds):
             blocks = pages_for(s.num_cached + len(feed), self.block_size)
             rows.append(Row(tuple(feed), s.num_cached, tuple(s.pages[:blocks]),
-                            tuple(s.ring[:min(blocks, self.ring_pages)])))
+                            tuple(s.ring[:min(blocks, self.ring_pages)]),
+                            -1 if s.state_slot is None else s.state_slot))
         self.last_entry = entry.name
         self.executions += 1
         t0 = time.perf_counter()
-        step = build_step(entry, rows, self.block_size, self.ring_pages)
+        step = build_step(entry, rows, self.block_size, self.ring_pages,
+                          self.state_slots is not None)
         self.build_seconds += time.perf_counter() - t0
         logits = self.rt.run(entry.name, step)
         for s, feed in zip(seqs, feeds):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -22,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import Checkpoint, DecoderConfig, open_checkpoint
-from .decoder import WeightSlot, entry_program, kv_pools, lower_entry, weight_slots
-from .manifest import (MANIFEST_NAME, SCHEMA_V2, SCHEMA_V3, Entry, WeightFile, WindowedKv,
-                       load_artifact, numpy_dtype)
+from .decoder import WeightSlot, entry_program, kv_pools, lower_entry, state_pools, weight_slots
+from .manifest import (MANIFEST_NAME, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Entry, LinearState,
+                       WeightFile, WindowedKv, load_artifact, numpy_dtype)
 
 WEIGHT_DTYPES = ("f32", "bf16")
 
@@ -52,6 +53,9 @@ class ExportOptions:
     ring_spare_pages: int = 1  # pages a ring holds beyond one window
     window_blocks: int | None = None  # pages per windowed pool (None: the design's budget)
     ring_pages: int | None = None  # override the ring size (tests: a ring one page short)
+    # Linear-attention state slots (schema v4): sequences that can hold state at once (None:
+    # four times the largest batch).
+    state_slots: int | None = None
 
     def validate(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -73,6 +77,8 @@ class ExportOptions:
             raise ExportError("--prefill-chunk must be >= 1")
         if self.prefill_tokens is not None and any(t < 1 for t in self.prefill_tokens):
             raise ExportError(f"--prefill-tokens {list(self.prefill_tokens)}: must be >= 1")
+        if self.state_slots is not None and self.state_slots < 1:
+            raise ExportError(f"--state-slots {self.state_slots}: must be >= 1")
         if self.attention_block < 1 or self.attention_block % self.block_size:
             raise ExportError(f"--attention-block {self.attention_block}: not a positive "
                               f"multiple of the block size {self.block_size}")
@@ -117,6 +123,9 @@ class ExportOptions:
         below = (self.prefill_tokens if self.prefill_tokens is not None
                  else [2 ** k for k in range(5, top.bit_length())])
         return sorted({t for t in below if t < top} | {top})
+
+    def resolved_state_slots(self) -> int:
+        return self.state_slots if self.state_slots is not None else 4 * max(self.batch_ladder)
 
     def resolved_num_blocks(self) -> int:
         if self.num_blocks is not None:
@@ -175,6 +184,17 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
         return linear(pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight")
     if part == "down":
         return linear(pre + "mlp.down_proj.weight")
+    lin = pre + "linear_attn."
+    if part == "lin_in":  # [qkv | z | b | a] along out
+        return linear(*(lin + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")))
+    if part == "conv":  # the depthwise kernel [channels, 1, kernel] as [channels, kernel]
+        return t(lin + "conv1d.weight")[:, 0, :]
+    if part in ("A_log", "dt_bias"):
+        return t(lin + part)
+    if part == "lin_norm":  # the gated norm scales by its weight as stored (no 1 + weight)
+        return t(lin + "norm.weight")
+    if part == "lin_out":
+        return linear(lin + "out_proj.weight")
     raise AssertionError(f"unknown weight slot {name}")
 
 
@@ -206,7 +226,8 @@ def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, ou
 
 def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions = ExportOptions(),
                     ) -> Path:
-    """Write a tlaloc-serving-v2 artifact for `checkpoint` at `out`; returns `out`."""
+    """Write a Tlaloc serving artifact for `checkpoint` at `out`; returns `out`. The schema is
+    v2, v3 with a windowed pool, v4 with linear-attention state pools."""
     opts.validate()
     ckpt = open_checkpoint(checkpoint, opts.model_name)
     cfg = ckpt.config
@@ -230,14 +251,20 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         _log(f"[export] tokenizer: {', '.join(tokenizer_files) or 'none in the checkpoint'}")
 
         windowed = opts.windowed(cfg, num_blocks)
+        linear_state = _linear_state(cfg, opts)
         entries = _write_entries(cfg, opts, num_blocks, windowed, tmp)
         pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_dtype, windowed)
+        if linear_state is not None:
+            _log(f"[export] linear-attention state: {len(linear_state.layers)} of "
+                 f"{cfg.num_layers} layers, {linear_state.num_slots} slots of "
+                 f"{linear_state.bytes_per_slot / 2**10:.1f} KiB (any context)")
         if windowed is not None:
             _log(f"[export] windowed KV pool: window {windowed.window}, {len(windowed.layers)} of "
                  f"{cfg.num_layers} layers, rings of {windowed.ring_pages} pages, "
                  f"{windowed.num_blocks} pages per pool")
         manifest = {
-            "schema": SCHEMA_V3 if windowed is not None else SCHEMA_V2,
+            "schema": (SCHEMA_V4 if linear_state is not None else
+                       SCHEMA_V3 if windowed is not None else SCHEMA_V2),
             "exporter": "triton-tlaloc",
             "model": {
                 "family": cfg.family,
@@ -259,6 +286,8 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                 "attentionBlock": opts.attention_block,
                 "layerWindows": [cfg.window(i) for i in range(cfg.num_layers)],
                 **({"windowedKv": windowed.to_json()} if windowed is not None else {}),
+                **({"linearState": linear_state.to_json()} if linear_state is not None else {}),
+                **({"rotaryDim": cfg.rotary_dim} if cfg.rotary_dim else {}),
                 "ropeTheta": cfg.rope_theta,
                 "rmsNormEps": cfg.rms_norm_eps,
                 "tieWordEmbeddings": cfg.tie_word_embeddings,
@@ -272,7 +301,8 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                        "pools": [p.to_json() for p in pools]},
             "entries": [e.to_json() for e in entries],
             "weights": [w.to_json() for w in weights],
-            "donation": [{"output": f"{p.name}.out", "input": f"{p.name}.in"} for p in pools],
+            "donation": [{"output": f"{p.name}.out", "input": f"{p.name}.in"}
+                         for p in (*pools, *(linear_state.pools if linear_state else ()))],
         }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         load_artifact(tmp)  # every body against its signature, every file against the manifest
@@ -284,6 +314,15 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _linear_state(cfg: DecoderConfig, opts: ExportOptions) -> LinearState | None:
+    la = cfg.linear
+    if la is None:
+        return None
+    slots = opts.resolved_state_slots()
+    return LinearState(la.layers, slots, la.conv_kernel, la.num_key_heads, la.num_value_heads,
+                       la.key_head_dim, la.value_head_dim, tuple(state_pools(cfg, slots)))
 
 
 def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
@@ -303,10 +342,18 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
         # The largest prefill entry of a (batch, context) keeps the plain name.
         name = (f"{kind}_b{b}_c{c}" if kind == "decode" or tps == opts.tokens_per_seq(c)
                 else f"{kind}_b{b}_c{c}_t{tps}")
+        slots = opts.resolved_state_slots() if cfg.linear is not None else 0
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
-                                opts.weight_dtype, opts.kv_dtype, windowed)
+                                opts.weight_dtype, opts.kv_dtype, windowed, slots)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
-                           opts.attention_block, windowed)
+                           opts.attention_block, windowed, slots)
+        calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
+        if calls:
+            # A custom call is a platform's library function (jax's triangular solve lowers to
+            # LAPACK on CPU): the artifact would not serve elsewhere, and a process that never
+            # lowered anything may not have it initialized.
+            raise ExportError(f"entry {name}: the lowered program calls custom call(s) "
+                              f"{', '.join(calls)}; an artifact must be plain StableHLO")
         sha = hashlib.sha256(text.encode()).hexdigest()
         body = f"bodies/{sha}.mlir"
         (out / body).write_text(text)

@@ -7,7 +7,8 @@ family's linear layers), each returning its output and its updated state:
   1/sqrt(d):  S = S * exp(g);  S += k (x) beta * (v - k^T S);  o = q^T S.
   `gated_delta_rule_recurrent` runs it one token at a time (decode); `gated_delta_rule_chunked`
   runs the same rule in chunks of 64 tokens (prefill): per chunk, matmuls and a unit lower-
-  triangular solve (the UT transform), and a scan over the chunks carrying S.
+  triangular solve (the UT transform, by forward substitution), and a scan over the chunks
+  carrying S.
 
 Both match transformers' torch fallbacks (`torch_recurrent_gated_delta_rule`,
 `torch_chunk_gated_delta_rule`, `causal_conv1d_fn` / `causal_conv1d_update` in
@@ -18,7 +19,10 @@ hv / hk consecutive value heads); g, beta [b, t, hv]; state [b, hv, dk, dv].
 `gated_deltanet_layer` is the whole linear layer (projections, conv, rule, gated norm, output
 projection) over one call's tokens with its two states.
 
-Not yet wired into the decoder, the manifest (tlaloc-serving-v4) or the backend: issue 7.
+decoder.py calls these ops for the linear layers of a hybrid model (schema tlaloc-serving-v4).
+Everything lowers to plain StableHLO: no custom call (jax's solve_triangular lowers to LAPACK's
+trsm on CPU, a custom call that ties an artifact to one platform and that a process which never
+lowered anything has not initialized: the Triton backend hung on it).
 """
 
 from __future__ import annotations
@@ -88,13 +92,32 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, state):
     return jnp.moveaxis(o, 0, 1), state  # [t, b, hv, dv] -> [b, t, hv, dv]
 
 
+def unit_lower_inverse(strict):
+    """(I + strict)^-1 for a strictly lower-triangular strict [..., c, c], by forward
+    substitution one row at a time (a while loop of c - 1 steps, as transformers' torch
+    fallback does): row i of the inverse is e_i - strict[i] @ inverse, which reads only rows
+    above i, already final."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    c = strict.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(c, dtype=strict.dtype), strict.shape)
+
+    def row(i, inv):
+        a_i = lax.dynamic_slice_in_dim(strict, i, 1, axis=-2)  # [..., 1, c]
+        e_i = lax.dynamic_slice_in_dim(eye, i, 1, axis=-2)
+        new = e_i - jnp.matmul(a_i, inv, precision=lax.Precision.HIGHEST)
+        return lax.dynamic_update_slice_in_dim(inv, new, i, axis=-2)
+
+    return lax.fori_loop(1, c, row, eye)
+
+
 def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The same rule in chunks of `chunk` tokens (the sequence zero-padded to a multiple: a
     padded token has g = 0 and beta = 0, so it leaves the state as it was). Returns
     (o [b, t, hv, dv], state)."""
     import jax.numpy as jnp
     from jax import lax
-    from jax.scipy.linalg import solve_triangular
 
     hi = lax.Precision.HIGHEST
     t = q.shape[1]
@@ -118,12 +141,12 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     pair = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     # The UT system: I + strictly-lower (beta k k^T * decay); solved for the new values and the
-    # decayed keys that read the state (a unit lower-triangular solve).
+    # decayed keys that read the state (a unit lower-triangular solve: its inverse, then two
+    # products; the inverse is c x c where the right-hand sides are dk + dv wide).
     kk = jnp.einsum("bhncd,bhnsd->bhncs", k_beta, k, precision=hi) * pair
-    system = jnp.where(strict, kk, 0.0) + jnp.eye(chunk, dtype=jnp.float32)
-    new_values = solve_triangular(system, v_beta, lower=True, unit_diagonal=True)
-    k_cumdecay = solve_triangular(system, k_beta * jnp.exp(cum)[..., None], lower=True,
-                                  unit_diagonal=True)
+    inverse = unit_lower_inverse(jnp.where(strict, kk, 0.0))
+    new_values = jnp.matmul(inverse, v_beta, precision=hi)
+    k_cumdecay = jnp.matmul(inverse, k_beta * jnp.exp(cum)[..., None], precision=hi)
     intra = jnp.where(lower, jnp.einsum("bhncd,bhnsd->bhncs", q, k, precision=hi) * pair, 0.0)
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]

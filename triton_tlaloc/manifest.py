@@ -2,7 +2,7 @@
 
 An artifact is a directory (docs/artifact-format.md):
 
-    tlaloc-serving.json      the manifest (schema tlaloc-serving-v2)
+    tlaloc-serving.json      the manifest (schema tlaloc-serving-v2, v3 or v4)
     bodies/<sha256>.mlir     one StableHLO module per entry, function @main
     programs/<entry>.json    each entry's inputs and outputs with their roles
     weights/NNNN_<slot>.bin  one raw little-endian file per weight tensor, linears [in, out]
@@ -27,10 +27,10 @@ import numpy as np
 MANIFEST_NAME = "tlaloc-serving.json"
 SCHEMA_V2 = "tlaloc-serving-v2"
 SCHEMA_V3 = "tlaloc-serving-v3"  # v2 plus the windowed KV pool (rings for sliding layers)
-SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3)
+SCHEMA_V4 = "tlaloc-serving-v4"  # plus linear-attention state pools (model.linearState)
+SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4)
 # Schemas the design defines that this package does not serve yet: refused by name.
 KNOWN_UNBUILT_SCHEMAS = {
-    "tlaloc-serving-v4": "linear-attention state pools are not built yet",
     "tlaloc-bounded-v1": "bounded programs are not built yet",
 }
 
@@ -48,11 +48,18 @@ WINDOW_KV_POOL_OUT = "WINDOW_KV_POOL_OUT"
 WEIGHT = "WEIGHT"
 LOGITS = "LOGITS"
 KV_POOL_OUT = "KV_POOL_OUT"
+STATE_SLOTS = "STATE_SLOTS"  # [B]: each row's slot in the state pools, -1 for a padding row
+STATE_POOL_IN = "STATE_POOL_IN"
+STATE_POOL_OUT = "STATE_POOL_OUT"
 STEP_ROLES = (TOKEN_IDS, POSITIONS, BLOCK_TABLES, SEQ_LENS, SLOT_MAPPING)
 WINDOW_STEP_ROLES = (WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING)
-POOL_IN_ROLES = (KV_POOL_IN, WINDOW_KV_POOL_IN)
-POOL_OUT_ROLES = (KV_POOL_OUT, WINDOW_KV_POOL_OUT)
-INPUT_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + POOL_IN_ROLES + (WEIGHT,)
+STATE_STEP_ROLES = (STATE_SLOTS,)
+POOL_IN_ROLES = (KV_POOL_IN, WINDOW_KV_POOL_IN, STATE_POOL_IN)
+POOL_OUT_ROLES = (KV_POOL_OUT, WINDOW_KV_POOL_OUT, STATE_POOL_OUT)
+# Each pool output with the input it is donated from.
+DONATION_ROLES = ((KV_POOL_OUT, KV_POOL_IN), (WINDOW_KV_POOL_OUT, WINDOW_KV_POOL_IN),
+                  (STATE_POOL_OUT, STATE_POOL_IN))
+INPUT_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES + POOL_IN_ROLES + (WEIGHT,)
 OUTPUT_ROLES = (LOGITS,) + POOL_OUT_ROLES
 
 # Element types, spelled as StableHLO spells them, with their numpy dtypes.
@@ -297,6 +304,63 @@ class WindowedKv:
                 "numBlocks": self.num_blocks}
 
 
+@dataclass(frozen=True)
+class StatePool:
+    """One linear layer's conv or recurrent states, one per state slot (schema v4)."""
+
+    name: str
+    layer: int
+    kind: str  # "conv" [slots, kernel - 1, channels] | "recurrent" [slots, heads, key, value]
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * numpy_dtype(self.dtype).itemsize
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "layer": self.layer, "kind": self.kind, "dtype": self.dtype,
+                "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class LinearState:
+    """The linear-attention state pools (schema v4, model.linearState): each sequence holds one
+    state slot for its life, in every pool; a row starting at position 0 starts from zero
+    state, so a freed slot is reused without clearing."""
+
+    layers: tuple[int, ...]
+    num_slots: int
+    conv_kernel: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    pools: tuple[StatePool, ...]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """The state memory of one sequence, whatever its context."""
+        return sum(p.bytes_per_slot for p in self.pools)
+
+    def to_json(self) -> dict:
+        return {"layers": list(self.layers), "numSlots": self.num_slots,
+                "convKernel": self.conv_kernel, "numKeyHeads": self.num_key_heads,
+                "numValueHeads": self.num_value_heads, "keyHeadDim": self.key_head_dim,
+                "valueHeadDim": self.value_head_dim, "bytesPerSlot": self.bytes_per_slot,
+                "pools": [p.to_json() for p in self.pools]}
+
+    @staticmethod
+    def from_json(obj: dict) -> "LinearState":
+        return LinearState(
+            layers=tuple(int(x) for x in obj["layers"]), num_slots=int(obj["numSlots"]),
+            conv_kernel=int(obj["convKernel"]), num_key_heads=int(obj["numKeyHeads"]),
+            num_value_heads=int(obj["numValueHeads"]), key_head_dim=int(obj["keyHeadDim"]),
+            value_head_dim=int(obj["valueHeadDim"]),
+            pools=tuple(StatePool(p["name"], int(p["layer"]), p["kind"], p["dtype"],
+                                  tuple(int(d) for d in p["shape"])) for p in obj["pools"]))
+
+
 @dataclass
 class Artifact:
     path: Path
@@ -309,6 +373,11 @@ class Artifact:
     pools: tuple[KvPool, ...]
     manifest: dict = field(repr=False, default_factory=dict)
     windowed: WindowedKv | None = None
+    linear_state: LinearState | None = None
+
+    @property
+    def state_pools(self) -> tuple[StatePool, ...]:
+        return self.linear_state.pools if self.linear_state is not None else ()
 
     def entries_of(self, kind: str) -> list[Entry]:
         return sorted((e for e in self.entries.values() if e.kind == kind),
@@ -499,6 +568,8 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
         windowed = None if wk is None else WindowedKv(
             int(wk["window"]), tuple(int(x) for x in wk["layers"]), int(wk["ringPages"]),
             int(wk["numBlocks"]))
+        ls = manifest["model"].get("linearState")
+        linear_state = None if ls is None else LinearState.from_json(ls)
         weights = tuple(WeightFile(w["slot"], w["dtype"], tuple(int(d) for d in w["shape"]),
                                    int(w["byteLength"]), w["file"]) for w in manifest["weights"])
         raw_entries = manifest["entries"]
@@ -511,6 +582,14 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     if schema == SCHEMA_V2 and (windowed is not None
                                 or any(p.pool_class == "windowed" for p in pools)):
         raise _refuse("a windowed KV pool needs schema tlaloc-serving-v3", mpath)
+    if schema == SCHEMA_V4 and linear_state is None:
+        raise _refuse("schema tlaloc-serving-v4 needs model.linearState (layers, numSlots, "
+                      "pools)", mpath)
+    if schema != SCHEMA_V4 and linear_state is not None:
+        raise _refuse("linear-attention state pools (model.linearState) need schema "
+                      "tlaloc-serving-v4", mpath)
+    if linear_state is not None:
+        _check_linear_state(linear_state, mpath)
     if windowed is not None and not (1 <= windowed.ring_pages and windowed.num_blocks >= 2):
         raise _refuse(f"model.windowedKv: ringPages {windowed.ring_pages} and numBlocks "
                       f"{windowed.num_blocks} cannot hold a ring", mpath)
@@ -530,6 +609,7 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
                           f"{w.byte_length}", wpath)
     weight_by_slot = {w.slot: w for w in weights}
     pool_by_name = {p.name: p for p in pools}
+    state_by_name = {p.name: p for p in (linear_state.pools if linear_state else ())}
 
     entries: dict[str, Entry] = {}
     for e in raw_entries:
@@ -552,7 +632,7 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
                       program_path=e["program"], program=program)
         if entry.kind not in ("decode", "prefill"):
             raise _refuse(f"entry {name}: unknown kind {entry.kind!r}", mpath)
-        _check_program(entry, model, weight_by_slot, pool_by_name, prog_path)
+        _check_program(entry, model, weight_by_slot, pool_by_name, state_by_name, prog_path)
         if check_bodies:
             _check_body(entry, body_path)
         entries[name] = entry
@@ -560,11 +640,29 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     if not entries:
         raise _refuse("the manifest has no entries", mpath)
     return Artifact(root, schema, model, batch_ladder, context_ladder, entries, weights, pools,
-                    manifest, windowed)
+                    manifest, windowed, linear_state)
+
+
+def _check_linear_state(ls: LinearState, mpath: Path) -> None:
+    if ls.num_slots < 1:
+        raise _refuse(f"model.linearState: numSlots {ls.num_slots} holds no sequence", mpath)
+    want = {(layer, kind) for layer in ls.layers for kind in ("conv", "recurrent")}
+    got = [(p.layer, p.kind) for p in ls.pools]
+    if sorted(got) != sorted(want):
+        raise _refuse(f"model.linearState: pools {sorted(got)} are not one conv and one "
+                      f"recurrent pool for each of layers {list(ls.layers)}", mpath)
+    channels = 2 * ls.num_key_heads * ls.key_head_dim + ls.num_value_heads * ls.value_head_dim
+    for p in ls.pools:
+        shape = ((ls.num_slots, ls.conv_kernel - 1, channels) if p.kind == "conv" else
+                 (ls.num_slots, ls.num_value_heads, ls.key_head_dim, ls.value_head_dim))
+        if p.shape != shape:
+            raise _refuse(f"model.linearState: pool {p.name} is {list(p.shape)}, its sizes "
+                          f"imply {list(shape)}", mpath)
 
 
 def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFile],
-                   pools: dict[str, KvPool], prog_path: Path) -> None:
+                   pools: dict[str, KvPool], state_pools: dict[str, StatePool],
+                   prog_path: Path) -> None:
     prog = entry.program
     for s in prog.inputs:
         if s.role not in INPUT_ROLES:
@@ -578,7 +676,12 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
                 raise _refuse(f"entry {entry.name}: weight slot {s.slot} is {w.dtype} "
                               f"{list(w.shape)} in the weight table but {s.dtype} "
                               f"{list(s.shape)} in the program", prog_path)
-        if s.role in POOL_IN_ROLES:
+        if s.role == STATE_POOL_IN:
+            sp = state_pools.get(s.pool)
+            if sp is None or (sp.dtype, sp.shape) != (s.dtype, s.shape):
+                raise _refuse(f"entry {entry.name}: input {s.name} does not match state pool "
+                              f"{s.pool} of model.linearState", prog_path)
+        elif s.role in POOL_IN_ROLES:
             p = pools.get(s.pool)
             want_class = "windowed" if s.role == WINDOW_KV_POOL_IN else "full"
             if p is None or (p.dtype, p.shape, p.pool_class) != (s.dtype, s.shape, want_class):
@@ -596,14 +699,13 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
             raise _refuse(f"entry {entry.name}: donation pair output {o.name} {o.dtype} "
                           f"{list(o.shape)} and input {i.name} {i.dtype} {list(i.shape)} differ "
                           f"in shape or dtype", prog_path)
-        if (o.role, i.role) not in ((KV_POOL_OUT, KV_POOL_IN),
-                                    (WINDOW_KV_POOL_OUT, WINDOW_KV_POOL_IN)) or o.pool != i.pool:
+        if (o.role, i.role) not in DONATION_ROLES or o.pool != i.pool:
             raise _refuse(f"entry {entry.name}: donation pair ({o.name}, {i.name}) does not pair "
-                          f"a KV_POOL_OUT with the KV_POOL_IN of the same pool", prog_path)
+                          f"a pool's output with the same pool's input", prog_path)
     donated_inputs = {i for _, i in prog.donation}
     for idx, s in enumerate(prog.inputs):
         if s.role in POOL_IN_ROLES and idx not in donated_inputs:
-            raise _refuse(f"entry {entry.name}: KV pool input {s.name} has no donation pair",
+            raise _refuse(f"entry {entry.name}: pool input {s.name} has no donation pair",
                           prog_path)
 
 

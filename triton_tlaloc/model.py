@@ -112,11 +112,13 @@ class TritonPythonModel:
         self.batcher.start()
         rt = self.runtime
         log.info("model %s loaded in %.1f s: %s, %d entries (%d compiled, %d from the cache), "
-                 "weights %.1f MiB, KV pools %.1f MiB (%d pages of %d tokens), platform %s, "
-                 "donate_kv_pools %s; %s", args["model_name"], time.perf_counter() - t0,
-                 artifact.model.model_name, len(rt.executables), rt.compile_stats.compiled,
-                 rt.compile_stats.cache_hits, rt.weight_bytes / 2**20, rt.pool_bytes / 2**20,
-                 artifact.model.num_blocks, artifact.model.block_size, platform,
+                 "weights %.1f MiB, KV pools %.1f MiB (%d pages of %d tokens), state pools "
+                 "%.1f MiB (%d slots), platform %s, donate_kv_pools %s; %s", args["model_name"],
+                 time.perf_counter() - t0, artifact.model.model_name, len(rt.executables),
+                 rt.compile_stats.compiled, rt.compile_stats.cache_hits,
+                 rt.weight_bytes / 2**20, rt.kv_pool_bytes / 2**20, artifact.model.num_blocks,
+                 artifact.model.block_size, rt.state_pool_bytes / 2**20,
+                 artifact.linear_state.num_slots if artifact.linear_state else 0, platform,
                  params["donate_kv_pools"], policy)
 
     def execute(self, requests):
@@ -182,6 +184,13 @@ class TritonMetrics(Observer):
                            for pool in ("full", "windowed")}
         self.pages_free = {pool: pages_free.Metric(labels={**self.labels, "pool": pool})
                            for pool in ("full", "windowed")}
+        # A hybrid model's linear-attention state slots (schema v4), one per live sequence.
+        self.pages_used["state"] = family(
+            "tlaloc_state_slots_used", "Linear-attention state slots held by sequences",
+            F.GAUGE).Metric(labels=self.labels)
+        self.pages_free["state"] = family(
+            "tlaloc_state_slots_free", "Linear-attention state slots free",
+            F.GAUGE).Metric(labels=self.labels)
         self.sequences = family("tlaloc_sequences_held", "Sequences holding state in the "
                                 "backend", F.GAUGE).Metric(labels=self.labels)
         self._executions = family("tlaloc_executions_total", "Entry executions by kind",

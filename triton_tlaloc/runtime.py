@@ -24,14 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifest import (LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, STEP_ROLES, WEIGHT,
-                       WINDOW_STEP_ROLES, Artifact, Entry,
-                       load_artifact, numpy_dtype, strip_aliasing)
+from .manifest import (LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, STATE_STEP_ROLES, STEP_ROLES,
+                       WEIGHT, WINDOW_STEP_ROLES, Artifact, Entry, load_artifact, numpy_dtype,
+                       strip_aliasing)
 
 log = logging.getLogger("triton_tlaloc.runtime")
 
 # The inputs a call supplies (the rest are pools and weights the runtime holds).
-CALL_ROLES = STEP_ROLES + WINDOW_STEP_ROLES
+CALL_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES
 
 # How many runs have their pools' addresses checked: the first CHECKED_RUNS runs, and the first
 # run of every entry (design section 6: checking every run costs host time for nothing).
@@ -200,13 +200,26 @@ class Runtime:
         return out
 
     def _allocate_pools(self) -> dict[str, object]:
-        specs = [(p.shape, numpy_dtype(p.dtype)) for p in self.artifact.pools]
-        pools = dict(zip((p.name for p in self.artifact.pools), self.device.zeros(specs)))
-        self.pool_bytes = sum(int(np.prod(p.shape)) * numpy_dtype(p.dtype).itemsize
-                              for p in self.artifact.pools)
+        """The KV pools and the linear-attention state pools (schema v4), zeroed on the device."""
+        every = (*self.artifact.pools, *self.artifact.state_pools)
+        specs = [(p.shape, numpy_dtype(p.dtype)) for p in every]
+        pools = dict(zip((p.name for p in every), self.device.zeros(specs)))
+
+        def nbytes(ps):
+            return sum(int(np.prod(p.shape)) * numpy_dtype(p.dtype).itemsize for p in ps)
+
+        self.kv_pool_bytes = nbytes(self.artifact.pools)
+        self.state_pool_bytes = nbytes(self.artifact.state_pools)
+        self.pool_bytes = self.kv_pool_bytes + self.state_pool_bytes
         m = self.artifact.model
-        log.info("KV pools: %d pools of %d pages x %d tokens, %.1f MiB", len(pools), m.num_blocks,
-                 m.block_size, self.pool_bytes / 2**20)
+        log.info("KV pools: %d pools of %d pages x %d tokens, %.1f MiB",
+                 len(self.artifact.pools), m.num_blocks, m.block_size,
+                 self.kv_pool_bytes / 2**20)
+        ls = self.artifact.linear_state
+        if ls is not None:
+            log.info("state pools: %d pools of %d slots, %.1f KiB a sequence at any context, "
+                     "%.1f MiB", len(ls.pools), ls.num_slots, ls.bytes_per_slot / 2**10,
+                     self.state_pool_bytes / 2**20)
         return pools
 
     def _plan(self, entry: Entry) -> "_CallPlan":

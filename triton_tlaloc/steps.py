@@ -2,8 +2,9 @@
 
 A row is one sequence's part of a call: the tokens it feeds, the position of the first, and the
 pages the sequence holds. Rows are right-aligned in the token axis: padding first (token 0, the
-first token's position, slot -1: never written), then the row's tokens. Rows past the call's own are padding
-rows: block table all page 0, length 0, every slot -1.
+first token's position, slot -1: never written), then the row's tokens. Rows past the call's own
+are padding rows: block table all page 0, length 0, every slot -1, state slot -1 (schema v4: its
+state is neither read nor written).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .manifest import (BLOCK_TABLES, POSITIONS, SEQ_LENS, SLOT_MAPPING, TOKEN_IDS,
+from .manifest import (BLOCK_TABLES, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_SLOTS, TOKEN_IDS,
                        WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING, Entry)
 
 
@@ -22,16 +23,18 @@ class Row:
     start: int  # position of tokens[0]
     pages: tuple[int, ...]  # the sequence's pages in logical order
     ring: tuple[int, ...] = ()  # its ring of windowed pages (schema v3): block b on ring[b % R]
+    state_slot: int = -1  # its slot in the linear-attention state pools (schema v4)
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
 
 
-def build_step(entry: Entry, rows: list[Row], block_size: int,
-               ring_pages: int = 0) -> dict[str, np.ndarray]:
+def build_step(entry: Entry, rows: list[Row], block_size: int, ring_pages: int = 0,
+               state_slots: bool = False) -> dict[str, np.ndarray]:
     """The step inputs of one call; with `ring_pages` (a windowed pool) also the window block
-    table (entry b: the ring page of block b) and the window slots."""
+    table (entry b: the ring page of block b) and the window slots; with `state_slots` (state
+    pools) each row's state slot."""
     b, t = entry.batch, entry.tokens_per_seq
     m = entry.context // block_size
     assert 1 <= len(rows) <= b, f"{entry.name}: {len(rows)} rows for batch {b}"
@@ -77,4 +80,10 @@ def build_step(entry: Entry, rows: list[Row], block_size: int,
                                        + pos % block_size)
         step[WINDOW_BLOCK_TABLES] = window_tables
         step[WINDOW_SLOT_MAPPING] = window_slots
+    if state_slots:
+        slots = np.full((b,), -1, np.int32)
+        for r, row in enumerate(rows):
+            assert row.state_slot >= 0, f"{entry.name}: row {r} holds no state slot"
+            slots[r] = row.state_slot
+        step[STATE_SLOTS] = slots
     return step
