@@ -13,12 +13,27 @@ import numpy as np
 import torch
 
 
+def make_config(family: str, common: dict, layers: int):
+    """qwen3_5_text: three Gated DeltaNet layers then a gated attention layer (the family's
+    pattern), per pair of layers asked for: 4 layers by default. Partial rotary: 8 of 16 dims
+    rotate."""
+    from transformers import Qwen3_5TextConfig
+
+    assert family == "qwen3_5_text", family
+    return Qwen3_5TextConfig(**{**common, "num_hidden_layers": max(4, 2 * layers)},
+                             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=16, linear_value_head_dim=8,
+                             linear_conv_kernel_dim=4,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5})
+
+
 def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool = False,
                          seed: int = 0, save_dtype=torch.float32) -> Path:
     """A seeded random model built with transformers and saved as a Hugging Face checkpoint.
     initializer_range 0.2 makes its logits peaked enough that greedy ids are a stable check."""
     from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                              Qwen3_5TextConfig, Qwen3Config)
+                              Qwen3Config)
 
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -39,18 +54,22 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     elif family == "qwen3_5_text":
-        # Three Gated DeltaNet layers then a gated attention layer (the family's pattern), per
-        # pair of layers asked for: 4 layers by default. Partial rotary: 8 of 16 dims rotate.
-        cfg = Qwen3_5TextConfig(**{**common, "num_hidden_layers": max(4, 2 * layers)},
-                                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                                linear_key_head_dim=16, linear_value_head_dim=8,
-                                linear_conv_kernel_dim=4,
-                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                 "partial_rotary_factor": 0.5})
+        cfg = make_config(family, common, layers)
+    elif family == "qwen3_5":
+        # The multimodal checkpoint (text_config, a one-block vision tower, image and video
+        # placeholder ids; tensors under model.language_model.*): the text decoder is served.
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+        text = make_config("qwen3_5_text", common, layers).to_dict()
+        cfg = Qwen3_5Config(text_config=text, image_token_id=250, video_token_id=251,
+                            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                               num_heads=2, out_hidden_size=common["hidden_size"]))
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if family == "qwen3_5":
+        model = Qwen3_5ForConditionalGeneration(cfg).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # norms away from 1 so that a missing norm weight shows
         for name, p in model.named_parameters():
             if "norm" in name:

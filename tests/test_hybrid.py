@@ -313,3 +313,22 @@ def test_a_prompt_failing_after_its_first_calls_ends_the_sequence(hybrid):
     solo = Engine(Runtime(hybrid["chunks"]))
     seq = solo.new_sequence(PROMPT[:100])
     assert logits_error(replies[-1].logits, solo.prefill_chunked(seq)[0]) <= 1e-5
+
+
+def test_a_multimodal_qwen3_5_checkpoint_serves_its_text_decoder(work):
+    """Qwen3.5 checkpoints are multimodal (Qwen3_5ForConditionalGeneration): the text decoder is
+    read from text_config and model.language_model.*, the vision tower is left out, and its
+    image and video placeholder ids are refused by name."""
+    from oracle import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(work / "ckpt-qwen3_5-multimodal", "qwen3_5", seed=2)
+    art = export_artifact(ckpt, work / "art-qwen3_5-multimodal", ExportOptions(**OPTS))
+    loaded = load_artifact(art)
+    assert loaded.schema == SCHEMA_V4 and loaded.model.family == "qwen3_5_text"
+    assert {(t["id"], t["configKey"]) for t in loaded.model.refused_tokens} == {
+        (250, "image_token_id"), (251, "video_token_id")}
+    want_ids, want_logits = reference_greedy(load_reference(ckpt), PROMPT, STEPS)
+    logits, ids, _ = first_logits_and_ids(art)
+    print(f"multimodal qwen3_5: logits error {logits_error(logits, want_logits):.2e}")
+    assert ids == want_ids
+    assert logits_error(logits, want_logits) <= TOL
