@@ -5,6 +5,7 @@ torch and transformers are test oracles here, never part of the serving path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -129,3 +130,48 @@ def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], n
 def logits_error(got: np.ndarray, want: np.ndarray) -> float:
     """Largest absolute difference relative to the largest reference logit (at least 1)."""
     return float(np.max(np.abs(got - want)) / max(1.0, float(np.max(np.abs(want)))))
+
+
+def quantized_reference(model, quant: str, wrong_axis: bool = False):
+    """The model with each decoder layer's Linear weights replaced by what a --weight-quant
+    artifact computes with: the codes widened, times each output channel's scale (the head and
+    the embedding keep theirs). wrong_axis: the quantizer bug of the negative control (codes
+    taken along the input axis, scales still per output channel)."""
+    from triton_tlaloc.quant import dequantize_rows, quantize_rows
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+                w = module.weight.float().numpy()
+                codes, scale = quantize_rows(w, quant)
+                if wrong_axis:
+                    codes = quantize_rows(w.T, quant)[0].T
+                module.weight.copy_(torch.from_numpy(dequantize_rows(codes, scale)))
+    return model
+
+
+@contextlib.contextmanager
+def fp8_kv_reference(model):
+    """The model, while the context is open, with its keys (after RoPE) and values rounded
+    through e4m3fn, clamped to +-448, as an fp8 KV pool stores them (llama family: its
+    apply_rotary_pos_emb is patched and each v_proj's output is rounded)."""
+    from transformers.models.llama import modeling_llama
+
+    def fp8(x):
+        return x.clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+
+    original = modeling_llama.apply_rotary_pos_emb
+
+    def rounded(q, k, cos, sin, *a, **kw):
+        q, k = original(q, k, cos, sin, *a, **kw)
+        return q, fp8(k)
+
+    hooks = [m.v_proj.register_forward_hook(lambda _m, _a, out: fp8(out))
+             for m in model.modules() if hasattr(m, "v_proj")]
+    modeling_llama.apply_rotary_pos_emb = rounded
+    try:
+        yield model
+    finally:
+        modeling_llama.apply_rotary_pos_emb = original
+        for h in hooks:
+            h.remove()

@@ -13,6 +13,7 @@ from oracle import load_reference, reference_greedy
 from triton_tlaloc.client import InferError, TlalocClient, new_sequence_id
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
+from triton_tlaloc.manifest import load_artifact
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.runtime import Runtime
 from triton_tlaloc.server import TritonServer
@@ -218,6 +219,12 @@ def test_metrics_on_the_metrics_port(served):
     assert metric(after, "tlaloc_kv_pages_used", model="llama", pool="full") == 0
     assert metric(after, "tlaloc_kv_pages_free", model="llama", pool="full") == 32
     assert metric(after, "tlaloc_sequences_held", model="llama") == 0
+    art = load_artifact(served[1]["llama"])
+    assert metric(after, "tlaloc_device_bytes", model="llama", what="weights") == sum(
+        w.byte_length for w in art.weights)
+    m = art.model  # K and V of each layer, f32
+    assert metric(after, "tlaloc_device_bytes", model="llama", what="kv_pools") == len(
+        art.pools) * m.num_blocks * m.block_size * m.kv_heads * m.head_size * 4
     # The step phases (batcher.CallTiming): the executable's share of the decode calls' time.
     assert delta("tlaloc_call_phase_seconds_total", kind="decode", phase="execute") > 0
     assert delta("tlaloc_response_send_seconds_count") >= 6

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .checkpoint import DecoderConfig
+from .quant import code_dtype
 from .manifest import (BLOCK_TABLES, KV_POOL_IN, KV_POOL_OUT, LOGITS, POSITIONS, SEQ_LENS,
                        SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS, TOKEN_IDS,
                        WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT,
@@ -40,12 +41,16 @@ class WeightSlot:
 
     name: str
     shape: tuple[int, ...]
-    kind: str  # "linear" | "norm" | "embed" | "param" (f32: a conv kernel, a decay, a bias)
+    kind: str  # "linear" | "norm" | "embed" | "param" (f32: conv kernel, decay) | "scale"
     out_first: bool = False
+    quant: str | None = None  # "int8" | "fp8": codes [out, in], then a "<name>.scale" slot
 
     def dtype(self, weight_dtype: str) -> str:
-        """Norm weights stay f32 (they are tiny and the norms compute in f32); linears and the
-        embedding table take the export's weight dtype."""
+        """Norm weights stay f32 (they are tiny and the norms compute in f32), and so do a
+        quantized linear's scales; linears and the embedding table take the export's weight
+        dtype, a quantized linear its codes' type."""
+        if self.quant is not None:
+            return code_dtype(self.quant)
         return weight_dtype if self.kind in ("linear", "embed") else "f32"
 
 
@@ -61,13 +66,20 @@ def out_first_linears(weight_dtype: str) -> bool:
     return weight_dtype != "f32"
 
 
-def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32") -> list[WeightSlot]:
+def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
+                 weight_quant: str | None = None) -> list[WeightSlot]:
     h, d = cfg.hidden_size, cfg.head_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
     of = out_first_linears(weight_dtype)
 
-    def linear(name, n_in, n_out):
-        return WeightSlot(name, (n_out, n_in) if of else (n_in, n_out), "linear", of)
+    def linear(name, n_in, n_out, quantized=True):
+        """A layer's linear; with --weight-quant its codes, stored [out, in] whatever the
+        weight dtype (one-row products widen codes as they read them only along the weight's
+        minor axis), and its scale per output channel."""
+        if weight_quant is not None and quantized:
+            return [WeightSlot(name, (n_out, n_in), "linear", True, weight_quant),
+                    WeightSlot(f"{name}.scale", (n_out,), "scale")]
+        return [WeightSlot(name, (n_out, n_in) if of else (n_in, n_out), "linear", of)]
 
     # A tied f32 table is stored once, [hidden, vocab]: the head's [in, out] layout (XLA's CPU
     # dot against a [vocab, hidden] table contracting [1] x [1] took 62.6 ms at 4 rows against
@@ -87,30 +99,30 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32") -> list[WeightSl
             # conv kernel [channels, kernel], A_log and dt_bias per value head, the gated norm
             # (its weight as stored: no 1 + weight), out_proj.
             hv = la.num_value_heads
-            slots += [linear(f"l{i}.lin_in", h, la.conv_channels + la.value_dim + 2 * hv),
+            slots += [*linear(f"l{i}.lin_in", h, la.conv_channels + la.value_dim + 2 * hv),
                       WeightSlot(f"l{i}.conv", (la.conv_channels, la.conv_kernel), "param"),
                       WeightSlot(f"l{i}.A_log", (hv,), "param"),
                       WeightSlot(f"l{i}.dt_bias", (hv,), "param"),
                       WeightSlot(f"l{i}.lin_norm", (la.value_head_dim,), "param"),
-                      linear(f"l{i}.lin_out", la.value_dim, h)]
+                      *linear(f"l{i}.lin_out", la.value_dim, h)]
         else:
-            slots.append(linear(f"l{i}.qkv", h, qkv))
+            slots += linear(f"l{i}.qkv", h, qkv)
             if cfg.qk_norm:
                 slots += [WeightSlot(f"l{i}.q_norm", (d,), "norm"),
                           WeightSlot(f"l{i}.k_norm", (d,), "norm")]
-            slots.append(linear(f"l{i}.o", cfg.num_heads * d, h))
+            slots += linear(f"l{i}.o", cfg.num_heads * d, h)
         if cfg.sandwich_norms:
             slots.append(WeightSlot(f"l{i}.post_attn_norm", (h,), "norm"))
         slots += [
             WeightSlot(f"l{i}.mlp_norm", (h,), "norm"),
-            linear(f"l{i}.gate_up", h, 2 * cfg.intermediate_size),
-            linear(f"l{i}.down", cfg.intermediate_size, h),
+            *linear(f"l{i}.gate_up", h, 2 * cfg.intermediate_size),
+            *linear(f"l{i}.down", cfg.intermediate_size, h),
         ]
         if cfg.sandwich_norms:
             slots.append(WeightSlot(f"l{i}.post_mlp_norm", (h,), "norm"))
     slots.append(WeightSlot("final_norm", (h,), "norm"))
     if not cfg.tie_word_embeddings:
-        slots.append(linear("lm_head", h, cfg.vocab_size))
+        slots += linear("lm_head", h, cfg.vocab_size, quantized=False)  # the head keeps its dtype
     return slots
 
 
@@ -145,7 +157,7 @@ def state_pools(cfg: DecoderConfig, num_slots: int) -> list[StatePool]:
 def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, tokens_per_seq: int,
                   block_size: int, num_blocks: int, weight_dtype: str,
                   kv_dtype: str, windowed: WindowedKv | None = None,
-                  num_state_slots: int = 0) -> Program:
+                  num_state_slots: int = 0, weight_quant: str | None = None) -> Program:
     """The signature of one entry, in @main's order."""
     b, t, m = batch, tokens_per_seq, context // block_size
     inputs = [
@@ -173,7 +185,7 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
         inputs.append(TensorSpec(f"{p.name}.in", role_of(p, WINDOW_KV_POOL_IN, KV_POOL_IN,
                                                           STATE_POOL_IN),
                                  p.dtype, p.shape, pool=p.name))
-    for s in weight_slots(cfg, weight_dtype):
+    for s in weight_slots(cfg, weight_dtype, weight_quant):
         inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, s.dtype(weight_dtype), s.shape, slot=s.name))
     outputs = [TensorSpec("logits", LOGITS, "f32", (b, cfg.vocab_size))]
     for p in (*pools, *states):
@@ -186,7 +198,7 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
 
 def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str,
                   attention_block: int = 2048, windowed: WindowedKv | None = None,
-                  num_state_slots: int = 0):
+                  num_state_slots: int = 0, weight_quant: str | None = None):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits, pools...)."""
     import jax
     import jax.numpy as jnp
@@ -195,7 +207,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     from . import linear_attention as la_ops
     from .attention import blockwise, one_pass, ring
 
-    slots = weight_slots(cfg, weight_dtype)
+    slots = weight_slots(cfg, weight_dtype, weight_quant)
+    slot_of = {s.name: s for s in slots}
     transposed_table = any(s.name == "embed_t" for s in slots)
     # Each layer's pools in @main's order: K and V of the attention layers, then conv and
     # recurrent states of the linear layers.
@@ -254,7 +267,22 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             out = lax.dot_general(flat, wf, (((1,), (1,)), ((), ())))
         return out.reshape(*lead, w.shape[0])
 
-    of = out_first_linears(weight_dtype)
+    def to_pool(x, dtype):
+        """Keys and values as a pool stores them. An fp8 (e4m3fn) pool has no scale: a value is
+        stored as itself, clamped to +-448 (e4m3fn has no infinity: a larger value would be
+        NaN); attention widens the codes to f32 as it reads them."""
+        if dtype == jnp.float8_e4m3fn:
+            x = jnp.clip(x, -448.0, 448.0)
+        return x.astype(dtype)
+
+    def project(x, w, name):
+        """A linear by slot name, in its slot's layout; quantized codes are widened in front of
+        the product (exact) and each output column is multiplied by its scale."""
+        slot = slot_of[name]
+        y = linear(x, w[name], slot.out_first)
+        if slot.quant is not None:
+            y = y * w[f"{name}.scale"]
+        return y
 
     def rope(x, cos, sin):
         # A partial rotary (qwen3_5) rotates the first rotary_dim dims and passes the rest.
@@ -265,8 +293,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
     la = cfg.linear
 
-    def linear_layer(hdn, w_in, conv_w, a_log, dt_bias, norm_w, w_out, conv_pool, rec_pool,
-                     positions, seq_lens, state_slots):
+    def linear_layer(hdn, w, i, conv_pool, rec_pool, positions, seq_lens, state_slots):
         """A Gated DeltaNet layer over the call's rows: each row's states are read at its state
         slot (zero for a row starting at position 0: a reused slot needs no clearing), the row's
         live tokens run through the conv and the rule, and the states are written back (padding
@@ -274,7 +301,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         b, t, _ = hdn.shape
         hk, hv, dk, dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
         kernel, channels, vdim = la.conv_kernel, la.conv_channels, la.value_dim
-        proj = linear(hdn, w_in, of)
+        proj = project(hdn, w, f"l{i}.lin_in")
         mixed = proj[..., :channels]
         z = proj[..., channels:channels + vdim].reshape(b, t, hv, dv)
         b_in = proj[..., channels + vdim:channels + vdim + hv]
@@ -294,12 +321,12 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             idx = jnp.where(j >= pad + kernel - 1, j, jnp.clip(j - pad, 0, kernel - 2))
             arranged = jnp.take_along_axis(combined, idx[..., None], axis=1)
             conv_state, mixed = arranged[:, :kernel - 1], arranged[:, kernel - 1:]
-        mixed, conv_state = la_ops.causal_conv1d(mixed, conv_state, conv_w)
+        mixed, conv_state = la_ops.causal_conv1d(mixed, conv_state, w[f"l{i}.conv"])
         q = mixed[..., :hk * dk].reshape(b, t, hk, dk)
         k = mixed[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
         v = mixed[..., 2 * hk * dk:].reshape(b, t, hv, dv)
         beta = jax.nn.sigmoid(b_in)
-        g = -jnp.exp(a_log) * jax.nn.softplus(a_in + dt_bias)
+        g = -jnp.exp(w[f"l{i}.A_log"]) * jax.nn.softplus(a_in + w[f"l{i}.dt_bias"])
         if t > 1:
             # GATED_DELTA_RULE: a padding token has g = 0 and beta = 0, so it leaves the state
             # as it was. Prefill runs the chunked form, decode the recurrence.
@@ -308,8 +335,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             o, rec_state = la_ops.gated_delta_rule_chunked(q, k, v, g, beta, rec_state)
         else:
             o, rec_state = la_ops.gated_delta_rule_recurrent(q, k, v, g, beta, rec_state)
-        o = la_ops.gated_rms_norm(o, z, norm_w, cfg.rms_norm_eps).reshape(b, t, vdim)
-        out = linear(o, w_out, of)
+        o = la_ops.gated_rms_norm(o, z, w[f"l{i}.lin_norm"], cfg.rms_norm_eps).reshape(b, t, vdim)
+        out = project(o, w, f"l{i}.lin_out")
         # Padding rows carry slot -1: sent past the pool's end, where mode="drop" skips them.
         # One row gets a second, dropped index so XLA keeps a scatter in place rather than a
         # dynamic-update-slice on a copy of the pool (as for the KV write).
@@ -324,9 +351,9 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
     def mlp_block(x, w, i):
         hdn = rms_norm(x, w[f"l{i}.mlp_norm"])
-        gu = linear(hdn, w[f"l{i}.gate_up"], of)
+        gu = project(hdn, w, f"l{i}.gate_up")
         gate, up = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
-        mlp = linear(act(gate) * up, w[f"l{i}.down"], of)
+        mlp = project(act(gate) * up, w, f"l{i}.down")
         if cfg.sandwich_norms:
             mlp = rms_norm(mlp, w[f"l{i}.post_mlp_norm"])
         return x + mlp
@@ -390,15 +417,13 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             if i in linear_layers:
                 ci, ri = pool_of[i]
                 attn, new_pools[ci], new_pools[ri] = linear_layer(
-                    hdn, w[f"l{i}.lin_in"], w[f"l{i}.conv"], w[f"l{i}.A_log"],
-                    w[f"l{i}.dt_bias"], w[f"l{i}.lin_norm"], w[f"l{i}.lin_out"], pools[ci],
-                    pools[ri], positions, seq_lens, state_slots)
+                    hdn, w, i, pools[ci], pools[ri], positions, seq_lens, state_slots)
                 x = x + attn
                 x = mlp_block(x, w, i)
                 continue
             ki, vi = pool_of[i]
             k_pool, v_pool = pools[ki], pools[vi]
-            qkv = linear(hdn, w[f"l{i}.qkv"], of)
+            qkv = project(hdn, w, f"l{i}.qkv")
             q_width = 2 * heads * d if cfg.attn_output_gate else heads * d
             if cfg.attn_output_gate:  # per head: [query (d), gate (d)]
                 qg = qkv[..., :q_width].reshape(b, t, heads, 2 * d)
@@ -420,9 +445,9 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             idx = flat_window_slots if on_ring else flat_slots
             n_slots = pool_shape[0] * block_size
             k_pool = k_pool.reshape(n_slots, kv_heads, d).at[idx].set(
-                rows(k).astype(k_pool.dtype), mode="drop").reshape(pool_shape)
+                to_pool(rows(k), k_pool.dtype), mode="drop").reshape(pool_shape)
             v_pool = v_pool.reshape(n_slots, kv_heads, d).at[idx].set(
-                rows(v).astype(v_pool.dtype), mode="drop").reshape(pool_shape)
+                to_pool(rows(v), v_pool.dtype), mode="drop").reshape(pool_shape)
             new_pools[ki], new_pools[vi] = k_pool, v_pool
 
             # PAGED_ATTENTION: a row's pages are gathered once and every token of the row attends
@@ -442,7 +467,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
             attn = attn.reshape(b, t, heads * d)
             if cfg.attn_output_gate:
                 attn = attn * jax.nn.sigmoid(gate)
-            attn = linear(attn, w[f"l{i}.o"], of)
+            attn = project(attn, w, f"l{i}.o")
             if cfg.sandwich_norms:
                 attn = rms_norm(attn, w[f"l{i}.post_attn_norm"])
             x = x + attn
@@ -455,7 +480,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         elif cfg.tie_word_embeddings:  # [vocab, hidden] is the head's [out, in]
             logits = linear(last, w["embed"], True)
         else:
-            logits = linear(last, w["lm_head"], of)
+            logits = project(last, w, "lm_head")
         return (logits, *new_pools)
 
     return fn
@@ -463,14 +488,15 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
 def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_blocks: int,
                 weight_dtype: str, attention_block: int = 2048,
-                windowed: WindowedKv | None = None, num_state_slots: int = 0) -> str:
+                windowed: WindowedKv | None = None, num_state_slots: int = 0,
+                weight_quant: str | None = None) -> str:
     """StableHLO text of one entry; every pool parameter is donated (tf.aliasing_output)."""
     import jax
 
     from .manifest import numpy_dtype
 
     fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block, windowed,
-                       num_state_slots)
+                       num_state_slots, weight_quant)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)

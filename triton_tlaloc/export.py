@@ -24,10 +24,13 @@ import numpy as np
 
 from .checkpoint import Checkpoint, DecoderConfig, open_checkpoint
 from .decoder import WeightSlot, entry_program, kv_pools, lower_entry, state_pools, weight_slots
+from .quant import QUANT_FORMATS, quantize_rows
 from .manifest import (MANIFEST_NAME, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Entry, LinearState,
                        WeightFile, WindowedKv, load_artifact, numpy_dtype)
 
 WEIGHT_DTYPES = ("f32", "bf16")
+WEIGHT_QUANTS = tuple(QUANT_FORMATS)  # int8, fp8
+KV_DTYPES = {"f32": "f32", "fp8": "f8E4M3FN"}  # --kv-dtype -> the pools' element type
 
 
 class ExportError(ValueError):
@@ -42,7 +45,10 @@ class ExportOptions:
     block_size: int = 16
     num_blocks: int | None = None  # None: the largest batch at the largest context, plus page 0
     weight_dtype: str = "f32"
-    kv_dtype: str = "f32"
+    # Each layer's linears as int8 or fp8 codes with an f32 scale per output channel (None:
+    # the weight dtype); the embedding, the norms and the head keep the weight dtype.
+    weight_quant: str | None = None
+    kv_dtype: str = "f32"  # "fp8": e4m3fn KV pools, a quarter of f32's bytes
     model_name: str | None = None
     prefill_chunk: int | None = None  # tokensPerSeq of the prefill entries (None: the context)
     # Smaller prefill entries below the largest, so a short prompt is not padded to a whole
@@ -61,8 +67,12 @@ class ExportOptions:
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ExportError(f"--weight-dtype {self.weight_dtype!r}: expected one of "
                               f"{', '.join(WEIGHT_DTYPES)}")
-        if self.kv_dtype != "f32":
-            raise ExportError(f"--kv-dtype {self.kv_dtype!r}: only f32 KV pools are built")
+        if self.weight_quant is not None and self.weight_quant not in WEIGHT_QUANTS:
+            raise ExportError(f"--weight-quant {self.weight_quant!r}: expected one of "
+                              f"{', '.join(WEIGHT_QUANTS)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ExportError(f"--kv-dtype {self.kv_dtype!r}: expected one of "
+                              f"{', '.join(KV_DTYPES)}")
         if not self.batch_ladder or min(self.batch_ladder) < 1:
             raise ExportError(f"--batch-ladder {list(self.batch_ladder)}: batches must be >= 1")
         if self.block_size < 1:
@@ -123,6 +133,11 @@ class ExportOptions:
         below = (self.prefill_tokens if self.prefill_tokens is not None
                  else [2 ** k for k in range(5, top.bit_length())])
         return sorted({t for t in below if t < top} | {top})
+
+    @property
+    def kv_type(self) -> str:
+        """The KV pools' element type, as StableHLO spells it."""
+        return KV_DTYPES[self.kv_dtype]
 
     def resolved_state_slots(self) -> int:
         return self.state_slots if self.state_slots is not None else 4 * max(self.batch_ladder)
@@ -204,14 +219,18 @@ def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, ou
     written = []
     total = 0
     t0 = time.perf_counter()
-    for idx, slot in enumerate(weight_slots(cfg, opts.weight_dtype)):
+    scales = {}  # a quantized linear's scales, written in the slot after its codes
+    for idx, slot in enumerate(weight_slots(cfg, opts.weight_dtype, opts.weight_quant)):
         dtype = slot.dtype(opts.weight_dtype)
-        arr = slot_tensor(ckpt, cfg, slot)
+        arr = scales.pop(slot.name) if slot.kind == "scale" else slot_tensor(ckpt, cfg, slot)
         if tuple(arr.shape) != slot.shape:
             raise ExportError(f"{ckpt.path}: weight {slot.name} has shape {list(arr.shape)}, "
                               f"the config implies {list(slot.shape)}")
-        # Widen first so bf16 rounding happens once, from the checkpoint's own values.
-        data = np.ascontiguousarray(arr.astype(np.float32).astype(numpy_dtype(dtype)))
+        if slot.quant is not None:  # from the checkpoint's values in f32 (GGUF: dequantized)
+            data, scales[f"{slot.name}.scale"] = quantize_rows(arr, slot.quant)
+        else:  # widen first so bf16 rounding happens once, from the checkpoint's own values
+            data = arr.astype(np.float32).astype(numpy_dtype(dtype))
+        data = np.ascontiguousarray(data)
         rel = f"weights/{idx:04d}_{slot.name}.bin"
         raw = data.tobytes()  # little-endian: numpy's native order on every platform we run
         (out / rel).write_bytes(raw)
@@ -219,6 +238,8 @@ def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, ou
         model_hash.update(hashlib.sha256(raw).digest())
         written.append(WeightFile(slot.name, dtype, slot.shape, len(raw), rel))
         total += len(raw)
+    if opts.weight_quant is not None:
+        model_hash.update(f":q{opts.weight_quant}".encode())  # the hash records the quantization
     _log(f"[export] {len(written)} weight files, {total / 2**20:.1f} MiB, "
          f"{time.perf_counter() - t0:.1f} s")
     return written
@@ -244,7 +265,9 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         t0 = time.perf_counter()
         _log(f"[export] {cfg.model_name}: {cfg.family}, {cfg.num_layers} layers, hidden "
              f"{cfg.hidden_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of "
-             f"{cfg.head_size}, vocab {cfg.vocab_size}, weights {opts.weight_dtype}")
+             f"{cfg.head_size}, vocab {cfg.vocab_size}, weights {opts.weight_dtype}"
+             + (f", linears {opts.weight_quant}" if opts.weight_quant else "")
+             + f", KV {opts.kv_type}")
         model_hash = hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True).encode())
         weights = _write_weights(ckpt, cfg, opts, tmp, model_hash)
         tokenizer_files = ckpt.save_tokenizer(tmp / "tokenizer")
@@ -253,7 +276,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         windowed = opts.windowed(cfg, num_blocks)
         linear_state = _linear_state(cfg, opts)
         entries = _write_entries(cfg, opts, num_blocks, windowed, tmp)
-        pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_dtype, windowed)
+        pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_type, windowed)
         if linear_state is not None:
             _log(f"[export] linear-attention state: {len(linear_state.layers)} of "
                  f"{cfg.num_layers} layers, {linear_state.num_slots} slots of "
@@ -280,7 +303,8 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                 "blockSize": opts.block_size,
                 "numBlocks": num_blocks,
                 "weightDtype": opts.weight_dtype,
-                "kvDtype": opts.kv_dtype,
+                "weightQuant": opts.weight_quant,
+                "kvDtype": opts.kv_type,
                 "maxPositions": cfg.max_positions,
                 "prefillChunk": opts.prefill_chunk,
                 "attentionBlock": opts.attention_block,
@@ -344,9 +368,10 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
                 else f"{kind}_b{b}_c{c}_t{tps}")
         slots = opts.resolved_state_slots() if cfg.linear is not None else 0
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
-                                opts.weight_dtype, opts.kv_dtype, windowed, slots)
+                                opts.weight_dtype, opts.kv_type, windowed, slots,
+                                opts.weight_quant)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
-                           opts.attention_block, windowed, slots)
+                           opts.attention_block, windowed, slots, opts.weight_quant)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
             # A custom call is a platform's library function (jax's triangular solve lowers to

@@ -226,6 +226,7 @@ class ModelShape:
     refused_tokens: tuple[dict, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    weight_quant: str | None = None  # "int8" | "fp8": the layers' linears as codes + scales
 
     def to_json(self) -> dict:
         return {
@@ -242,6 +243,7 @@ class ModelShape:
             "blockSize": self.block_size,
             "numBlocks": self.num_blocks,
             "weightDtype": self.weight_dtype,
+            "weightQuant": self.weight_quant,
             "kvDtype": self.kv_dtype,
             "maxPositions": self.max_positions,
             "refusedTokens": list(self.refused_tokens),
@@ -270,6 +272,7 @@ class ModelShape:
             refused_tokens=tuple(obj.get("refusedTokens", [])),
             eos_token_ids=tuple(int(t) for t in obj.get("eosTokenIds", [])),
             bos_token_id=obj.get("bosTokenId"),
+            weight_quant=obj.get("weightQuant"),
         )
 
 

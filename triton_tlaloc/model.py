@@ -109,17 +109,19 @@ class TritonPythonModel:
             log.info("timing log: one line per call in %s", params["timing_log"])
         self.batcher = Batcher(Engine(self.runtime), policy, observers=tuple(observers))
         self.metrics.state(self.batcher.pool_state(), 0)
+        self.metrics.memory(self.runtime.weight_bytes, self.runtime.kv_pool_bytes,
+                            self.runtime.state_pool_bytes)
         self.batcher.start()
-        rt = self.runtime
+        rt, m = self.runtime, artifact.model
+        weights = m.weight_dtype + (f", linears {m.weight_quant}" if m.weight_quant else "")
+        slots = artifact.linear_state.num_slots if artifact.linear_state else 0
         log.info("model %s loaded in %.1f s: %s, %d entries (%d compiled, %d from the cache), "
-                 "weights %.1f MiB, KV pools %.1f MiB (%d pages of %d tokens), state pools "
-                 "%.1f MiB (%d slots), platform %s, donate_kv_pools %s; %s", args["model_name"],
-                 time.perf_counter() - t0, artifact.model.model_name, len(rt.executables),
-                 rt.compile_stats.compiled, rt.compile_stats.cache_hits,
-                 rt.weight_bytes / 2**20, rt.kv_pool_bytes / 2**20, artifact.model.num_blocks,
-                 artifact.model.block_size, rt.state_pool_bytes / 2**20,
-                 artifact.linear_state.num_slots if artifact.linear_state else 0, platform,
-                 params["donate_kv_pools"], policy)
+                 "weights %.1f MiB (%s), KV pools %.1f MiB (%d pages of %d tokens, %s), state "
+                 "pools %.1f MiB (%d slots), platform %s, donate_kv_pools %s; %s",
+                 args["model_name"], time.perf_counter() - t0, m.model_name, len(rt.executables),
+                 rt.compile_stats.compiled, rt.compile_stats.cache_hits, rt.weight_bytes / 2**20,
+                 weights, rt.kv_pool_bytes / 2**20, m.num_blocks, m.block_size, m.kv_dtype,
+                 rt.state_pool_bytes / 2**20, slots, platform, params["donate_kv_pools"], policy)
 
     def execute(self, requests):
         batch = []
@@ -193,6 +195,8 @@ class TritonMetrics(Observer):
             F.GAUGE).Metric(labels=self.labels)
         self.sequences = family("tlaloc_sequences_held", "Sequences holding state in the "
                                 "backend", F.GAUGE).Metric(labels=self.labels)
+        self._memory = family("tlaloc_device_bytes", "Bytes the model holds on its device, by "
+                              "what (weights, kv_pools, state_pools)", F.GAUGE)
         self._executions = family("tlaloc_executions_total", "Entry executions by kind",
                                   F.COUNTER)
         self._tokens = family("tlaloc_tokens_total", "Tokens run, prefill and decode", F.COUNTER)
@@ -216,6 +220,11 @@ class TritonMetrics(Observer):
             self.send = family("tlaloc_response_send_seconds", "Time a response takes to hand "
                                "over to Triton (the python backend's IPC)", F.HISTOGRAM).Metric(
                 labels=self.labels, buckets=self.WAIT_BUCKETS)
+
+    def memory(self, weights: int, kv_pools: int, state_pools: int) -> None:
+        for what, n in (("weights", weights), ("kv_pools", kv_pools),
+                        ("state_pools", state_pools)):
+            self.writer.set(self._metric(self._memory, what=what), n)
 
     def sent(self, seconds: float) -> None:
         if self.has_histograms:

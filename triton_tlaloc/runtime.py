@@ -195,7 +195,10 @@ class Runtime:
             out[w.slot] = self.device.put(arr.reshape(w.shape))
             total += w.byte_length
         self.weight_bytes = total
-        log.info("weights: %d tensors, %.1f MiB uploaded in %.2f s", len(out), total / 2**20,
+        m = self.artifact.model
+        log.info("weights: %d tensors, %.1f MiB (%s%s) uploaded in %.2f s", len(out),
+                 total / 2**20, m.weight_dtype,
+                 f", linears {m.weight_quant} with per-channel scales" if m.weight_quant else "",
                  time.perf_counter() - t0)
         return out
 
@@ -212,8 +215,8 @@ class Runtime:
         self.state_pool_bytes = nbytes(self.artifact.state_pools)
         self.pool_bytes = self.kv_pool_bytes + self.state_pool_bytes
         m = self.artifact.model
-        log.info("KV pools: %d pools of %d pages x %d tokens, %.1f MiB",
-                 len(self.artifact.pools), m.num_blocks, m.block_size,
+        log.info("KV pools: %d pools of %d pages x %d tokens, %s, %.1f MiB",
+                 len(self.artifact.pools), m.num_blocks, m.block_size, m.kv_dtype,
                  self.kv_pool_bytes / 2**20)
         ls = self.artifact.linear_state
         if ls is not None:

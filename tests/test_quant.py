@@ -1,0 +1,130 @@
+"""Quantized weights (--weight-quant int8|fp8: codes with an f32 scale per output channel) and
+fp8 KV pools (--kv-dtype fp8), against transformers computing with the same numbers: the
+dequantized weights, and keys and values rounded through e4m3fn."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
+                    reference_greedy)
+
+from triton_tlaloc.engine import Engine
+from triton_tlaloc.manifest import MANIFEST_NAME, load_artifact
+from triton_tlaloc.quant import dequantize_rows, quantize_rows
+from triton_tlaloc.runtime import Runtime
+
+PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 150, 12, 5, 230, 64, 9, 101, 33, 2, 77, 180, 45]
+STEPS = 16
+TOL = 1e-4  # of the largest logit, f32 activations
+
+
+def test_int8_codes_and_scales_follow_the_rule():
+    # Scales 1 and 2 keep W / scale exact, so the halves show the rounding: half to even.
+    w = np.array([[0.0, 0.0, 0.0, 0.0, 0.0],
+                  [127.0, -63.5, 0.5, 1.5, 2.5],
+                  [254.0, 127.0, 63.0, -1.0, -5.0]], np.float32)
+    codes, scale = quantize_rows(w, "int8")
+    assert codes.dtype == np.int8 and scale.dtype == np.float32
+    assert scale.tolist() == [1.0, 1.0, 2.0]  # a zero row gets 1; max |W[o, :]| / 127
+    assert codes.tolist() == [[0, 0, 0, 0, 0], [127, -64, 0, 2, 2], [127, 64, 32, 0, -2]]
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(16, 64)).astype(np.float32)
+    codes, scale = quantize_rows(w, "int8")
+    assert np.abs(codes).max() == 127
+    assert np.abs(dequantize_rows(codes, scale) - w).max() <= scale.max() / 2 + 1e-6
+
+
+def test_fp8_codes_and_scales_follow_the_rule():
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(8, 64)).astype(np.float32)
+    codes, scale = quantize_rows(w, "fp8")
+    assert codes.dtype == ml_dtypes.float8_e4m3fn
+    np.testing.assert_allclose(scale, np.abs(w).max(axis=1) / 448, rtol=1e-6)
+    widened = codes.astype(np.float32)
+    assert np.abs(widened).max() == 448.0 and np.isfinite(widened).all()
+    # e4m3fn keeps 3 mantissa bits: each code within half a step (1/16 relative) of W / scale
+    rel = np.abs(widened - w / scale[:, None]) / np.maximum(np.abs(w / scale[:, None]), 2 ** -6)
+    assert rel.max() <= 1 / 16 + 1e-6
+
+
+@pytest.fixture(scope="module")
+def llama(tiny):
+    ckpt = tiny.checkpoint("llama", False)
+    return {"ckpt": ckpt, "f32": tiny.artifact("llama", False),
+            "int8": tiny.artifact("llama", False, weight_quant="int8"),
+            "fp8": tiny.artifact("llama", False, weight_quant="fp8"),
+            "fp8_kv": tiny.artifact("llama", False, kv_dtype="fp8")}
+
+
+def first_logits_and_ids(art):
+    engine = Engine(Runtime(art))
+    seq = engine.new_sequence(PROMPT)
+    first = engine.prefill_chunked(seq)[0]
+    engine.free(seq)
+    return first, engine.generate_greedy(PROMPT, STEPS).generated_ids
+
+
+@pytest.mark.parametrize("family,quant", [("llama", "int8"), ("llama", "fp8"),
+                                          ("qwen3_5_text", "int8")])
+def test_quantized_weights_equal_transformers_on_the_dequantized_weights(llama, tiny, family,
+                                                                        quant):
+    """The oracle computes with the codes times their scales; negative controls: the
+    unquantized model (quantization changes the numbers) and the quantizer bug (codes taken
+    along the input axis while the scales stay per output channel). qwen3_5: its Gated DeltaNet
+    projections are quantized too."""
+    ckpt = tiny.checkpoint(family, False)
+    art = llama[quant] if family == "llama" else tiny.artifact(family, False, weight_quant=quant)
+    want_ids, want = reference_greedy(quantized_reference(load_reference(ckpt), quant),
+                                      PROMPT, STEPS)
+    _, plain = reference_greedy(load_reference(ckpt), PROMPT, 1)
+    _, buggy = reference_greedy(quantized_reference(load_reference(ckpt), quant,
+                                                    wrong_axis=True), PROMPT, 1)
+    logits, ids = first_logits_and_ids(art)
+    err, err_plain, err_bug = (logits_error(logits, w) for w in (want, plain, buggy))
+    print(f"{family} {quant}: logits error {err:.2e}; against the unquantized model "
+          f"{err_plain:.2e}; against the wrong-axis quantizer {err_bug:.2e}")
+    assert ids == want_ids
+    assert err <= TOL
+    assert err_plain > 10 * TOL and err_bug > 100 * TOL
+
+
+@pytest.mark.parametrize("quant,code,code_bytes", [("int8", "i8", 1), ("fp8", "f8E4M3FN", 1)])
+def test_quantized_artifact_stores_codes_and_scales(llama, quant, code, code_bytes):
+    art = load_artifact(llama[quant])
+    plain = load_artifact(llama["f32"])
+    manifest = json.loads((art.path / MANIFEST_NAME).read_text())
+    assert manifest["model"]["weightQuant"] == quant
+    assert art.model.model_hash != plain.model.model_hash
+    by_slot = {w.slot: w for w in art.weights}
+    assert by_slot["l0.qkv"].dtype == code and by_slot["l0.qkv.scale"].dtype == "f32"
+    out, n_in = by_slot["l0.qkv"].shape  # [out, in]: one scale per output channel
+    assert by_slot["l0.qkv.scale"].shape == (out,) and n_in == art.model.hidden_size
+    # the embedding, the norms and the head keep the weight dtype
+    assert {by_slot[s].dtype for s in ("embed", "lm_head", "final_norm", "l0.attn_norm")} == {"f32"}
+    linears = [w for w in art.weights if w.dtype == code]
+    assert len(linears) == 4 * art.model.layers  # qkv, o, gate_up, down
+    f32_bytes = sum({w.slot: w for w in plain.weights}[w.slot].byte_length for w in linears)
+    assert sum(w.byte_length for w in linears) * 4 == f32_bytes * code_bytes
+
+
+def test_fp8_kv_pools_equal_transformers_with_fp8_keys_and_values(llama):
+    """The keys (after RoPE) and values rounded through e4m3fn in the oracle too; negative
+    control: the f32 oracle, which the fp8 pools miss by far more than the tolerance."""
+    model = load_reference(llama["ckpt"])
+    _, plain = reference_greedy(model, PROMPT, 1)
+    with fp8_kv_reference(model):
+        want_ids, want = reference_greedy(model, PROMPT, STEPS)
+    logits, ids = first_logits_and_ids(llama["fp8_kv"])
+    err, err_plain = logits_error(logits, want), logits_error(logits, plain)
+    print(f"fp8 KV: logits error {err:.2e}; against f32 KV {err_plain:.2e}")
+    assert ids == want_ids
+    assert err <= TOL
+    assert err_plain > 10 * TOL
+    rt = Runtime(llama["fp8_kv"], entries=["decode_b1_c32"])
+    f32 = Runtime(llama["f32"], entries=["decode_b1_c32"])
+    assert rt.kv_pool_bytes * 4 == f32.kv_pool_bytes
+    assert str(rt.pools["l0.k"].dtype) == "float8_e4m3fn"
