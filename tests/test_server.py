@@ -39,7 +39,8 @@ def served(tiny, work):
                             ExportOptions(batch_ladder=(1, 2), context_ladder=(32, 64),
                                           block_size=8, num_blocks=9))
     arts = {"llama": tiny.artifact("llama", False), "qwen3": tiny.artifact("qwen3", True),
-            "small": small}
+            "small": small,
+            "llama_int8_fp8kv": tiny.artifact("llama", False, weight_quant="int8", kv_dtype="fp8")}
     repo = work / "repo"
     for name, art in arts.items():
         write_repository(art, repo, name, RepositoryOptions(max_sequence_idle_microseconds=600_000_000))
@@ -192,6 +193,32 @@ def test_full_pool_refused_as_unavailable_then_the_same_request_succeeds(served,
         assert status_of(err, protocol) == "INVALID_ARG"
         assert "65 positions would exceed the largest context 64" in str(err)
         client.infer(c, [], end=True)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_int8_weights_and_fp8_kv_served(served, tiny, protocol):
+    """int8 linears and fp8 KV pools through Triton: transformers computing with the dequantized
+    weights and e4m3fn-rounded keys and values gives the same ids; the metrics report the
+    weight and pool bytes."""
+    from oracle import fp8_kv_reference, quantized_reference
+
+    from triton_tlaloc.client import METRICS_SETTLE_S, metric, scrape_metrics
+
+    server, arts = served
+    model = quantized_reference(load_reference(tiny.checkpoint("llama", False)), "int8")
+    with fp8_kv_reference(model):
+        want, _ = reference_greedy(model, PROMPT, 16)
+    with use(client_for(served, protocol), "llama_int8_fp8kv") as client:
+        assert client.generate_greedy(PROMPT, 16).generated_ids == want
+    metrics = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+    quant, plain = load_artifact(arts["llama_int8_fp8kv"]), load_artifact(arts["llama"])
+
+    def device_bytes(model, what):
+        return metric(metrics, "tlaloc_device_bytes", model=model, what=what)
+    assert device_bytes("llama_int8_fp8kv", "weights") == sum(w.byte_length for w in quant.weights)
+    assert device_bytes("llama_int8_fp8kv", "weights") < 0.5 * device_bytes("llama", "weights")
+    assert device_bytes("llama_int8_fp8kv", "kv_pools") * 4 == device_bytes("llama", "kv_pools")
+    assert plain.model.kv_dtype == "f32" and quant.model.kv_dtype == "f8E4M3FN"
 
 
 def test_metrics_on_the_metrics_port(served):
