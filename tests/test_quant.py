@@ -5,6 +5,7 @@ dequantized weights, and keys and values rounded through e4m3fn."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -12,7 +13,9 @@ import pytest
 from oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
                     reference_greedy)
 
+from triton_tlaloc.checkpoint import CheckpointError, _read_safetensor, open_checkpoint
 from triton_tlaloc.engine import Engine
+from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.manifest import MANIFEST_NAME, load_artifact
 from triton_tlaloc.quant import dequantize_rows, quantize_rows
 from triton_tlaloc.runtime import Runtime
@@ -128,3 +131,61 @@ def test_fp8_kv_pools_equal_transformers_with_fp8_keys_and_values(llama):
     f32 = Runtime(llama["f32"], entries=["decode_b1_c32"])
     assert rt.kv_pool_bytes * 4 == f32.kv_pool_bytes
     assert str(rt.pools["l0.k"].dtype) == "float8_e4m3fn"
+
+
+def fp8_block_checkpoint(src, dst, block=16):
+    """A copy of a checkpoint in the fp8 format of pre-quantized releases (quant_method "fp8",
+    e4m3fn codes with weight_scale_inv per block), and the f32 weights those codes stand for."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    dequantized = dict(tensors)
+    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
+        w = tensors[name].float()
+        r, c = w.shape
+        blocks = w.reshape(r // block, block, c // block, block).abs().amax(dim=(1, 3))
+        scale = torch.where(blocks > 0, blocks / 448, torch.ones_like(blocks))
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        codes = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[name] = codes
+        tensors[name[:-len("weight")] + "weight_scale_inv"] = scale
+        dequantized[name] = codes.float() * full
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block],
+                                  "activation_scheme": "dynamic"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dequantized
+
+
+def test_an_fp8_checkpoint_is_dequantized_on_read(tiny, work):
+    """A pre-quantized fp8 checkpoint reads as the f32 weights its codes and block scales stand
+    for; negative control: the codes read without their scales. Other quantizations are refused
+    by name."""
+    from safetensors.torch import save_file
+
+    src = tiny.checkpoint("llama", False)
+    dequantized = fp8_block_checkpoint(src, work / "ckpt-llama-fp8-blocks")
+    ckpt = open_checkpoint(work / "ckpt-llama-fp8-blocks")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    np.testing.assert_array_equal(ckpt.tensor(name), dequantized[name].numpy())
+    codes = _read_safetensor(ckpt._where[name], name).astype(np.float32)  # negative control
+    assert np.abs(codes - dequantized[name].numpy()).max() > 1.0
+    assert ckpt.tensor("model.norm.weight").dtype == np.float32  # unquantized: as stored
+    # the export equals the export of the dequantized weights saved as f32
+    plain = work / "ckpt-llama-fp8-dequantized"
+    shutil.copytree(src, plain)
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, plain / "model.safetensors",
+              metadata={"format": "pt"})
+    opts = ExportOptions(batch_ladder=(1,), context_ladder=(32,), block_size=8, prefill_tokens=())
+    a = export_artifact(work / "ckpt-llama-fp8-blocks", work / "art-llama-fp8-blocks", opts)
+    b = export_artifact(plain, work / "art-llama-fp8-dequantized", opts)
+    for wa, wb in zip(load_artifact(a).weights, load_artifact(b).weights):
+        assert (a / wa.file).read_bytes() == (b / wb.file).read_bytes(), wa.slot
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (plain / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quant_method 'awq' is not supported"):
+        open_checkpoint(plain)

@@ -157,7 +157,26 @@ def _rope_from_hf(cfg: dict) -> tuple[float, dict]:
     return float(theta), scaling
 
 
+def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
+    """A pre-quantized checkpoint's layout: an fp8 one (quant_method "fp8": e4m3fn codes with
+    weight_scale_inv per block of weight_block_size, or weight_scale per tensor or row) is
+    dequantized as it is read; any other quantization is refused by name. None: per-tensor or
+    per-row scales (or no quantization)."""
+    qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get(
+        "quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"quantization_config quant_method {method!r} is not supported "
+                              f"(fp8 checkpoints are dequantized; export an unquantized "
+                              f"checkpoint with --weight-quant instead)")
+    block = qc.get("weight_block_size")
+    return (int(block[0]), int(block[1])) if block else None
+
+
 def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
+    fp8_block_size(cfg)  # refuses a quantization it cannot read
     family = cfg.get("model_type")
     if family in TEXT_OF_MULTIMODAL and isinstance(cfg.get("text_config"), dict):
         outer = cfg
@@ -296,6 +315,7 @@ class HfCheckpoint(Checkpoint):
         if gen.is_file() and "eos_token_id" in (g := json.loads(gen.read_text())):
             cfg = {**cfg, "eos_token_id": g["eos_token_id"]}
         self.config = config_from_hf(cfg, model_name)
+        self.fp8_block = fp8_block_size(cfg)
         # A multimodal checkpoint's decoder tensors: model.language_model.X is read as model.X.
         prefix = TEXT_OF_MULTIMODAL.get(cfg.get("model_type"), (None, None))[1]
         self._where: dict[str, Path] = {}
@@ -327,7 +347,21 @@ class HfCheckpoint(Checkpoint):
         if name not in self._stored:
             raise CheckpointError(f"{self.path}: tensor {name} not found")
         stored = self._stored[name]
-        return _read_safetensor(self._where[stored], stored)
+        arr = _read_safetensor(self._where[stored], stored)
+        base = name[:-len("weight")] if name.endswith(".weight") else None
+        if base is not None and base + "weight_scale_inv" in self._stored:
+            # fp8 codes with a scale per block of fp8_block (rows, columns), f32
+            scale = self.tensor(base + "weight_scale_inv").astype(np.float32)
+            br, bc = self.fp8_block or (arr.shape[0], arr.shape[1])
+            scale = np.repeat(np.repeat(scale, br, axis=0), bc, axis=1)
+            return arr.astype(np.float32) * scale[:arr.shape[0], :arr.shape[1]]
+        if base is not None and base + "weight_scale" in self._stored:
+            # per tensor ([] or [1]) or per output row ([out] or [out, 1])
+            scale = self.tensor(base + "weight_scale").astype(np.float32)
+            scale = scale.reshape(-1, 1) if scale.size == arr.shape[0] and scale.size > 1 \
+                else scale.reshape(())
+            return arr.astype(np.float32) * scale
+        return arr
 
     def save_tokenizer(self, out_dir: Path) -> list[str]:
         import shutil
@@ -350,7 +384,7 @@ def _read_safetensor(path: Path, name: str) -> np.ndarray:
     with safe_open(path, framework="numpy") as st:
         try:
             return st.get_tensor(name)
-        except (TypeError, ValueError, KeyError):
+        except (TypeError, ValueError, KeyError, AttributeError):  # bf16, f8: numpy lacks them
             pass
     # bf16 and other dtypes numpy lacks: read the raw bytes at the header's offsets.
     import ml_dtypes
