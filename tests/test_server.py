@@ -221,6 +221,38 @@ def test_int8_weights_and_fp8_kv_served(served, tiny, protocol):
     assert plain.model.kv_dtype == "f32" and quant.model.kv_dtype == "f8E4M3FN"
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_small_outputs_on_every_step(served, protocol):
+    """ARGMAX equals the argmax of LOGITS on each step of a 32-step run, TOP_K their K largest
+    log-probabilities; a request naming only ARGMAX gets 4 bytes and no LOGITS; the greedy ids
+    through ARGMAX equal those through LOGITS; a bad top_k is refused by name."""
+    import numpy as np
+
+    with use(client_for(served, protocol), "llama") as client:
+        sid = new_sequence_id()
+        out = client.request(sid, PROMPT[:5], start=True, top_k=4,
+                             outputs=("LOGITS", "ARGMAX", "TOP_K_IDS", "TOP_K_LOGPROBS"))
+        for _ in range(32):
+            logits = out["LOGITS"]
+            assert out["ARGMAX"].tolist() == [int(np.argmax(logits))]
+            z = logits.astype(np.float64)
+            top = np.argsort(-logits, kind="stable")[:4]
+            assert out["TOP_K_IDS"].tolist() == top.tolist()
+            np.testing.assert_allclose(out["TOP_K_LOGPROBS"],
+                                       z[top] - z.max() - np.log(np.exp(z - z.max()).sum()),
+                                       rtol=1e-5)
+            out = client.request(sid, [int(out["ARGMAX"][0])], top_k=4,
+                                 outputs=("LOGITS", "ARGMAX", "TOP_K_IDS", "TOP_K_LOGPROBS"))
+        small = client.request(sid, [int(out["ARGMAX"][0])], outputs=("ARGMAX",))
+        assert set(small) == {"ARGMAX"} and sum(a.nbytes for a in small.values()) == 4
+        assert out["LOGITS"].nbytes == 256 * 4
+        with pytest.raises(InferError, match="parameter top_k 0"):
+            client.request(sid, [1], outputs=("TOP_K_IDS",), top_k=0)
+        client.infer(sid, [], end=True)
+        by_logits = client.generate_greedy(PROMPT, 16).generated_ids
+        assert client.generate_greedy(PROMPT, 16, argmax_output=True).generated_ids == by_logits
+
+
 def test_metrics_on_the_metrics_port(served):
     from triton_tlaloc.client import METRICS_SETTLE_S, metric, scrape_metrics
 

@@ -10,22 +10,12 @@ import sys
 import pytest
 from oracle import load_reference, logits_error, reference_greedy
 
-from triton_tlaloc.checkpoint import smollm2_gguf_path
 from triton_tlaloc.engine import Engine
-from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.runtime import Runtime
 from triton_tlaloc.tokenizer import ArtifactTokenizer
 
 STEPS = 32
 QUESTION = "Write a short poem about the sea."
-
-
-@pytest.fixture(scope="module")
-def smollm2(work):
-    gguf = smollm2_gguf_path()
-    art = export_artifact(gguf, work / "smollm2", ExportOptions(batch_ladder=(1,),
-                                                                context_ladder=(128,)))
-    return gguf, art
 
 
 @pytest.fixture(scope="module")

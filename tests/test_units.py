@@ -127,3 +127,24 @@ def test_metrics_writer_applies_updates_on_its_own_thread_in_batches():
     writer.increment(counter, 4)
     writer.close()  # flushes what is left
     assert counter.calls[-1] == ("increment", 4)
+
+
+def test_small_outputs_argmax_and_top_k():
+    from triton_tlaloc.outputs import small_outputs, top_k_parameter
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=1000).astype(np.float32)
+    logits[[7, 8]] = 9.0  # a tie at the top: the lower id first, as argmax
+    out = small_outputs(logits, {"ARGMAX", "TOP_K_IDS", "TOP_K_LOGPROBS"}, 5)
+    assert out["ARGMAX"].tolist() == [[7]]
+    want = np.argsort(-logits, kind="stable")[:5]
+    assert out["TOP_K_IDS"].tolist() == [want.tolist()]
+    z = logits.astype(np.float64)
+    logsoftmax = z - np.log(np.exp(z - z.max()).sum()) - z.max()
+    np.testing.assert_allclose(out["TOP_K_LOGPROBS"][0], logsoftmax[want], rtol=1e-6)
+    assert set(small_outputs(logits, {"ARGMAX"}, 5)) == {"ARGMAX"}
+    assert small_outputs(logits, {"LOGITS"}, 5) == {}
+    assert top_k_parameter(None, 1000) == 8 and top_k_parameter('{"top_k": 3}', 1000) == 3
+    for bad in ('{"top_k": 0}', '{"top_k": 1001}', '{"top_k": "3"}', '{"top_k": true}'):
+        with pytest.raises(ValueError, match="parameter top_k"):
+            top_k_parameter(bad, 1000)

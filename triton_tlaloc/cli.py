@@ -104,9 +104,12 @@ def _cmd_repository(args) -> int:
                              triton_queue_delay_microseconds=args.triton_queue_delay_us,
                              reclaim_allowance_microseconds=args.reclaim_allowance_us,
                              instance_kind=args.instance_kind, copy=args.copy,
-                             compile_cache_dir=args.compile_cache_dir or "")
+                             compile_cache_dir=args.compile_cache_dir or "",
+                             generate_model=not args.no_generate_model)
     model_dir = write_repository(args.artifact, args.repo, args.name, opts)
-    print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/")
+    print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/"
+          + ("" if args.no_generate_model else f", and {model_dir}_generate (generation on the "
+                                               f"server, streamed over gRPC)"))
     return 0
 
 
@@ -131,6 +134,14 @@ def _cmd_serve(args) -> int:
         time.sleep(0.2)
     rc = server.stop()
     print(f"tritonserver stopped ({rc})", file=sys.stderr)
+    return 0
+
+
+def _cmd_openai(args) -> int:
+    from .openai_server import ServedModel, serve
+
+    models = {name: ServedModel.discover(args.url, name, args.tokenizer) for name in args.model}
+    serve(args.url, models, args.host, args.port)
     return 0
 
 
@@ -253,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instance-kind", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--copy", action="store_true", help="copy the artifact instead of linking it")
     p.add_argument("--compile-cache-dir", default=None)
+    p.add_argument("--no-generate-model", action="store_true",
+                   help="do not write NAME_generate beside the sequence model")
     p.set_defaults(fn=_cmd_repository)
 
     p = sub.add_parser("serve", help="start the tritonserver from the nvidia-pytriton wheel")
@@ -280,6 +293,17 @@ def main(argv: list[str] | None = None) -> int:
                         "tokenizer_dir parameter")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_cmd_generate)
+
+    p = sub.add_parser("openai", help="an OpenAI-compatible HTTP server in front of served "
+                                      "models' generate models")
+    p.add_argument("--url", default="127.0.0.1:8001", help="tritonserver's gRPC address")
+    p.add_argument("--model", action="append", required=True,
+                   help="a served sequence model (its NAME_generate answers); repeatable")
+    p.add_argument("--tokenizer", default=None,
+                   help="the tokenizer folder (default: the generate model's tokenizer_dir)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(fn=_cmd_openai)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

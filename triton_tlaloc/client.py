@@ -7,6 +7,7 @@ Sampling is the client's: `generate_greedy` takes the argmax of each step's logi
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -87,39 +88,55 @@ class TlalocClient:
         return {k: (int(v.get("count", 0)), int(v.get("ns", 0))) for k, v in inference.items()
                 if k in ("success", "queue", "compute_input", "compute_infer", "compute_output")}
 
-    def infer(self, seq_id, tokens, *, start: bool = False, end: bool = False,
-              want_pages: bool = False) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """One request; returns (logits [vocab] or None, KV_PAGES [2] or None)."""
+    def request(self, seq_id, tokens, *, start: bool = False, end: bool = False,
+                outputs=("LOGITS",), top_k: int | None = None) -> dict[str, np.ndarray]:
+        """One request asking for `outputs` (LOGITS, KV_PAGES, ARGMAX, TOP_K_IDS,
+        TOP_K_LOGPROBS); returns those the response holds, each flattened. top_k: the request
+        parameter K of the TOP_K outputs (the server's default is 8)."""
         mod = self._mod
         arr = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
         inp = mod.InferInput("TOKENS", list(arr.shape), "INT32")
         inp.set_data_from_numpy(arr)
-        outputs = [mod.InferRequestedOutput("LOGITS")]
-        if want_pages:
-            outputs.append(mod.InferRequestedOutput("KV_PAGES"))
         kw = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
+        if top_k is not None:
+            kw["parameters"] = {"top_k": int(top_k)}
         try:
-            res = self._client.infer(self.model, [inp], outputs=outputs, sequence_id=seq_id,
-                                     sequence_start=start, sequence_end=end, **kw)
+            res = self._client.infer(self.model, [inp],
+                                     outputs=[mod.InferRequestedOutput(n) for n in outputs],
+                                     sequence_id=seq_id, sequence_start=start,
+                                     sequence_end=end, **kw)
         except self._exc as e:
             raise InferError(e.message() if hasattr(e, "message") else str(e),
                              e.status() if hasattr(e, "status") else None) from None
-        logits = res.as_numpy("LOGITS")
-        pages = res.as_numpy("KV_PAGES") if want_pages else None
-        return (None if logits is None else logits.reshape(-1),
-                None if pages is None else pages.reshape(-1))
+        got = {n: res.as_numpy(n) for n in outputs}
+        return {n: a.reshape(-1) for n, a in got.items() if a is not None}
+
+    def infer(self, seq_id, tokens, *, start: bool = False, end: bool = False,
+              want_pages: bool = False) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """One request; returns (logits [vocab] or None, KV_PAGES [2] or None)."""
+        out = self.request(seq_id, tokens, start=start, end=end,
+                           outputs=("LOGITS", "KV_PAGES") if want_pages else ("LOGITS",))
+        return out.get("LOGITS"), out.get("KV_PAGES")
 
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int,
-                        stop_ids: tuple[int, ...] = (), seq_id=None) -> Generation:
+                        stop_ids: tuple[int, ...] = (), seq_id=None,
+                        argmax_output: bool = False) -> Generation:
+        """Greedy ids chosen on the client from each step's LOGITS, or with argmax_output from
+        the server's ARGMAX (4 bytes a step instead of the vocabulary's logits)."""
         seq_id = seq_id if seq_id is not None else new_sequence_id()
+        outputs = ("ARGMAX",) if argmax_output else ("LOGITS",)
+
+        def next_token(out):
+            return int(out["ARGMAX"][0]) if argmax_output else int(np.argmax(out["LOGITS"]))
+
         ended = False
         try:
             t0 = time.perf_counter()
-            logits, _ = self.infer(seq_id, prompt_ids, start=True)
+            out = self.request(seq_id, prompt_ids, start=True, outputs=outputs)
             prefill_ms = (time.perf_counter() - t0) * 1e3
             ids, step_ms, reason = [], [], "length"
             while True:
-                token = int(np.argmax(logits))
+                token = next_token(out)
                 ids.append(token)
                 if token in stop_ids:
                     reason = "stop"
@@ -127,7 +144,7 @@ class TlalocClient:
                 if len(ids) >= max_new_tokens:
                     break
                 t0 = time.perf_counter()
-                logits, _ = self.infer(seq_id, [token])
+                out = self.request(seq_id, [token], outputs=outputs)
                 step_ms.append((time.perf_counter() - t0) * 1e3)
             self.infer(seq_id, [], end=True)
             ended = True
@@ -138,6 +155,91 @@ class TlalocClient:
                     self.infer(seq_id, [], end=True)
                 except InferError:
                     pass
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    responses: int  # responses received, the final one included
+    first_token_ms: float | None  # request sent to the first response with text or ids
+    error: str | None = None
+
+
+def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
+             sampling: dict | None = None, stream: bool = True, timeout_s: float = 120.0,
+             cancel_after: int | None = None, on_text=None, cancel=None) -> GenerateResult:
+    """One request to a generate model over a gRPC stream (it is decoupled): the responses'
+    text and ids gathered until the one flagged final. cancel_after: close the stream with its
+    request cancelled after that many responses (the server must end the sequence at once);
+    cancel: a threading.Event that does the same when it is set. on_text(piece) is called with
+    each response's new text as it arrives."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    inputs = []
+    if text is not None:
+        t = grpcclient.InferInput("text_input", [1], "BYTES")
+        t.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+        inputs.append(t)
+    if input_ids is not None:
+        ids = np.asarray(input_ids, np.int32).reshape(-1)
+        t = grpcclient.InferInput("input_ids", list(ids.shape), "INT32")
+        t.set_data_from_numpy(ids)
+        inputs.append(t)
+    t = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+    t.set_data_from_numpy(np.array([json.dumps(sampling or {}).encode()], dtype=np.object_))
+    inputs.append(t)
+    t = grpcclient.InferInput("stream", [1], "BOOL")
+    t.set_data_from_numpy(np.array([stream]))
+    inputs.append(t)
+    pieces, ids, final, count = [], [], {}, 0
+    first_ms, error = None, None
+    t0 = time.perf_counter()
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            result, err = responses.get(timeout=timeout_s)
+            count += 1
+            if err is not None:
+                error = err.message() if hasattr(err, "message") else str(err)
+                break
+            piece = result.as_numpy("text_output")
+            new_ids = result.as_numpy("token_ids")
+            if piece is not None and len(piece):
+                pieces.append(piece[0].decode())
+                if on_text is not None:
+                    on_text(pieces[-1])
+            if new_ids is not None:
+                ids += [int(x) for x in new_ids.reshape(-1)]
+            if first_ms is None and (pieces and pieces[-1] or ids):
+                first_ms = (time.perf_counter() - t0) * 1e3
+            reason = result.as_numpy("finish_reason")
+            if reason is not None:
+                final = {"finish_reason": reason[0].decode(),
+                         "prompt_tokens": int(result.as_numpy("prompt_tokens")[0]),
+                         "completion_tokens": int(result.as_numpy("completion_tokens")[0])}
+            params = result.get_response().parameters
+            if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                break
+            if (cancel_after is not None and count >= cancel_after) or (
+                    cancel is not None and cancel.is_set()):
+                client.stop_stream(cancel_requests=True)
+                final = {"finish_reason": "cancelled"}
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return GenerateResult("".join(pieces), ids, final.get("finish_reason", "error"),
+                          final.get("prompt_tokens", 0), final.get("completion_tokens", 0),
+                          count, first_ms, error)
 
 
 # The backend applies its metric updates every 250 ms (metrics_interval_microseconds, on a

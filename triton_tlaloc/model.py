@@ -22,6 +22,7 @@ from .batcher import (INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, BatchPolicy, 
 from .engine import Engine
 from .manifest import load_artifact
 from .metrics import MetricsWriter
+from .outputs import TOP_K_DEFAULT, small_outputs, top_k_parameter
 from .runtime import Runtime
 
 # Model config parameters and their defaults (README.md, "Model parameters").
@@ -127,9 +128,10 @@ class TritonPythonModel:
         batch = []
         for r in requests:
             sender = r.get_response_sender()
-            want_pages = "KV_PAGES" in r.requested_output_names()
-            reply_fn = _reply_fn(sender, want_pages, self.metrics)
+            wanted = set(r.requested_output_names())
+            reply_fn = _Reply(sender, wanted, self.metrics)
             try:
+                reply_fn.top_k = top_k_parameter(r.parameters(), self.runtime.artifact.model.vocab)
                 tokens = pb_utils.get_input_tensor_by_name(r, "TOKENS").as_numpy().reshape(-1)
                 start = pb_utils.get_input_tensor_by_name(r, "START")
                 end = pb_utils.get_input_tensor_by_name(r, "END")
@@ -274,33 +276,41 @@ def _error_code(code: str):
             INTERNAL: pb_utils.TritonError.INTERNAL}[code]
 
 
-def _reply_fn(sender, want_pages: bool, metrics: TritonMetrics | None = None):
+class _Reply:
     """The function that answers one request: builds its response and sends it. Called exactly
     once per request (batcher.Request.reply), always from one thread at a time: a send waits
     for Triton's process to take the response (~1 ms, whatever its size), and sends from
     several threads at once crashed tritonserver (boost::interprocess::lock_exception in
-    libtriton_python.so, docs/performance.md)."""
-    def send(reply: Reply) -> None:
+    libtriton_python.so, docs/performance.md). Only the outputs the request names are sent
+    (Triton names them all when a client names none)."""
+
+    def __init__(self, sender, wanted: set, metrics: TritonMetrics | None):
+        self.sender, self.wanted, self.metrics = sender, wanted, metrics
+        self.top_k = TOP_K_DEFAULT
+
+    def response(self, reply: Reply):
+        if reply.error is not None:
+            return pb_utils.InferenceResponse(
+                output_tensors=[], error=pb_utils.TritonError(reply.error,
+                                                              _error_code(reply.code)))
+        outputs = []
+        if reply.logits is not None:
+            if "LOGITS" in self.wanted:
+                outputs.append(pb_utils.Tensor("LOGITS", np.ascontiguousarray(
+                    reply.logits.reshape(1, -1), dtype=np.float32)))
+            outputs += [pb_utils.Tensor(name, value) for name, value in
+                        small_outputs(reply.logits, self.wanted, self.top_k).items()]
+        if "KV_PAGES" in self.wanted and reply.kv_pages is not None:
+            outputs.append(pb_utils.Tensor("KV_PAGES", np.array([reply.kv_pages], np.int32)))
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    def __call__(self, reply: Reply) -> None:
         t0 = time.perf_counter()
         try:
-            if reply.error is not None:
-                response = pb_utils.InferenceResponse(
-                    output_tensors=[],
-                    error=pb_utils.TritonError(reply.error, _error_code(reply.code)))
-            else:
-                outputs = []
-                if reply.logits is not None:
-                    outputs.append(pb_utils.Tensor("LOGITS", np.ascontiguousarray(
-                        reply.logits.reshape(1, -1), dtype=np.float32)))
-                if want_pages and reply.kv_pages is not None:
-                    outputs.append(pb_utils.Tensor("KV_PAGES",
-                                                   np.array([reply.kv_pages], np.int32)))
-                response = pb_utils.InferenceResponse(output_tensors=outputs)
-            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:  # a client gone away must not take a responder thread down
+            self.sender.send(self.response(reply),
+                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # a client gone away must not take the batcher thread down
             logging.getLogger("triton_tlaloc.model").exception("sending a response failed")
             return
-        if metrics is not None:
-            metrics.sent(time.perf_counter() - t0)
-
-    return send
+        if self.metrics is not None:
+            self.metrics.sent(time.perf_counter() - t0)

@@ -1,8 +1,10 @@
 """`tlaloc repository`: a Triton model repository from a Tlaloc serving artifact.
 
-Writes REPO/NAME/config.pbtxt (the sequence batcher, TOKENS in, LOGITS and KV_PAGES out, the
-model parameters) and REPO/NAME/1/ holding the model.py shim and the artifact (a symbolic link
-to it, or a copy). The artifact is validated first and a bad one refused by name.
+Writes REPO/NAME/config.pbtxt (the sequence batcher, TOKENS in, LOGITS, KV_PAGES and the small
+outputs out, the model parameters) and REPO/NAME/1/ holding the model.py shim and the artifact
+(a symbolic link to it, or a copy); and beside it REPO/NAME_generate, the decoupled generate
+model that streams text generated on the server through NAME. The artifact is validated first
+and a bad one refused by name.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class RepositoryOptions:
     copy: bool = False  # copy the artifact instead of linking it
     compile_cache_dir: str = ""
     extra_parameters: dict = field(default_factory=dict)
+    generate_model: bool = True  # also write NAME_generate
 
 
 def _parameter(key: str, value) -> str:
@@ -86,5 +89,27 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         instance_kind=INSTANCE_KINDS[opts.instance_kind],
         parameters=",\n".join(_parameter(k, v) for k, v in params.items()),
     )
+    (model_dir / "config.pbtxt").write_text(text)
+    if opts.generate_model:
+        _write_generate_model(artifact, Path(repo), name, params["tokenizer_dir"])
+    return model_dir
+
+
+def generate_model_name(name: str) -> str:
+    return f"{name}_generate"
+
+
+def _write_generate_model(artifact, repo: Path, name: str, tokenizer_dir: str) -> Path:
+    model_dir = repo / generate_model_name(name)
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    (model_dir / "1").mkdir(parents=True)
+    shutil.copyfile(TEMPLATE_DIR / "generate" / "model.py", model_dir / "1" / "model.py")
+    params = {"sequence_model": name, "tokenizer_dir": tokenizer_dir,
+              "vocab": artifact.model.vocab, "max_context": artifact.max_context,
+              "eos_token_ids": ",".join(str(t) for t in artifact.model.eos_token_ids)}
+    text = Template((TEMPLATE_DIR / "generate" / "config.pbtxt.in").read_text()).substitute(
+        name=generate_model_name(name), sequence_model=name,
+        parameters=",\n".join(_parameter(k, v) for k, v in params.items()))
     (model_dir / "config.pbtxt").write_text(text)
     return model_dir

@@ -1,0 +1,227 @@
+"""The generate model (decoupled, beside each sequence model): generation on the server,
+streamed over gRPC, with sampling, stop conditions and cancellation, against the sequence
+model's client-side greedy ids; and the pure pieces (sampling.py) without a server."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from triton_tlaloc.client import (METRICS_SETTLE_S, TlalocClient, generate, metric,
+                                  scrape_metrics)
+from triton_tlaloc.repository import RepositoryOptions, write_repository
+from triton_tlaloc.sampling import Sampler, SamplingError, SamplingParams, TextStream
+from triton_tlaloc.server import TritonServer
+from triton_tlaloc.tokenizer import ArtifactTokenizer
+
+PROMPT = [1, 17, 99, 3, 200, 41, 7, 88]
+
+
+# ------------------------------------------------------------------ without a server
+
+def test_sampling_parameters_are_checked_by_name():
+    assert SamplingParams.from_dict({}).greedy
+    p = SamplingParams.from_dict({"max_tokens": 5, "temperature": 0.7, "top_k": 3, "top_p": 0.9,
+                                  "seed": 1, "stop": ".", "ignore_eos": True})
+    assert (p.max_tokens, p.top_k, p.stop, p.ignore_eos) == (5, 3, (".",), True)
+    for bad, message in (({"temperature": -1}, "temperature -1.0: must be >= 0"),
+                         ({"top_p": 0}, "top_p 0.0: must be in (0, 1]"),
+                         ({"max_tokens": 0}, "max_tokens 0: must be >= 1"),
+                         ({"max_tokens": "5"}, "max_tokens '5': expected a number"),
+                         ({"beam_width": 2}, "unknown sampling parameter(s) beam_width")):
+        with pytest.raises(SamplingError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            SamplingParams.from_dict(bad)
+
+
+def test_sampler_greedy_top_k_top_p_and_seed():
+    logits = np.array([0.0, 3.0, 2.9, -1.0, 1.0], np.float32)
+    assert Sampler(SamplingParams()).choose(logits) == 1
+    draws = [Sampler(SamplingParams(temperature=1.0, seed=s)).choose(logits) for s in range(200)]
+    assert set(draws) == {0, 1, 2, 3, 4}  # every token can be drawn
+    top2 = {Sampler(SamplingParams(temperature=1.0, top_k=2, seed=s)).choose(logits)
+            for s in range(200)}
+    assert top2 == {1, 2}
+    # top_p 0.5: token 1 alone holds less than half the mass, 1 and 2 together more
+    top_p = {Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=s)).choose(logits)
+             for s in range(200)}
+    assert top_p == {1, 2}
+    a = Sampler(SamplingParams(temperature=1.0, seed=7))
+    b = Sampler(SamplingParams(temperature=1.0, seed=7))
+    assert [a.choose(logits) for _ in range(50)] == [b.choose(logits) for _ in range(50)]
+
+
+def test_text_stream_holds_back_partial_characters_and_cuts_at_stop_strings():
+    pieces = {1: "Hel", 2: "lo", 3: " wor", 4: "ld.", 5: " More"}
+    stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), stop=("d.",))
+    assert [stream.push(i) for i in (1, 2, 3)] == ["Hel", "lo", " wor"]
+    assert stream.push(4) == "l" and stream.stopped  # "Hello worl": cut before "d."
+    assert stream.flush() == ""
+    # a stop string's first characters are held back until they are known not to start it
+    stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), stop=("ld!",))
+    assert [stream.push(i) for i in (1, 2, 3, 4)] == ["He", "llo", " wor", "ld."]  # "l" waits
+    # a byte-level tokenizer's half character (U+FFFD) is held back until it is whole
+    stream = TextStream(lambda ids: "a" + ("é" if 3 in ids else "\ufffd" if 2 in ids else ""))
+    assert [stream.push(1), stream.push(2), stream.push(3)] == ["a", "", "é"]
+    assert stream.flush() == ""
+
+
+# ------------------------------------------------------------------ through Triton
+
+@pytest.fixture(scope="module")
+def served(tiny, smollm2, work):
+    repo = work / "repo-generate"
+    write_repository(tiny.artifact("llama", False), repo, "llama",
+                     RepositoryOptions(max_sequence_idle_microseconds=600_000_000))
+    write_repository(smollm2[1], repo, "smollm2", RepositoryOptions())
+    server = TritonServer(repo, exit_timeout_s=3).start()
+    yield server, ArtifactTokenizer(smollm2[1] / "tokenizer")
+    server.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "one response"])
+def test_greedy_generation_equals_the_sequence_models_greedy_ids(served, stream):
+    """SmolLM2, 32 tokens of a chat prompt: the generate model's ids equal the client-side
+    greedy ids of the sequence model, its text is their decoding, and the final response
+    counts the tokens."""
+    server, tok = served
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Write a short poem about "
+                                                                  "the sea."}])
+    with TlalocClient(server.grpc_url, "smollm2") as c:
+        want = c.generate_greedy(prompt, 32).generated_ids
+    got = generate(server.grpc_url, "smollm2_generate", input_ids=prompt, stream=stream,
+                   sampling={"max_tokens": 32, "ignore_eos": True})
+    assert got.error is None and got.token_ids == want
+    assert got.text == tok.decode(want)
+    assert (got.finish_reason, got.prompt_tokens, got.completion_tokens) == ("length",
+                                                                               len(prompt), 32)
+    assert got.responses == (33 if stream else 1)
+
+
+def test_text_input_stops_at_end_of_sequence_and_at_a_stop_string(served):
+    server, tok = served
+    chat = tok.decode(tok.apply_chat_template([{"role": "user",
+                                                "content": "What is the capital of France?"}]))
+    got = generate(server.grpc_url, "smollm2_generate", text=chat, sampling={"max_tokens": 64})
+    assert got.finish_reason == "stop" and "Paris" in got.text  # its end-of-sequence token
+    assert got.completion_tokens < 64
+    cut = generate(server.grpc_url, "smollm2_generate", text=chat,
+                   sampling={"max_tokens": 64, "stop": ["Paris"]})
+    assert cut.finish_reason == "stop" and "Paris" not in cut.text
+    assert got.text.startswith(cut.text) and got.text[len(cut.text):].startswith("Paris")
+
+
+def test_seeded_sampling_repeats_exactly(served):
+    server, _ = served
+
+    def sample(seed, **extra):
+        return generate(server.grpc_url, "llama_generate", input_ids=PROMPT, sampling={
+            "max_tokens": 24, "temperature": 1.0, "seed": seed, "ignore_eos": True,
+            **extra}).token_ids
+    first = sample(11)
+    assert sample(11) == first and sample(12) != first
+    greedy = generate(server.grpc_url, "llama_generate", input_ids=PROMPT,
+                      sampling={"max_tokens": 24, "ignore_eos": True}).token_ids
+    assert sample(13, top_k=1) == greedy  # top_k 1 is greedy whatever the seed
+
+
+def test_cancelling_a_generation_frees_its_pages_and_others_go_on(served):
+    server, _ = served
+    with TlalocClient(server.grpc_url, "llama") as c:
+        want = c.generate_greedy(PROMPT, 40).generated_ids
+    before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+    other = {}
+
+    def run_other():
+        other["result"] = generate(server.grpc_url, "llama_generate", input_ids=PROMPT,
+                                   sampling={"max_tokens": 40, "ignore_eos": True})
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    cancelled = generate(server.grpc_url, "llama_generate", input_ids=PROMPT[:5],
+                         sampling={"max_tokens": 110, "ignore_eos": True}, cancel_after=3)
+    thread.join(120)
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 110
+    assert other["result"].token_ids == want  # the other generation went on
+    # The metrics are applied every 250 ms: poll (a loaded machine may take a few periods).
+    for _ in range(20):
+        after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+        if metric(after, "tlaloc_sequences_held", model="llama") == 0:
+            break
+    assert metric(after, "tlaloc_kv_pages_used", model="llama", pool="full") == 0
+    assert metric(after, "tlaloc_sequences_held", model="llama") == 0
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+    assert delta("tlaloc_generations_total", model="llama_generate", reason="cancelled") == 1
+    assert delta("tlaloc_generations_total", model="llama_generate", reason="length") == 1
+    assert delta("tlaloc_time_to_first_token_seconds_count", model="llama_generate") == 2
+
+
+def test_bad_requests_get_one_error_naming_the_problem(served):
+    server, _ = served
+    for kwargs, message in (
+            (dict(input_ids=PROMPT, sampling={"temperature": -1}), "temperature -1.0"),
+            (dict(text="hello"), "text_input needs the artifact's tokenizer"),
+            (dict(input_ids=[5, 999]), "token id 999 is outside the vocabulary"),
+            (dict(), "send text_input or input_ids")):
+        got = generate(server.grpc_url, "llama_generate", **kwargs)
+        assert got.error is not None and message in got.error, (kwargs, got)
+        assert got.responses == 1
+
+
+# ------------------------------------------------------------------ tlaloc openai
+
+@pytest.fixture(scope="module")
+def openai_url(served):
+    """`tlaloc openai` in front of smollm2_generate, on a free loopback port."""
+    import socket
+
+    import uvicorn
+
+    from triton_tlaloc.openai_server import ServedModel, make_app
+
+    server, _ = served
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = make_app(server.grpc_url, {"smollm2": ServedModel.discover(server.grpc_url,
+                                                                     "smollm2")})
+    front = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=front.run, daemon=True)
+    thread.start()
+    while not front.started:
+        threading.Event().wait(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+    front.should_exit = True
+    thread.join(10)
+
+
+def test_the_openai_client_gets_the_generate_models_text(served, openai_url):
+    """The `openai` package against `tlaloc openai`: a chat completion, streamed and not, has
+    the text the generate model gives for the same chat-template ids; /v1/models and
+    /v1/completions answer too."""
+    import openai
+
+    server, tok = served
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = generate(server.grpc_url, "smollm2_generate",
+                    input_ids=tok.apply_chat_template(messages), sampling={"max_tokens": 24})
+    client = openai.OpenAI(base_url=openai_url, api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    chat = client.chat.completions.create(model="smollm2", messages=messages, temperature=0,
+                                          max_tokens=24)
+    assert chat.choices[0].message.content == want.text and "Paris" in want.text
+    assert chat.choices[0].finish_reason == want.finish_reason
+    assert chat.usage.completion_tokens == want.completion_tokens
+    chunks = list(client.chat.completions.create(model="smollm2", messages=messages,
+                                                 temperature=0, max_tokens=24, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    text = client.completions.create(model="smollm2", prompt="The capital of France is",
+                                     temperature=0, max_tokens=8)
+    plain = generate(server.grpc_url, "smollm2_generate", text="The capital of France is",
+                     sampling={"max_tokens": 8})
+    assert text.choices[0].text == plain.text
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.chat.completions.create(model="nope", messages=messages)

@@ -1,0 +1,39 @@
+"""The sequence model's small outputs (issue 9): ARGMAX and TOP_K_IDS / TOP_K_LOGPROBS, a few
+bytes a step where LOGITS is the whole vocabulary. Pure numpy: no Triton, no JAX."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+TOP_K_DEFAULT = 8
+
+
+def top_k_parameter(parameters: str | None, vocab: int) -> int:
+    """K of the TOP_K outputs from a request's parameters (JSON): top_k, default 8, an integer
+    in [1, vocab]; ValueError naming the problem otherwise."""
+    k = json.loads(parameters or "{}").get("top_k", TOP_K_DEFAULT)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
+        raise ValueError(f"parameter top_k {k!r}: expected an integer in [1, {vocab}]")
+    return k
+
+
+def small_outputs(logits: np.ndarray, wanted: set, k: int) -> dict[str, np.ndarray]:
+    """ARGMAX [1, 1] and TOP_K_IDS / TOP_K_LOGPROBS [1, K] of one row's logits, those named in
+    `wanted`. The top K are in descending order of log-probability (log-softmax over the
+    vocabulary, in f64); ties keep the lower id first, as argmax does."""
+    out = {}
+    if "ARGMAX" in wanted:
+        out["ARGMAX"] = np.array([[int(np.argmax(logits))]], np.int32)
+    if wanted & {"TOP_K_IDS", "TOP_K_LOGPROBS"}:
+        order = np.argsort(-logits, kind="stable")[:k] if k > 64 else None
+        if order is None:  # the K largest without sorting the vocabulary
+            part = np.argpartition(-logits, k - 1)[:k]
+            order = part[np.lexsort((part, -logits[part]))]
+        z = logits.astype(np.float64)
+        m = z.max()
+        logprobs = z[order] - (m + np.log(np.exp(z - m).sum()))
+        out["TOP_K_IDS"] = order.astype(np.int32).reshape(1, -1)
+        out["TOP_K_LOGPROBS"] = logprobs.astype(np.float32).reshape(1, -1)
+    return out
