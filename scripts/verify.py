@@ -26,8 +26,8 @@ from oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # n
                     with_rope_theta)
 
 from triton_tlaloc.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.client import (InferError, TlalocClient, metric, new_sequence_id,  # noqa: E402
-                                  scrape_metrics, METRICS_SETTLE_S)
+from triton_tlaloc.client import (InferError, TlalocClient, generate, metric,  # noqa: E402
+                                  new_sequence_id, scrape_metrics, METRICS_SETTLE_S)
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.manifest import load_artifact  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
@@ -136,15 +136,20 @@ def build(work: Path) -> dict:
                                                                 context_ladder=(128,)))
     repo = work / "repo"
     for name, (_, art) in arts.items():
-        write_repository(art, repo, name, RepositoryOptions())
-    write_repository(arts["llama"][1], repo, "llama_copied", RepositoryOptions(donate_kv_pools=False))
+        # Generate models (generation on the server) for SmolLM2 and the hybrid model only:
+        # each is one more backend process to start on 2 cores.
+        write_repository(art, repo, name, RepositoryOptions(
+            generate_model=name in ("smollm2", "qwen3_5")))
+    write_repository(arts["llama"][1], repo, "llama_copied", RepositoryOptions(
+        donate_kv_pools=False, generate_model=False))
     # The control for backend batching: Triton's sequence batcher forms the batches after a
     # 1 ms queue delay, and the backend runs each execute() call as it came.
     write_repository(arts["llama"][1], repo, "llama_triton_batching", RepositoryOptions(
-        backend_batching=False, triton_queue_delay_microseconds=1000))
+        backend_batching=False, triton_queue_delay_microseconds=1000, generate_model=False))
     # Reclamation: the small pool, Triton ends a sequence idle 1 s, pages reclaimable after 2.5 s.
     write_repository(arts["small"][1], repo, "reclaim", RepositoryOptions(
-        max_sequence_idle_microseconds=1_000_000, reclaim_allowance_microseconds=500_000))
+        max_sequence_idle_microseconds=1_000_000, reclaim_allowance_microseconds=500_000,
+        generate_model=False))
     # The soak: 64 pages for 16 sequences of up to 80 positions (10 pages), so pages run short.
     arts["soak"] = (arts["llama"][0], work / "art-soak")
     if not (arts["soak"][1] / "tlaloc-serving.json").exists():
@@ -153,6 +158,35 @@ def build(work: Path) -> dict:
     write_repository(arts["soak"][1], repo, "soak", RepositoryOptions(
         max_sequence_idle_microseconds=2_000_000, reclaim_allowance_microseconds=1_000_000))
     return {"arts": arts, "repo": repo}
+
+
+def openai_chat(grpc_url: str, messages: list[dict]) -> str:
+    """A greedy 32-token chat completion from the openai package through `tlaloc openai` (run in
+    a thread on a free loopback port, in front of smollm2_generate)."""
+    import socket
+
+    import openai
+    import uvicorn
+
+    from triton_tlaloc.openai_server import ServedModel, make_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = make_app(grpc_url, {"smollm2": ServedModel.discover(grpc_url, "smollm2")})
+    front = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=front.run, daemon=True)
+    thread.start()
+    try:
+        while not front.started:
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        chat = client.chat.completions.create(model="smollm2", messages=messages,
+                                              temperature=0, max_tokens=32)
+        return chat.choices[0].message.content
+    finally:
+        front.should_exit = True
+        thread.join(10)
 
 
 def refusal(client, seq_id, tokens, **kw) -> str:
@@ -439,8 +473,8 @@ def main() -> int:
     want["qwen3_5"] = [reference_greedy(ref, p, 12)[0] for p in HYBRID_PROMPTS]
     gguf = arts["smollm2"][0]
     tok = ArtifactTokenizer(arts["smollm2"][1] / "tokenizer")
-    chat_prompt = tok.apply_chat_template([{"role": "user",
-                                            "content": "Write a short poem about the sea."}])
+    chat_messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    chat_prompt = tok.apply_chat_template(chat_messages)
     want["smollm2"], _ = reference_greedy(load_reference(gguf.parent, gguf_file=gguf.name),
                                           chat_prompt, 32)
 
@@ -464,6 +498,29 @@ def main() -> int:
                         g.generated_ids == want["smollm2"])
             table.run(f"{protocol}: SmolLM2 chat prompt, 32 greedy ids", "32/32 equal to "
                       "transformers", smollm2)
+
+            if protocol == "grpc":  # the generate model is decoupled: gRPC streams only
+                for model, prompt, n in (("smollm2", chat_prompt, 32),
+                                         ("qwen3_5", HYBRID_PROMPTS[0], 12)):
+                    def server_side(model=model, prompt=prompt, n=n):
+                        got = generate(url, f"{model}_generate", input_ids=prompt,
+                                       sampling={"max_tokens": n, "ignore_eos": True})
+                        same = sum(a == b for a, b in zip(got.token_ids, want[model][0]
+                                                          if model == "qwen3_5" else want[model]))
+                        return (f"{same}/{n} equal in {got.responses} streamed responses, first "
+                                f"token {got.first_token_ms:.0f} ms", same == n)
+                    table.run(f"grpc: {model} generate model (generation on the server), {n} "
+                              f"greedy ids streamed", f"{n}/{n} equal to transformers",
+                              server_side)
+
+                def openai_front():
+                    """`tlaloc openai` in front of smollm2_generate, with the openai package."""
+                    text = openai_chat(url, chat_messages)
+                    plain = generate(url, "smollm2_generate", input_ids=chat_prompt,
+                                     sampling={"max_tokens": 32})
+                    return (f"{text[:40]!r}", text == plain.text)
+                table.run("grpc: tlaloc openai, a chat completion with the openai package",
+                          "the generate model's text", openai_front)
 
             for family in ("llama", "qwen3"):
                 def tiny_ids(family=family):
