@@ -43,7 +43,7 @@ def test_the_intact_copy_loads(artifact_copy):
     ("tlaloc-serving-v9", "unknown schema version 'tlaloc-serving-v9'"),
     ("tlaloc-serving-v3", "schema tlaloc-serving-v3 needs model.windowedKv"),
     ("tlaloc-serving-v4", "schema tlaloc-serving-v4 needs model.linearState"),
-    ("tlaloc-bounded-v1", "schema tlaloc-bounded-v1 is refused: bounded programs"),
+    ("tlaloc-bounded-v1", "schema tlaloc-bounded-v1 is refused: a bounded program is not a"),
 ])
 def test_schema_versions_refused_by_name(artifact_copy, schema, message):
     """Unknown and unbuilt schemas by name; a v2 artifact relabelled v3 (no windowed pool) or

@@ -29,9 +29,10 @@ SCHEMA_V2 = "tlaloc-serving-v2"
 SCHEMA_V3 = "tlaloc-serving-v3"  # v2 plus the windowed KV pool (rings for sliding layers)
 SCHEMA_V4 = "tlaloc-serving-v4"  # plus linear-attention state pools (model.linearState)
 SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4)
-# Schemas the design defines that this package does not serve yet: refused by name.
+# Schemas the design defines that this loader does not serve: refused by name.
 KNOWN_UNBUILT_SCHEMAS = {
-    "tlaloc-bounded-v1": "bounded programs are not built yet",
+    "tlaloc-bounded-v1": ("a bounded program is not a language model: it is served by "
+                          "triton_tlaloc.bounded.BoundedRuntime (tlaloc-bounded.json)"),
 }
 
 # Input roles (design section 3) and output roles.

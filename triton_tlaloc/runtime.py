@@ -121,6 +121,38 @@ class PjrtDevice:
         return [arrs[0] for arrs in results.disassemble_into_single_device_arrays()]
 
 
+def compile_cached(device: PjrtDevice, text: str, what: str, cache_dir: Path,
+                   use_cache: bool = True, stats: CompileStats | None = None):
+    """An executable for StableHLO text: from the compile cache when it holds one for this text
+    and platform, else compiled (and stored, written to a temporary name then renamed so a
+    concurrent reader never sees half a file)."""
+    key = hashlib.sha256(f"{hashlib.sha256(text.encode()).hexdigest()}|"
+                         f"{device.cache_identity}".encode()).hexdigest()
+    cached = cache_dir / f"{key}.pjrt"
+    stats = stats if stats is not None else CompileStats()
+    t0 = time.perf_counter()
+    if use_cache and cached.is_file():
+        try:
+            exe = device.deserialize(cached.read_bytes())
+            stats.cache_hits += 1
+            stats.seconds += time.perf_counter() - t0
+            log.info("%s: loaded from the compile cache in %.2f s", what,
+                     time.perf_counter() - t0)
+            return exe
+        except Exception as e:  # a stale or torn cache file: compile again
+            log.warning("%s: compile cache file %s unusable (%s); compiling", what, cached, e)
+    exe = device.compile(text)
+    stats.compiled += 1
+    stats.seconds += time.perf_counter() - t0
+    log.info("%s: compiled in %.2f s", what, time.perf_counter() - t0)
+    if use_cache:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(device.serialize(exe))
+        tmp.replace(cached)
+    return exe
+
+
 @dataclass
 class _CallPlan:
     args: list  # the weights at their positions, None where a call fills in
@@ -160,31 +192,8 @@ class Runtime:
         text = self.artifact.body_text(entry)
         if not self.donate:
             text = strip_aliasing(text)  # the control: the same program, pools copied
-        key = hashlib.sha256(f"{hashlib.sha256(text.encode()).hexdigest()}|"
-                             f"{self.device.cache_identity}".encode()).hexdigest()
-        cached = self.cache_dir / f"{key}.pjrt"
-        t0 = time.perf_counter()
-        if self.use_cache and cached.is_file():
-            try:
-                exe = self.device.deserialize(cached.read_bytes())
-                self.compile_stats.cache_hits += 1
-                self.compile_stats.seconds += time.perf_counter() - t0
-                log.info("entry %s: loaded from the compile cache in %.2f s", entry.name,
-                         time.perf_counter() - t0)
-                return exe
-            except Exception as e:  # a stale or torn cache file: compile again
-                log.warning("entry %s: compile cache file %s unusable (%s); compiling", entry.name,
-                            cached, e)
-        exe = self.device.compile(text)
-        self.compile_stats.compiled += 1
-        self.compile_stats.seconds += time.perf_counter() - t0
-        log.info("entry %s: compiled in %.2f s", entry.name, time.perf_counter() - t0)
-        if self.use_cache:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(self.device.serialize(exe))
-            tmp.replace(cached)  # atomic: a concurrent reader never sees half a file
-        return exe
+        return compile_cached(self.device, text, f"entry {entry.name}", self.cache_dir,
+                              self.use_cache, self.compile_stats)
 
     def _upload_weights(self) -> dict[str, object]:
         t0 = time.perf_counter()
