@@ -196,8 +196,12 @@ class TritonPythonModel:
                 else:
                     self.tpot.observe(now - last)
                 last = now
-                if token in stops:
-                    reason = "stop"
+                if token in stops:  # not part of the text; what was held back goes out
+                    reason, tail = "stop", text.flush()
+                    if tail:
+                        pieces.append(tail)
+                        if stream:
+                            self._send(sender, self._response(tail, []))
                     break
                 generated.append(token)
                 piece = text.push(token)
