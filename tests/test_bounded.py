@@ -69,3 +69,27 @@ def test_a_function_that_reads_its_padding_is_refused(work):
     with pytest.raises(BoundedError, match="reads its padding"):
         export_bounded(plain_mean, SPEC, {"L": BOUND}, work / "bounded-plain-mean")
     assert not (work / "bounded-plain-mean").exists()
+
+
+DTYPES = ["i1", "i8", "i16", "i32", "i64", "ui8", "f16", "bf16", "f32"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_dtype_round_trips_through_an_identity_plus_one_program(dtype, work):
+    """The element types Triton and StableHLO share, through a bounded identity-plus-one (a
+    logical not for bool): the manifest's names, the compiled program, the padding and slicing."""
+    import jax.numpy as jnp
+
+    from triton_tlaloc.manifest import dtype_name, numpy_dtype
+
+    def plus_one(x, L_mask, L_len):
+        return jnp.logical_not(x) if x.dtype == jnp.bool_ else x + jnp.ones((), x.dtype)
+
+    art = export_bounded(plus_one, [TensorShape("x", dtype, ("L", 3))], {"L": 4},
+                         work / f"bounded-plus-one-{dtype}", check_lengths=1)
+    rt = BoundedRuntime(art)
+    x = (np.arange(9).reshape(3, 3) % 2).astype(numpy_dtype(dtype))
+    (y,) = rt.run({"x": x})
+    assert dtype_name(y.dtype) == dtype and y.shape == (3, 3)
+    want = np.logical_not(x) if dtype == "i1" else x + np.ones((), x.dtype)
+    assert np.array_equal(y, want)

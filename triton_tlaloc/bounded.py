@@ -87,7 +87,18 @@ def export_bounded(fn, inputs: list[TensorShape], bounds: dict[str, int], out: s
     Before writing, each bucket is checked: for `check_lengths` valid lengths in the bucket
     (its smallest, largest and one between), random inputs run padded to the bucket must give,
     sliced, the result the same inputs give at their exact size (within rtol of the largest
-    value); a function that reads its padding is refused by name."""
+    value); a function that reads its padding is refused by name. 64-bit inputs are lowered
+    with JAX's x64 mode on (it truncates them to 32 bits otherwise)."""
+    import contextlib
+
+    from jax.experimental import enable_x64
+
+    wide = any(numpy_dtype(s.dtype).itemsize == 8 for s in inputs)
+    with enable_x64() if wide else contextlib.nullcontext():
+        return _export_bounded(fn, inputs, bounds, Path(out), buckets, check_lengths, rtol, seed)
+
+
+def _export_bounded(fn, inputs, bounds, out: Path, buckets, check_lengths, rtol, seed) -> Path:
     import jax
 
     for s in inputs:
@@ -121,7 +132,7 @@ def export_bounded(fn, inputs: list[TensorShape], bounds: dict[str, int], out: s
                 res = fn(**named)
                 return tuple(res) if isinstance(res, (tuple, list)) else (res,)
 
-            lowered = jax.jit(positional).lower(*specs)
+            lowered = jax.jit(positional, keep_unused=True).lower(*specs)  # every parameter
             # the largest buckets come last: they name each output's bounded axes
             outputs = _output_shapes(jax.eval_shape(positional, *specs), bounds, at)
             _check_padding(fn, inputs, bounds, at, buckets, check_lengths, rtol, rng)
@@ -193,8 +204,9 @@ def _check_padding(fn, inputs, bounds, at, buckets, check_lengths, rtol, rng):
         want = _call(fn, inputs, bounds, exact, lengths, lengths)
         got = _call(fn, inputs, bounds, padded, at, lengths)
         for i, (w, g) in enumerate(zip(jax.device_get(want), jax.device_get(got))):
-            g = np.asarray(g)[tuple(slice(0, n) for n in np.shape(w))]
-            w = np.asarray(w)
+            # compared in f64 (bool and small integers too)
+            g = np.asarray(g)[tuple(slice(0, n) for n in np.shape(w))].astype(np.float64)
+            w = np.asarray(w).astype(np.float64)
             scale = max(1.0, float(np.max(np.abs(w))) if w.size else 1.0)
             if g.shape != w.shape or float(np.max(np.abs(g - w), initial=0.0)) > rtol * scale:
                 raise BoundedError(

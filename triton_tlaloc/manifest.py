@@ -68,9 +68,14 @@ _NUMPY_DTYPES = {
     "f32": "float32",
     "f16": "float16",
     "bf16": "bfloat16",
+    "f64": "float64",
     "i32": "int32",
     "i64": "int64",
+    "i16": "int16",
     "i8": "int8",
+    "ui8": "uint8",
+    "ui32": "uint32",
+    "i1": "bool",
     "f8E4M3FN": "float8_e4m3fn",
 }
 
