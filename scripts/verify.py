@@ -163,30 +163,19 @@ def build(work: Path) -> dict:
 def openai_chat(grpc_url: str, messages: list[dict]) -> str:
     """A greedy 32-token chat completion from the openai package through `tlaloc openai` (run in
     a thread on a free loopback port, in front of smollm2_generate)."""
-    import socket
-
     import openai
-    import uvicorn
 
-    from triton_tlaloc.openai_server import ServedModel, make_app
+    from triton_tlaloc.openai_server import ServedModel, serve_in_thread
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = make_app(grpc_url, {"smollm2": ServedModel.discover(grpc_url, "smollm2")})
-    front = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=front.run, daemon=True)
-    thread.start()
+    base_url, stop = serve_in_thread(grpc_url, {"smollm2": ServedModel.discover(grpc_url,
+                                                                               "smollm2")})
     try:
-        while not front.started:
-            time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        client = openai.OpenAI(base_url=base_url, api_key="unused")
         chat = client.chat.completions.create(model="smollm2", messages=messages,
                                               temperature=0, max_tokens=32)
         return chat.choices[0].message.content
     finally:
-        front.should_exit = True
-        thread.join(10)
+        stop()
 
 
 def refusal(client, seq_id, tokens, **kw) -> str:

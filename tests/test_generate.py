@@ -175,26 +175,13 @@ def test_bad_requests_get_one_error_naming_the_problem(served):
 @pytest.fixture(scope="module")
 def openai_url(served):
     """`tlaloc openai` in front of smollm2_generate, on a free loopback port."""
-    import socket
-
-    import uvicorn
-
-    from triton_tlaloc.openai_server import ServedModel, make_app
+    from triton_tlaloc.openai_server import ServedModel, serve_in_thread
 
     server, _ = served
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = make_app(server.grpc_url, {"smollm2": ServedModel.discover(server.grpc_url,
-                                                                     "smollm2")})
-    front = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=front.run, daemon=True)
-    thread.start()
-    while not front.started:
-        threading.Event().wait(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-    front.should_exit = True
-    thread.join(10)
+    base_url, stop = serve_in_thread(server.grpc_url, {
+        "smollm2": ServedModel.discover(server.grpc_url, "smollm2")})
+    yield base_url
+    stop()
 
 
 def test_the_openai_client_gets_the_generate_models_text(served, openai_url):

@@ -133,8 +133,9 @@ def _export_bounded(fn, inputs, bounds, out: Path, buckets, check_lengths, rtol,
                 return tuple(res) if isinstance(res, (tuple, list)) else (res,)
 
             lowered = jax.jit(positional, keep_unused=True).lower(*specs)  # every parameter
+            results = jax.eval_shape(positional, *specs)
             # the largest buckets come last: they name each output's bounded axes
-            outputs = _output_shapes(jax.eval_shape(positional, *specs), bounds, at)
+            outputs = _output_shapes(results, bounds, at)
             _check_padding(fn, inputs, bounds, at, buckets, check_lengths, rtol, rng)
             text = lowered.as_text()
             sha = hashlib.sha256(text.encode()).hexdigest()
@@ -147,8 +148,7 @@ def _export_bounded(fn, inputs, bounds, out: Path, buckets, check_lengths, rtol,
                           for b in bounds for k, dt, shape in (("mask", "i1", [at[b]]),
                                                                ("len", "i32", []))],
                        "outputs": [{"name": f"output_{i}", "dtype": r.dtype.name,
-                                    "shape": list(r.shape)} for i, r in
-                                   enumerate(jax.eval_shape(positional, *specs))]}
+                                    "shape": list(r.shape)} for i, r in enumerate(results)]}
             (tmp / "programs" / f"{name}.json").write_text(json.dumps(program, indent=1))
             entries.append({"name": name, "buckets": at, "body": f"bodies/{sha}.mlir",
                             "sha256": sha, "program": f"programs/{name}.json"})

@@ -56,7 +56,6 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         self.sequence_model = params["sequence_model"]
         self.eos_ids = {int(t) for t in params.get("eos_token_ids", "").split(",") if t}
-        self.vocab = int(params["vocab"])
         self.max_context = int(params["max_context"])
         self.tokenizer = None
         if params.get("tokenizer_dir") and (Path(params["tokenizer_dir"]) /

@@ -208,6 +208,29 @@ def make_app(url: str, models: dict[str, ServedModel]):
     return app
 
 
+def serve_in_thread(url: str, models: dict[str, ServedModel]):
+    """The server on a free loopback port in a thread of this process (tests, verify.sh):
+    returns (its /v1 base URL, a function that stops it)."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    front = uvicorn.Server(uvicorn.Config(make_app(url, models), host="127.0.0.1", port=port,
+                                          log_level="warning"))
+    thread = threading.Thread(target=front.run, daemon=True)
+    thread.start()
+    while not front.started:
+        time.sleep(0.05)
+
+    def stop():
+        front.should_exit = True
+        thread.join(10)
+    return f"http://127.0.0.1:{port}/v1", stop
+
+
 def serve(url: str, models: dict[str, ServedModel], host: str = "127.0.0.1",
           port: int = 8000) -> None:
     import uvicorn

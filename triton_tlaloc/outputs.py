@@ -27,10 +27,8 @@ def small_outputs(logits: np.ndarray, wanted: set, k: int) -> dict[str, np.ndarr
     if "ARGMAX" in wanted:
         out["ARGMAX"] = np.array([[int(np.argmax(logits))]], np.int32)
     if wanted & {"TOP_K_IDS", "TOP_K_LOGPROBS"}:
-        order = np.argsort(-logits, kind="stable")[:k] if k > 64 else None
-        if order is None:  # the K largest without sorting the vocabulary
-            part = np.argpartition(-logits, k - 1)[:k]
-            order = part[np.lexsort((part, -logits[part]))]
+        part = np.argpartition(-logits, k - 1)[:k]  # the K largest, unsorted
+        order = part[np.lexsort((part, -logits[part]))]
         z = logits.astype(np.float64)
         m = z.max()
         logprobs = z[order] - (m + np.log(np.exp(z - m).sum()))

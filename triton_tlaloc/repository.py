@@ -106,7 +106,7 @@ def _write_generate_model(artifact, repo: Path, name: str, tokenizer_dir: str) -
     (model_dir / "1").mkdir(parents=True)
     shutil.copyfile(TEMPLATE_DIR / "generate" / "model.py", model_dir / "1" / "model.py")
     params = {"sequence_model": name, "tokenizer_dir": tokenizer_dir,
-              "vocab": artifact.model.vocab, "max_context": artifact.max_context,
+              "max_context": artifact.max_context,
               "eos_token_ids": ",".join(str(t) for t in artifact.model.eos_token_ids)}
     text = Template((TEMPLATE_DIR / "generate" / "config.pbtxt.in").read_text()).substitute(
         name=generate_model_name(name), sequence_model=name,
