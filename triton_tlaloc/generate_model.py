@@ -105,6 +105,13 @@ class TritonPythonModel:
         with self.send_lock:
             sender.send(response, flags=flags)
 
+    def _cancelled(self, sender) -> bool:
+        """is_cancelled is an IPC call on the response sender too: under the same lock as the
+        sends (a fresh-clone CI run crashed the stub once with two generations, one of them
+        being cancelled, while only the sends were serialized)."""
+        with self.send_lock:
+            return sender.is_cancelled()
+
     def _send_error(self, sender, message: str, code):
         """The final response of a request that failed or was cancelled."""
         self._send(sender, pb_utils.InferenceResponse(
@@ -216,7 +223,7 @@ class TritonPythonModel:
                     break
                 if len(prompt) + len(generated) >= self.max_context:
                     break  # "length": the next token would pass the largest context
-                if sender.is_cancelled():
+                if self._cancelled(sender):
                     reason = "cancelled"
                     break
                 out = self._step(seq_id, [token], outputs=outputs)
