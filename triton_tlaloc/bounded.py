@@ -264,11 +264,11 @@ class BoundedRuntime:
     """A bounded artifact on one device: requests padded to the smallest bucket that holds them."""
 
     def __init__(self, artifact: str | os.PathLike | BoundedArtifact, platform: str = "cpu",
-                 cache_dir: Path | None = None):
+                 cache_dir: Path | None = None, device_index: int = 0):
         from .runtime import PjrtDevice, compile_cached, default_cache_dir
 
         self.art = artifact if isinstance(artifact, BoundedArtifact) else load_bounded(artifact)
-        self.device = PjrtDevice(platform)
+        self.device = PjrtDevice(platform, device_index)
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.executables = {
             tuple(e["buckets"][b] for b in self.art.bounds): compile_cached(

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -93,8 +94,33 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _is_program(source: str) -> bool:
+    from .bounded import BOUNDED_MANIFEST
+
+    path = Path(source)
+    return path.is_file() or (path / BOUNDED_MANIFEST).is_file()
+
+
+def _cmd_program_repository(args) -> int:
+    from .repository import ProgramOptions, write_program_repository
+
+    opts = ProgramOptions(arguments=args.arguments or "", results=args.results or "",
+                          max_batch_size=args.max_batch_size,
+                          group_by_shape=not args.no_group_by_shape,
+                          max_queue_delay_microseconds=args.queue_delay_us,
+                          donate_state=not args.no_donate, instance_kind=args.instance_kind,
+                          instance_count=args.instance_count, copy=args.copy,
+                          compile_cache_dir=args.compile_cache_dir or "")
+    model_dir = write_program_repository(args.artifact, args.repo, args.name, opts)
+    print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/")
+    return 0
+
+
 def _cmd_repository(args) -> int:
     from .repository import RepositoryOptions, write_repository
+
+    if _is_program(args.artifact):
+        return _cmd_program_repository(args)
 
     opts = RepositoryOptions(max_sequence_idle_microseconds=args.max_sequence_idle_us,
                              donate_kv_pools=not args.no_donate,
@@ -250,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-sequence-idle-us", type=int, default=60_000_000,
                    help="Triton ends a sequence idle this long (default 60 s)")
     p.add_argument("--no-donate", action="store_true",
-                   help="donate_kv_pools false: pools copied every run (a control)")
+                   help="donate_kv_pools (a program: donate_state) false: pools or state "
+                        "copied every run (a control)")
     p.add_argument("--cohort-wait-us", type=int, default=20_000)
     p.add_argument("--prefill-wait-us", type=int, default=2_000)
     p.add_argument("--reclaim-allowance-us", type=int, default=2_000_000,
@@ -266,6 +293,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-cache-dir", default=None)
     p.add_argument("--no-generate-model", action="store_true",
                    help="do not write NAME_generate beside the sequence model")
+    g = p.add_argument_group(
+        "programs that are not language models",
+        "ARTIFACT a bounded-program artifact (tlaloc-bounded.json) or a StableHLO program file")
+    g.add_argument("--arguments", help="one binding per @main argument: input:NAME (a Triton "
+                   "input), weight:FILE (relative to the program), state:NAME")
+    g.add_argument("--results", help="one binding per @main result: output:NAME, state:NAME")
+    g.add_argument("--max-batch-size", type=int, default=0,
+                   help="> 0: Triton's dynamic batcher (a stateless program; the first axis "
+                        "of its inputs and outputs is the batch)")
+    g.add_argument("--no-group-by-shape", action="store_true",
+                   help="group_by_shape false: only consecutive requests of one row shape "
+                        "run together (a control)")
+    g.add_argument("--queue-delay-us", type=int, default=2_000,
+                   help="the dynamic batcher's max_queue_delay_microseconds")
+    g.add_argument("--instance-count", type=int, default=1)
     p.set_defaults(fn=_cmd_repository)
 
     p = sub.add_parser("serve", help="start the tritonserver from the nvidia-pytriton wheel")

@@ -388,3 +388,18 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
         _log(f"[export] entry {n}/{len(plan)} {name}: {len(text) / 1024:.0f} KiB of StableHLO, "
              f"{time.perf_counter() - t0:.1f} s")
     return entries
+
+
+def bounded(fn, inputs, bounds, out, **kwargs) -> Path:
+    """A JAX function with bounded axes as a tlaloc-bounded-v1 artifact (bounded.export_bounded)."""
+    from .bounded import export_bounded
+
+    return export_bounded(fn, inputs, bounds, out, **kwargs)
+
+
+def program(fn, inputs, out, donate=()) -> Path:
+    """A JAX function as a generic StableHLO program for `tlaloc repository --program`
+    (program.export_program)."""
+    from .program import export_program
+
+    return export_program(fn, inputs, out, donate)

@@ -32,6 +32,7 @@ SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4)
 # Schemas the design defines that this loader does not serve: refused by name.
 KNOWN_UNBUILT_SCHEMAS = {
     "tlaloc-bounded-v1": ("a bounded program is not a language model: it is served by "
+                          "`tlaloc repository` as a program model (Triton) or "
                           "triton_tlaloc.bounded.BoundedRuntime (tlaloc-bounded.json)"),
 }
 

@@ -72,22 +72,30 @@ def _bool(text: str) -> bool:
     return v in ("true", "1", "yes")
 
 
+def model_settings(args, defaults: dict) -> tuple[dict, dict, Path, str, int]:
+    """(the config, its parameters over `defaults`, the version directory, the PJRT platform,
+    the device index): the platform from the parameter `platform` or the instance group's
+    kind, the device the instance group names (one PJRT client per device)."""
+    config = json.loads(args["model_config"])
+    params = dict(defaults)
+    for key, value in config.get("parameters", {}).items():
+        params[key] = value["string_value"]
+    version_dir = Path(args["model_repository"]) / str(args["model_version"])
+    kind = args.get("model_instance_kind", "CPU")
+    platform = params["platform"] or ("cuda" if kind == "GPU" else "cpu")
+    device = int(args.get("model_instance_device_id", 0)) if platform != "cpu" else 0
+    return config, params, version_dir, platform, device
+
+
 class TritonPythonModel:
     def initialize(self, args):
         _setup_logging(args["model_name"])
         log = logging.getLogger("triton_tlaloc.model")
         t0 = time.perf_counter()
-        config = json.loads(args["model_config"])
-        params = dict(DEFAULTS)
-        for key, value in config.get("parameters", {}).items():
-            params[key] = value["string_value"]
-        version_dir = Path(args["model_repository"]) / str(args["model_version"])
+        config, params, version_dir, platform, device = model_settings(args, DEFAULTS)
         manifest = Path(params["serving_manifest"])
         if not manifest.is_absolute():
             manifest = version_dir / manifest
-        kind = args.get("model_instance_kind", "CPU")
-        platform = params["platform"] or ("cuda" if kind == "GPU" else "cpu")
-        device = int(args.get("model_instance_device_id", 0)) if platform != "cpu" else 0
         artifact = load_artifact(manifest.parent)  # refuses a bad artifact by name
         cache = params["compile_cache_dir"] or None
         self.runtime = Runtime(artifact, platform=platform, device_index=device,

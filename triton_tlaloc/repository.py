@@ -113,3 +113,119 @@ def _write_generate_model(artifact, repo: Path, name: str, tokenizer_dir: str) -
         parameters=",\n".join(_parameter(k, v) for k, v in params.items()))
     (model_dir / "config.pbtxt").write_text(text)
     return model_dir
+
+
+# ------------------------------------------------------------------ programs
+
+@dataclass(frozen=True)
+class ProgramOptions:
+    """A bounded or generic program's model (README.md, "Programs that are not language
+    models")."""
+    arguments: str = ""  # generic: "input:X,weight:w.bin,state:s", one per @main argument
+    results: str = ""  # generic: "output:Y,state:s", one per @main result
+    max_batch_size: int = 0  # > 0: Triton's dynamic batcher (a stateless generic program)
+    group_by_shape: bool = True
+    max_queue_delay_microseconds: int = 2_000
+    donate_state: bool = True
+    instance_kind: str = "cpu"
+    instance_count: int = 1
+    copy: bool = False
+    compile_cache_dir: str = ""
+    extra_parameters: dict = field(default_factory=dict)
+
+
+def _tensor_config(name: str, triton_type: str, dims, ragged: bool = False) -> str:
+    dims_text = ", ".join("-1" if d is None or isinstance(d, str) else str(d) for d in dims)
+    return (f"  {{ name: \"{name}\" data_type: {triton_type} dims: [ {dims_text} ]"
+            + (" allow_ragged_batch: true" if ragged else "") + " }")
+
+
+def write_program_repository(source: str | os.PathLike, repo: str | os.PathLike, name: str,
+                             opts: ProgramOptions = ProgramOptions()) -> Path:
+    """REPO/NAME for a bounded-program artifact (a directory holding tlaloc-bounded.json) or a
+    generic StableHLO program (a .mlir file; its weight files are named relative to it)."""
+    from .bounded import BOUNDED_MANIFEST, load_bounded
+    from .program import (ARGUMENT_KINDS, RESULT_KINDS, TRITON_TYPES, ProgramError,
+                          format_bindings, parse_bindings, read_signature)
+
+    src = Path(source).resolve()
+    if opts.instance_kind not in INSTANCE_KINDS:
+        raise ValueError(f"instance kind {opts.instance_kind!r}: expected cpu or gpu")
+    model_dir = Path(repo) / name
+    version = model_dir / "1"
+    params: dict = {}
+    batching = ""
+    max_batch = opts.max_batch_size
+    if (src / BOUNDED_MANIFEST).is_file():
+        art = load_bounded(src)
+        if max_batch:
+            raise ProgramError("a bounded program is served one request at a time: "
+                               "max_batch_size must be 0")
+        inputs = [_tensor_config(s.name, TRITON_TYPES[s.dtype], s.dims) for s in art.inputs]
+        outputs = [_tensor_config(s.name, TRITON_TYPES[s.dtype], s.dims) for s in art.outputs]
+        params["bounded_manifest"] = f"artifact/{BOUNDED_MANIFEST}"
+        place = [(src, "artifact")]
+    elif src.is_file():
+        sig = read_signature(src.read_text())
+        args = parse_bindings(opts.arguments, ARGUMENT_KINDS, "arguments")
+        results = parse_bindings(opts.results, RESULT_KINDS, "results")
+        if len(args) != len(sig.inputs) or len(results) != len(sig.results):
+            raise ProgramError(f"@main takes {len(sig.inputs)} arguments and returns "
+                               f"{len(sig.results)} results; the bindings name {len(args)} and "
+                               f"{len(results)}")
+        stateful = any(b.kind == "state" for b in args)
+        if max_batch and stateful:
+            raise ProgramError("a program with state runs one request at a time, in order: "
+                               "max_batch_size must be 0")
+        tensors = [(b, t) for b, t in zip(args, sig.inputs) if b.kind == "input"]
+        outs = [(b, t) for b, t in zip(results, sig.results) if b.kind == "output"]
+        if max_batch:
+            for b, t in tensors + outs:
+                if not t.dims:
+                    raise ProgramError(f"{b}: a batched program's inputs and outputs need a "
+                                       f"leading batch axis; it is {t}")
+                if t.dims[0] is not None and t.dims[0] != max_batch:
+                    raise ProgramError(f"{b} is {t}: its batch axis is {t.dims[0]}, so "
+                                       f"max_batch_size must be {t.dims[0]}")
+        cut = 1 if max_batch else 0
+        inputs = [_tensor_config(b.name, TRITON_TYPES[t.dtype], t.dims[cut:],
+                                 ragged=bool(max_batch) and not t.static)
+                  for b, t in tensors]
+        outputs = [_tensor_config(b.name, TRITON_TYPES[t.dtype], t.dims[cut:]) for b, t in outs]
+        params.update(program=src.name, arguments=format_bindings(args),
+                      results=format_bindings(results), group_by_shape=str(
+                          opts.group_by_shape).lower(),
+                      donate_state=str(opts.donate_state).lower())
+        place = [(src, src.name)] + [(src.parent / b.name, b.name) for b in args
+                                     if b.kind == "weight"]
+        for path, _ in place:
+            if not path.is_file():
+                raise ProgramError(f"no such file {path}")
+        if max_batch:
+            # Ragged batches are formed by Triton and split by shape in the backend.
+            batching = (f"dynamic_batching {{ max_queue_delay_microseconds: "
+                        f"{opts.max_queue_delay_microseconds} }}\n")
+    else:
+        raise ProgramError(f"{src}: neither a bounded-program artifact (no {BOUNDED_MANIFEST}) "
+                           f"nor a StableHLO program file")
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    version.mkdir(parents=True)
+    shutil.copyfile(TEMPLATE_DIR / "program" / "model.py", version / "model.py")
+    for path, rel in place:
+        target = version / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if opts.copy:
+            (shutil.copytree if path.is_dir() else shutil.copyfile)(path, target)
+        else:
+            target.symlink_to(path.resolve(), target_is_directory=path.is_dir())
+    if opts.compile_cache_dir:
+        params["compile_cache_dir"] = opts.compile_cache_dir
+    params.update(opts.extra_parameters)
+    text = Template((TEMPLATE_DIR / "program" / "config.pbtxt.in").read_text()).substitute(
+        source=src.name, name=name, max_batch_size=max_batch,
+        inputs=",\n".join(inputs), outputs=",\n".join(outputs), batching=batching,
+        instance_count=opts.instance_count, instance_kind=INSTANCE_KINDS[opts.instance_kind],
+        parameters=",\n".join(_parameter(k, v) for k, v in params.items()))
+    (model_dir / "config.pbtxt").write_text(text)
+    return model_dir
