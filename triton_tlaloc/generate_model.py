@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from .metrics import MetricsWriter
 from .sampling import Sampler, SamplingError, SamplingParams, TextStream
 
 log = logging.getLogger("triton_tlaloc.generate")
@@ -74,8 +75,11 @@ class TritonPythonModel:
                  "yes" if self.tokenizer else "none (input_ids only)", sorted(self.eos_ids))
 
     def _metrics(self):
+        """Updates are taken as plain Python by the generation threads and applied by the
+        writer's one thread (each is an IPC round trip to Triton: not from every thread)."""
         F = pb_utils.MetricFamily
         labels = {"model": self.model_name}
+        self.writer = MetricsWriter()
         self.families = [
             F(name="tlaloc_time_to_first_token_seconds", description="Request arrival to its "
               "first generated token", kind=F.HISTOGRAM),
@@ -123,6 +127,7 @@ class TritonPythonModel:
             threads = list(self.threads)
         for t in threads:
             t.join(10)
+        self.writer.close()
 
     # ---------------------------------------------------------------- one generation
 
@@ -131,11 +136,11 @@ class TritonPythonModel:
         try:
             self._generate(request, sender, arrived)
         except _GenerateError as e:
-            self.finished["error"].increment(1)
+            self.writer.increment(self.finished["error"], 1)
             self._send_error(sender, str(e), e.code)
         except Exception as e:  # never leave a request unanswered
             log.exception("generation failed")
-            self.finished["error"].increment(1)
+            self.writer.increment(self.finished["error"], 1)
             self._send_error(sender, f"generation failed: {type(e).__name__}: {e}",
                              pb_utils.TritonError.INTERNAL)
         finally:
@@ -198,9 +203,9 @@ class TritonPythonModel:
                 token = int(out["ARGMAX"][0]) if params.greedy else sampler.choose(out["LOGITS"])
                 now = time.perf_counter()
                 if last is None:
-                    self.ttft.observe(now - arrived)
+                    self.writer.observe(self.ttft, now - arrived)
                 else:
-                    self.tpot.observe(now - last)
+                    self.writer.observe(self.tpot, now - last)
                 last = now
                 if token in stops:  # not part of the text; what was held back goes out
                     reason, tail = "stop", text.flush()
@@ -232,7 +237,7 @@ class TritonPythonModel:
                 self._step(seq_id, [], end=True, outputs=())
             except _GenerateError:
                 log.warning("sequence %s: END was refused", seq_id)
-        self.finished[reason].increment(1)
+        self.writer.increment(self.finished[reason], 1)
         if reason == "cancelled":
             self._send_error(sender, "the request was cancelled", pb_utils.TritonError.CANCELLED)
             return
