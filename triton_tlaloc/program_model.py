@@ -102,6 +102,7 @@ class TritonPythonModel:
                  time.perf_counter() - t0, platform, what)
 
     def execute(self, requests):
+        t0 = time.perf_counter()
         arrays, answers = [], [None] * len(requests)
         for r, request in enumerate(requests):
             try:
@@ -127,7 +128,6 @@ class TritonPythonModel:
                     answers[r] = self.runtime.run(arrays[r])
                 except ProgramError as e:
                     answers[r] = e
-        self._count(len(requests))
         responses = []
         for request, answer in zip(requests, answers):
             if isinstance(answer, Exception):
@@ -139,6 +139,7 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 _output_tensor(name, a) for name, a in answer.items()
                 if not wanted or name in wanted]))
+        self._count(len(requests), time.perf_counter() - t0)
         return responses
 
     def _bounded(self, arrays):
@@ -148,7 +149,7 @@ class TritonPythonModel:
             return e
         return {spec.name: o for spec, o in zip(self.bounded.art.outputs, outs)}
 
-    def _count(self, requests: int) -> None:
+    def _count(self, requests: int, seconds: float) -> None:
         if self.bounded is not None:
             now = (self.bounded.executions, 0, 0, 0)
         else:
@@ -156,7 +157,7 @@ class TritonPythonModel:
             now = (rt.executions, rt.compiles, rt.state.in_place, rt.state.copied)
         delta = [a - b for a, b in zip(now, self._counted)]
         self._counted = now
-        self.metrics.update(requests, *delta)
+        self.metrics.update(requests, seconds, *delta)
         if self._first_batches < 5:  # the first batches only: no per-batch logging after
             self._first_batches += 1
             log.info("batch of %d requests: %d executions", requests, delta[0])
@@ -183,14 +184,18 @@ class _ProgramMetrics:
               "compiled or loaded from the cache, one per set of input shapes", kind=F.COUNTER),
             F(name="tlaloc_program_state_runs_total", description="Executions of a program "
               "with state, by whether the state stayed at its address (in_place) or moved "
-              "(copied)", kind=F.COUNTER)]
+              "(copied)", kind=F.COUNTER),
+            F(name="tlaloc_program_busy_seconds_total", description="Time spent in execute() "
+              "(reading the requests, running, building the responses)", kind=F.COUNTER)]
         self.requests, self.executions, self.compiles = (f.Metric(labels=labels)
                                                          for f in self.families[:3])
+        self.busy = self.families[4].Metric(labels=labels)
         self.in_place = self.families[3].Metric(labels={**labels, "state": "in_place"})
         self.copied = self.families[3].Metric(labels={**labels, "state": "copied"})
 
-    def update(self, requests, executions, compiles, in_place, copied) -> None:
-        for metric, value in ((self.requests, requests), (self.executions, executions),
+    def update(self, requests, seconds, executions, compiles, in_place, copied) -> None:
+        for metric, value in ((self.requests, requests), (self.busy, seconds),
+                              (self.executions, executions),
                               (self.compiles, compiles), (self.in_place, in_place),
                               (self.copied, copied)):
             if value:
