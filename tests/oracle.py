@@ -132,16 +132,18 @@ def logits_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want)) / max(1.0, float(np.max(np.abs(want)))))
 
 
-def quantized_reference(model, quant: str, wrong_axis: bool = False):
+def quantized_reference(model, quant: str, wrong_axis: bool = False, head: bool = False):
     """The model with each decoder layer's Linear weights replaced by what a --weight-quant
     artifact computes with: the codes widened, times each output channel's scale (the head and
-    the embedding keep theirs). wrong_axis: the quantizer bug of the negative control (codes
-    taken along the input axis, scales still per output channel)."""
+    the embedding keep theirs unless `head`, --quant-head: the head's weight too, per vocab row,
+    which for a tied model is the embedding table). wrong_axis: the quantizer bug of the
+    negative control (codes taken along the input axis, scales still per output channel)."""
     from triton_tlaloc.quant import dequantize_rows, quantize_rows
 
     with torch.no_grad():
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+            if isinstance(module, torch.nn.Linear) and (".layers." in f".{name}" or (
+                    head and name == "lm_head")):
                 w = module.weight.float().numpy()
                 codes, scale = quantize_rows(w, quant)
                 if wrong_axis:

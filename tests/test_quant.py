@@ -95,6 +95,39 @@ def test_quantized_weights_equal_transformers_on_the_dequantized_weights(llama, 
     assert err_plain > 10 * TOL and err_bug > 100 * TOL
 
 
+@pytest.mark.parametrize("tied,quant", [(True, "int8"), (False, "int8"), (True, "fp8")])
+def test_quantized_head_equals_transformers_on_the_dequantized_weights(tiny, tied, quant):
+    """--quant-head: the head quantized per vocab row (a tied table: the embedding gathers the
+    same codes, times their row's scale). Oracle: transformers with the linears and the head's
+    weight dequantized; negative control: the same without the head quantized (what an
+    artifact that left the head alone computes) fails the tolerance."""
+    ckpt = tiny.checkpoint("llama", tied)
+    art = tiny.artifact("llama", tied, weight_quant=quant, quant_head=True)
+    model = load_artifact(art)
+    slots = {w.slot: w for w in model.weights}
+    head = "embed" if tied else "lm_head"
+    assert model.model.head_quant and slots[head].dtype == ("i8" if quant == "int8"
+                                                           else "f8E4M3FN")
+    assert slots[f"{head}.scale"].shape == (model.model.vocab,)
+    want_ids, want = reference_greedy(quantized_reference(load_reference(ckpt), quant,
+                                                          head=True), PROMPT, STEPS)
+    _, linears_only = reference_greedy(quantized_reference(load_reference(ckpt), quant),
+                                       PROMPT, 1)
+    logits, ids = first_logits_and_ids(art)
+    err, err_control = logits_error(logits, want), logits_error(logits, linears_only)
+    print(f"llama tied={tied} {quant} --quant-head: logits error {err:.2e}; against the head "
+          f"unquantized {err_control:.2e}")
+    assert ids == want_ids
+    assert err <= TOL
+    assert err_control > 10 * TOL
+
+
+def test_quant_head_needs_weight_quant(tiny, tmp_path):
+    with pytest.raises(Exception, match="--quant-head .* needs --weight-quant"):
+        export_artifact(tiny.checkpoint("llama", True), tmp_path / "a",
+                        ExportOptions(quant_head=True))
+
+
 @pytest.mark.parametrize("quant,code,code_bytes", [("int8", "i8", 1), ("fp8", "f8E4M3FN", 1)])
 def test_quantized_artifact_stores_codes_and_scales(llama, quant, code, code_bytes):
     art = load_artifact(llama[quant])

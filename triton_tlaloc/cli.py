@@ -40,7 +40,8 @@ def _cmd_export(args) -> int:
     opts = ExportOptions(batch_ladder=args.batch_ladder, context_ladder=args.context_ladder,
                          prefill_max_batch=args.prefill_max_batch, block_size=args.block_size,
                          num_blocks=args.num_blocks, weight_dtype=args.weight_dtype,
-                         weight_quant=args.weight_quant, kv_dtype=args.kv_dtype,
+                         weight_quant=args.weight_quant, quant_head=args.quant_head,
+                         kv_dtype=args.kv_dtype,
                          model_name=args.model_name, prefill_chunk=args.prefill_chunk,
                          attention_block=args.attention_block, prefill_tokens=args.prefill_tokens,
                          windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="each layer's linears as codes with an f32 scale per output channel "
                         "(the embedding, norms and head keep --weight-dtype); changes the "
                         "model's numerics: opt-in")
+    p.add_argument("--quant-head", action="store_true",
+                   help="with --weight-quant: the head too (a tied embedding table: the "
+                        "embedding gathers the same codes, scaled per row)")
     p.add_argument("--kv-dtype", choices=("f32", "fp8"), default="f32",
                    help="KV pools' element type (fp8: e4m3fn, values clamped to +-448)")
     p.add_argument("--prefill-chunk", type=int, default=None,

@@ -67,7 +67,11 @@ def out_first_linears(weight_dtype: str) -> bool:
 
 
 def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
-                 weight_quant: str | None = None) -> list[WeightSlot]:
+                 weight_quant: str | None = None, quant_head: bool = False) -> list[WeightSlot]:
+    """The artifact's weights in @main's order. With `quant_head` (and a weight_quant) the head
+    is quantized too: a tied table as codes [vocab, hidden] and a scale per vocab row, which
+    the head reads as its [out, in] and the embedding gathers and scales; an untied lm_head
+    like the layers' linears."""
     h, d = cfg.hidden_size, cfg.head_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
     of = out_first_linears(weight_dtype)
@@ -86,9 +90,13 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
     # 6.4 ms for this layout, FACTS.md); the embedding gathers its columns. A tied table in an
     # [out, in] artifact is [vocab, hidden], which is already the head's [out, in]. An untied
     # table stays [vocab, hidden] (row gathers) beside its own lm_head.
-    transposed = cfg.tie_word_embeddings and not of
-    slots = [WeightSlot("embed_t", (h, cfg.vocab_size), "embed") if transposed
-             else WeightSlot("embed", (cfg.vocab_size, h), "embed", of)]
+    transposed = cfg.tie_word_embeddings and not of and not quant_head
+    if quant_head and cfg.tie_word_embeddings:
+        slots = [WeightSlot("embed", (cfg.vocab_size, h), "embed", True, weight_quant),
+                 WeightSlot("embed.scale", (cfg.vocab_size,), "scale")]
+    else:
+        slots = [WeightSlot("embed_t", (h, cfg.vocab_size), "embed") if transposed
+                 else WeightSlot("embed", (cfg.vocab_size, h), "embed", of)]
     if cfg.attn_output_gate:  # q_proj gives each head's query and its output gate
         qkv += cfg.num_heads * d
     la = cfg.linear
@@ -122,7 +130,8 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
             slots.append(WeightSlot(f"l{i}.post_mlp_norm", (h,), "norm"))
     slots.append(WeightSlot("final_norm", (h,), "norm"))
     if not cfg.tie_word_embeddings:
-        slots += linear("lm_head", h, cfg.vocab_size, quantized=False)  # the head keeps its dtype
+        # the head keeps the weight dtype unless quant_head
+        slots += linear("lm_head", h, cfg.vocab_size, quantized=quant_head)
     return slots
 
 
@@ -157,7 +166,8 @@ def state_pools(cfg: DecoderConfig, num_slots: int) -> list[StatePool]:
 def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, tokens_per_seq: int,
                   block_size: int, num_blocks: int, weight_dtype: str,
                   kv_dtype: str, windowed: WindowedKv | None = None,
-                  num_state_slots: int = 0, weight_quant: str | None = None) -> Program:
+                  num_state_slots: int = 0, weight_quant: str | None = None,
+                  quant_head: bool = False) -> Program:
     """The signature of one entry, in @main's order."""
     b, t, m = batch, tokens_per_seq, context // block_size
     inputs = [
@@ -185,7 +195,7 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
         inputs.append(TensorSpec(f"{p.name}.in", role_of(p, WINDOW_KV_POOL_IN, KV_POOL_IN,
                                                           STATE_POOL_IN),
                                  p.dtype, p.shape, pool=p.name))
-    for s in weight_slots(cfg, weight_dtype, weight_quant):
+    for s in weight_slots(cfg, weight_dtype, weight_quant, quant_head):
         inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, s.dtype(weight_dtype), s.shape, slot=s.name))
     outputs = [TensorSpec("logits", LOGITS, "f32", (b, cfg.vocab_size))]
     for p in (*pools, *states):
@@ -198,7 +208,8 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
 
 def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str,
                   attention_block: int = 2048, windowed: WindowedKv | None = None,
-                  num_state_slots: int = 0, weight_quant: str | None = None):
+                  num_state_slots: int = 0, weight_quant: str | None = None,
+                  quant_head: bool = False):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits, pools...)."""
     import jax
     import jax.numpy as jnp
@@ -207,7 +218,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     from . import linear_attention as la_ops
     from .attention import blockwise, one_pass, ring
 
-    slots = weight_slots(cfg, weight_dtype, weight_quant)
+    slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head)
     slot_of = {s.name: s for s in slots}
     transposed_table = any(s.name == "embed_t" for s in slots)
     # Each layer's pools in @main's order: K and V of the attention layers, then conv and
@@ -374,6 +385,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         else:
             x = jnp.take(w["embed"], token_ids, axis=0)
         x = x.astype(jnp.float32)  # [b, t, h]
+        if "embed.scale" in w:  # a quantized tied table: each gathered row times its scale
+            x = x * jnp.take(w["embed.scale"], token_ids, axis=0)[..., None]
         if cfg.embed_scale is not None:
             x = x * np.float32(cfg.embed_scale)
         rotary = {}  # cos and sin per distinct RoPE (gemma3: one for sliding, one for full)
@@ -478,7 +491,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         if transposed_table:
             logits = linear(last, w["embed_t"], False)
         elif cfg.tie_word_embeddings:  # [vocab, hidden] is the head's [out, in]
-            logits = linear(last, w["embed"], True)
+            logits = project(last, w, "embed")  # (scaled per vocab row when quantized)
         else:
             logits = project(last, w, "lm_head")
         return (logits, *new_pools)
@@ -489,14 +502,14 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_blocks: int,
                 weight_dtype: str, attention_block: int = 2048,
                 windowed: WindowedKv | None = None, num_state_slots: int = 0,
-                weight_quant: str | None = None) -> str:
+                weight_quant: str | None = None, quant_head: bool = False) -> str:
     """StableHLO text of one entry; every pool parameter is donated (tf.aliasing_output)."""
     import jax
 
     from .manifest import numpy_dtype
 
     fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block, windowed,
-                       num_state_slots, weight_quant)
+                       num_state_slots, weight_quant, quant_head)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)

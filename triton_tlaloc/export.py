@@ -48,6 +48,8 @@ class ExportOptions:
     # Each layer's linears as int8 or fp8 codes with an f32 scale per output channel (None:
     # the weight dtype); the embedding, the norms and the head keep the weight dtype.
     weight_quant: str | None = None
+    # With weight_quant: the head too (a tied table: the embedding gathers the same codes).
+    quant_head: bool = False
     kv_dtype: str = "f32"  # "fp8": e4m3fn KV pools, a quarter of f32's bytes
     model_name: str | None = None
     prefill_chunk: int | None = None  # tokensPerSeq of the prefill entries (None: the context)
@@ -70,6 +72,9 @@ class ExportOptions:
         if self.weight_quant is not None and self.weight_quant not in WEIGHT_QUANTS:
             raise ExportError(f"--weight-quant {self.weight_quant!r}: expected one of "
                               f"{', '.join(WEIGHT_QUANTS)}")
+        if self.quant_head and self.weight_quant is None:
+            raise ExportError("--quant-head quantizes the head like the linears: it needs "
+                              "--weight-quant int8 or fp8")
         if self.kv_dtype not in KV_DTYPES:
             raise ExportError(f"--kv-dtype {self.kv_dtype!r}: expected one of "
                               f"{', '.join(KV_DTYPES)}")
@@ -220,7 +225,8 @@ def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, ou
     total = 0
     t0 = time.perf_counter()
     scales = {}  # a quantized linear's scales, written in the slot after its codes
-    for idx, slot in enumerate(weight_slots(cfg, opts.weight_dtype, opts.weight_quant)):
+    for idx, slot in enumerate(weight_slots(cfg, opts.weight_dtype, opts.weight_quant,
+                                            opts.quant_head)):
         dtype = slot.dtype(opts.weight_dtype)
         arr = scales.pop(slot.name) if slot.kind == "scale" else slot_tensor(ckpt, cfg, slot)
         if tuple(arr.shape) != slot.shape:
@@ -240,6 +246,8 @@ def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, ou
         total += len(raw)
     if opts.weight_quant is not None:
         model_hash.update(f":q{opts.weight_quant}".encode())  # the hash records the quantization
+        if opts.quant_head:
+            model_hash.update(b":head")
     _log(f"[export] {len(written)} weight files, {total / 2**20:.1f} MiB, "
          f"{time.perf_counter() - t0:.1f} s")
     return written
@@ -304,6 +312,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                 "numBlocks": num_blocks,
                 "weightDtype": opts.weight_dtype,
                 "weightQuant": opts.weight_quant,
+                "headQuant": opts.quant_head,
                 "kvDtype": opts.kv_type,
                 "maxPositions": cfg.max_positions,
                 "prefillChunk": opts.prefill_chunk,
@@ -369,9 +378,10 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
         slots = opts.resolved_state_slots() if cfg.linear is not None else 0
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
                                 opts.weight_dtype, opts.kv_type, windowed, slots,
-                                opts.weight_quant)
+                                opts.weight_quant, opts.quant_head)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
-                           opts.attention_block, windowed, slots, opts.weight_quant)
+                           opts.attention_block, windowed, slots, opts.weight_quant,
+                           opts.quant_head)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
             # A custom call is a platform's library function (jax's triangular solve lowers to

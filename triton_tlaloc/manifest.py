@@ -234,6 +234,7 @@ class ModelShape:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     weight_quant: str | None = None  # "int8" | "fp8": the layers' linears as codes + scales
+    head_quant: bool = False  # the head (a tied table) quantized too
 
     def to_json(self) -> dict:
         return {
@@ -251,6 +252,7 @@ class ModelShape:
             "numBlocks": self.num_blocks,
             "weightDtype": self.weight_dtype,
             "weightQuant": self.weight_quant,
+            "headQuant": self.head_quant,
             "kvDtype": self.kv_dtype,
             "maxPositions": self.max_positions,
             "refusedTokens": list(self.refused_tokens),
@@ -280,6 +282,7 @@ class ModelShape:
             eos_token_ids=tuple(int(t) for t in obj.get("eosTokenIds", [])),
             bos_token_id=obj.get("bosTokenId"),
             weight_quant=obj.get("weightQuant"),
+            head_quant=bool(obj.get("headQuant", False)),
         )
 
 

@@ -205,10 +205,10 @@ class Runtime:
             total += w.byte_length
         self.weight_bytes = total
         m = self.artifact.model
+        quant = (f", linears{' and head' if m.head_quant else ''} {m.weight_quant} with "
+                 f"per-channel scales" if m.weight_quant else "")
         log.info("weights: %d tensors, %.1f MiB (%s%s) uploaded in %.2f s", len(out),
-                 total / 2**20, m.weight_dtype,
-                 f", linears {m.weight_quant} with per-channel scales" if m.weight_quant else "",
-                 time.perf_counter() - t0)
+                 total / 2**20, m.weight_dtype, quant, time.perf_counter() - t0)
         return out
 
     def _allocate_pools(self) -> dict[str, object]:
