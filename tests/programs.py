@@ -82,8 +82,10 @@ def build_programs(work: Path) -> dict:
 
 
 def write_program_models(programs: dict, repo: Path) -> list[str]:
+    # A 10 ms queue delay fills the batches even when the sender is slow (a loaded CI box):
+    # the check compares how batches are split, so they must hold several requests.
     rows = dict(arguments="input:X,weight:scale.bin", results="output:Y",
-                max_batch_size=RAGGED_MAX_BATCH)
+                max_batch_size=RAGGED_MAX_BATCH, max_queue_delay_microseconds=10_000)
     sums = dict(arguments="input:X,state:total", results="output:TOTAL,state:total")
     models = {
         "masked_mean": (programs["masked_mean"], ProgramOptions()),

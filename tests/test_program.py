@@ -159,6 +159,21 @@ def test_run_batch_groups_rows_by_shape(programs):
         np.testing.assert_array_equal(answers[True][r]["Y"], answers[False][r]["Y"])
 
 
+def test_static_rows_compile_every_batch_bucket_at_load(tmp_path):
+    p = export_program(lambda x: x * 2, [TensorShape("x", "f32", ("b", 3))], tmp_path / "s.mlir")
+    rt = ProgramRuntime(p, [Binding("input", "X")], [Binding("output", "Y")])
+    assert rt.precompile_batches(12) == 5  # batches 1, 2, 4, 8, 12
+    answers = run_batch(rt, [{"X": np.ones((n, 3), np.float32)} for n in (3, 2, 4)],
+                        group_by_shape=True, max_batch=12)
+    assert rt.compiles == 5 and rt.executions == 1  # 9 rows padded to 12: no new compile
+    np.testing.assert_array_equal(answers[1]["Y"], np.full((2, 3), 2, np.float32))
+
+
+def test_dynamic_rows_are_not_precompiled(programs):
+    rt = ProgramRuntime(programs["rows"], *bindings("input:X,weight:scale.bin", "output:Y"))
+    assert rt.precompile_batches(16) == 0 and rt.compiles == 0
+
+
 def test_run_batch_on_a_static_batch_pads_to_it(programs):
     rt = ProgramRuntime(programs["affine"], *bindings("input:X,weight:w.npy", "output:Y"))
     answers = run_batch(rt, [{"X": np.ones((1, 3), np.float32)}], group_by_shape=True,

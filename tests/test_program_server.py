@@ -78,9 +78,15 @@ def test_repository_refuses_what_cannot_serve(built, tmp_path):
     with pytest.raises(ProgramError, match="a program with state runs one request at a time"):
         write_program_repository(built["running_sum"], tmp_path, "s",
                                  ProgramOptions(**sums, max_batch_size=4))
-    with pytest.raises(ProgramError, match="@main takes 2 arguments and returns 2 results"):
+    with pytest.raises(ProgramError, match="@main takes 2 arguments"):
         write_program_repository(built["running_sum"], tmp_path, "s",
                                  ProgramOptions(arguments="input:X", results="output:T"))
+    with pytest.raises(ProgramError, match=r"weight:absent.bin\): no such file"):
+        write_program_repository(built["rows"], tmp_path, "r", ProgramOptions(
+            arguments="input:X,weight:absent.bin", results="output:Y"))
+    with pytest.raises(ProgramError, match="state t: needs exactly one result"):
+        write_program_repository(built["running_sum"], tmp_path, "s", ProgramOptions(
+            arguments="input:X,state:t", results="output:TOTAL,output:T2"))
     with pytest.raises(ProgramError, match="max_batch_size must be 0"):
         write_program_repository(built["masked_mean"], tmp_path, "m",
                                  ProgramOptions(max_batch_size=4))

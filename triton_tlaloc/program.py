@@ -224,6 +224,68 @@ class StateStats:
     copied: int = 0
 
 
+def check_bindings(sig: Signature, args: list[Binding], res: list[Binding], weights_root: Path,
+                   load: bool = True) -> dict[int, np.ndarray]:
+    """Refuse by name bindings that do not fit @main (counts, element types, static shapes
+    for weights and state, each state one argument and one result of one type, weight files
+    and their sizes); returns the weights by argument index (read when `load`)."""
+    if len(args) != len(sig.inputs):
+        raise ProgramError(f"@main takes {len(sig.inputs)} arguments "
+                           f"({', '.join(map(str, sig.inputs))}); the arguments parameter "
+                           f"binds {len(args)}")
+    if len(res) != len(sig.results):
+        raise ProgramError(f"@main returns {len(sig.results)} results "
+                           f"({', '.join(map(str, sig.results))}); the results parameter "
+                           f"binds {len(res)}")
+    for i, (b, t) in enumerate(zip(args, sig.inputs)):
+        if t.dtype not in TRITON_TYPES:
+            raise ProgramError(f"argument {i} ({b}): element type {t.dtype} has no Triton "
+                               f"data type")
+        if b.kind in ("weight", "state") and not t.static:
+            raise ProgramError(f"argument {i} ({b}) is {t}: a {b.kind} needs a static shape")
+    for i, (b, t) in enumerate(zip(res, sig.results)):
+        if t.dtype not in TRITON_TYPES:
+            raise ProgramError(f"result {i} ({b}): element type {t.dtype} has no Triton "
+                               f"data type")
+    arg_states = [(i, b.name) for i, b in enumerate(args) if b.kind == "state"]
+    res_states = [(i, b.name) for i, b in enumerate(res) if b.kind == "state"]
+    for names, other, what in ((arg_states, res_states, "result"),
+                               (res_states, arg_states, "argument")):
+        for i, name in names:
+            match = [j for j, n in other if n == name]
+            if len(match) != 1:
+                raise ProgramError(f"state {name}: needs exactly one {what} bound to it, "
+                                   f"found {len(match)}")
+    for i, name in arg_states:
+        j = next(j for j, n in res_states if n == name)
+        if sig.inputs[i] != sig.results[j]:
+            raise ProgramError(f"state {name}: argument {i} is {sig.inputs[i]} but result "
+                               f"{j} is {sig.results[j]}")
+    weights = {}
+    for i, b in enumerate(args):
+        if b.kind != "weight":
+            continue
+        t, path = sig.inputs[i], weights_root / b.name
+        if not path.is_file():
+            raise ProgramError(f"argument {i} ({b}): no such file {path}")
+        dtype = numpy_dtype(t.dtype)
+        if path.suffix == ".npy":
+            a = np.load(path, mmap_mode=None if load else "r")
+        else:  # raw little-endian bytes in the program's shape, as an artifact's weights
+            want = int(np.prod(t.dims)) * dtype.itemsize
+            if path.stat().st_size != want:
+                raise ProgramError(f"argument {i} ({b}): {path.stat().st_size} bytes, "
+                                   f"{t} needs {want}")
+            if not load:
+                continue
+            a = np.fromfile(path, dtype=dtype).reshape(t.dims)
+        if not t.fits(a):
+            raise ProgramError(f"argument {i} ({b}): {a.dtype} {list(a.shape)} in the "
+                               f"file, the program takes {t}")
+        weights[i] = a
+    return weights
+
+
 class ProgramRuntime:
     """A generic program on one device: weights uploaded once, state allocated once (zeros)
     and donated to every execution, one executable per set of input shapes."""
@@ -237,7 +299,7 @@ class ProgramRuntime:
         self.text = self.program.read_text()
         self.signature = sig = read_signature(self.text)
         self.arguments, self.results = arguments, results
-        self._check_bindings(weights_root or self.program.parent)
+        weights = check_bindings(sig, arguments, results, weights_root or self.program.parent)
         self.device = PjrtDevice(platform, device_index)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.donate_state = donate_state
@@ -252,9 +314,8 @@ class ProgramRuntime:
         t0 = time.perf_counter()
         for i, b in enumerate(arguments):
             if b.kind == "weight":
-                self.fixed[i] = self.device.put(self._weights[i])
-        self.weight_bytes = sum(a.nbytes for a in self._weights.values())
-        del self._weights
+                self.fixed[i] = self.device.put(weights[i])
+        self.weight_bytes = sum(a.nbytes for a in weights.values())
         state_args = [i for i, b in enumerate(arguments) if b.kind == "state"]
         if state_args:
             zeros = self.device.zeros([(sig.inputs[i].dims, numpy_dtype(sig.inputs[i].dtype))
@@ -281,61 +342,6 @@ class ProgramRuntime:
     @property
     def stateful(self) -> bool:
         return bool(self.state_args)
-
-    def _check_bindings(self, weights_root: Path) -> None:
-        sig, args, res = self.signature, self.arguments, self.results
-        if len(args) != len(sig.inputs):
-            raise ProgramError(f"@main takes {len(sig.inputs)} arguments "
-                               f"({', '.join(map(str, sig.inputs))}); the arguments parameter "
-                               f"binds {len(args)}")
-        if len(res) != len(sig.results):
-            raise ProgramError(f"@main returns {len(sig.results)} results "
-                               f"({', '.join(map(str, sig.results))}); the results parameter "
-                               f"binds {len(res)}")
-        for i, (b, t) in enumerate(zip(args, sig.inputs)):
-            if t.dtype not in TRITON_TYPES:
-                raise ProgramError(f"argument {i} ({b}): element type {t.dtype} has no Triton "
-                                   f"data type")
-            if b.kind in ("weight", "state") and not t.static:
-                raise ProgramError(f"argument {i} ({b}) is {t}: a {b.kind} needs a static shape")
-        for i, (b, t) in enumerate(zip(res, sig.results)):
-            if t.dtype not in TRITON_TYPES:
-                raise ProgramError(f"result {i} ({b}): element type {t.dtype} has no Triton "
-                                   f"data type")
-        arg_states = [(i, b.name) for i, b in enumerate(args) if b.kind == "state"]
-        res_states = [(i, b.name) for i, b in enumerate(res) if b.kind == "state"]
-        for names, other, what in ((arg_states, res_states, "result"),
-                                   (res_states, arg_states, "argument")):
-            for i, name in names:
-                match = [j for j, n in other if n == name]
-                if len(match) != 1:
-                    raise ProgramError(f"state {name}: needs exactly one {what} bound to it, "
-                                       f"found {len(match)}")
-        for i, name in arg_states:
-            j = next(j for j, n in res_states if n == name)
-            if sig.inputs[i] != sig.results[j]:
-                raise ProgramError(f"state {name}: argument {i} is {sig.inputs[i]} but result "
-                                   f"{j} is {sig.results[j]}")
-        self._weights = {}
-        for i, b in enumerate(args):
-            if b.kind != "weight":
-                continue
-            t, path = sig.inputs[i], weights_root / b.name
-            if not path.is_file():
-                raise ProgramError(f"argument {i} ({b}): no such file {path}")
-            dtype = numpy_dtype(t.dtype)
-            if path.suffix == ".npy":
-                a = np.load(path)
-            else:  # raw little-endian bytes in the program's shape, as an artifact's weights
-                want = int(np.prod(t.dims)) * dtype.itemsize
-                if path.stat().st_size != want:
-                    raise ProgramError(f"argument {i} ({b}): {path.stat().st_size} bytes, "
-                                       f"{t} needs {want}")
-                a = np.fromfile(path, dtype=dtype).reshape(t.dims)
-            if not t.fits(a):
-                raise ProgramError(f"argument {i} ({b}): {a.dtype} {list(a.shape)} in the "
-                                   f"file, the program takes {t}")
-            self._weights[i] = a
 
     def input_error(self, arrays: dict[str, np.ndarray]) -> str | None:
         """Why these inputs cannot run (named), or None."""
@@ -366,6 +372,21 @@ class ProgramRuntime:
                 self.executables[shapes] = exe
                 self.compiles += 1
             return exe
+
+    def precompile_batches(self, max_batch: int) -> int:
+        """Compile every batch bucket up to max_batch now, when the inputs' rows have static
+        shapes (only the batch axis is dynamic): the first requests then wait for no compile.
+        Returns how many shapes were compiled (0 when a row dimension is dynamic)."""
+        types = [t for _, t in self.inputs.values()]
+        if not types or any(not t.dims or t.dims[0] is not None  # a static batch: compiled
+                            or not all(d is not None for d in t.dims[1:]) for t in types):
+            return 0
+        buckets = sorted({batch_bucket(n, max_batch) for n in range(1, max_batch + 1)})
+        before = self.compiles
+        for n in buckets:
+            self.executable(tuple((n,) + t.dims[1:] if b.kind == "input" else t.dims
+                                  for b, t in zip(self.arguments, self.signature.inputs)))
+        return self.compiles - before
 
     def run(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One execution; returns the outputs by name (host copies). The state is replaced by

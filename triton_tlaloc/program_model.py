@@ -87,10 +87,13 @@ class TritonPythonModel:
             if self.runtime.stateful and self.max_batch:
                 raise ProgramError("a program with state runs one request at a time, in order: "
                                    "max_batch_size must be 0")
+            compiled = (self.runtime.precompile_batches(self.max_batch)
+                        if self.max_batch and not self.runtime.stateful else 0)
             what = (f"program {params['program']}, "
                     + ("state kept between requests" if self.runtime.stateful else
                        f"max batch {self.max_batch}, group_by_shape "
-                       f"{str(self.group_by_shape).lower()}"))
+                       f"{str(self.group_by_shape).lower()}, {compiled} batch sizes compiled "
+                       f"at load"))
         else:
             raise ProgramError("set the parameter bounded_manifest (a tlaloc-bounded-v1 "
                                "artifact) or program (a StableHLO program)")
@@ -114,6 +117,31 @@ class TritonPythonModel:
                 arrays.append({})
                 answers[r] = ProgramError(f"malformed request: {e}")
         live = [r for r in range(len(requests)) if answers[r] is None]
+        try:
+            self._run(live, arrays, answers)
+        except Exception as e:  # an execution failed: each unanswered request says so, once
+            log.exception("program execution failed")
+            for r in live:
+                if answers[r] is None:
+                    answers[r] = RuntimeError(f"program execution failed: "
+                                              f"{type(e).__name__}: {e}")
+        responses = []
+        for request, answer in zip(requests, answers):
+            if isinstance(answer, Exception):
+                code = (pb_utils.TritonError.INVALID_ARG
+                        if isinstance(answer, (ProgramError, BoundedError))
+                        else pb_utils.TritonError.INTERNAL)
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(str(answer), code)))
+                continue
+            wanted = set(request.requested_output_names())
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                _output_tensor(name, a) for name, a in answer.items()
+                if not wanted or name in wanted]))
+        self._count(len(requests), time.perf_counter() - t0)
+        return responses
+
+    def _run(self, live: list[int], arrays: list[dict], answers: list) -> None:
         if self.bounded is not None:
             for r in live:
                 answers[r] = self._bounded(arrays[r])
@@ -128,19 +156,6 @@ class TritonPythonModel:
                     answers[r] = self.runtime.run(arrays[r])
                 except ProgramError as e:
                     answers[r] = e
-        responses = []
-        for request, answer in zip(requests, answers):
-            if isinstance(answer, Exception):
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[], error=pb_utils.TritonError(
-                        str(answer), pb_utils.TritonError.INVALID_ARG)))
-                continue
-            wanted = set(request.requested_output_names())
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                _output_tensor(name, a) for name, a in answer.items()
-                if not wanted or name in wanted]))
-        self._count(len(requests), time.perf_counter() - t0)
-        return responses
 
     def _bounded(self, arrays):
         try:

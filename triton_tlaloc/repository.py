@@ -146,7 +146,7 @@ def write_program_repository(source: str | os.PathLike, repo: str | os.PathLike,
     generic StableHLO program (a .mlir file; its weight files are named relative to it)."""
     from .bounded import BOUNDED_MANIFEST, load_bounded
     from .program import (ARGUMENT_KINDS, RESULT_KINDS, TRITON_TYPES, ProgramError,
-                          format_bindings, parse_bindings, read_signature)
+                          check_bindings, format_bindings, parse_bindings, read_signature)
 
     src = Path(source).resolve()
     if opts.instance_kind not in INSTANCE_KINDS:
@@ -169,10 +169,7 @@ def write_program_repository(source: str | os.PathLike, repo: str | os.PathLike,
         sig = read_signature(src.read_text())
         args = parse_bindings(opts.arguments, ARGUMENT_KINDS, "arguments")
         results = parse_bindings(opts.results, RESULT_KINDS, "results")
-        if len(args) != len(sig.inputs) or len(results) != len(sig.results):
-            raise ProgramError(f"@main takes {len(sig.inputs)} arguments and returns "
-                               f"{len(sig.results)} results; the bindings name {len(args)} and "
-                               f"{len(results)}")
+        check_bindings(sig, args, results, src.parent, load=False)  # what the model checks
         stateful = any(b.kind == "state" for b in args)
         if max_batch and stateful:
             raise ProgramError("a program with state runs one request at a time, in order: "
@@ -198,9 +195,6 @@ def write_program_repository(source: str | os.PathLike, repo: str | os.PathLike,
                       donate_state=str(opts.donate_state).lower())
         place = [(src, src.name)] + [(src.parent / b.name, b.name) for b in args
                                      if b.kind == "weight"]
-        for path, _ in place:
-            if not path.is_file():
-                raise ProgramError(f"no such file {path}")
         if max_batch:
             # Ragged batches are formed by Triton and split by shape in the backend.
             batching = (f"dynamic_batching {{ max_queue_delay_microseconds: "
