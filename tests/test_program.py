@@ -139,6 +139,7 @@ def test_run_batch_groups_rows_by_shape(programs):
     requests = [{"X": rng.standard_normal((n, w)).astype(np.float32)}
                 for n, w in zip(rows, widths)]
     requests.insert(3, {"X": np.ones((1, 3), np.int32)})  # refused alone
+    requests.append({"X": np.ones((0, 3), np.float32)})  # no rows: refused alone
     answers = {}
     for by_shape in (True, False):
         before = rt.executions
@@ -148,10 +149,11 @@ def test_run_batch_groups_rows_by_shape(programs):
     # runs of one width: 3 | 5 | 3 | (refused) | 3 | 5 5 | 3 | 5
     assert answers[False, "executions"] == 7
     for r, req in enumerate(requests):
-        if r == 3:
+        if r in (3, len(requests) - 1):
             for by_shape in (True, False):
                 assert isinstance(answers[by_shape][r], ProgramError)
-                assert "input X must be f32" in str(answers[by_shape][r])
+                assert ("input X must be f32" if r == 3 else "at least one row") in str(
+                    answers[by_shape][r])
             continue
         x = req["X"]
         np.testing.assert_allclose(answers[True][r]["Y"], x * ROW_SCALE + x.sum(-1, keepdims=True),

@@ -424,9 +424,10 @@ def run_batch(runtime: ProgramRuntime, requests: list[dict[str, np.ndarray]], *,
     keys = []
     for r, arrays in enumerate(requests):
         rows = {a.shape[0] if a.ndim else None for a in arrays.values()}
-        if len(rows) != 1 or None in rows:
+        if len(rows) != 1 or None in rows or 0 in rows:
             answers[r] = ProgramError(f"every input of a request needs the same leading batch "
-                                      f"axis, got shapes {[list(a.shape) for a in arrays.values()]}")
+                                      f"axis of at least one row, got shapes "
+                                      f"{[list(a.shape) for a in arrays.values()]}")
             keys.append(("refused", r))
             continue
         problem = None
