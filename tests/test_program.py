@@ -197,3 +197,16 @@ def test_inconsistent_dynamic_shapes_refused_by_name(tmp_path):
                                           "B": np.ones(3, np.float32)})["C"], [2, 2, 2])
     with pytest.raises(ProgramError, match=r"inputs A\[3\], B\[4\] do not fit the program"):
         rt.run({"A": np.ones(3, np.float32), "B": np.ones(4, np.float32)})
+
+
+def test_an_int64_state_keeps_its_width(tmp_path):
+    """64-bit values survive the runtime's zeros and puts (JAX narrows them unless x64 is on)."""
+    p = export_program(running_sum, [TensorShape("x", "i64", (2,)),
+                                     TensorShape("state", "i64", (2,))], tmp_path / "i.mlir")
+    rt = ProgramRuntime(p, *bindings("input:X,state:t", "output:Y,state:t"))
+    big = np.array([2 ** 40, -3], np.int64)
+    rt.run({"X": big})
+    y = rt.run({"X": big})["Y"]
+    assert y.dtype == np.int64
+    np.testing.assert_array_equal(y, 2 * big)
+    assert rt.state_value("t").dtype == np.int64 and rt.state.in_place == 2

@@ -488,16 +488,15 @@ def export_program(fn, inputs: list, out: str | Path, donate: tuple[str, ...] = 
     bounded.TensorShape specs; a dimension given as a name is symbolic (`?` in the program,
     one name one size), so the program serves any size there. Arguments named in `donate` are
     aliased to their results (the backend sets the aliases of state bindings itself)."""
-    import contextlib
-
     import jax
     from jax import export
-    from jax.experimental import enable_x64
+
+    from .bounded import x64_mode
 
     names = list(dict.fromkeys(d for s in inputs for d in s.dims if isinstance(d, str)))
     symbols = dict(zip(names, export.symbolic_shape(", ".join(names)))) if names else {}
     wide = any(numpy_dtype(s.dtype).itemsize == 8 for s in inputs)
-    with enable_x64() if wide else contextlib.nullcontext():
+    with x64_mode(wide):
         specs = [jax.ShapeDtypeStruct(tuple(symbols[d] if isinstance(d, str) else d
                                             for d in s.dims), numpy_dtype(s.dtype))
                  for s in inputs]

@@ -102,6 +102,11 @@ class PjrtDevice:
         # buffer_from_pyval (2.4 us) is gone from newer jaxlib; device_put (35 us) works in both.
         if hasattr(self.backend, "buffer_from_pyval"):
             return self.backend.buffer_from_pyval(array, self.device)
+        if array.dtype.itemsize == 8:  # device_put narrows 64-bit values unless x64 is on
+            from .bounded import x64_mode
+
+            with x64_mode(True):
+                return self.jax.device_put(array, self.device)
         return self.jax.device_put(array, self.device)
 
     def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list:
@@ -109,9 +114,13 @@ class PjrtDevice:
         import jax.numpy as jnp
         from jax.sharding import SingleDeviceSharding
 
+        from .bounded import x64_mode
+
         make = self.jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in specs),
                             out_shardings=SingleDeviceSharding(self.device))
-        return list(make())
+        # 64-bit zeros (a program's int64 state) stay 64-bit only with x64 on
+        with x64_mode(any(np.dtype(dtype).itemsize == 8 for _, dtype in specs)):
+            return list(make())
 
     @staticmethod
     def execute(executable, args: list):
