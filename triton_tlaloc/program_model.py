@@ -125,21 +125,29 @@ class TritonPythonModel:
                 if answers[r] is None:
                     answers[r] = RuntimeError(f"program execution failed: "
                                               f"{type(e).__name__}: {e}")
-        responses = []
-        for request, answer in zip(requests, answers):
-            if isinstance(answer, Exception):
-                code = (pb_utils.TritonError.INVALID_ARG
-                        if isinstance(answer, (ProgramError, BoundedError))
-                        else pb_utils.TritonError.INTERNAL)
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[], error=pb_utils.TritonError(str(answer), code)))
-                continue
-            wanted = set(request.requested_output_names())
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                _output_tensor(name, a) for name, a in answer.items()
-                if not wanted or name in wanted]))
+        responses = [self._response(request, answer) for request, answer in zip(requests,
+                                                                                 answers)]
         self._count(len(requests), time.perf_counter() - t0)
         return responses
+
+    @staticmethod
+    def _response(request, answer):
+        """Exactly one response per request: its outputs, or its error (INVALID_ARG for a
+        refusal, INTERNAL otherwise), never a traceback."""
+        if not isinstance(answer, Exception):
+            try:
+                wanted = set(request.requested_output_names())
+                return pb_utils.InferenceResponse(output_tensors=[
+                    _output_tensor(name, a) for name, a in answer.items()
+                    if not wanted or name in wanted])
+            except Exception as e:
+                log.exception("building a response failed")
+                answer = RuntimeError(f"building the response failed: {type(e).__name__}: {e}")
+        code = (pb_utils.TritonError.INVALID_ARG
+                if isinstance(answer, (ProgramError, BoundedError))
+                else pb_utils.TritonError.INTERNAL)
+        return pb_utils.InferenceResponse(output_tensors=[],
+                                          error=pb_utils.TritonError(str(answer), code))
 
     def _run(self, live: list[int], arrays: list[dict], answers: list) -> None:
         if self.bounded is not None:
