@@ -108,6 +108,8 @@ def test_state_kept_in_place_between_runs_and_the_copying_control(programs):
     ("input:X,state:total", "output:TOTAL,output:T2", r"state total: needs exactly one result"),
     ("input:X,state:a", "output:TOTAL,state:b", r"state a: needs exactly one result"),
     ("input:X,weight:missing.bin", "output:TOTAL,output:S", r"no such file"),
+    ("input:X,weight:../up.bin", "output:TOTAL,output:S", r"named relative to the program"),
+    ("input:X,weight:/abs.bin", "output:TOTAL,output:S", r"named relative to the program"),
     ("input:X,input:X", "output:A,output:B", r"X is bound twice"),
     ("input:X,bogus:Y", "output:A,output:B", r"expected KIND:NAME"),
 ])

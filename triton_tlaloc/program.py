@@ -265,6 +265,10 @@ def check_bindings(sig: Signature, args: list[Binding], res: list[Binding], weig
     for i, b in enumerate(args):
         if b.kind != "weight":
             continue
+        if Path(b.name).is_absolute() or ".." in Path(b.name).parts:
+            raise ProgramError(f"argument {i} ({b}): a weight file is named relative to the "
+                               f"program's directory, inside it (it is linked or copied into "
+                               f"the model's version directory under that name)")
         t, path = sig.inputs[i], weights_root / b.name
         if not path.is_file():
             raise ProgramError(f"argument {i} ({b}): no such file {path}")
