@@ -79,22 +79,6 @@ def _call(fn, inputs: list[TensorShape], bounds: dict[str, int], arrays, buckets
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def x64_mode(on: bool):
-    """A context with JAX's 64-bit types on (when `on`): jax.experimental.enable_x64 in jax
-    0.7, jax.enable_x64(True) in the releases that dropped it (0.10 and the GPU image's)."""
-    import contextlib
-
-    if not on:
-        return contextlib.nullcontext()
-    try:
-        from jax.experimental import enable_x64
-    except ImportError:
-        import jax
-
-        return jax.enable_x64(True)
-    return enable_x64()
-
-
 def export_bounded(fn, inputs: list[TensorShape], bounds: dict[str, int], out: str | Path,
                    buckets: dict[str, list[int]] | None = None, check_lengths: int = 3,
                    rtol: float = 1e-6, seed: int = 0) -> Path:
@@ -105,6 +89,8 @@ def export_bounded(fn, inputs: list[TensorShape], bounds: dict[str, int], out: s
     sliced, the result the same inputs give at their exact size (within rtol of the largest
     value); a function that reads its padding is refused by name. 64-bit inputs are lowered
     with JAX's x64 mode on (it truncates them to 32 bits otherwise)."""
+    from .runtime import x64_mode
+
     wide = any(numpy_dtype(s.dtype).itemsize == 8 for s in inputs)
     with x64_mode(wide):
         return _export_bounded(fn, inputs, bounds, Path(out), buckets, check_lengths, rtol, seed)

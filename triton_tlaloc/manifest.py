@@ -236,6 +236,13 @@ class ModelShape:
     weight_quant: str | None = None  # "int8" | "fp8": the layers' linears as codes + scales
     head_quant: bool = False  # the head (a tied table) quantized too
 
+    @property
+    def quantized(self) -> str:
+        """What is quantized, for logs ("linears and head int8"); empty when nothing is."""
+        if not self.weight_quant:
+            return ""
+        return f"linears{' and head' if self.head_quant else ''} {self.weight_quant}"
+
     def to_json(self) -> dict:
         return {
             "family": self.family,

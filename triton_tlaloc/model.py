@@ -122,8 +122,7 @@ class TritonPythonModel:
                             self.runtime.state_pool_bytes)
         self.batcher.start()
         rt, m = self.runtime, artifact.model
-        weights = m.weight_dtype + (f", linears{' and head' if m.head_quant else ''} "
-                                    f"{m.weight_quant}" if m.weight_quant else "")
+        weights = m.weight_dtype + (f", {m.quantized}" if m.quantized else "")
         slots = artifact.linear_state.num_slots if artifact.linear_state else 0
         log.info("model %s loaded in %.1f s: %s, %d entries (%d compiled, %d from the cache), "
                  "weights %.1f MiB (%s), KV pools %.1f MiB (%d pages of %d tokens, %s), state "

@@ -65,9 +65,11 @@ class TensorType:
     def __str__(self) -> str:
         return f"{self.dtype}[{', '.join('?' if d is None else str(d) for d in self.dims)}]"
 
-    def fits(self, a: np.ndarray) -> bool:
+    def fits(self, a: np.ndarray, any_rows: bool = False) -> bool:
+        """Whether `a` has this type; with any_rows, whatever its leading axis (a batch)."""
+        skip = 1 if any_rows else 0
         return (a.dtype == numpy_dtype(self.dtype) and a.ndim == len(self.dims)
-                and all(d is None or d == n for d, n in zip(self.dims, a.shape)))
+                and all(d is None or d == n for d, n in zip(self.dims[skip:], a.shape[skip:])))
 
 
 @dataclass(frozen=True)
@@ -347,13 +349,14 @@ class ProgramRuntime:
     def stateful(self) -> bool:
         return bool(self.state_args)
 
-    def input_error(self, arrays: dict[str, np.ndarray]) -> str | None:
-        """Why these inputs cannot run (named), or None."""
+    def input_error(self, arrays: dict[str, np.ndarray], any_rows: bool = False) -> str | None:
+        """Why these inputs cannot run (named), or None; with any_rows the leading axes are not
+        checked (a request's rows, stacked and padded to the program's batch later)."""
         for name, (i, t) in self.inputs.items():
             if name not in arrays:
                 return f"input {name} is missing"
             a = arrays[name]
-            if not t.fits(a):
+            if not t.fits(a, any_rows):
                 return f"input {name} must be {t}, got {a.dtype} {list(a.shape)}"
         return None
 
@@ -434,16 +437,7 @@ def run_batch(runtime: ProgramRuntime, requests: list[dict[str, np.ndarray]], *,
                                       f"{[list(a.shape) for a in arrays.values()]}")
             keys.append(("refused", r))
             continue
-        problem = None
-        for name, (i, t) in runtime.inputs.items():  # the program's batch is padded: check rows
-            a = arrays.get(name)
-            if a is None:
-                problem = f"input {name} is missing"
-            elif a.dtype != numpy_dtype(t.dtype) or a.ndim != len(t.dims) or any(
-                    d is not None and d != n for d, n in zip(t.dims[1:], a.shape[1:])):
-                problem = f"input {name} must be {t}, got {a.dtype} {list(a.shape)}"
-            if problem:
-                break
+        problem = runtime.input_error(arrays, any_rows=True)  # the batch is padded later
         if problem:
             answers[r] = ProgramError(problem)
             keys.append(("refused", r))
@@ -495,7 +489,7 @@ def export_program(fn, inputs: list, out: str | Path, donate: tuple[str, ...] = 
     import jax
     from jax import export
 
-    from .bounded import x64_mode
+    from .runtime import x64_mode
 
     names = list(dict.fromkeys(d for s in inputs for d in s.dims if isinstance(d, str)))
     symbols = dict(zip(names, export.symbolic_shape(", ".join(names)))) if names else {}

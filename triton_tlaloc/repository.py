@@ -38,6 +38,15 @@ class RepositoryOptions:
     generate_model: bool = True  # also write NAME_generate
 
 
+def _link_or_copy(src: Path, target: Path, copy: bool) -> None:
+    """Put a file or directory into a model's version directory: a copy, or a symbolic link."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if copy:
+        (shutil.copytree if src.is_dir() else shutil.copyfile)(src, target)
+    else:
+        target.symlink_to(src.resolve(), target_is_directory=src.is_dir())
+
+
 def _parameter(key: str, value) -> str:
     value = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'  {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
@@ -59,10 +68,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
     version.mkdir(parents=True)
     shutil.copyfile(TEMPLATE_DIR / "model.py", version / "model.py")
     src = artifact.path.resolve()
-    if opts.copy:
-        shutil.copytree(src, version / "artifact")
-    else:
-        (version / "artifact").symlink_to(src, target_is_directory=True)
+    _link_or_copy(src, version / "artifact", opts.copy)
     decode_batches = [e.batch for e in artifact.entries.values() if e.kind == "decode"]
     params = {
         "serving_manifest": f"artifact/{MANIFEST_NAME}",
@@ -207,12 +213,7 @@ def write_program_repository(source: str | os.PathLike, repo: str | os.PathLike,
     version.mkdir(parents=True)
     shutil.copyfile(TEMPLATE_DIR / "program" / "model.py", version / "model.py")
     for path, rel in place:
-        target = version / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if opts.copy:
-            (shutil.copytree if path.is_dir() else shutil.copyfile)(path, target)
-        else:
-            target.symlink_to(path.resolve(), target_is_directory=path.is_dir())
+        _link_or_copy(path, version / rel, opts.copy)
     if opts.compile_cache_dir:
         params["compile_cache_dir"] = opts.compile_cache_dir
     params.update(opts.extra_parameters)

@@ -65,6 +65,22 @@ class CompileStats:
     seconds: float = 0.0
 
 
+def x64_mode(on: bool):
+    """A context with JAX's 64-bit types on (when `on`): jax.experimental.enable_x64 in jax
+    0.7, jax.enable_x64(True) in the releases that dropped it (0.10 and the GPU image's)."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    try:
+        from jax.experimental import enable_x64
+    except ImportError:
+        import jax
+
+        return jax.enable_x64(True)
+    return enable_x64()
+
+
 class PjrtDevice:
     """One PJRT client and device, reached through JAX; hides the small API differences between
     jax 0.7 and newer releases."""
@@ -103,8 +119,6 @@ class PjrtDevice:
         if hasattr(self.backend, "buffer_from_pyval"):
             return self.backend.buffer_from_pyval(array, self.device)
         if array.dtype.itemsize == 8:  # device_put narrows 64-bit values unless x64 is on
-            from .bounded import x64_mode
-
             with x64_mode(True):
                 return self.jax.device_put(array, self.device)
         return self.jax.device_put(array, self.device)
@@ -113,8 +127,6 @@ class PjrtDevice:
         """Zeroed buffers made on the device by one jitted program (one compile for all)."""
         import jax.numpy as jnp
         from jax.sharding import SingleDeviceSharding
-
-        from .bounded import x64_mode
 
         make = self.jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in specs),
                             out_shardings=SingleDeviceSharding(self.device))
@@ -214,8 +226,7 @@ class Runtime:
             total += w.byte_length
         self.weight_bytes = total
         m = self.artifact.model
-        quant = (f", linears{' and head' if m.head_quant else ''} {m.weight_quant} with "
-                 f"per-channel scales" if m.weight_quant else "")
+        quant = f", {m.quantized} with per-channel scales" if m.quantized else ""
         log.info("weights: %d tensors, %.1f MiB (%s%s) uploaded in %.2f s", len(out),
                  total / 2**20, m.weight_dtype, quant, time.perf_counter() - t0)
         return out
