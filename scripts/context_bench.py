@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from triton_tlaloc.client import (METRICS_SETTLE_S, TlalocClient, metric,  # noqa: E402
+from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, metric,  # noqa: E402
                                   new_sequence_id, scrape_metrics)
 
 STEPS = 16

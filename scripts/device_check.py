@@ -108,9 +108,9 @@ def speed(work: Path, platform: str, bandwidth_gbs: float) -> list:
 def programs_on(work: Path, platform: str):
     import programs as P
 
-    from triton_tlaloc.bounded import BoundedRuntime
+    from triton_tlaloc.programs.bounded import BoundedRuntime
     from triton_tlaloc.manifest import numpy_dtype
-    from triton_tlaloc.program import (ARGUMENT_KINDS, RESULT_KINDS, ProgramRuntime,
+    from triton_tlaloc.programs.generic import (ARGUMENT_KINDS, RESULT_KINDS, ProgramRuntime,
                                        parse_bindings, run_batch)
 
     built = P.build_programs(work / "programs")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import programs  # noqa: E402
 
-from triton_tlaloc.client import METRICS_SETTLE_S, metric, scrape_metrics  # noqa: E402
+from triton_tlaloc.frontends.client import METRICS_SETTLE_S, metric, scrape_metrics  # noqa: E402
 from triton_tlaloc.repository import ProgramOptions, write_program_repository  # noqa: E402
 from triton_tlaloc.server import TritonServer  # noqa: E402
 

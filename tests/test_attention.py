@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from triton_tlaloc.attention import blockwise, one_pass
+from triton_tlaloc.export.attention import blockwise, one_pass
 
 # Pages of 4 positions, key blocks of 8 (2 pages), a context of 32 (4 key blocks).
 BLOCK, KEY_BLOCK, PAGES_PER_ROW = 4, 8, 8

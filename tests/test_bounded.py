@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from triton_tlaloc.bounded import (BOUNDED_MANIFEST, BoundedError, BoundedRuntime, TensorShape,
+from triton_tlaloc.programs.bounded import (BOUNDED_MANIFEST, BoundedError, BoundedRuntime, TensorShape,
                                    export_bounded)
 
 BOUND = 16

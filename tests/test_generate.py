@@ -9,12 +9,12 @@ import threading
 import numpy as np
 import pytest
 
-from triton_tlaloc.client import (METRICS_SETTLE_S, TlalocClient, generate, metric,
+from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, generate, metric,
                                   scrape_metrics)
 from triton_tlaloc.repository import RepositoryOptions, write_repository
-from triton_tlaloc.sampling import Sampler, SamplingError, SamplingParams, TextStream
+from triton_tlaloc.frontends.sampling import Sampler, SamplingError, SamplingParams, TextStream
 from triton_tlaloc.server import TritonServer
-from triton_tlaloc.tokenizer import ArtifactTokenizer
+from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 
 PROMPT = [1, 17, 99, 3, 200, 41, 7, 88]
 
@@ -175,7 +175,7 @@ def test_bad_requests_get_one_error_naming_the_problem(served):
 @pytest.fixture(scope="module")
 def openai_url(served):
     """`tlaloc openai` in front of smollm2_generate, on a free loopback port."""
-    from triton_tlaloc.openai_server import ServedModel, serve_in_thread
+    from triton_tlaloc.frontends.openai_server import ServedModel, serve_in_thread
 
     server, _ = served
     base_url, stop = serve_in_thread(server.grpc_url, {

@@ -12,7 +12,7 @@ from oracle import load_reference, reference_greedy
 from test_hybrid import OPTS, PROMPT
 from test_server import greedy_continue, refused, status_of
 
-from triton_tlaloc.client import METRICS_SETTLE_S, TlalocClient, metric, new_sequence_id, \
+from triton_tlaloc.frontends.client import METRICS_SETTLE_S, TlalocClient, metric, new_sequence_id, \
     scrape_metrics
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.repository import RepositoryOptions, write_repository

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as ref
 
-from triton_tlaloc.linear_attention import (causal_conv1d, gated_delta_rule_chunked,
+from triton_tlaloc.export.linear_attention import (causal_conv1d, gated_delta_rule_chunked,
                                             gated_delta_rule_recurrent)
 
 # f32 throughout; the chunked form sums in another order than the recurrence.
@@ -112,7 +112,7 @@ def test_the_whole_layer_equals_transformers_gated_deltanet():
     steps carrying both states). Negative control: the conv kernel in the wrong time order."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    from triton_tlaloc.linear_attention import gated_deltanet_layer
+    from triton_tlaloc.export.linear_attention import gated_deltanet_layer
 
     torch.manual_seed(0)
     cfg = Qwen3_5TextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,

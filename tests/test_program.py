@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from triton_tlaloc.bounded import TensorShape
+from triton_tlaloc.programs.bounded import TensorShape
 from triton_tlaloc.export import program as export_program
-from triton_tlaloc.program import (ARGUMENT_KINDS, RESULT_KINDS, Binding, ProgramError,
+from triton_tlaloc.programs.generic import (ARGUMENT_KINDS, RESULT_KINDS, Binding, ProgramError,
                                    ProgramRuntime, batch_bucket, parse_bindings, plan_groups,
                                    read_signature, run_batch, specialize)
 

@@ -8,7 +8,7 @@ import pytest
 
 import programs as P
 from triton_tlaloc.repository import ProgramOptions, write_program_repository
-from triton_tlaloc.program import ProgramError
+from triton_tlaloc.programs.generic import ProgramError
 from triton_tlaloc.server import TritonServer
 
 PROTOCOLS = ("http", "grpc")

@@ -10,7 +10,7 @@ import threading
 import pytest
 from oracle import load_reference, reference_greedy
 
-from triton_tlaloc.client import InferError, TlalocClient, new_sequence_id
+from triton_tlaloc.frontends.client import InferError, TlalocClient, new_sequence_id
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.manifest import load_artifact
@@ -202,7 +202,7 @@ def test_int8_weights_and_fp8_kv_served(served, tiny, protocol):
     weight and pool bytes."""
     from oracle import fp8_kv_reference, quantized_reference
 
-    from triton_tlaloc.client import METRICS_SETTLE_S, metric, scrape_metrics
+    from triton_tlaloc.frontends.client import METRICS_SETTLE_S, metric, scrape_metrics
 
     server, arts = served
     model = quantized_reference(load_reference(tiny.checkpoint("llama", False)), "int8")
@@ -254,7 +254,7 @@ def test_small_outputs_on_every_step(served, protocol):
 
 
 def test_metrics_on_the_metrics_port(served):
-    from triton_tlaloc.client import METRICS_SETTLE_S, metric, scrape_metrics
+    from triton_tlaloc.frontends.client import METRICS_SETTLE_S, metric, scrape_metrics
 
     server, _ = served
     before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)

@@ -12,7 +12,7 @@ from oracle import load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.tokenizer import ArtifactTokenizer
+from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 
 STEPS = 32
 QUESTION = "Write a short poem about the sea."

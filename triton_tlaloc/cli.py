@@ -35,7 +35,7 @@ def _report(args, prompt_ids, generated_ids, text, finish_reason, prefill_ms, ms
 
 
 def _cmd_export(args) -> int:
-    from .export import ExportOptions, export_artifact
+    from .export.writer import ExportOptions, export_artifact
 
     opts = ExportOptions(batch_ladder=args.batch_ladder, context_ladder=args.context_ladder,
                          prefill_max_batch=args.prefill_max_batch, block_size=args.block_size,
@@ -49,7 +49,7 @@ def _cmd_export(args) -> int:
                          state_slots=args.state_slots)
     checkpoint = args.checkpoint
     if checkpoint == "smollm2":
-        from .checkpoint import smollm2_gguf_path
+        from .export.checkpoint import smollm2_gguf_path
 
         checkpoint = smollm2_gguf_path()
     export_artifact(checkpoint, args.out, opts)
@@ -70,7 +70,7 @@ def _cmd_run(args) -> int:
     engine = Engine(rt)
     tok = None
     if args.prompt is not None:
-        from .tokenizer import ArtifactTokenizer
+        from .frontends.tokenizer import ArtifactTokenizer
 
         tok = ArtifactTokenizer(rt.artifact.path / "tokenizer")
         if args.chat:
@@ -96,7 +96,7 @@ def _cmd_run(args) -> int:
 
 
 def _is_program(source: str) -> bool:
-    from .bounded import BOUNDED_MANIFEST
+    from .programs.bounded import BOUNDED_MANIFEST
 
     path = Path(source)
     return path.is_file() or (path / BOUNDED_MANIFEST).is_file()
@@ -165,7 +165,7 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_openai(args) -> int:
-    from .openai_server import ServedModel, serve
+    from .frontends.openai_server import ServedModel, serve
 
     models = {name: ServedModel.discover(args.url, name, args.tokenizer) for name in args.model}
     serve(args.url, models, args.host, args.port)
@@ -173,8 +173,8 @@ def _cmd_openai(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from .client import InferError, TlalocClient
-    from .tokenizer import ArtifactTokenizer
+    from .frontends.client import InferError, TlalocClient
+    from .frontends.tokenizer import ArtifactTokenizer
 
     with TlalocClient(args.url, args.model, args.protocol) as client:
         tok = None
@@ -354,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("triton_tlaloc").setLevel(logging.INFO if args.verbose else logging.WARNING)
-    from .checkpoint import CheckpointError
+    from .export.checkpoint import CheckpointError
     from .engine import RequestError
-    from .export import ExportError
+    from .export.writer import ExportError
     from .manifest import ArtifactError
     from .server import ServerError
 

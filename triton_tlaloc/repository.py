@@ -150,8 +150,8 @@ def write_program_repository(source: str | os.PathLike, repo: str | os.PathLike,
                              opts: ProgramOptions = ProgramOptions()) -> Path:
     """REPO/NAME for a bounded-program artifact (a directory holding tlaloc-bounded.json) or a
     generic StableHLO program (a .mlir file; its weight files are named relative to it)."""
-    from .bounded import BOUNDED_MANIFEST, load_bounded
-    from .program import (ARGUMENT_KINDS, RESULT_KINDS, TRITON_TYPES, ProgramError,
+    from .programs.bounded import BOUNDED_MANIFEST, load_bounded
+    from .programs.generic import (ARGUMENT_KINDS, RESULT_KINDS, TRITON_TYPES, ProgramError,
                           check_bindings, format_bindings, parse_bindings, read_signature)
 
     src = Path(source).resolve()

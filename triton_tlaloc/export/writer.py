@@ -25,7 +25,7 @@ import numpy as np
 from .checkpoint import Checkpoint, DecoderConfig, open_checkpoint
 from .decoder import WeightSlot, entry_program, kv_pools, lower_entry, state_pools, weight_slots
 from .quant import QUANT_FORMATS, quantize_rows
-from .manifest import (MANIFEST_NAME, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Entry, LinearState,
+from ..manifest import (MANIFEST_NAME, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Entry, LinearState,
                        WeightFile, WindowedKv, load_artifact, numpy_dtype)
 
 WEIGHT_DTYPES = ("f32", "bf16")
@@ -399,17 +399,3 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
              f"{time.perf_counter() - t0:.1f} s")
     return entries
 
-
-def bounded(fn, inputs, bounds, out, **kwargs) -> Path:
-    """A JAX function with bounded axes as a tlaloc-bounded-v1 artifact (bounded.export_bounded)."""
-    from .bounded import export_bounded
-
-    return export_bounded(fn, inputs, bounds, out, **kwargs)
-
-
-def program(fn, inputs, out, donate=()) -> Path:
-    """A JAX function as a generic StableHLO program for `tlaloc repository --program`
-    (program.export_program)."""
-    from .program import export_program
-
-    return export_program(fn, inputs, out, donate)

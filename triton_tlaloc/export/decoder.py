@@ -28,7 +28,7 @@ import numpy as np
 
 from .checkpoint import DecoderConfig
 from .quant import code_dtype
-from .manifest import (BLOCK_TABLES, KV_POOL_IN, KV_POOL_OUT, LOGITS, POSITIONS, SEQ_LENS,
+from ..manifest import (BLOCK_TABLES, KV_POOL_IN, KV_POOL_OUT, LOGITS, POSITIONS, SEQ_LENS,
                        SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS, TOKEN_IDS,
                        WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT,
                        WINDOW_SLOT_MAPPING, KvPool, Program, StatePool, TensorSpec, WindowedKv)
@@ -506,7 +506,7 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
     """StableHLO text of one entry; every pool parameter is donated (tf.aliasing_output)."""
     import jax
 
-    from .manifest import numpy_dtype
+    from ..manifest import numpy_dtype
 
     fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block, windowed,
                        num_state_slots, weight_quant, quant_head)

@@ -43,7 +43,7 @@ class ServedModel:
         from pathlib import Path
 
         from .client import TlalocClient
-        from .repository import generate_model_name
+        from ..repository import generate_model_name
 
         gen = generate_model_name(name)
         with TlalocClient(url, gen, "grpc") as c:

@@ -1,0 +1,258 @@
+"""The generate model: text generation on the server, streamed (issue 9).
+
+A decoupled Triton Python model written by `tlaloc repository` beside the sequence model. Each
+request (text_input or input_ids, sampling_parameters as JSON) runs on a thread of its own as a
+sequence of the sequence model, called through BLS (pb_utils.InferenceRequest with a fresh
+correlation id and the START / END flags): its decode steps go through that model's batcher, so
+concurrent generations decode in the same cohorts as every other sequence. Greedy steps ask the
+sequence model for ARGMAX alone (4 bytes); sampled steps for LOGITS, sampled here
+(sampling.Sampler: temperature, top-k, top-p, a seed).
+
+Each step's new text goes out as a response (text_output, token_ids); the last response, flagged
+final, carries finish_reason (stop, length, cancelled), prompt_tokens and completion_tokens. With
+stream false, one response holds the whole text. A cancelled request (the client closed its
+stream or cancelled the call) ends its sequence at once, which frees its pages. Every error
+path sends exactly one final response.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..metrics import MetricsWriter
+from .sampling import Sampler, SamplingError, SamplingParams, TextStream
+
+log = logging.getLogger("triton_tlaloc.generate")
+
+
+class _GenerateError(Exception):
+    def __init__(self, message: str, code):
+        super().__init__(message)
+        self.code = code
+
+
+def _string_input(request, name: str) -> str | None:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    v = t.as_numpy().reshape(-1)[0]
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from ..model import _setup_logging
+
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        _setup_logging(args["model_name"])
+        self.model_name = args["model_name"]
+        self.sequence_model = params["sequence_model"]
+        self.eos_ids = {int(t) for t in params.get("eos_token_ids", "").split(",") if t}
+        self.max_context = int(params["max_context"])
+        self.tokenizer = None
+        if params.get("tokenizer_dir") and (Path(params["tokenizer_dir"]) /
+                                            "tokenizer.json").is_file():
+            from .tokenizer import ArtifactTokenizer
+
+            self.tokenizer = ArtifactTokenizer(Path(params["tokenizer_dir"]))
+            if self.tokenizer.eos_token_id is not None:
+                self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.threads: set[threading.Thread] = set()
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self._metrics()
+        log.info("generate model %s: sequence model %s, tokenizer %s, end-of-sequence ids %s",
+                 self.model_name, self.sequence_model,
+                 "yes" if self.tokenizer else "none (input_ids only)", sorted(self.eos_ids))
+
+    def _metrics(self):
+        """Updates are taken as plain Python by the generation threads and applied by the
+        writer's one thread (each is an IPC round trip to Triton: not from every thread)."""
+        F = pb_utils.MetricFamily
+        labels = {"model": self.model_name}
+        self.writer = MetricsWriter()
+        self.families = [
+            F(name="tlaloc_time_to_first_token_seconds", description="Request arrival to its "
+              "first generated token", kind=F.HISTOGRAM),
+            F(name="tlaloc_time_per_output_token_seconds", description="Time between a "
+              "generation's tokens after the first", kind=F.HISTOGRAM),
+            F(name="tlaloc_generations_total", description="Generations ended, by finish "
+              "reason", kind=F.COUNTER)]
+        buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+        self.ttft = self.families[0].Metric(labels=labels, buckets=buckets)
+        self.tpot = self.families[1].Metric(labels=labels, buckets=buckets)
+        self.finished = {r: self.families[2].Metric(labels={**labels, "reason": r})
+                         for r in ("stop", "length", "cancelled", "error")}
+
+    def execute(self, requests):
+        for request in requests:
+            thread = threading.Thread(target=self._run, args=(request, time.perf_counter()),
+                                      name="tlaloc-generate", daemon=True)
+            with self.lock:
+                self.threads.add(thread)
+            thread.start()
+        return None
+
+    def _send(self, sender, response, flags=0):
+        """Responses are sent one at a time, whichever generation's thread sends: sends from
+        several threads at once crashed the Python backend (boost::interprocess::
+        lock_exception in libtriton_python.so; docs/performance.md)."""
+        with self.send_lock:
+            sender.send(response, flags=flags)
+
+    def _cancelled(self, sender) -> bool:
+        """is_cancelled is an IPC call on the response sender too: under the same lock as the
+        sends (a fresh-clone CI run crashed the stub once with two generations, one of them
+        being cancelled, while only the sends were serialized)."""
+        with self.send_lock:
+            return sender.is_cancelled()
+
+    def _send_error(self, sender, message: str, code):
+        """The final response of a request that failed or was cancelled."""
+        self._send(sender, pb_utils.InferenceResponse(
+            output_tensors=[], error=pb_utils.TritonError(message, code)),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def finalize(self):
+        with self.lock:
+            threads = list(self.threads)
+        for t in threads:
+            t.join(10)
+        self.writer.close()
+
+    # ---------------------------------------------------------------- one generation
+
+    def _run(self, request, arrived: float):
+        sender = request.get_response_sender()
+        try:
+            self._generate(request, sender, arrived)
+        except _GenerateError as e:
+            self.writer.increment(self.finished["error"], 1)
+            self._send_error(sender, str(e), e.code)
+        except Exception as e:  # never leave a request unanswered
+            log.exception("generation failed")
+            self.writer.increment(self.finished["error"], 1)
+            self._send_error(sender, f"generation failed: {type(e).__name__}: {e}",
+                             pb_utils.TritonError.INTERNAL)
+        finally:
+            with self.lock:
+                self.threads.discard(threading.current_thread())
+
+    def _inputs(self, request) -> tuple[list[int], SamplingParams, bool]:
+        bad = pb_utils.TritonError.INVALID_ARG
+        try:
+            params = SamplingParams.from_dict(json.loads(
+                _string_input(request, "sampling_parameters") or "{}"))
+        except (SamplingError, json.JSONDecodeError, TypeError, ValueError) as e:
+            raise _GenerateError(f"sampling_parameters: {e}", bad) from None
+        ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        text = _string_input(request, "text_input")
+        if ids_t is not None:
+            prompt = [int(t) for t in ids_t.as_numpy().reshape(-1)]
+        elif text is not None:
+            if self.tokenizer is None:
+                raise _GenerateError("text_input needs the artifact's tokenizer, which this "
+                                     "model has not got: send input_ids", bad)
+            prompt = self.tokenizer.encode(text)
+        else:
+            raise _GenerateError("send text_input or input_ids", bad)
+        if not prompt:
+            raise _GenerateError("the prompt is empty", bad)
+        if params.stop and self.tokenizer is None:
+            raise _GenerateError("stop strings need the artifact's tokenizer", bad)
+        stream_t = pb_utils.get_input_tensor_by_name(request, "stream")
+        stream = True if stream_t is None else bool(stream_t.as_numpy().reshape(-1)[0])
+        return prompt, params, stream
+
+    def _step(self, seq_id, tokens, *, start=False, end=False, outputs=("ARGMAX",)):
+        """One request to the sequence model (BLS); returns its outputs by name."""
+        flags = ((pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0)
+                 | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if end else 0))
+        req = pb_utils.InferenceRequest(
+            model_name=self.sequence_model,
+            inputs=[pb_utils.Tensor("TOKENS", np.asarray(tokens, np.int32).reshape(1, -1))],
+            requested_output_names=list(outputs), correlation_id=seq_id, flags=flags)
+        resp = req.exec()
+        if resp.has_error():
+            err = resp.error()
+            raise _GenerateError(err.message(), err.code())
+        return {t.name(): t.as_numpy().reshape(-1) for t in resp.output_tensors()}
+
+    def _generate(self, request, sender, arrived: float):
+        prompt, params, stream = self._inputs(request)
+        sampler = Sampler(params)
+        outputs = ("ARGMAX",) if params.greedy else ("LOGITS",)
+        decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
+        text = TextStream(decode, params.stop)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        seq_id = uuid.uuid4().int >> 65
+        generated, pieces, reason = [], [], "length"
+        out = self._step(seq_id, prompt, start=True, outputs=outputs)
+        try:
+            last = None
+            while True:
+                token = int(out["ARGMAX"][0]) if params.greedy else sampler.choose(out["LOGITS"])
+                now = time.perf_counter()
+                if last is None:
+                    self.writer.observe(self.ttft, now - arrived)
+                else:
+                    self.writer.observe(self.tpot, now - last)
+                last = now
+                if token in stops:  # not part of the text; what was held back goes out
+                    reason, tail = "stop", text.flush()
+                    if tail:
+                        pieces.append(tail)
+                        if stream:
+                            self._send(sender, self._response(tail, []))
+                    break
+                generated.append(token)
+                piece = text.push(token)
+                if text.stopped:
+                    reason = "stop"
+                elif (len(generated) >= params.max_tokens
+                      or len(prompt) + len(generated) >= self.max_context):
+                    piece += text.flush()
+                if stream:  # every step: its token, and the text it completes (maybe none)
+                    self._send(sender, self._response(piece, [token]))
+                pieces.append(piece)
+                if text.stopped or len(generated) >= params.max_tokens:
+                    break
+                if len(prompt) + len(generated) >= self.max_context:
+                    break  # "length": the next token would pass the largest context
+                if self._cancelled(sender):
+                    reason = "cancelled"
+                    break
+                out = self._step(seq_id, [token], outputs=outputs)
+        finally:  # END frees the sequence's pages at once (also after an error)
+            try:
+                self._step(seq_id, [], end=True, outputs=())
+            except _GenerateError:
+                log.warning("sequence %s: END was refused", seq_id)
+        self.writer.increment(self.finished[reason], 1)
+        if reason == "cancelled":
+            self._send_error(sender, "the request was cancelled", pb_utils.TritonError.CANCELLED)
+            return
+        final = self._response("" if stream else "".join(pieces),
+                               [] if stream else generated, reason, len(prompt), len(generated))
+        self._send(sender, final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    @staticmethod
+    def _response(text: str, token_ids: list[int], finish_reason: str | None = None,
+                  prompt_tokens: int | None = None, completion_tokens: int | None = None):
+        outputs = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
+                   pb_utils.Tensor("token_ids", np.asarray(token_ids, np.int32))]
+        if finish_reason is not None:
+            outputs += [
+                pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], np.object_)),
+                pb_utils.Tensor("prompt_tokens", np.array([prompt_tokens], np.int32)),
+                pb_utils.Tensor("completion_tokens", np.array([completion_tokens], np.int32))]
+        return pb_utils.InferenceResponse(output_tensors=outputs)
