@@ -7,7 +7,7 @@ ARTIFACTS := artifacts
 STAMP_DEMO := $(VENV)/.installed-demo
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test bench verify clean
+.PHONY: demo test unit bench verify clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ demo: $(STAMP_DEMO)
 
 test: $(STAMP_TEST)
 	$(BIN)/python -m pytest -q -rs tests
+
+# The pure-Python parts (pages, policy, batcher, engine over a fake runtime, sampling, outputs,
+# metrics) with no JAX, torch or Triton imported: seconds. `make test` runs them too.
+unit: $(STAMP_TEST)
+	$(BIN)/python -m pytest -q tests/unit
 
 verify: $(STAMP_TEST)
 	scripts/verify.sh

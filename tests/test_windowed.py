@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from oracle import load_reference, logits_error, reference_greedy
 
-from triton_tlaloc.batcher import Batcher, BatchPolicy, Request
+from triton_tlaloc.batcher import Batcher, Request
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.manifest import load_artifact
 from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.policy import BatchPolicy
 
 # Window 8, pages of 4, prefill calls of 8: rings of ceil((8 - 1 + 8) / 4) = 4 pages.
 OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=4, prefill_chunk=8,

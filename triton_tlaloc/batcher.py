@@ -1,37 +1,29 @@
 """The backend's own batching thread: requests in, entry calls on the engine, one reply each.
 
 Triton hands every request over at once (max_queue_delay_microseconds 0) and execute() returns
-without waiting; this thread forms the calls (design section 6, "Per-step overhead and
-batching"):
+without waiting. This thread takes rounds: `policy.select` says which queued requests run now
+(decode cohorts, merged prompts; docs/design.md#batching), then each is admitted and the calls
+are run:
 
-- Decode cohorts. The sequences that took a decode step in the previous decode batch form its
-  cohort (with those whose prompt ran since: they decode next). The next decode batch runs once every cohort member still held has its next request in,
-  or `cohort_wait` after the previous batch without it. A lone sequence is its own cohort, so it
-  never waits; sequences decoding together stay together whatever the spread of their clients.
-  The batch runs as one decode call on the smallest entry that holds it.
-- Merged prompts. A prompt waits up to `prefill_wait` for prompts sent with it; prompts of one
-  context bucket run as one prefill call on the smallest entry whose batch holds them. Prompts of
-  different buckets are not merged (a call computes every row at its entry's context). A later
-  request with several tokens is a prefill continuation and runs like a prompt.
 - Admission. Each request is validated and its pages (and, for a hybrid model, its state slot)
-  reserved before any call (a refusal changes nothing). When pages or slots run short, they
-  are reclaimed only from sequences Triton has already
-  ended: idle longer than twice its idle timeout plus an allowance (Triton sends no END for a
-  sequence it times out), least recently active first, only as many as needed. Otherwise the
-  request is refused by name, listing the sequences that hold pages. A refused request still
-  counts as activity. A live sequence is never touched.
-- Every request gets exactly one reply: its logits, or a typed error naming the problem.
-
-With `backend_batching` off, each execute() call's requests run as one round as Triton formed
-them (the control for Triton's own batching with a queue delay).
+  reserved before any call; a refusal changes nothing. When pages or slots run short they are
+  reclaimed only from sequences Triton has already ended (idle longer than
+  `BatchPolicy.reclaim_after_s`: Triton sends no END for a sequence it times out), least
+  recently active first, only as many as needed (`pages.choose_reclaim`); otherwise the request
+  is refused by name. A refused request still counts as activity. A live sequence is never
+  touched.
+- Calls. Decode rows of several sequences go into one decode call on the smallest entry that
+  holds them; prompts of one context bucket into one prefill call (a call computes every row at
+  its entry's context, so buckets are not merged); a prompt longer than the largest prefill
+  entry runs alone, in chunks. A call that fails is rolled back row by row.
+- Every request gets exactly one reply: its logits, or an error with a code naming the problem.
 
 Pure Python over an `Engine`: no Triton or JAX import here, so it is tested with a fake clock
-and a fake runner.
+and a fake runtime (tests/unit).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -42,7 +34,9 @@ from typing import Callable
 import numpy as np
 
 from .engine import Engine, RequestError, Sequence
+from .metrics import BatcherStats, CallTiming, Observer
 from .pages import PagesExhausted, choose_reclaim
+from .policy import BatchPolicy, Cohort, select
 
 log = logging.getLogger("triton_tlaloc.batcher")
 
@@ -52,19 +46,6 @@ INTERNAL = "INTERNAL"
 
 # Calls logged one by one at INFO at the start; later ones only in the counters and metrics.
 LOGGED_CALLS = 20
-
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    cohort_wait_s: float = 0.020
-    prefill_wait_s: float = 0.002
-    backend_batching: bool = True
-    idle_timeout_s: float = 60.0  # the model's max_sequence_idle_microseconds
-    reclaim_allowance_s: float = 2.0  # Triton's timeout is checked on its own schedule
-
-    @property
-    def reclaim_after_s(self) -> float:
-        return 2 * self.idle_timeout_s + self.reclaim_allowance_s
 
 
 @dataclass
@@ -114,103 +95,10 @@ class _Job:
     had_state_slot: bool
 
 
-@dataclass
-class CallTiming:
-    """Where one call's time went, in seconds (the step profile, scripts/step_profile.py): the
-    longest wait of its requests (arrival in execute() to the start of its round), admission of
-    the round's requests, building the step inputs, putting them on the device, the executable,
-    the logits copy, the replies (responses built and sent), and the rest (the engine's own
-    bookkeeping). `total` is admission to the last reply sent."""
-
-    kind: str
-    entry: str
-    rows: int
-    tokens: int
-    wait: float
-    admit: float
-    build: float
-    inputs: float
-    execute: float
-    copy: float
-    respond: float
-    other: float
-    total: float
-
-    PHASES = ("wait", "admit", "build", "inputs", "execute", "copy", "respond", "other")
-
-    def to_json(self) -> dict:
-        return {"kind": self.kind, "entry": self.entry, "rows": self.rows, "tokens": self.tokens,
-                **{f"{k}_ms": round(getattr(self, k) * 1e3, 4) for k in (*self.PHASES, "total")}}
-
-
-class Observer:
-    """What the batcher reports; every method is optional (a no-op here)."""
-
-    def call(self, kind: str, entry: str, rows: int, tokens: int, waits_s: list[float],
-             seconds: float, executions: int = 1) -> None:
-        pass
-
-    def refusal(self, reason: str) -> None:
-        pass
-
-    def reclaimed(self, sequences: int, pages: int) -> None:
-        pass
-
-    def state(self, pools: dict[str, tuple[int, int]], sequences: int) -> None:
-        """pools: name -> (pages used, pages free)."""
-
-    def timing(self, t: CallTiming) -> None:
-        pass
-
-
-class TimingLog(Observer):
-    """One JSON line per call (CallTiming) appended to a file: the backend's timing log, read
-    by scripts/step_profile.py. Opt-in (model parameter timing_log): a line is ~250 bytes a step."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._file = open(path, "a", buffering=1)
-
-    def timing(self, t: CallTiming) -> None:
-        self._file.write(json.dumps(t.to_json()) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
-
-
-class BatcherStats(Observer):
-    """Counters kept by the batcher itself."""
-
-    def __init__(self):
-        self.calls = {"decode": 0, "prefill": 0}
-        self.rows = {"decode": 0, "prefill": 0}
-        self.tokens = {"decode": 0, "prefill": 0}
-        self.refusals: dict[str, int] = {}
-        self.pages_reclaimed = 0
-        self.sequences_reclaimed = 0
-        self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
-        self.call_sizes: list[tuple[str, int]] = []
-
-    def call(self, kind: str, entry: str, rows: int, tokens: int, waits_s: list[float],
-             seconds: float, executions: int = 1) -> None:
-        self.calls[kind] += executions
-        self.rows[kind] += rows
-        self.tokens[kind] += tokens
-        self.waits_s.extend(waits_s)
-        if len(self.call_sizes) < 100_000:
-            self.call_sizes.append((kind, rows))
-
-    def refusal(self, reason: str) -> None:
-        self.refusals[reason] = self.refusals.get(reason, 0) + 1
-
-    def reclaimed(self, sequences: int, pages: int) -> None:
-        self.sequences_reclaimed += sequences
-        self.pages_reclaimed += pages
-
-
 class Batcher:
     def __init__(self, engine: Engine, policy: BatchPolicy = BatchPolicy(),
-                 clock: Callable[[], float] = time.monotonic, observers: tuple = ()):
+                 clock: Callable[[], float] = time.monotonic,
+                 observers: tuple[Observer, ...] = ()):
         self.engine = engine
         self.policy = policy
         self.clock = clock
@@ -223,9 +111,7 @@ class Batcher:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._groups = 0
-        # The cohort: sequences of the previous decode batch, and when it may stop waiting.
-        self.cohort: set = set()
-        self.cohort_deadline = 0.0
+        self.cohort = Cohort(set())  # the previous decode batch's sequences (policy.py)
         compiled = [e for e in engine.art.entries.values() if e.name in engine.rt.executables]
         self.max_decode_batch = max((e.batch for e in compiled if e.kind == "decode"), default=1)
         self.max_prefill_batch = max((e.batch for e in compiled if e.kind == "prefill"), default=1)
@@ -305,47 +191,15 @@ class Batcher:
     # ------------------------------------------------------------ what runs when
 
     def _select(self, now: float) -> tuple[list[Request], float | None]:
-        """The requests to run now, and when to look again if something waits. Called with the
-        lock held. A sequence's later requests stay queued, in order, behind its first."""
-        if not self._pending:
-            return [], None
-        if not self.policy.backend_batching:
-            group = self._pending[0].group
-            firsts = self._firsts(lambda r: r.group == group)
-            return self._remove(firsts), None
-        firsts = self._firsts()
-        prompts = [r for r in firsts if r.is_prompt]
-        others = [r for r in firsts if not r.is_prompt]
-        take, wake_at = [], None
-        if others:
-            present = {r.seq_id for r in firsts}
-            missing = [s for s in self.cohort if s in self.sequences and s not in present]
-            if not missing or now >= self.cohort_deadline:
-                take += others
-            else:
-                wake_at = self.cohort_deadline
-        if prompts:
-            due = prompts[0].arrived + self.policy.prefill_wait_s
-            if now >= due or len(prompts) >= self.max_prefill_batch:
-                take += prompts
-            else:
-                wake_at = due if wake_at is None else min(wake_at, due)
-        return self._remove(take), wake_at
-
-    def _firsts(self, keep=lambda r: True) -> list[Request]:
-        seen, out = set(), []
-        for r in self._pending:
-            if r.seq_id not in seen:
-                seen.add(r.seq_id)
-                if keep(r):
-                    out.append(r)
-        return out
-
-    def _remove(self, taken: list[Request]) -> list[Request]:
+        """Take the requests `policy.select` runs now off the queue (called with the lock
+        held); returns them and when to look again if some wait."""
+        taken, wake_at = select(list(self._pending), now=now, policy=self.policy,
+                                cohort=self.cohort, held=self.sequences,
+                                max_prefill_batch=self.max_prefill_batch)
         if taken:
             ids = {id(r) for r in taken}
             self._pending = deque(r for r in self._pending if id(r) not in ids)
-        return taken
+        return taken, wake_at
 
     # ------------------------------------------------------------ one round
 
@@ -361,15 +215,16 @@ class Batcher:
         if decode:
             for i in range(0, len(decode), self.max_decode_batch):
                 self._run("decode", decode[i:i + self.max_decode_batch])
-            self.cohort = {j.seq.seq_id for j in decode if not j.request.end}
-            self.cohort_deadline = self.clock() + self.policy.cohort_wait_s
+            self.cohort = Cohort({j.seq.seq_id for j in decode if not j.request.end},
+                                 self.clock() + self.policy.cohort_wait_s)
         for group in self._prefill_groups(prefill):
             self._run("prefill", group)
         if prefill:
             # A sequence whose prompt just ran decodes next: it joins the cohort, so prompts
             # sent together decode together from their first step.
-            self.cohort |= {j.seq.seq_id for j in prefill if j.seq.seq_id in self.sequences}
-            self.cohort_deadline = self.clock() + self.policy.cohort_wait_s
+            self.cohort = Cohort(self.cohort.members | {j.seq.seq_id for j in prefill
+                                                        if j.seq.seq_id in self.sequences},
+                                 self.clock() + self.policy.cohort_wait_s)
         self._observe("state", self.pool_state(), len(self.sequences))
 
     def pool_state(self) -> dict[str, tuple[int, int]]:

@@ -11,12 +11,27 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Container, Protocol
 
 import numpy as np
 
+from .manifest import Artifact
 from .pages import PagePool, PagesExhausted, pages_for
-from .runtime import Runtime
 from .steps import Row, build_step
+
+
+class StepRuntime(Protocol):
+    """What the engine needs of a runtime: the artifact, the entries it compiled, and running an
+    entry on step inputs. runtime.Runtime (PJRT, the pools on the device) is one; the tests'
+    FakeRuntime (tests/unit/fakes.py) is another, which compiles nothing."""
+
+    artifact: Artifact
+    executables: Container[str]  # names of the entries that can run
+    phase_seconds: dict[str, float]  # seconds so far per phase: inputs, execute, copy
+
+    def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
+        """Run one entry: step inputs by role in, each row's last-token logits out."""
+        ...
 
 
 class RequestError(ValueError):
@@ -60,7 +75,7 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, runtime: Runtime):
+    def __init__(self, runtime: StepRuntime):
         self.rt = runtime
         self.art = runtime.artifact
         self.block_size = self.art.model.block_size

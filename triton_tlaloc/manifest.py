@@ -18,11 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .stablehlo import MainSignature, parse_main_signature
 
 MANIFEST_NAME = "tlaloc-serving.json"
 SCHEMA_V2 = "tlaloc-serving-v2"
@@ -424,118 +425,6 @@ class Artifact:
 
     def body_text(self, entry: Entry) -> str:
         return (self.path / entry.body).read_text()
-
-
-# --------------------------------------------------------------------------- @main signatures
-
-_MAIN_RE = re.compile(r"func\.func\s+(?:public\s+)?@main\s*\(")
-
-
-def _split_top_level(text: str, sep: str = ",") -> list[str]:
-    """Split on `sep` outside (), <>, {}, [] and string literals."""
-    parts, depth, cur, in_str, i = [], 0, [], False, 0
-    while i < len(text):
-        c = text[i]
-        if in_str:
-            cur.append(c)
-            if c == "\\" and i + 1 < len(text):
-                cur.append(text[i + 1])
-                i += 1
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-            cur.append(c)
-        elif c in "(<{[":
-            depth += 1
-            cur.append(c)
-        elif c in ")>}]":
-            depth -= 1
-            cur.append(c)
-        elif c == sep and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(c)
-        i += 1
-    if "".join(cur).strip():
-        parts.append("".join(cur).strip())
-    return parts
-
-
-def _matching(text: str, start: int, open_c: str, close_c: str) -> int:
-    """Index of the bracket closing the one at `start` (strings skipped)."""
-    depth, in_str, i = 0, False, start
-    while i < len(text):
-        c = text[i]
-        if in_str:
-            if c == "\\":
-                i += 1
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c == open_c:
-            depth += 1
-        elif c == close_c:
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    raise ValueError(f"unbalanced {open_c}{close_c}")
-
-
-_TENSOR_RE = re.compile(r"tensor<([^>]*)>")
-_ALIAS_RE = re.compile(r"tf\.aliasing_output\s*=\s*(\d+)")
-
-
-@dataclass(frozen=True)
-class MainSignature:
-    inputs: tuple[str, ...]  # tensor types, e.g. "tensor<1x1xi32>"
-    outputs: tuple[str, ...]
-    aliases: tuple[tuple[int, int], ...]  # (output index, input index) from tf.aliasing_output
-
-
-def parse_main_signature(text: str) -> MainSignature:
-    """Read @main's parameter and result types and its aliasing attributes from StableHLO text."""
-    m = _MAIN_RE.search(text)
-    if not m:
-        raise ValueError("no func.func @main")
-    open_at = m.end() - 1
-    close_at = _matching(text, open_at, "(", ")")
-    params = _split_top_level(text[open_at + 1:close_at])
-    inputs, aliases = [], []
-    for idx, p in enumerate(params):
-        t = _TENSOR_RE.search(p)
-        if not t:
-            raise ValueError(f"parameter {idx} of @main is not a tensor: {p[:80]}")
-        inputs.append(f"tensor<{t.group(1)}>")
-        a = _ALIAS_RE.search(p)
-        if a:
-            aliases.append((int(a.group(1)), idx))
-    rest = text[close_at + 1:].lstrip()
-    if not rest.startswith("->"):
-        raise ValueError("@main has no results")
-    rest = rest[2:].lstrip()
-    if rest.startswith("("):
-        end = _matching(rest, 0, "(", ")")
-        results = _split_top_level(rest[1:end])
-    else:
-        results = [rest.split("{", 1)[0]]
-    outputs = []
-    for r in results:
-        t = _TENSOR_RE.search(r)
-        if not t:
-            raise ValueError(f"a result of @main is not a tensor: {r[:80]}")
-        outputs.append(f"tensor<{t.group(1)}>")
-    return MainSignature(tuple(inputs), tuple(outputs), tuple(sorted(aliases)))
-
-
-def strip_aliasing(text: str) -> str:
-    """The same body without its tf.aliasing_output attributes: the pools are then copied, not
-    updated in place (the donate_kv_pools=false control)."""
-    text = re.sub(r",\s*tf\.aliasing_output\s*=\s*\d+\s*:\s*i32", "", text)
-    return re.sub(r"tf\.aliasing_output\s*=\s*\d+\s*:\s*i32\s*,?\s*", "", text)
 
 
 # --------------------------------------------------------------------------- loading

@@ -1,4 +1,8 @@
-"""Metric updates applied off the batcher thread.
+"""What the batcher reports, and metric updates applied off its thread.
+
+`Observer` is what the batcher calls after each call, refusal and reclamation; `BatcherStats`
+(its own counters), `TimingLog` (one JSON line per call) and model_metrics.TritonMetrics (the
+Prometheus metrics) are observers. `CallTiming` takes one call's time apart.
 
 A Python-backend metric update (`pb_utils.Metric.increment`, `.set`, `.observe`) is a round trip
 to Triton's process, about 0.1 ms, and a decode step made ~20 of them (counters, gauges,
@@ -13,8 +17,11 @@ Pure Python: a metric is anything with increment / set / observe, so it is teste
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+from collections import deque
+from dataclasses import dataclass
 
 log = logging.getLogger("triton_tlaloc.metrics")
 
@@ -68,3 +75,97 @@ class MetricsWriter:
         self._stop.set()
         self._thread.join()
         self.flush()
+
+
+@dataclass
+class CallTiming:
+    """Where one call's time went, in seconds (the step profile, scripts/step_profile.py): the
+    longest wait of its requests (arrival in execute() to the start of its round), admission of
+    the round's requests, building the step inputs, putting them on the device, the executable,
+    the logits copy, the replies (responses built and sent), and the rest (the engine's own
+    bookkeeping). `total` is admission to the last reply sent."""
+
+    kind: str
+    entry: str
+    rows: int
+    tokens: int
+    wait: float
+    admit: float
+    build: float
+    inputs: float
+    execute: float
+    copy: float
+    respond: float
+    other: float
+    total: float
+
+    PHASES = ("wait", "admit", "build", "inputs", "execute", "copy", "respond", "other")
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "entry": self.entry, "rows": self.rows, "tokens": self.tokens,
+                **{f"{k}_ms": round(getattr(self, k) * 1e3, 4) for k in (*self.PHASES, "total")}}
+
+
+class Observer:
+    """What the batcher reports; every method is optional (a no-op here)."""
+
+    def call(self, kind: str, entry: str, rows: int, tokens: int, waits_s: list[float],
+             seconds: float, executions: int = 1) -> None:
+        pass
+
+    def refusal(self, reason: str) -> None:
+        pass
+
+    def reclaimed(self, sequences: int, pages: int) -> None:
+        pass
+
+    def state(self, pools: dict[str, tuple[int, int]], sequences: int) -> None:
+        """pools: name -> (pages used, pages free)."""
+
+    def timing(self, t: CallTiming) -> None:
+        pass
+
+
+class TimingLog(Observer):
+    """One JSON line per call (CallTiming) appended to a file: the backend's timing log, read
+    by scripts/step_profile.py. Opt-in (model parameter timing_log): a line is ~250 bytes a step."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "a", buffering=1)
+
+    def timing(self, t: CallTiming) -> None:
+        self._file.write(json.dumps(t.to_json()) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class BatcherStats(Observer):
+    """Counters kept by the batcher itself."""
+
+    def __init__(self):
+        self.calls = {"decode": 0, "prefill": 0}
+        self.rows = {"decode": 0, "prefill": 0}
+        self.tokens = {"decode": 0, "prefill": 0}
+        self.refusals: dict[str, int] = {}
+        self.pages_reclaimed = 0
+        self.sequences_reclaimed = 0
+        self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
+        self.call_sizes: list[tuple[str, int]] = []
+
+    def call(self, kind: str, entry: str, rows: int, tokens: int, waits_s: list[float],
+             seconds: float, executions: int = 1) -> None:
+        self.calls[kind] += executions
+        self.rows[kind] += rows
+        self.tokens[kind] += tokens
+        self.waits_s.extend(waits_s)
+        if len(self.call_sizes) < 100_000:
+            self.call_sizes.append((kind, rows))
+
+    def refusal(self, reason: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+    def reclaimed(self, sequences: int, pages: int) -> None:
+        self.sequences_reclaimed += sequences
+        self.pages_reclaimed += pages

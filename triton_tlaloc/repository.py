@@ -152,7 +152,8 @@ def write_program_repository(source: str | os.PathLike, repo: str | os.PathLike,
     generic StableHLO program (a .mlir file; its weight files are named relative to it)."""
     from .programs.bounded import BOUNDED_MANIFEST, load_bounded
     from .programs.generic import (ARGUMENT_KINDS, RESULT_KINDS, TRITON_TYPES, ProgramError,
-                          check_bindings, format_bindings, parse_bindings, read_signature)
+                                   check_bindings, format_bindings, parse_bindings)
+    from .stablehlo import read_signature
 
     src = Path(source).resolve()
     if opts.instance_kind not in INSTANCE_KINDS:

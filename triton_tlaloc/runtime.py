@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from .manifest import (LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, STATE_STEP_ROLES, STEP_ROLES,
-                       WEIGHT, WINDOW_STEP_ROLES, Artifact, Entry, load_artifact, numpy_dtype,
-                       strip_aliasing)
+                       WEIGHT, WINDOW_STEP_ROLES, Artifact, Entry, load_artifact, numpy_dtype)
+from .stablehlo import strip_aliasing
 
 log = logging.getLogger("triton_tlaloc.runtime")
 

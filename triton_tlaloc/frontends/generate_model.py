@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..backend import model_settings, setup_logging
 from ..metrics import MetricsWriter
 from .sampling import Sampler, SamplingError, SamplingParams, TextStream
 
@@ -49,11 +50,8 @@ def _string_input(request, name: str) -> str | None:
 
 class TritonPythonModel:
     def initialize(self, args):
-        from ..model import _setup_logging
-
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        _setup_logging(args["model_name"])
+        params = model_settings(args, {"eos_token_ids": "", "tokenizer_dir": ""}).params
+        setup_logging(args["model_name"])
         self.model_name = args["model_name"]
         self.sequence_model = params["sequence_model"]
         self.eos_ids = {int(t) for t in params.get("eos_token_ids", "").split(",") if t}

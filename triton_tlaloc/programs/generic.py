@@ -23,7 +23,6 @@ slices each request's rows back.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..manifest import numpy_dtype
+from ..stablehlo import ProgramError, Signature, TensorType, read_signature, specialize
 
 log = logging.getLogger("triton_tlaloc.programs.generic")
 
@@ -45,119 +45,11 @@ TRITON_TYPES = {"i1": "TYPE_BOOL", "i8": "TYPE_INT8", "i16": "TYPE_INT16", "i32"
                 "bf16": "TYPE_BF16", "f32": "TYPE_FP32", "f64": "TYPE_FP64"}
 
 
-class ProgramError(ValueError):
-    """A program, binding or request refused; the message names the problem."""
-
-
-@dataclass(frozen=True)
-class TensorType:
-    dtype: str  # StableHLO element type
-    dims: tuple  # ints; None for a dynamic dimension
-
-    @property
-    def static(self) -> bool:
-        return all(d is not None for d in self.dims)
-
-    def text(self) -> str:
-        return "tensor<" + "".join(f"{'?' if d is None else d}x" for d in self.dims) \
-            + self.dtype + ">"
-
-    def __str__(self) -> str:
-        return f"{self.dtype}[{', '.join('?' if d is None else str(d) for d in self.dims)}]"
-
-    def fits(self, a: np.ndarray, any_rows: bool = False) -> bool:
-        """Whether `a` has this type; with any_rows, whatever its leading axis (a batch)."""
+def fits(t: TensorType, a: np.ndarray, any_rows: bool = False) -> bool:
+        """Whether `a` has the type `t`; with any_rows, whatever its leading axis (a batch)."""
         skip = 1 if any_rows else 0
-        return (a.dtype == numpy_dtype(self.dtype) and a.ndim == len(self.dims)
-                and all(d is None or d == n for d, n in zip(self.dims[skip:], a.shape[skip:])))
-
-
-@dataclass(frozen=True)
-class Signature:
-    inputs: list
-    results: list
-
-
-def _ir():
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib.mlir import ir
-    return jax_mlir, ir
-
-
-def _main_op(module, ir):
-    for op in module.body.operations:
-        if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main":
-            return op
-    raise ProgramError("the program has no @main function")
-
-
-def _tensor_type(t, ir) -> TensorType:
-    rt = ir.RankedTensorType(t)
-    return TensorType(str(rt.element_type),
-                      tuple(None if rt.is_dynamic_dim(i) else rt.shape[i] for i in range(rt.rank)))
-
-
-def read_signature(text: str) -> Signature:
-    """@main's argument and result types."""
-    jax_mlir, ir = _ir()
-    with jax_mlir.make_ir_context():
-        try:
-            module = ir.Module.parse(text)
-        except Exception as e:
-            raise ProgramError(f"the program is not StableHLO text MLIR can parse: "
-                               f"{str(e).splitlines()[0]}") from None
-        ftype = ir.FunctionType(ir.TypeAttr(_main_op(module, ir).attributes["function_type"]).value)
-        return Signature([_tensor_type(t, ir) for t in ftype.inputs],
-                         [_tensor_type(t, ir) for t in ftype.results])
-
-
-def specialize(text: str, shapes: list[tuple[int, ...]], aliases: dict[int, int]) -> str:
-    """The program at static argument shapes `shapes`, with argument i donated to result
-    aliases[i]: the program becomes a private function called from a new @main of those types,
-    and StableHLO's shape refinement makes every shape in it static (and checks the program's
-    own shape assertions, so inputs of inconsistent shapes are refused here)."""
-    jax_mlir, ir = _ir()
-    with jax_mlir.make_ir_context():
-        module = ir.Module.parse(text)
-        main = _main_op(module, ir)
-        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
-        inputs = [_tensor_type(t, ir) for t in ftype.inputs]
-        results = [str(t) for t in ftype.results]
-        main.attributes["sym_name"] = ir.StringAttr.get("_tlaloc_program")
-        main.attributes["sym_visibility"] = ir.StringAttr.get("private")
-        for key in ("arg_attrs", "res_attrs"):  # aliases are set on the new @main only
-            if key in main.attributes:
-                del main.attributes[key]
-        static = [TensorType(t.dtype, tuple(s)).text() for t, s in zip(inputs, shapes)]
-        params = ", ".join(f"%a{i}: {t}" + (f" {{tf.aliasing_output = {aliases[i]} : i32}}"
-                                              if i in aliases else "")
-                           for i, t in enumerate(static))
-        lines = [f"  func.func public @main({params}) -> ({', '.join(results)}) {{"]
-        lines += [f"    %c{i} = stablehlo.convert %a{i} : ({s}) -> {t.text()}"
-                  for i, (s, t) in enumerate(zip(static, inputs))]
-        call = (f"func.call @_tlaloc_program({', '.join(f'%c{i}' for i in range(len(inputs)))})"
-                f" : ({', '.join(t.text() for t in inputs)}) -> ({', '.join(results)})")
-        if results:
-            lines.append(f"    %r:{len(results)} = {call}")
-            lines.append(f"    return {', '.join(f'%r#{i}' for i in range(len(results)))} : "
-                         f"{', '.join(results)}")
-        else:
-            lines += [f"    {call}", "    return"]
-        lines.append("  }")
-        body = module.operation.get_asm(enable_debug_info=False).rstrip()
-        assert body.endswith("}")
-        wrapped = ir.Module.parse(body[:-1] + "\n".join(lines) + "\n}\n")
-        try:
-            refined = jax_mlir.refine_polymorphic_shapes(wrapped)
-        except Exception as e:
-            raise ProgramError(_first_line(e)) from None
-        return refined.operation.get_asm(enable_debug_info=False)
-
-
-def _first_line(e: Exception) -> str:
-    msg = str(e)
-    found = re.search(r"(Input shapes do not match[^.]*\.[^.]*\.)", msg)
-    return found.group(1) if found else msg.strip().splitlines()[0][:400]
+        return (a.dtype == numpy_dtype(t.dtype) and a.ndim == len(t.dims)
+                and all(d is None or d == n for d, n in zip(t.dims[skip:], a.shape[skip:])))
 
 
 # ------------------------------------------------------------------ bindings
@@ -285,7 +177,7 @@ def check_bindings(sig: Signature, args: list[Binding], res: list[Binding], weig
             if not load:
                 continue
             a = np.fromfile(path, dtype=dtype).reshape(t.dims)
-        if not t.fits(a):
+        if not fits(t, a):
             raise ProgramError(f"argument {i} ({b}): {a.dtype} {list(a.shape)} in the "
                                f"file, the program takes {t}")
         weights[i] = a
@@ -356,7 +248,7 @@ class ProgramRuntime:
             if name not in arrays:
                 return f"input {name} is missing"
             a = arrays[name]
-            if not t.fits(a, any_rows):
+            if not fits(t, a, any_rows):
                 return f"input {name} must be {t}, got {a.dtype} {list(a.shape)}"
         return None
 

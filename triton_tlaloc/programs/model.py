@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .bounded import BoundedError, BoundedRuntime
+from ..backend import error_response, model_settings, parse_bool, setup_logging
 from ..metrics import MetricsWriter
-from ..model import _bool, _setup_logging, model_settings
+from .bounded import BoundedError, BoundedRuntime
 from .generic import (ARGUMENT_KINDS, RESULT_KINDS, ProgramError, ProgramRuntime, parse_bindings,
                       run_batch)
 
@@ -63,13 +63,13 @@ def _output_tensor(name: str, a: np.ndarray):
 
 class TritonPythonModel:
     def initialize(self, args):
-        _setup_logging(args["model_name"])
+        setup_logging(args["model_name"])
         t0 = time.perf_counter()
         config, params, version_dir, platform, device = model_settings(args, DEFAULTS)
         cache = Path(params["compile_cache_dir"]) if params["compile_cache_dir"] else None
         self.input_types = {i["name"]: i["data_type"] for i in config.get("input", [])}
         self.max_batch = int(config.get("max_batch_size", 0))
-        self.group_by_shape = _bool(params["group_by_shape"])
+        self.group_by_shape = parse_bool(params["group_by_shape"])
         self.bounded = self.runtime = None
         if params["bounded_manifest"]:
             manifest = version_dir / params["bounded_manifest"]
@@ -83,7 +83,7 @@ class TritonPythonModel:
                 parse_bindings(params["arguments"], ARGUMENT_KINDS, "arguments"),
                 parse_bindings(params["results"], RESULT_KINDS, "results"),
                 platform=platform, device_index=device, weights_root=version_dir,
-                donate_state=_bool(params["donate_state"]), cache_dir=cache)
+                donate_state=parse_bool(params["donate_state"]), cache_dir=cache)
             if self.runtime.stateful and self.max_batch:
                 raise ProgramError("a program with state runs one request at a time, in order: "
                                    "max_batch_size must be 0")
@@ -143,11 +143,8 @@ class TritonPythonModel:
             except Exception as e:
                 log.exception("building a response failed")
                 answer = RuntimeError(f"building the response failed: {type(e).__name__}: {e}")
-        code = (pb_utils.TritonError.INVALID_ARG
-                if isinstance(answer, (ProgramError, BoundedError))
-                else pb_utils.TritonError.INTERNAL)
-        return pb_utils.InferenceResponse(output_tensors=[],
-                                          error=pb_utils.TritonError(str(answer), code))
+        refused = isinstance(answer, (ProgramError, BoundedError))
+        return error_response(str(answer), "INVALID_ARG" if refused else "INTERNAL")
 
     def _run(self, live: list[int], arrays: list[dict], answers: list) -> None:
         if self.bounded is not None:

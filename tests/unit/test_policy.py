@@ -1,54 +1,23 @@
-"""When the batcher runs what, and what it reclaims: a fake clock and a fake runner (no JAX, no
-Triton), deterministic and fast. The artifact is only read for its entries and pool size."""
+"""When the batcher runs what, and what it reclaims: a fake clock and a fake runtime over an
+artifact described in code (tests/unit/fakes.py), deterministic and fast."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from fakes import Clock, FakeRuntime, fake_artifact
 
-from triton_tlaloc.batcher import INVALID_ARG, UNAVAILABLE, Batcher, BatchPolicy, Reply, Request
+from triton_tlaloc.batcher import INVALID_ARG, UNAVAILABLE, Batcher, Reply, Request
 from triton_tlaloc.engine import Engine
-from triton_tlaloc.manifest import load_artifact
 from triton_tlaloc.pages import choose_reclaim
+from triton_tlaloc.policy import BatchPolicy, Cohort, select
 
 MS = 1e-3
 
 
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
-
-    def advance(self, seconds):
-        self.t += seconds
-
-
-class FakeRuntime:
-    """Runs no program: each row's logits are one-hot at (last token + last position) % vocab,
-    so a reply shows which row it came from. Records every call."""
-
-    def __init__(self, artifact):
-        self.artifact = artifact
-        self.executables = {name: None for name in artifact.entries}
-        self.calls: list[tuple[str, int]] = []
-        self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
-
-    def run(self, entry_name, step):
-        tokens, positions, lens = step["TOKEN_IDS"], step["POSITIONS"], step["SEQ_LENS"]
-        vocab = self.artifact.model.vocab
-        logits = np.zeros((tokens.shape[0], vocab), np.float32)
-        for r in range(tokens.shape[0]):
-            logits[r, (tokens[r, -1] + positions[r, -1]) % vocab] = 1.0
-        self.calls.append((entry_name, int((lens > 0).sum())))
-        return logits
-
-
 @pytest.fixture(scope="module")
-def artifact(tiny):
+def artifact():
     # batches 1 and 2, contexts 32 and 128, 8-token pages, 32 usable pages
-    return load_artifact(tiny.artifact("llama", False))
+    return fake_artifact()
 
 
 class Harness:
@@ -234,3 +203,46 @@ def test_choose_reclaim_covers_every_pool():
     assert choose_reclaim(cands, {"full": 0, "windowed": 4}, now=100.0, idle_limit=10.0) == \
         ["a", "b", "c"]
     assert choose_reclaim(cands, {"full": 6, "windowed": 0}, now=100.0, idle_limit=10.0) == []
+
+
+class Queued:
+    def __init__(self, seq_id, arrived=0.0, prompt=False, group=1):
+        self.seq_id, self.arrived, self.is_prompt, self.group = seq_id, arrived, prompt, group
+
+
+def test_select_one_request_per_sequence_in_arrival_order():
+    pending = [Queued("a"), Queued("b"), Queued("a"), Queued("c")]
+    taken, wake = select(pending, now=0.0, policy=BatchPolicy(), cohort=Cohort(set()),
+                         held={"a", "b", "c"}, max_prefill_batch=2)
+    assert [r.seq_id for r in taken] == ["a", "b", "c"] and taken[0] is pending[0]
+    assert wake is None
+
+
+def test_select_waits_for_a_missing_cohort_member_until_the_deadline():
+    policy = BatchPolicy(cohort_wait_s=0.02)
+    cohort = Cohort({"a", "b"}, deadline=10.0)
+    pending = [Queued("a")]
+    assert select(pending, now=9.99, policy=policy, cohort=cohort, held={"a", "b"},
+                  max_prefill_batch=2) == ([], 10.0)
+    assert select(pending, now=10.0, policy=policy, cohort=cohort, held={"a", "b"},
+                  max_prefill_batch=2)[0] == pending
+    # a member the model no longer holds is not waited for
+    assert select(pending, now=9.0, policy=policy, cohort=cohort, held={"a"},
+                  max_prefill_batch=2)[0] == pending
+
+
+def test_select_holds_prompts_for_the_prefill_wait_unless_the_batch_is_full():
+    policy = BatchPolicy(prefill_wait_s=0.002)
+    one = [Queued("x", arrived=1.0, prompt=True)]
+    args = dict(policy=policy, cohort=Cohort(set()), held=set(), max_prefill_batch=2)
+    assert select(one, now=1.001, **args) == ([], 1.002)
+    assert select(one, now=1.002, **args)[0] == one
+    two = one + [Queued("y", arrived=1.001, prompt=True)]
+    assert select(two, now=1.001, **args)[0] == two
+
+
+def test_select_without_backend_batching_takes_one_execute_call():
+    pending = [Queued("a", group=1), Queued("b", group=1), Queued("c", group=2)]
+    taken, wake = select(pending, now=0.0, policy=BatchPolicy(backend_batching=False),
+                         cohort=Cohort({"z"}, 99.0), held={"z"}, max_prefill_batch=2)
+    assert [r.seq_id for r in taken] == ["a", "b"] and wake is None

@@ -1,0 +1,54 @@
+"""The PJRT runtime: step inputs checked against the program, the compile cache, pools never
+copied inside a program."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from triton_tlaloc.runtime import Runtime, StepInputError
+from triton_tlaloc.steps import Row, build_step
+
+
+def test_runtime_checks_shape_and_dtype_that_pjrt_does_not(tiny):
+    art = tiny.artifact("llama", False)
+    rt = Runtime(art, entries=["decode_b1_c32"])
+    entry = rt.artifact.entries["decode_b1_c32"]
+    good = build_step(entry, [Row((5,), 0, (1,))], 8)
+    bad = dict(good, BLOCK_TABLES=good["BLOCK_TABLES"].astype(np.float32))  # same byte size
+    with pytest.raises(StepInputError, match="BLOCK_TABLES must be i32 \\[1, 4\\], got float32"):
+        rt.run("decode_b1_c32", bad)
+    bad = dict(good, BLOCK_TABLES=good["BLOCK_TABLES"].reshape(4, 1))
+    with pytest.raises(StepInputError, match="BLOCK_TABLES must be i32 \\[1, 4\\], got int32 \\[4, 1\\]"):
+        rt.run("decode_b1_c32", bad)
+    assert rt.donation.runs == 0, "a refused step runs nothing"
+    assert rt.run("decode_b1_c32", good).shape == (1, 256)
+
+
+def test_second_load_comes_from_the_compile_cache(tiny, tmp_path):
+    art = tiny.artifact("qwen3", True)
+    first = Runtime(art, cache_dir=tmp_path)
+    n = len(first.artifact.entries)
+    assert (first.compile_stats.compiled, first.compile_stats.cache_hits) == (n, 0)
+    second = Runtime(art, cache_dir=tmp_path)
+    assert (second.compile_stats.compiled, second.compile_stats.cache_hits) == (0, n)
+    step = build_step(first.artifact.entries["prefill_b1_c32"], [Row((1, 2, 3), 0, (1,))], 8)
+    assert np.array_equal(first.run("prefill_b1_c32", step), second.run("prefill_b1_c32", step))
+    # the control program (aliases stripped) is a different text: its own cache entries
+    control = Runtime(art, cache_dir=tmp_path, donate=False)
+    assert control.compile_stats.compiled == n
+
+
+def test_no_entry_copies_its_pools(tiny):
+    """An entry's temporary memory must not grow with the pools: a pool copied inside the
+    program (XLA turns a one-index scatter into a dynamic-update-slice on a copy) would add a
+    pool's bytes per layer. Same model, 33 and 2049 pages: the same temp bytes per entry."""
+    temps = {}
+    for pages in (33, 2049):
+        rt = Runtime(tiny.artifact("llama", False, num_blocks=pages))
+        temps[pages] = {name: ex.get_compiled_memory_stats().temp_size_in_bytes
+                        for name, ex in rt.executables.items()}
+        pool_bytes = rt.pool_bytes // len(rt.pools)
+    assert pool_bytes > 2 * 2**20
+    for name in temps[33]:
+        assert temps[2049][name] == temps[33][name], (name, temps[2049][name], temps[33][name])

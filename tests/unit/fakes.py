@@ -1,0 +1,90 @@
+"""Test doubles for the pure-Python parts: a clock the test moves, an artifact described in code
+(no export, no files), and a runtime that compiles nothing (engine.StepRuntime)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from triton_tlaloc.manifest import (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Artifact, Entry, KvPool,
+                                    LinearState, ModelShape, Program, WindowedKv)
+
+
+class Clock:
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def _entry(kind: str, batch: int, context: int, tokens: int, suffix: str = "") -> Entry:
+    name = f"{kind}_b{batch}_c{context}{suffix}"
+    return Entry(name, kind, batch, context, tokens, body="", sha256="", program_path="",
+                 program=Program(name, (), (), ()))
+
+
+def fake_artifact(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, vocab=256,
+                  num_blocks=None, prefill_tokens=(32, 64), window=None, ring_pages=0,
+                  window_blocks=0, state_slots=0, refused_tokens=()) -> Artifact:
+    """The entries and pools an export of these ladders has (the tests' tiny llama by default:
+    batches 1 and 2, contexts 32 and 128, pages of 8 tokens, 33 pages of which 32 usable), with
+    no body, program or weight behind them. `window` adds a windowed pool of rings (schema v3),
+    `state_slots` linear-attention state slots (schema v4)."""
+    if num_blocks is None:
+        num_blocks = max(batch_ladder) * max(context_ladder) // block_size + 1
+    entries = {}
+    for c in sorted(context_ladder):
+        for b in sorted(batch_ladder):
+            for e in [_entry("decode", b, c, 1)] + [
+                    _entry("prefill", b, c, t, f"_t{t}") for t in prefill_tokens if t < c] + [
+                    _entry("prefill", b, c, c)]:
+                entries[e.name] = e
+    model = ModelShape(family="llama", model_name="fake", model_hash="", layers=1, heads=1,
+                       kv_heads=1, head_size=4, hidden_size=4, intermediate_size=4, vocab=vocab,
+                       block_size=block_size, num_blocks=num_blocks, weight_dtype="f32",
+                       kv_dtype="f32", max_positions=max(context_ladder),
+                       refused_tokens=tuple(refused_tokens))
+    shape = (num_blocks, block_size, 1, 4)
+    pools = (KvPool("k0", 0, "k", "f32", shape), KvPool("v0", 0, "v", "f32", shape))
+    windowed = linear = None
+    schema = SCHEMA_V2
+    if window is not None:
+        schema = SCHEMA_V3
+        windowed = WindowedKv(window, (0,), ring_pages, window_blocks)
+        pools = tuple(KvPool(p.name, 0, p.kind, "f32", (window_blocks, block_size, 1, 4),
+                             "windowed") for p in pools)
+    if state_slots:
+        schema = SCHEMA_V4
+        linear = LinearState((0,), state_slots, 4, 1, 1, 4, 4, ())
+    return Artifact(Path("fake-artifact"), schema, model, tuple(batch_ladder),
+                    tuple(context_ladder), entries, (), pools, windowed=windowed,
+                    linear_state=linear)
+
+
+class FakeRuntime:
+    """Runs no program: each row's logits are one-hot at (last token + last position) % vocab,
+    so a reply shows which row it came from. Records every call as (entry, live rows)."""
+
+    def __init__(self, artifact: Artifact):
+        self.artifact = artifact
+        self.executables = {name: None for name in artifact.entries}
+        self.calls: list[tuple[str, int]] = []
+        self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
+        self.fail_next = None  # an exception the next run raises
+
+    def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
+        if self.fail_next is not None:
+            e, self.fail_next = self.fail_next, None
+            raise e
+        tokens, positions, lens = step["TOKEN_IDS"], step["POSITIONS"], step["SEQ_LENS"]
+        vocab = self.artifact.model.vocab
+        logits = np.zeros((tokens.shape[0], vocab), np.float32)
+        for r in range(tokens.shape[0]):
+            logits[r, (tokens[r, -1] + positions[r, -1]) % vocab] = 1.0
+        self.calls.append((entry_name, int((lens > 0).sum())))
+        return logits

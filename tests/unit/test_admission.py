@@ -1,0 +1,135 @@
+"""Admission, refusal, rollback, rings and state slots through the engine and the batcher over a
+fake runtime: every refusal names the problem and leaves the sequence and the pools as they
+were; every request is answered exactly once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fakes import Clock, FakeRuntime, fake_artifact
+
+from triton_tlaloc.batcher import INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, Reply, Request
+from triton_tlaloc.engine import Engine, RequestError, Sequence
+from triton_tlaloc.pages import PagesExhausted
+from triton_tlaloc.policy import BatchPolicy
+
+
+def snapshot(engine: Engine, seq: Sequence) -> tuple:
+    return (list(seq.token_ids), seq.num_cached, list(seq.pages), list(seq.ring),
+            seq.state_slot, {k: p.free for k, p in engine.pools().items()})
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ([5, 256], "token id 256 is outside the vocabulary \\[0, 256\\)"),
+    ([5, 7], "token id 7 is the checkpoint's image_token_id placeholder"),
+    (list(range(8, 137)), "133 positions would exceed the largest context 128"),
+])
+def test_a_refused_admission_changes_nothing(tokens, message):
+    engine = Engine(FakeRuntime(fake_artifact(refused_tokens=(
+        {"id": 7, "configKey": "image_token_id"},))))
+    seq = Sequence([])
+    engine.admit(seq, [1, 2, 3, 4])
+    before = snapshot(engine, seq)
+    with pytest.raises(RequestError, match=message):
+        engine.admit(seq, tokens)
+    assert snapshot(engine, seq) == before
+
+
+def test_a_full_pool_refuses_without_taking_a_page_then_admits_after_a_release():
+    engine = Engine(FakeRuntime(fake_artifact()))  # 32 usable pages of 8 tokens
+    holders = [Sequence([]) for _ in range(2)]
+    for s in holders:
+        engine.admit(s, list(range(1, 121)))  # 15 pages each
+    seq = Sequence([])
+    with pytest.raises(PagesExhausted, match="3 pages needed, 2 free of 32"):
+        engine.admit(seq, list(range(1, 21)))
+    assert engine.pages.free == 2 and seq.pages == [] and seq.token_ids == []
+    engine.free(holders[0])
+    engine.admit(seq, list(range(1, 21)))
+    assert len(seq.pages) == 3 and engine.pages.free == 14
+
+
+class Harness:
+    def __init__(self, artifact, **policy):
+        self.clock = Clock()
+        self.rt = FakeRuntime(artifact)
+        self.batcher = Batcher(Engine(self.rt), BatchPolicy(**policy), clock=self.clock)
+        self.replies: dict = {}
+
+    def send(self, seq_id, tokens, start=False, end=False):
+        def reply_fn(reply: Reply):
+            self.replies.setdefault(seq_id, []).append(reply)
+        self.batcher.submit(Request(seq_id, list(tokens), start, end, reply_fn))
+        self.clock.advance(1.0)  # past every wait: each send runs in its own round
+        while self.batcher.run_pending():
+            pass
+        return self.replies[seq_id][-1]
+
+
+def test_a_failed_call_answers_once_with_internal_and_rolls_the_sequence_back():
+    h = Harness(fake_artifact())
+    assert h.send("a", [1, 2, 3], start=True).error is None
+    seq = h.batcher.sequences["a"]
+    before = snapshot(h.batcher.engine, seq)
+    h.rt.fail_next = RuntimeError("device lost")
+    reply = h.send("a", [4])
+    assert reply.code == INTERNAL and "decode call failed: RuntimeError: device lost" in reply.error
+    assert len(h.replies["a"]) == 2
+    assert snapshot(h.batcher.engine, seq) == before, "rolled back to before the request"
+    assert h.send("a", [4]).logits is not None, "the same request then succeeds"
+    # a failed START leaves no sequence behind
+    h.rt.fail_next = RuntimeError("device lost")
+    assert h.send("b", [1, 2], start=True).code == INTERNAL
+    assert "b" not in h.batcher.sequences
+
+
+def test_a_hybrid_models_state_slots_are_held_for_life_refused_by_name_and_reused():
+    h = Harness(fake_artifact(state_slots=1))
+    assert h.send("a", [1, 2, 3], start=True).error is None
+    assert h.batcher.sequences["a"].state_slot == 0
+    reply = h.send("b", [1, 2], start=True)
+    assert reply.code == UNAVAILABLE and "no free linear-attention state slot" in reply.error
+    assert "b" not in h.batcher.sequences and h.batcher.sequences["a"].state_slot == 0
+    assert h.send("a", [4]).logits is not None, "the holder goes on"
+    assert h.send("a", [], end=True).error is None
+    assert h.send("b", [1, 2], start=True).error is None
+    assert h.batcher.sequences["b"].state_slot == 0
+
+
+def test_a_windowed_sequence_holds_at_most_its_ring():
+    # every layer sliding (window 8, pages of 8): rings of 2 pages, no full-history pages
+    h = Harness(fake_artifact(window=8, ring_pages=2, window_blocks=9))
+    h.send("a", list(range(1, 9)), start=True)
+    for t in range(40):
+        assert h.send("a", [t + 1]).logits is not None
+    seq = h.batcher.sequences["a"]
+    assert len(seq.token_ids) == 48 and seq.pages == [] and len(seq.ring) == 2
+
+
+def test_unknown_sequence_and_empty_tokens_are_refused_by_name():
+    h = Harness(fake_artifact())
+    reply = h.send("x", [5])
+    assert reply.code == INVALID_ARG and "is not held by the model" in reply.error
+    h.send("y", [1], start=True)
+    reply = h.send("y", [])
+    assert reply.code == INVALID_ARG and "TOKENS is empty" in reply.error
+
+
+def test_the_thread_answers_every_request_and_stop_answers_the_rest():
+    batcher = Batcher(Engine(FakeRuntime(fake_artifact())), BatchPolicy(prefill_wait_s=0.0))
+    replies, done = [], threading.Event()
+
+    def reply_fn(reply):
+        replies.append(reply)
+        if len(replies) == 8:
+            done.set()
+    batcher.start()
+    for i in range(8):
+        batcher.submit(Request(f"s{i}", [1, 2, 3], True, False, reply_fn))
+    assert done.wait(10), f"{len(replies)} of 8 answered"
+    assert all(r.logits is not None for r in replies)
+    batcher.stop()
+    late = []
+    batcher.submit(Request("late", [1], True, False, late.append))
+    assert late[0].code == UNAVAILABLE and "unloading" in late[0].error

@@ -1,0 +1,117 @@
+"""The sequence model's Prometheus metrics: an observer of the batcher (metrics.Observer) whose
+updates go through a MetricsWriter, shown on Triton's metrics port. README.md names them."""
+
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+from .metrics import MetricsWriter, Observer
+
+
+class TritonMetrics(Observer):
+    """The batcher's observer: Prometheus metrics on Triton's metrics port (README.md names
+    them). Every metric carries the model's name as a label."""
+
+    WAIT_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
+    EXEC_BUCKETS = [1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+    SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+    def __init__(self, model_name: str, interval_s: float = 0.25):
+        F = pb_utils.MetricFamily
+        self.labels = {"model": model_name}
+        # Updates are applied on the writer's thread (metrics.py): each is an IPC round trip.
+        self.writer = MetricsWriter(interval_s)
+        self.has_histograms = hasattr(F, "HISTOGRAM")
+
+        # A MetricFamily must outlive its Metrics: every family is kept here.
+        self.families = []
+
+        def family(name, description, kind):
+            self.families.append(F(name=name, description=description, kind=kind))
+            return self.families[-1]
+
+        pages_used = family("tlaloc_kv_pages_used", "KV pages held by sequences", F.GAUGE)
+        pages_free = family("tlaloc_kv_pages_free", "KV pages free", F.GAUGE)
+        self.pages_used = {pool: pages_used.Metric(labels={**self.labels, "pool": pool})
+                           for pool in ("full", "windowed")}
+        self.pages_free = {pool: pages_free.Metric(labels={**self.labels, "pool": pool})
+                           for pool in ("full", "windowed")}
+        # A hybrid model's linear-attention state slots (schema v4), one per live sequence.
+        self.pages_used["state"] = family(
+            "tlaloc_state_slots_used", "Linear-attention state slots held by sequences",
+            F.GAUGE).Metric(labels=self.labels)
+        self.pages_free["state"] = family(
+            "tlaloc_state_slots_free", "Linear-attention state slots free",
+            F.GAUGE).Metric(labels=self.labels)
+        self.sequences = family("tlaloc_sequences_held", "Sequences holding state in the "
+                                "backend", F.GAUGE).Metric(labels=self.labels)
+        self._memory = family("tlaloc_device_bytes", "Bytes the model holds on its device, by "
+                              "what (weights, kv_pools, state_pools)", F.GAUGE)
+        self._executions = family("tlaloc_executions_total", "Entry executions by kind",
+                                  F.COUNTER)
+        self._tokens = family("tlaloc_tokens_total", "Tokens run, prefill and decode", F.COUNTER)
+        self._refusals = family("tlaloc_refusals_total", "Requests refused, by reason",
+                                F.COUNTER)
+        self.reclaimed_pages = family("tlaloc_pages_reclaimed_total", "KV pages reclaimed from "
+                                      "sequences Triton ended", F.COUNTER).Metric(labels=self.labels)
+        self.reclaimed_sequences = family(
+            "tlaloc_sequences_reclaimed_total", "Sequences reclaimed after Triton ended them",
+            F.COUNTER).Metric(labels=self.labels)
+        self._phases = family("tlaloc_call_phase_seconds_total", "Seconds spent in each phase "
+                              "of the calls (batcher.CallTiming), by kind of call", F.COUNTER)
+        self._by_label: dict = {}
+        if self.has_histograms:
+            self._batch = family("tlaloc_batch_size", "Rows per execution", F.HISTOGRAM)
+            self._exec = family("tlaloc_execution_seconds", "Execution time of a call",
+                                F.HISTOGRAM)
+            self.wait = family("tlaloc_backend_wait_seconds", "Time a request waits in the "
+                               "backend before its execution starts", F.HISTOGRAM).Metric(
+                labels=self.labels, buckets=self.WAIT_BUCKETS)
+            self.send = family("tlaloc_response_send_seconds", "Time a response takes to hand "
+                               "over to Triton (the python backend's IPC)", F.HISTOGRAM).Metric(
+                labels=self.labels, buckets=self.WAIT_BUCKETS)
+
+    def memory(self, weights: int, kv_pools: int, state_pools: int) -> None:
+        for what, n in (("weights", weights), ("kv_pools", kv_pools),
+                        ("state_pools", state_pools)):
+            self.writer.set(self._metric(self._memory, what=what), n)
+
+    def sent(self, seconds: float) -> None:
+        if self.has_histograms:
+            self.writer.observe(self.send, seconds)
+
+    def _metric(self, family, buckets=None, **labels):
+        """The family's metric for these labels (with the model's), made on first use."""
+        k = (id(family), tuple(sorted(labels.items())))
+        if k not in self._by_label:
+            kw = {"buckets": buckets} if buckets is not None else {}
+            self._by_label[k] = family.Metric(labels={**self.labels, **labels}, **kw)
+        return self._by_label[k]
+
+    def call(self, kind, entry, rows, tokens, waits_s, seconds, executions=1):
+        w = self.writer
+        w.increment(self._metric(self._executions, kind=kind), executions)
+        w.increment(self._metric(self._tokens, kind=kind), tokens)
+        if self.has_histograms:
+            w.observe(self._metric(self._batch, self.SIZE_BUCKETS, kind=kind), rows)
+            w.observe(self._metric(self._exec, self.EXEC_BUCKETS, kind=kind), seconds)
+            for wait in waits_s:
+                w.observe(self.wait, wait)
+
+    def refusal(self, reason):
+        self.writer.increment(self._metric(self._refusals, reason=reason), 1)
+
+    def timing(self, t):
+        for phase in t.PHASES:
+            self.writer.increment(self._metric(self._phases, kind=t.kind, phase=phase),
+                                  getattr(t, phase))
+
+    def reclaimed(self, sequences, pages):
+        self.writer.increment(self.reclaimed_sequences, sequences)
+        self.writer.increment(self.reclaimed_pages, pages)
+
+    def state(self, pools, sequences):
+        for pool, (used, free) in pools.items():
+            self.writer.set(self.pages_used[pool], used)
+            self.writer.set(self.pages_free[pool], free)
+        self.writer.set(self.sequences, sequences)

@@ -1,0 +1,98 @@
+"""Which queued requests run now: the batch selection policy, as a pure function of what is
+pending, the decode cohort, the policy's waits and the clock (docs/design.md#batching).
+
+- Decode cohorts. The sequences of the previous decode batch (and those whose prompt ran since)
+  form the cohort. The next decode batch runs once every cohort member still held has its next
+  request queued, or at the cohort's deadline (`cohort_wait_s` after the previous batch). A lone
+  sequence is its own cohort and never waits; sequences decoding together stay together
+  whatever the spread of their clients' replies.
+- Merged prompts. A prompt waits up to `prefill_wait_s` for prompts sent with it, or runs at
+  once when they fill the largest prefill batch. A later request of several tokens is a prefill
+  continuation and waits like a prompt.
+- One request per sequence per round, in arrival order: a sequence's later requests stay queued.
+- With `backend_batching` off, each execute() call's requests run as one round, as Triton formed
+  them (the control for Triton's own batching).
+
+No Triton, no JAX, no thread: `select` is called by the batcher's thread with its lock held, and
+by the tests with a fake clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Container, Iterable, Protocol
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    cohort_wait_s: float = 0.020
+    prefill_wait_s: float = 0.002
+    backend_batching: bool = True
+    idle_timeout_s: float = 60.0  # the model's max_sequence_idle_microseconds
+    reclaim_allowance_s: float = 2.0  # Triton checks its timeout on a schedule of its own
+
+    @property
+    def reclaim_after_s(self) -> float:
+        """Idle time after which Triton has surely ended a sequence (it sends no END then)."""
+        return 2 * self.idle_timeout_s + self.reclaim_allowance_s
+
+
+class Queued(Protocol):
+    """What the policy reads of a queued request (batcher.Request is one)."""
+
+    seq_id: int | str
+    arrived: float  # clock time it was queued
+    group: int  # the execute() call it came in
+
+    @property
+    def is_prompt(self) -> bool: ...
+
+
+@dataclass
+class Cohort:
+    """The sequences of the previous decode batch, and when the next may stop waiting for them."""
+
+    members: set
+    deadline: float = 0.0
+
+
+def first_per_sequence(pending: Iterable[Queued],
+                       keep: Callable[[Queued], bool] = lambda r: True) -> list[Queued]:
+    """Each sequence's earliest queued request (kept if `keep` says so), in arrival order."""
+    seen, out = set(), []
+    for r in pending:
+        if r.seq_id not in seen:
+            seen.add(r.seq_id)
+            if keep(r):
+                out.append(r)
+    return out
+
+
+def select(pending: list[Queued], *, now: float, policy: BatchPolicy, cohort: Cohort,
+           held: Container, max_prefill_batch: int) -> tuple[list[Queued], float | None]:
+    """The requests to run now, and when to look again if some wait (None: nothing waits).
+    `held` holds the sequence ids the model still holds (a cohort member that ended is not
+    waited for)."""
+    if not pending:
+        return [], None
+    if not policy.backend_batching:
+        group = pending[0].group
+        return first_per_sequence(pending, lambda r: r.group == group), None
+    firsts = first_per_sequence(pending)
+    prompts = [r for r in firsts if r.is_prompt]
+    steps = [r for r in firsts if not r.is_prompt]  # decode steps, and ENDs with no tokens
+    take, wake_at = [], None
+    if steps:
+        present = {r.seq_id for r in firsts}
+        missing = [s for s in cohort.members if s in held and s not in present]
+        if not missing or now >= cohort.deadline:
+            take += steps
+        else:
+            wake_at = cohort.deadline
+    if prompts:
+        due = prompts[0].arrived + policy.prefill_wait_s
+        if now >= due or len(prompts) >= max_prefill_batch:
+            take += prompts
+        else:
+            wake_at = due if wake_at is None else min(wake_at, due)
+    return take, wake_at
