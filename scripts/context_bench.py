@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The design's context benchmark, against a running server (tlaloc serve).
+"""The context benchmark, against a running server (tlaloc serve).
 
 Per context bucket: the prompt's prefill time and tokens/s; decode ms a step with 1, 2 and 4
 sequences stepping together, their tokens/s, and the executions the backend ran per 64 steps

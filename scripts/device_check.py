@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""One prepared run for a lent accelerator (FACTS.md, "The lent GPU machine"): its image has jax
-with the CUDA plugin, torch and transformers, but no tritonserver and no numpy<2, so this checks
-the no-server path on PJRT's device platform and prints a table (check, observed, PASS/FAIL):
+"""One prepared run for a lent accelerator (docs/design.md#numpy-and-jax-versions): its image
+has jax with the CUDA plugin, torch and transformers, but no tritonserver and no numpy<2, so this
+checks the no-server path on PJRT's device platform and prints a table (check, observed,
+PASS/FAIL):
 
 1. parity: a seeded tiny llama (transformers) exported here and run on the device: 16 greedy
    ids equal transformers', first logits within 1e-3 of the largest;

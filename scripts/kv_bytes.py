@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """KV bytes per sequence of an artifact, every layer with full-history pages against what the
 artifact holds (rings for windowed layers, a fixed-size state for linear-attention layers), at
-several context sizes, computed from its manifest (design section 3's tables).
+several context sizes, computed from its manifest (the table in docs/artifact-format.md).
 
     .venv/bin/python scripts/kv_bytes.py ARTIFACT [--positions 64,256,1024]
 """

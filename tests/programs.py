@@ -1,4 +1,4 @@
-"""Programs that are not language models, served through Triton (issue 10): the programs, their
+"""Programs that are not language models, served through Triton: the programs, their
 repository, and the checks that tests/test_program_server.py asserts and scripts/verify.py
 tabulates. Each check returns (what was observed, whether it passed).
 

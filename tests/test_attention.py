@@ -1,4 +1,5 @@
-"""Blockwise attention against the one-pass form at the edges of design section 2."""
+"""Blockwise attention against the one-pass form at the edges listed in
+docs/design.md#paged-attention."""
 
 from __future__ import annotations
 

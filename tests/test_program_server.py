@@ -1,4 +1,4 @@
-"""Programs that are not language models, served by a real tritonserver (issue 10): a bounded
+"""Programs that are not language models, served by a real tritonserver: a bounded
 program at every length, a ragged batch grouped by row shape, nine dtypes, a program with state
 kept in place, refusals by name. The checks are shared with scripts/verify.py (programs.py)."""
 

@@ -1,5 +1,6 @@
-"""The framework-free runtime (design section 4 (i)), done properly: sequences, pages, prefill
-and decode calls on the smallest entry that holds them, greedy generation.
+"""The engine: sequences, pages, prefill and decode calls on the smallest entry that holds them,
+greedy generation. `tlaloc run` uses it alone, the batcher inside the server
+(docs/design.md#compiling-and-running).
 
 State lives on the `Sequence`: its tokens, how many have KV in the pool, its pages, and (a
 hybrid model, schema v4) its slot in the linear-attention state pools, held for its life.
@@ -207,8 +208,9 @@ class Engine:
 
     def max_call_tokens(self, seq: Sequence) -> int:
         """The most tokens one prefill call may feed `seq` now: the largest prefill entry's, and
-        with a windowed pool what the ring holds past the window (design section 3: a call of n
-        tokens from p0 needs min(p0, window - 1) + n positions of the ring at once)."""
+        with a windowed pool what the ring holds past the window (a call of n tokens from p0
+        needs min(p0, window - 1) + n positions of the ring at once;
+        docs/design.md#the-windowed-pool)."""
         cap = self.max_prefill_tokens
         if self.window is not None:
             cap = min(cap, self.ring_pages * self.block_size - min(seq.num_cached,

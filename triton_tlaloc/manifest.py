@@ -30,14 +30,14 @@ SCHEMA_V2 = "tlaloc-serving-v2"
 SCHEMA_V3 = "tlaloc-serving-v3"  # v2 plus the windowed KV pool (rings for sliding layers)
 SCHEMA_V4 = "tlaloc-serving-v4"  # plus linear-attention state pools (model.linearState)
 SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4)
-# Schemas the design defines that this loader does not serve: refused by name.
+# Other Tlaloc artifact schemas, which this loader does not serve: refused by name.
 KNOWN_UNBUILT_SCHEMAS = {
     "tlaloc-bounded-v1": ("a bounded program is not a language model: it is served by "
                           "`tlaloc repository` as a program model (Triton) or "
-                          "triton_tlaloc.bounded.BoundedRuntime (tlaloc-bounded.json)"),
+                          "triton_tlaloc.programs.bounded.BoundedRuntime (tlaloc-bounded.json)"),
 }
 
-# Input roles (design section 3) and output roles.
+# Input roles and output roles (docs/artifact-format.md).
 TOKEN_IDS = "TOKEN_IDS"
 POSITIONS = "POSITIONS"
 BLOCK_TABLES = "BLOCK_TABLES"

@@ -1,5 +1,6 @@
-"""The sequence model's small outputs (issue 9): ARGMAX and TOP_K_IDS / TOP_K_LOGPROBS, a few
-bytes a step where LOGITS is the whole vocabulary. Pure numpy: no Triton, no JAX."""
+"""The sequence model's small outputs (docs/design.md#front-ends): ARGMAX and TOP_K_IDS /
+TOP_K_LOGPROBS, a few bytes a step where LOGITS is the whole vocabulary. Pure numpy: no Triton,
+no JAX."""
 
 from __future__ import annotations
 

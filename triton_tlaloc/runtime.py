@@ -5,7 +5,7 @@ pools on the device, and runs entries with the pools donated.
   executables are cached on disk, keyed by the sha256 of the text compiled, the platform and
   its version, and the jax/jaxlib versions.
 - Weights are uploaded once. Pools are allocated on the device by a jitted zeros (pools built
-  from host buffers were copied on their first execution; FACTS.md).
+  from host buffers were copied on their first execution; docs/design.md#donation).
 - `run` checks every step input's shape and dtype against the program (PJRT checks only byte
   sizes), donates the pools, and replaces them with the outputs XLA wrote over them. It counts
   the runs whose pools stayed at their addresses (in place) and those that moved (copied).
@@ -34,7 +34,8 @@ log = logging.getLogger("triton_tlaloc.runtime")
 CALL_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES
 
 # How many runs have their pools' addresses checked: the first CHECKED_RUNS runs, and the first
-# run of every entry (design section 6: checking every run costs host time for nothing).
+# run of every entry (checking every run costs host time and tells nothing new;
+# docs/design.md#donation).
 CHECKED_RUNS = 100
 
 

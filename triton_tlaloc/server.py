@@ -1,4 +1,5 @@
-"""Starting the tritonserver that ships in the `nvidia-pytriton` wheel (FACTS.md).
+"""Starting the tritonserver that ships in the `nvidia-pytriton` wheel
+(docs/design.md#starting-tritonserver).
 
 - The backend directory is made in a temporary folder: links to the wheel's libtriton_python.so
   and triton_python_backend_utils.py, and a copy of the stub built for this Python. The stub's

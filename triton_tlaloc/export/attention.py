@@ -1,4 +1,4 @@
-"""PAGED_ATTENTION, in two forms that give the same result (design section 2).
+"""PAGED_ATTENTION, in two forms that give the same result (docs/design.md#paged-attention).
 
 Both take the queries of a call, the pools, each row's block table, each token's position and
 each row's length; a token sees the keys at positions <= its own and < its row's length. Scores,
@@ -125,12 +125,12 @@ def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: i
 
 def ring(q, k_pool, v_pool, ring_tables, positions, seq_lens, window: int, period: int,
          scale=None):
-    """A sliding layer over its ring (design section 2): `ring_tables` [b, r] names each row's
-    ring pages in ring order; ring slot s holds the latest position written with position ==
-    s (mod period), i.e. (L - 1) - ((L - 1 - s) mod period) for a row of length L. A token at
-    position p sees the slots whose position lies in p - window + 1 .. p. Valid when every call
-    wrote at most period - min(p0, window - 1) tokens (the runtime splits longer ones), so no
-    key a token needs was overwritten by a later token of its own call."""
+    """A sliding layer over its ring (docs/design.md#the-windowed-pool): `ring_tables` [b, r]
+    names each row's ring pages in ring order; ring slot s holds the latest position written
+    with position == s (mod period), i.e. (L - 1) - ((L - 1 - s) mod period) for a row of
+    length L. A token at position p sees the slots whose position lies in p - window + 1 .. p.
+    Valid when every call wrote at most period - min(p0, window - 1) tokens (the runtime splits
+    longer ones), so no key a token needs was overwritten by a later token of its own call."""
     import jax.numpy as jnp
     from jax import lax
 

@@ -1,4 +1,4 @@
-"""Gated DeltaNet's two ops in JAX (design section 3, "Linear-attention layers"; the qwen3_5
+"""Gated DeltaNet's two ops in JAX (docs/design.md#linear-attention-state-slots; the qwen3_5
 family's linear layers), each returning its output and its updated state:
 
 - CAUSAL_CONV1D: a depthwise causal convolution over each row's tokens, preceded by the row's

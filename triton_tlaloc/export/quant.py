@@ -1,4 +1,4 @@
-"""Weight quantization at export (design section 6, "Int8 weights (opt-in)"): each layer's
+"""Weight quantization at export (docs/design.md#quantization): each layer's
 linear weights as codes with one f32 scale per output channel. Pure numpy.
 
     int8: scale[o] = max_i |W[o, i]| / 127, code = clamp(round_half_even(W / scale), -127, 127)

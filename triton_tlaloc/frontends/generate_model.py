@@ -1,4 +1,4 @@
-"""The generate model: text generation on the server, streamed (issue 9).
+"""The generate model: text generation on the server, streamed (docs/design.md#front-ends).
 
 A decoupled Triton Python model written by `tlaloc repository` beside the sequence model. Each
 request (text_input or input_ids, sampling_parameters as JSON) runs on a thread of its own as a

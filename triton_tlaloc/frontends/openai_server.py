@@ -1,4 +1,4 @@
-"""`tlaloc openai`: an OpenAI-compatible HTTP server in front of a generate model (issue 9).
+"""`tlaloc openai`: an OpenAI-compatible HTTP server in front of a generate model.
 
     GET  /v1/models
     POST /v1/completions         prompt (text or token ids)

@@ -1,5 +1,5 @@
-"""Server-side generation pieces for the generate model (issue 9): sampling parameters, a
-sampler, and the text a stream of token ids adds. Pure numpy: no Triton, no JAX.
+"""Server-side generation pieces for the generate model (docs/design.md#front-ends): sampling
+parameters, a sampler, and the text a stream of token ids adds. Pure numpy: no Triton, no JAX.
 
 Sampling follows the usual order (as vllm and transformers do): temperature, then top-k, then
 top-p over what is left, then a draw from a numpy Generator seeded by `seed` (a seeded request

@@ -1,4 +1,4 @@
-"""Bounded programs (design section 3, "Bounded programs"; schema tlaloc-bounded-v1): a JAX
+"""Bounded programs (docs/design.md#bounded-programs; schema tlaloc-bounded-v1): a JAX
 function whose inputs have axes of a size known only at run time, at most a bound.
 
 `export_bounded` writes one StableHLO body per bucket of each bound (powers of two up to the

@@ -1,4 +1,4 @@
-"""Generic StableHLO programs (design section 4 (iii), last paragraph): a program that is not a
+"""Generic StableHLO programs (docs/design.md#generic-programs): a program that is not a
 language model, whose `@main` arguments are bound to Triton inputs, weight files or pieces of
 per-instance state, and whose results are bound to Triton outputs or back to that state.
 
@@ -15,7 +15,7 @@ device where it was allocated and is updated in place; the runtime checks the ad
 
 Stateless programs may be batched: `plan_groups` decides which requests run together (the
 requests of one row shape, or with group_by_shape false only consecutive requests of one row
-shape: the design's control), `run_batch` stacks their rows, pads the batch to a power of two
+shape: the control), `run_batch` stacks their rows, pads the batch to a power of two
 (so each row shape compiles a handful of batch sizes, not one per count of rows), runs once and
 slices each request's rows back.
 """
@@ -88,7 +88,7 @@ def format_bindings(bindings: list[Binding]) -> str:
 def plan_groups(keys: list, group_by_shape: bool) -> list[list[int]]:
     """Which requests run together, in order of each group's first request. With
     group_by_shape, every request of one key (its rows' shapes) joins one group; without it,
-    only a run of consecutive requests of one key does (the design's control)."""
+    only a run of consecutive requests of one key does (the control)."""
     groups: list[list[int]] = []
     by_key: dict = {}
     for i, key in enumerate(keys):

@@ -1,5 +1,5 @@
-"""The TritonPythonModel for programs that are not language models (design section 3, "Bounded
-programs", and section 4 (iii), last paragraph).
+"""The TritonPythonModel for programs that are not language models
+(docs/design.md#programs-that-are-not-language-models).
 
 - Bounded mode (parameter bounded_manifest): a tlaloc-bounded-v1 artifact; each request is
   padded to the smallest bucket that holds it, run, and its outputs sliced (BoundedRuntime).
