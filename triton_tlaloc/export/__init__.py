@@ -1,7 +1,8 @@
 """The exporter: a checkpoint in, a Tlaloc serving artifact out (docs/architecture.md, "Export").
 
     checkpoint.py        Hugging Face and GGUF checkpoints read into a DecoderConfig and tensors
-    decoder.py           weight slots, pools, entry signatures and the decoder graph in JAX
+    decoder.py           weight slots, pools, entry signatures; make_entry_fn strings the layers
+    layers.py            the decoder graph's parts in JAX: embedding, attention, linear layer, MLP, head
     attention.py         paged attention (one pass and blockwise) and its masks
     linear_attention.py  Gated DeltaNet's conv and delta rule (the qwen3_5 hybrid family)
     quant.py             per-output-channel int8 / fp8 codes and scales

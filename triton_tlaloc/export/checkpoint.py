@@ -175,72 +175,34 @@ def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
     return (int(block[0]), int(block[1])) if block else None
 
 
+# Hugging Face's activation names -> the decoder graph's.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
 def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
+    """A Hugging Face config (config.json, eos from generation_config.json) as a DecoderConfig;
+    a family, a feature or a quantization the exporter cannot serve is refused by name."""
     fp8_block_size(cfg)  # refuses a quantization it cannot read
+    cfg = _text_config(cfg)
     family = cfg.get("model_type")
-    if family in TEXT_OF_MULTIMODAL and isinstance(cfg.get("text_config"), dict):
-        outer = cfg
-        cfg = {**cfg["text_config"], "model_type": TEXT_OF_MULTIMODAL[family][0]}
-        for key in PLACEHOLDER_KEYS + ("eos_token_id", "tie_word_embeddings"):
-            if key in outer and key not in cfg:
-                cfg[key] = outer[key]
-        family = cfg["model_type"]
-    if family not in FAMILIES:
-        raise CheckpointError(f"model_type {family!r} is not supported (supported: "
-                              f"{', '.join(FAMILIES)})")
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise CheckpointError(f"{key}=true is not supported for {family}")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
-    activations = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-    if act not in activations:
-        raise CheckpointError(f"activation {act!r} is not supported ({', '.join(activations)} are)")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise CheckpointError(f"{key} is not supported")
+    activation = _check_supported(cfg)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     layers = int(cfg["num_hidden_layers"])
-    gemma = family == "gemma3_text"
-    if gemma and isinstance((cfg.get("rope_parameters") or {}).get("full_attention"), dict):
-        per_type = cfg["rope_parameters"]
-        theta, scaling = float(per_type["full_attention"]["rope_theta"]), {}
-    elif gemma:  # older configs: rope_theta for full layers, rope_local_base_freq for sliding
-        per_type = {"full_attention": {"rope_type": "default",
-                                       "rope_theta": cfg.get("rope_theta", 1e6),
-                                       **(cfg.get("rope_scaling") or {})},
-                    "sliding_attention": {"rope_type": "default",
-                                          "rope_theta": cfg.get("rope_local_base_freq", 1e4)}}
+    gemma, qwen35 = family == "gemma3_text", family == "qwen3_5_text"
+    per_type = _gemma_rope(cfg) if gemma else None
+    if gemma:
         theta, scaling = float(per_type["full_attention"]["rope_theta"]), {}
     else:
         theta, scaling = _rope_from_hf(cfg)
-    window = cfg.get("sliding_window")
-    types = cfg.get("layer_types") or (["sliding_attention"] * layers if window and family in
-                                       ("mistral",) else ["full_attention"] * layers)
-    qwen35 = family == "qwen3_5_text"
-    kinds = ("sliding_attention", "full_attention") + (("linear_attention",) if qwen35 else ())
-    if len(types) != layers or any(t not in kinds for t in types):
-        raise CheckpointError(f"layer_types {types!r}: expected {layers} of {' / '.join(kinds)}")
+    types = _layer_types(cfg, layers)
     head_size = int(cfg.get("head_dim") or hidden // heads)
     rotary_dim, linear = None, None
     if qwen35:
-        factor = float((cfg.get("rope_parameters") or {}).get(
-            "partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
-        rotary_dim = int(head_size * factor)
-        if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
-            raise CheckpointError(f"partial_rotary_factor {factor}: {rotary_dim} rotary dims of "
-                                  f"a {head_size}-dim head")
-        linear = LinearAttention(
-            layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
-            num_key_heads=int(cfg["linear_num_key_heads"]),
-            num_value_heads=int(cfg["linear_num_value_heads"]),
-            key_head_dim=int(cfg["linear_key_head_dim"]),
-            value_head_dim=int(cfg["linear_value_head_dim"]),
-            conv_kernel=int(cfg["linear_conv_kernel_dim"]))
-        if linear.num_value_heads % linear.num_key_heads:
-            raise CheckpointError(f"{linear.num_value_heads} linear value heads are not a "
-                                  f"multiple of {linear.num_key_heads} key heads")
+        rotary_dim = _partial_rotary_dim(cfg, head_size)
+        linear = _linear_attention(cfg, types)
         types = ["full_attention" if t == "linear_attention" else t for t in types]
+    window = cfg.get("sliding_window")
     windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -270,11 +232,95 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
         embed_scale=float(hidden) ** 0.5 if gemma else None,
         norm_offset=1.0 if gemma or qwen35 else 0.0,  # both scale by (1 + weight)
         sandwich_norms=gemma,
-        activation=activations[act],
+        activation=activation,
         rotary_dim=rotary_dim,
         attn_output_gate=qwen35,
         linear=linear,
     )
+
+
+def _text_config(cfg: dict) -> dict:
+    """The config of the decoder to export: a multimodal checkpoint's text_config, with the text
+    family as its model_type and the outer config's placeholder ids, eos and tying where the
+    text config has none; any other config as it is."""
+    family = cfg.get("model_type")
+    if family not in TEXT_OF_MULTIMODAL or not isinstance(cfg.get("text_config"), dict):
+        return cfg
+    text = {**cfg["text_config"], "model_type": TEXT_OF_MULTIMODAL[family][0]}
+    for key in PLACEHOLDER_KEYS + ("eos_token_id", "tie_word_embeddings"):
+        if key in cfg and key not in text:
+            text[key] = cfg[key]
+    return text
+
+
+def _check_supported(cfg: dict) -> str:
+    """Refuses a family or a feature the decoder graph lacks (biases, soft-capping, another
+    activation); returns the graph's name of the activation."""
+    family = cfg.get("model_type")
+    if family not in FAMILIES:
+        raise CheckpointError(f"model_type {family!r} is not supported (supported: "
+                              f"{', '.join(FAMILIES)})")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise CheckpointError(f"{key}=true is not supported for {family}")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise CheckpointError(f"activation {act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise CheckpointError(f"{key} is not supported")
+    return ACTIVATIONS[act]
+
+
+def _gemma_rope(cfg: dict) -> dict:
+    """gemma3's RoPE per layer type ("full_attention", "sliding_attention")."""
+    if isinstance((cfg.get("rope_parameters") or {}).get("full_attention"), dict):
+        return cfg["rope_parameters"]
+    # older configs: rope_theta for full layers, rope_local_base_freq for sliding
+    return {"full_attention": {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 1e6),
+                               **(cfg.get("rope_scaling") or {})},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": cfg.get("rope_local_base_freq", 1e4)}}
+
+
+def _layer_types(cfg: dict, layers: int) -> list[str]:
+    """Each layer's type: the config's layer_types, or every layer sliding (mistral with a
+    sliding_window) or full."""
+    family = cfg["model_type"]
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types") or (["sliding_attention"] * layers if window and family in
+                                       ("mistral",) else ["full_attention"] * layers)
+    kinds = ("sliding_attention", "full_attention") + (
+        ("linear_attention",) if family == "qwen3_5_text" else ())
+    if len(types) != layers or any(t not in kinds for t in types):
+        raise CheckpointError(f"layer_types {types!r}: expected {layers} of {' / '.join(kinds)}")
+    return types
+
+
+def _partial_rotary_dim(cfg: dict, head_size: int) -> int:
+    """qwen3_5's rotary dims: the first partial_rotary_factor of each head."""
+    factor = float((cfg.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    rotary_dim = int(head_size * factor)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+        raise CheckpointError(f"partial_rotary_factor {factor}: {rotary_dim} rotary dims of "
+                              f"a {head_size}-dim head")
+    return rotary_dim
+
+
+def _linear_attention(cfg: dict, types: list[str]) -> LinearAttention:
+    """qwen3_5's Gated DeltaNet layers (layer type "linear_attention") and their shapes."""
+    linear = LinearAttention(
+        layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        num_key_heads=int(cfg["linear_num_key_heads"]),
+        num_value_heads=int(cfg["linear_num_value_heads"]),
+        key_head_dim=int(cfg["linear_key_head_dim"]),
+        value_head_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg["linear_conv_kernel_dim"]))
+    if linear.num_value_heads % linear.num_key_heads:
+        raise CheckpointError(f"{linear.num_value_heads} linear value heads are not a "
+                              f"multiple of {linear.num_key_heads} key heads")
+    return linear
 
 
 class Checkpoint:

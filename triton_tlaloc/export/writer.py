@@ -59,7 +59,7 @@ class ExportOptions:
     attention_block: int = 2048  # key block of blockwise attention in prefill entries
     windowed_kv: bool | None = None  # None: a windowed pool when the model has sliding layers
     ring_spare_pages: int = 1  # pages a ring holds beyond one window
-    window_blocks: int | None = None  # pages per windowed pool (None: the design's budget)
+    window_blocks: int | None = None  # pages per windowed pool (None: see `windowed`)
     ring_pages: int | None = None  # override the ring size (tests: a ring one page short)
     # Linear-attention state slots (schema v4): sequences that can hold state at once (None:
     # four times the largest batch).
@@ -103,7 +103,8 @@ class ExportOptions:
                                   f"{self.attention_block} but is not a multiple of it")
 
     def windowed(self, cfg: DecoderConfig, num_blocks: int) -> WindowedKv | None:
-        """The windowed pool (design section 3) for a model with sliding layers, or None."""
+        """The windowed pool for a model with sliding layers (docs/design.md#windowed-kv-pool),
+        or None."""
         layers = tuple(i for i in range(cfg.num_layers) if cfg.window(i))
         if not layers or self.windowed_kv is False:
             return None
@@ -260,12 +261,8 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
     opts.validate()
     ckpt = open_checkpoint(checkpoint, opts.model_name)
     cfg = ckpt.config
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise ExportError(f"{ckpt.path}: {cfg.num_heads} heads are not a multiple of "
-                          f"{cfg.num_kv_heads} KV heads")
     num_blocks = opts.resolved_num_blocks()
-    if num_blocks < 2:
-        raise ExportError(f"--num-blocks {num_blocks}: need page 0 and at least one more")
+    _check_model(ckpt, num_blocks)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -284,59 +281,9 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         windowed = opts.windowed(cfg, num_blocks)
         linear_state = _linear_state(cfg, opts)
         entries = _write_entries(cfg, opts, num_blocks, windowed, tmp)
-        pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_type, windowed)
-        if linear_state is not None:
-            _log(f"[export] linear-attention state: {len(linear_state.layers)} of "
-                 f"{cfg.num_layers} layers, {linear_state.num_slots} slots of "
-                 f"{linear_state.bytes_per_slot / 2**10:.1f} KiB (any context)")
-        if windowed is not None:
-            _log(f"[export] windowed KV pool: window {windowed.window}, {len(windowed.layers)} of "
-                 f"{cfg.num_layers} layers, rings of {windowed.ring_pages} pages, "
-                 f"{windowed.num_blocks} pages per pool")
-        manifest = {
-            "schema": (SCHEMA_V4 if linear_state is not None else
-                       SCHEMA_V3 if windowed is not None else SCHEMA_V2),
-            "exporter": "triton-tlaloc",
-            "model": {
-                "family": cfg.family,
-                "modelName": cfg.model_name,
-                "modelHash": f"sha256:{model_hash.hexdigest()}",
-                "layers": cfg.num_layers,
-                "heads": cfg.num_heads,
-                "kvHeads": cfg.num_kv_heads,
-                "headSize": cfg.head_size,
-                "hiddenSize": cfg.hidden_size,
-                "intermediateSize": cfg.intermediate_size,
-                "vocab": cfg.vocab_size,
-                "blockSize": opts.block_size,
-                "numBlocks": num_blocks,
-                "weightDtype": opts.weight_dtype,
-                "weightQuant": opts.weight_quant,
-                "headQuant": opts.quant_head,
-                "kvDtype": opts.kv_type,
-                "maxPositions": cfg.max_positions,
-                "prefillChunk": opts.prefill_chunk,
-                "attentionBlock": opts.attention_block,
-                "layerWindows": [cfg.window(i) for i in range(cfg.num_layers)],
-                **({"windowedKv": windowed.to_json()} if windowed is not None else {}),
-                **({"linearState": linear_state.to_json()} if linear_state is not None else {}),
-                **({"rotaryDim": cfg.rotary_dim} if cfg.rotary_dim else {}),
-                "ropeTheta": cfg.rope_theta,
-                "rmsNormEps": cfg.rms_norm_eps,
-                "tieWordEmbeddings": cfg.tie_word_embeddings,
-                "refusedTokens": [{"id": i, "configKey": k} for k, i in cfg.refused_tokens],
-                "eosTokenIds": list(cfg.eos_token_ids),
-                "bosTokenId": cfg.bos_token_id,
-            },
-            "buckets": {"batchLadder": sorted(opts.batch_ladder),
-                        "contextLadder": sorted(opts.context_ladder)},
-            "kvPool": {"numBlocks": num_blocks, "blockSize": opts.block_size,
-                       "pools": [p.to_json() for p in pools]},
-            "entries": [e.to_json() for e in entries],
-            "weights": [w.to_json() for w in weights],
-            "donation": [{"output": f"{p.name}.out", "input": f"{p.name}.in"}
-                         for p in (*pools, *(linear_state.pools if linear_state else ()))],
-        }
+        _log_pools(cfg, windowed, linear_state)
+        manifest = _manifest(cfg, opts, num_blocks, model_hash.hexdigest(), windowed,
+                             linear_state, entries, weights)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         load_artifact(tmp)  # every body against its signature, every file against the manifest
         if out.exists():
@@ -347,6 +294,87 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _check_model(ckpt: Checkpoint, num_blocks: int) -> None:
+    """Refuses, before anything is written, heads that do not group over the KV heads and a
+    pool without room for page 0 and one page more."""
+    cfg = ckpt.config
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ExportError(f"{ckpt.path}: {cfg.num_heads} heads are not a multiple of "
+                          f"{cfg.num_kv_heads} KV heads")
+    if num_blocks < 2:
+        raise ExportError(f"--num-blocks {num_blocks}: need page 0 and at least one more")
+
+
+def _log_pools(cfg: DecoderConfig, windowed: WindowedKv | None,
+               linear_state: LinearState | None) -> None:
+    if linear_state is not None:
+        _log(f"[export] linear-attention state: {len(linear_state.layers)} of "
+             f"{cfg.num_layers} layers, {linear_state.num_slots} slots of "
+             f"{linear_state.bytes_per_slot / 2**10:.1f} KiB (any context)")
+    if windowed is not None:
+        _log(f"[export] windowed KV pool: window {windowed.window}, {len(windowed.layers)} of "
+             f"{cfg.num_layers} layers, rings of {windowed.ring_pages} pages, "
+             f"{windowed.num_blocks} pages per pool")
+
+
+def _manifest(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_hash: str,
+              windowed: WindowedKv | None, linear_state: LinearState | None,
+              entries: list[Entry], weights: list[WeightFile]) -> dict:
+    """The artifact's manifest, as manifest.json holds it (its keys in this order)."""
+    pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_type, windowed)
+    return {
+        "schema": (SCHEMA_V4 if linear_state is not None else
+                   SCHEMA_V3 if windowed is not None else SCHEMA_V2),
+        "exporter": "triton-tlaloc",
+        "model": _model_json(cfg, opts, num_blocks, model_hash, windowed, linear_state),
+        "buckets": {"batchLadder": sorted(opts.batch_ladder),
+                    "contextLadder": sorted(opts.context_ladder)},
+        "kvPool": {"numBlocks": num_blocks, "blockSize": opts.block_size,
+                   "pools": [p.to_json() for p in pools]},
+        "entries": [e.to_json() for e in entries],
+        "weights": [w.to_json() for w in weights],
+        # every pool is donated: docs/design.md#donation
+        "donation": [{"output": f"{p.name}.out", "input": f"{p.name}.in"}
+                     for p in (*pools, *(linear_state.pools if linear_state else ()))],
+    }
+
+
+def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_hash: str,
+                windowed: WindowedKv | None, linear_state: LinearState | None) -> dict:
+    """The manifest's "model": the model's shape and the export's choices."""
+    return {
+        "family": cfg.family,
+        "modelName": cfg.model_name,
+        "modelHash": f"sha256:{model_hash}",
+        "layers": cfg.num_layers,
+        "heads": cfg.num_heads,
+        "kvHeads": cfg.num_kv_heads,
+        "headSize": cfg.head_size,
+        "hiddenSize": cfg.hidden_size,
+        "intermediateSize": cfg.intermediate_size,
+        "vocab": cfg.vocab_size,
+        "blockSize": opts.block_size,
+        "numBlocks": num_blocks,
+        "weightDtype": opts.weight_dtype,
+        "weightQuant": opts.weight_quant,
+        "headQuant": opts.quant_head,
+        "kvDtype": opts.kv_type,
+        "maxPositions": cfg.max_positions,
+        "prefillChunk": opts.prefill_chunk,
+        "attentionBlock": opts.attention_block,
+        "layerWindows": [cfg.window(i) for i in range(cfg.num_layers)],
+        **({"windowedKv": windowed.to_json()} if windowed is not None else {}),
+        **({"linearState": linear_state.to_json()} if linear_state is not None else {}),
+        **({"rotaryDim": cfg.rotary_dim} if cfg.rotary_dim else {}),
+        "ropeTheta": cfg.rope_theta,
+        "rmsNormEps": cfg.rms_norm_eps,
+        "tieWordEmbeddings": cfg.tie_word_embeddings,
+        "refusedTokens": [{"id": i, "configKey": k} for k, i in cfg.refused_tokens],
+        "eosTokenIds": list(cfg.eos_token_ids),
+        "bosTokenId": cfg.bos_token_id,
+    }
 
 
 def _linear_state(cfg: DecoderConfig, opts: ExportOptions) -> LinearState | None:

@@ -1,0 +1,394 @@
+"""The decoder graph's parts in JAX, one function each; decoder.make_entry_fn strings them
+together into the function an entry lowers.
+
+    embed          token ids to f32 hidden states (a tied, transposed or quantized table too)
+    decoder_layer  RMSNorm, the layer's mixer and the residual, then the MLP
+    attention      q|k|v, [q/k RMSNorm], RoPE, the KV write, paged attention, [gate], o_proj
+    linear_mixer   a Gated DeltaNet layer: its states gathered, conv, delta rule, states written
+    mlp            RMSNorm, gate|up, activation, down, residual
+    head           the final norm and the logits of each row's last token
+
+These functions only trace: they take one call's traced values and return new ones. The
+order in which they emit operations is the order of the lowered StableHLO, so moving an
+operation changes the artifact's bytes even when every value stays the same. JAX is imported
+here at the top: decoder.py imports this module only when it lowers an entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import linear_attention as la_ops
+from .attention import blockwise, one_pass, ring
+from .checkpoint import DecoderConfig, LinearAttention
+from ..manifest import WindowedKv
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+# Rows of a decode call up to this many run as one matrix-vector product each (an [out, in]
+# artifact): XLA fuses each into a read of the weight, where a GEMM would first widen the whole
+# weight to f32. A weight small enough to stay in the last-level cache is read from memory once
+# for all the rows.
+MATVEC_ROWS = 8
+
+
+@dataclass(frozen=True)
+class Graph:
+    """What every part of one entry's graph reads besides the call's values: the model's config,
+    each weight's slot by name (decoder.WeightSlot) and the export's choices."""
+
+    cfg: DecoderConfig
+    slot_of: dict
+    bf16: bool  # bf16 weights: a linear's input is rounded to bf16
+    block_size: int
+    num_blocks: int  # pages of each full pool
+    attention_block: int  # the key block of blockwise attention
+    windowed: WindowedKv | None
+    num_state_slots: int
+
+    @property
+    def eps(self) -> np.float32:
+        return np.float32(self.cfg.rms_norm_eps)
+
+    @property
+    def transposed_table(self) -> bool:
+        """A tied f32 table, stored [hidden, vocab] (decoder.weight_slots)."""
+        return "embed_t" in self.slot_of
+
+    def on_ring(self, layer: int) -> bool:
+        """Whether a layer's KV lives in the windowed pool's rings."""
+        return self.windowed is not None and layer in self.windowed.layers
+
+
+@dataclass
+class Step:
+    """One call's step inputs as the layers read them, with what is derived from them once per
+    call: the flat scatter indices of the KV writes and each RoPE's cos and sin."""
+
+    positions: Any
+    seq_lens: Any
+    block_tables: Any
+    kv_slots: Any  # [b * t (+1)] into the full pools
+    pad_row: bool  # one token: the scatters carry a second, dropped row
+    window_tables: Any = None
+    window_slots: Any = None  # [b * t (+1)] into the windowed pools
+    ring_width: int = 0  # the ring's entries of a window table
+    state_slots: Any = None
+    rotary: dict = field(default_factory=dict)  # inv_freq -> (cos, sin)
+
+
+def make_step(g: Graph, token_ids, positions, block_tables, seq_lens, slot_mapping,
+              window_tables=None, window_slots=None, state_slots=None) -> Step:
+    """The call's Step; computes the KV writes' indices (the full pools', then the rings')."""
+    b, t = token_ids.shape
+    # XLA turns a scatter of one index into a dynamic-update-slice on a copy of the pool (a
+    # whole-pool copy per layer and step: measured 0.8 ms per 1.5 MiB pool). A second index,
+    # past the end and so dropped, keeps it a scatter, done in place.
+    pad_row = b * t == 1
+    kv_slots = _scatter_slots(slot_mapping, g.num_blocks * g.block_size, pad_row)
+    if g.windowed is None:
+        return Step(positions, seq_lens, block_tables, kv_slots, pad_row,
+                    state_slots=state_slots)
+    ring_slots = _scatter_slots(window_slots, g.windowed.num_blocks * g.block_size, pad_row)
+    return Step(positions, seq_lens, block_tables, kv_slots, pad_row, window_tables, ring_slots,
+                min(block_tables.shape[1], g.windowed.ring_pages), state_slots)
+
+
+def _scatter_slots(mapping, pool_slots: int, pad_row: bool):
+    """A slot mapping as scatter indices. Padding tokens carry slot -1; JAX wraps negative
+    scatter indices, so they are sent past the pool's end, where mode="drop" skips them: their
+    KV is never written."""
+    flat = mapping.reshape(-1)
+    flat = jnp.where(flat < 0, pool_slots, flat)
+    if pad_row:
+        flat = jnp.concatenate([flat, jnp.array([pool_slots], jnp.int32)])
+    return flat
+
+
+def rms_norm(x, w, eps):
+    """RMSNorm over the last axis, in f32; the weight as stored (gemma's 1 + weight is folded
+    in at export)."""
+    var = jnp.mean(x * x, axis=-1, keepdims=True)
+    return (x * lax.rsqrt(var + eps)) * w
+
+
+def matmul(x, w, out_first: bool, bf16: bool):
+    """x times a stored weight, [in, out] or [out, in] (`out_first`), summed in f32."""
+    if bf16:  # bf16 weights: the input is rounded to bf16, products sum in f32
+        # reduce_precision rounds exactly as a bf16 round trip does, but XLA fuses a round trip
+        # of converts into every output of a matrix-vector product (SmolLM2 bf16 at one row:
+        # 22.4 ms against 11.9 ms).
+        x = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    # The input is computed once, before the product: a reduce is a fusion boundary, and adding
+    # zero changes no value. Without it XLA fuses the norm (and the rounding) into the
+    # matrix-vector product and recomputes them for every output: SmolLM2 bf16 layers at 4 rows
+    # 56 ms against 27 ms, at 1 row 15 ms against 10.7 ms (docs/performance.md).
+    x = jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
+    if not out_first:  # f32 [in, out]
+        return jnp.matmul(x, w, precision=lax.Precision.HIGHEST)
+    # [out, in] weights hold bf16 values (decoder.out_first_linears), and so does the rounded
+    # input: their products are exact in f32 and TF32, so no precision=HIGHEST, with which XLA's
+    # CPU matrix-vector emitter is 1.3x slower.
+    wf = w.astype(jnp.float32)  # fused into the reads below, never materialized at one row
+    lead, n_in = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, n_in)
+    if flat.shape[0] <= MATVEC_ROWS:
+        out = jnp.stack([jnp.dot(wf, r) for r in flat])
+    else:
+        out = lax.dot_general(flat, wf, (((1,), (1,)), ((), ())))
+    return out.reshape(*lead, w.shape[0])
+
+
+def project(g: Graph, x, w: dict, name: str):
+    """A linear by slot name, in its slot's layout; quantized codes are widened in front of the
+    product (exact) and each output column is multiplied by its scale."""
+    slot = g.slot_of[name]
+    y = matmul(x, w[name], slot.out_first, g.bf16)
+    if slot.quant is not None:
+        y = y * w[f"{name}.scale"]
+    return y
+
+
+def to_pool(x, dtype):
+    """Keys and values as a pool stores them. An fp8 (e4m3fn) pool has no scale: a value is
+    stored as itself, clamped to +-448 (e4m3fn has no infinity: a larger value would be NaN);
+    attention widens the codes to f32 as it reads them."""
+    if dtype == jnp.float8_e4m3fn:
+        x = jnp.clip(x, -448.0, 448.0)
+    return x.astype(dtype)
+
+
+def embed(g: Graph, w: dict, token_ids):
+    """Each token's row of the embedding table, f32 [b, t, hidden]."""
+    if g.transposed_table:  # columns of the [hidden, vocab] table
+        x = jnp.moveaxis(jnp.take(w["embed_t"], token_ids, axis=1), 0, -1)
+    else:
+        x = jnp.take(w["embed"], token_ids, axis=0)
+    x = x.astype(jnp.float32)
+    if "embed.scale" in w:  # a quantized tied table: each gathered row times its scale
+        x = x * jnp.take(w["embed.scale"], token_ids, axis=0)[..., None]
+    if g.cfg.embed_scale is not None:
+        x = x * np.float32(g.cfg.embed_scale)
+    return x
+
+
+def decoder_layer(g: Graph, step: Step, w: dict, i: int, x, pool_a, pool_b):
+    """Layer i: RMSNorm, the mixer (attention, or a linear layer of a hybrid model) added to the
+    residual, then the MLP. The pools are the layer's K and V, or its conv and recurrent states;
+    returns (x, pool_a, pool_b) updated."""
+    hdn = rms_norm(x, w[f"l{i}.attn_norm"], g.eps)
+    mixer = linear_mixer if g.cfg.is_linear(i) else attention
+    out, pool_a, pool_b = mixer(g, step, w, i, hdn, pool_a, pool_b)
+    return mlp(g, w, i, x + out), pool_a, pool_b
+
+
+def mlp(g: Graph, w: dict, i: int, x):
+    """RMSNorm, the gated MLP (SwiGLU, or gemma's GELU-tanh), [post norm], residual."""
+    cfg = g.cfg
+    hdn = rms_norm(x, w[f"l{i}.mlp_norm"], g.eps)
+    gu = project(g, hdn, w, f"l{i}.gate_up")
+    gate, up = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+    out = project(g, ACTIVATIONS[cfg.activation](gate) * up, w, f"l{i}.down")
+    if cfg.sandwich_norms:
+        out = rms_norm(out, w[f"l{i}.post_mlp_norm"], g.eps)
+    return x + out
+
+
+def head(g: Graph, w: dict, x):
+    """The final norm and the logits of each row's last token (rows are right-aligned). A tied
+    model's head reads the embedding table, the same buffer as the gather."""
+    last = rms_norm(x[:, -1, :], w["final_norm"], g.eps)
+    if g.transposed_table:
+        return matmul(last, w["embed_t"], False, g.bf16)
+    if g.cfg.tie_word_embeddings:  # [vocab, hidden] is the head's [out, in]
+        return project(g, last, w, "embed")  # (scaled per vocab row when quantized)
+    return project(g, last, w, "lm_head")
+
+
+# ------------------------------------------------------------------ attention layers
+
+def attention(g: Graph, step: Step, w: dict, i: int, hdn, k_pool, v_pool):
+    """An attention layer's output (before the residual) and its K and V pools with the call's
+    keys and values written."""
+    cfg = g.cfg
+    q, k, v, gate = qkv_heads(g, w, i, hdn)
+    cos, sin = cos_sin(cfg, step, i)
+    q, k = rope(q, cos, sin, cfg), rope(k, cos, sin, cfg)
+    on_ring = g.on_ring(i)
+    k_pool = write_kv(g, step, k_pool, k, on_ring)
+    v_pool = write_kv(g, step, v_pool, v, on_ring)
+    out = paged_attention(g, step, i, q, k_pool, v_pool)
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate)
+    out = project(g, out, w, f"l{i}.o")
+    if cfg.sandwich_norms:
+        out = rms_norm(out, w[f"l{i}.post_attn_norm"], g.eps)
+    return out, k_pool, v_pool
+
+
+def qkv_heads(g: Graph, w: dict, i: int, hdn):
+    """The fused q|k|v projection split into heads, [b, t, heads, d], with q/k RMSNorm where the
+    family has it; the output gate [b, t, heads * d] (None without one)."""
+    cfg = g.cfg
+    b, t, _ = hdn.shape
+    heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+    qkv = project(g, hdn, w, f"l{i}.qkv")
+    q_width = 2 * heads * d if cfg.attn_output_gate else heads * d
+    gate = None
+    if cfg.attn_output_gate:  # per head: [query (d), gate (d)]
+        qg = qkv[..., :q_width].reshape(b, t, heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(b, t, heads * d)
+    else:
+        q = qkv[..., :q_width].reshape(b, t, heads, d)
+    k = qkv[..., q_width:q_width + kv_heads * d].reshape(b, t, kv_heads, d)
+    v = qkv[..., q_width + kv_heads * d:].reshape(b, t, kv_heads, d)
+    if cfg.qk_norm:
+        q = rms_norm(q, w[f"l{i}.q_norm"], g.eps)
+        k = rms_norm(k, w[f"l{i}.k_norm"], g.eps)
+    return q, k, v, gate
+
+
+def cos_sin(cfg: DecoderConfig, step: Step, layer: int):
+    """The RoPE cos and sin of a layer at the call's positions, [b, t, 1, rotary dim]; computed
+    once per call for each distinct RoPE (gemma3: one for sliding layers, one for full)."""
+    key = tuple(cfg.inv_freq(layer).tolist())
+    if key not in step.rotary:
+        freqs = step.positions.astype(jnp.float32)[..., None] * jnp.asarray(cfg.inv_freq(layer))
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+        step.rotary[key] = (jnp.cos(emb), jnp.sin(emb))
+    return step.rotary[key]
+
+
+def rope(x, cos, sin, cfg: DecoderConfig):
+    """RoPE over each head's first rotary dims (rotate-half); a partial rotary (qwen3_5) passes
+    the rest through."""
+    rotary_dim = cfg.rotary_dim or cfg.head_size
+    xr, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    return jnp.concatenate([xr * cos + rotated * sin, rest], axis=-1)
+
+
+def write_kv(g: Graph, step: Step, pool, new, on_ring: bool):
+    """KV_CACHE_WRITE: each token's key (or value) scattered at its slot, in a sliding layer's
+    ring at its slot in the windowed pool; padding tokens' slots are dropped."""
+    kv_heads, d = g.cfg.num_kv_heads, g.cfg.head_size
+    idx = step.window_slots if on_ring else step.kv_slots
+    shape = pool.shape
+    slots = pool.reshape(shape[0] * g.block_size, kv_heads, d)
+    rows = new.reshape(-1, kv_heads, d)
+    if step.pad_row:  # the second, dropped row that keeps the scatter in place
+        rows = jnp.concatenate([rows, jnp.zeros_like(rows)])
+    return slots.at[idx].set(to_pool(rows, pool.dtype), mode="drop").reshape(shape)
+
+
+def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):
+    """PAGED_ATTENTION, [b, t, heads * d]: a row's pages are gathered once and every token of
+    the row attends over them with its own causal length; a prefill call over several key
+    blocks attends one block at a time, and a sliding layer scores only its ring, masking each
+    slot by its age (attention.py)."""
+    cfg = g.cfg
+    b, t = q.shape[:2]
+    qg = q.reshape(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_size)
+    window, scale = cfg.window(i), cfg.attn_scale
+    if g.on_ring(i):
+        out = ring(qg, k_pool, v_pool, step.window_tables[:, :step.ring_width], step.positions,
+                   step.seq_lens, window, g.windowed.ring_pages * g.block_size, scale)
+    elif t > 1 and step.block_tables.shape[1] * g.block_size > g.attention_block:
+        out = blockwise(qg, k_pool, v_pool, step.block_tables, step.positions, step.seq_lens,
+                        g.attention_block, window, scale)
+    else:
+        out = one_pass(qg, k_pool, v_pool, step.block_tables, step.positions, step.seq_lens,
+                       window, scale)
+    return out.reshape(b, t, cfg.num_heads * cfg.head_size)
+
+
+# ------------------------------------------------------------------ Gated DeltaNet layers
+
+def linear_mixer(g: Graph, step: Step, w: dict, i: int, hdn, conv_pool, rec_pool):
+    """A Gated DeltaNet layer over the call's rows, and its state pools updated: each row's
+    states are read at its state slot, the row's live tokens run through the conv and the rule,
+    and the states are written back (docs/design.md#state-slots). linear_attention.py has the
+    ops."""
+    la = g.cfg.linear
+    b, t, _ = hdn.shape
+    proj = project(g, hdn, w, f"l{i}.lin_in")
+    channels, vdim, hv = la.conv_channels, la.value_dim, la.num_value_heads
+    mixed = proj[..., :channels]
+    z = proj[..., channels:channels + vdim].reshape(b, t, hv, la.value_head_dim)
+    b_in = proj[..., channels + vdim:channels + vdim + hv]
+    a_in = proj[..., channels + vdim + hv:]
+    conv_state, rec_state = read_states(step, conv_pool, rec_pool)
+    live_n = step.seq_lens - step.positions[:, 0]  # a row's live tokens (right-aligned)
+    pad = (t - live_n)[:, None]
+    if t > 1:
+        conv_state, mixed = align_history(conv_state, mixed, pad, la.conv_kernel)
+    mixed, conv_state = la_ops.causal_conv1d(mixed, conv_state, w[f"l{i}.conv"])
+    o, rec_state = delta_rule(la, w, i, mixed, b_in, a_in, pad, rec_state)
+    o = la_ops.gated_rms_norm(o, z, w[f"l{i}.lin_norm"], g.cfg.rms_norm_eps).reshape(b, t, vdim)
+    out = project(g, o, w, f"l{i}.lin_out")
+    conv_pool, rec_pool = write_states(g, step, conv_pool, rec_pool, conv_state, rec_state)
+    return out, conv_pool, rec_pool
+
+
+def read_states(step: Step, conv_pool, rec_pool):
+    """Each row's conv and recurrent states, gathered at its state slot; zero for a row starting
+    at position 0, so a reused slot needs no clearing (a padding row, slot -1, reads slot 0)."""
+    read = jnp.where(step.state_slots < 0, 0, step.state_slots)
+    fresh = (step.positions[:, 0] == 0)[:, None, None]
+    conv_state = jnp.where(fresh, 0.0, jnp.take(conv_pool, read, axis=0))
+    rec_state = jnp.where(fresh[..., None], 0.0, jnp.take(rec_pool, read, axis=0))
+    return conv_state, rec_state
+
+
+def align_history(conv_state, mixed, pad, kernel: int):
+    """CAUSAL_CONV1D's input for a row of several tokens: its history is moved to just before
+    the row's first live token (padding comes first), so the conv never sees a padding input
+    and the new history is the last live inputs. Returns (history, inputs) rearranged."""
+    t = mixed.shape[1]
+    combined = jnp.concatenate([conv_state, mixed], axis=1)  # [b, kernel - 1 + t, c]
+    j = jnp.arange(t + kernel - 1)[None, :]
+    idx = jnp.where(j >= pad + kernel - 1, j, jnp.clip(j - pad, 0, kernel - 2))
+    arranged = jnp.take_along_axis(combined, idx[..., None], axis=1)
+    return arranged[:, :kernel - 1], arranged[:, kernel - 1:]
+
+
+def delta_rule(la: LinearAttention, w: dict, i: int, mixed, b_in, a_in, pad, rec_state):
+    """GATED_DELTA_RULE over the conv's output: (o [b, t, hv, dv], the recurrent state).
+    Prefill runs the chunked form, decode the recurrence."""
+    b, t, _ = mixed.shape
+    hk, hv, dk, dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
+    q = mixed[..., :hk * dk].reshape(b, t, hk, dk)
+    k = mixed[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
+    v = mixed[..., 2 * hk * dk:].reshape(b, t, hv, dv)
+    beta = jax.nn.sigmoid(b_in)
+    # g: each token's decay, as a log
+    decay = -jnp.exp(w[f"l{i}.A_log"]) * jax.nn.softplus(a_in + w[f"l{i}.dt_bias"])
+    if t == 1:
+        return la_ops.gated_delta_rule_recurrent(q, k, v, decay, beta, rec_state)
+    # A padding token has g = 0 and beta = 0, so it leaves the state as it was.
+    live = (jnp.arange(t)[None, :] >= pad)[..., None]
+    decay, beta = jnp.where(live, decay, 0.0), jnp.where(live, beta, 0.0)
+    return la_ops.gated_delta_rule_chunked(q, k, v, decay, beta, rec_state)
+
+
+def write_states(g: Graph, step: Step, conv_pool, rec_pool, conv_state, rec_state):
+    """The rows' states scattered back at their state slots. Padding rows carry slot -1: sent
+    past the pool's end, where mode="drop" skips them. One row gets a second, dropped index so
+    XLA keeps a scatter in place rather than a dynamic-update-slice on a copy of the pool (as
+    for the KV write)."""
+    n = g.num_state_slots
+    write = jnp.where(step.state_slots < 0, n, step.state_slots)
+    if step.state_slots.shape[0] == 1:
+        write = jnp.concatenate([write, jnp.array([n], jnp.int32)])
+        conv_state = jnp.concatenate([conv_state, jnp.zeros_like(conv_state)])
+        rec_state = jnp.concatenate([rec_state, jnp.zeros_like(rec_state)])
+    conv_pool = conv_pool.at[write].set(conv_state.astype(conv_pool.dtype), mode="drop")
+    rec_pool = rec_pool.at[write].set(rec_state.astype(rec_pool.dtype), mode="drop")
+    return conv_pool, rec_pool
