@@ -1,5 +1,6 @@
 """Test doubles for the pure-Python parts: a clock the test moves, an artifact described in code
-(no export, no files), and a runtime that compiles nothing (engine.StepRuntime)."""
+(no export, no files), a runtime that compiles nothing (engine.StepRuntime), and a harness that
+drives a batcher over them."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
+from triton_tlaloc.batcher import Batcher, Reply, Request
+from triton_tlaloc.engine import Engine
 from triton_tlaloc.manifest import (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Artifact, Entry, KvPool,
                                     LinearState, ModelShape, Program, WindowedKv)
+from triton_tlaloc.policy import BatchPolicy
 
 
 class Clock:
@@ -88,3 +92,37 @@ class FakeRuntime:
             logits[r, (tokens[r, -1] + positions[r, -1]) % vocab] = 1.0
         self.calls.append((entry_name, int((lens > 0).sum())))
         return logits
+
+
+class Harness:
+    """A batcher over a FakeRuntime and a Clock, driven round by round on the test's thread; each
+    sequence's replies are kept in order."""
+
+    def __init__(self, artifact, **policy):
+        self.clock = Clock()
+        self.rt = FakeRuntime(artifact)
+        self.batcher = Batcher(Engine(self.rt), BatchPolicy(**policy), clock=self.clock)
+        self.replies: dict = {}
+
+    def send(self, seq_id, tokens, start=False, end=False):
+        def reply_fn(reply: Reply):
+            self.replies.setdefault(seq_id, []).append(reply)
+        self.batcher.submit(Request(seq_id, list(tokens), start, end, reply_fn))
+
+    def run(self) -> list[tuple[str, int]]:
+        """Rounds due now; returns the calls they made."""
+        before = len(self.rt.calls)
+        while self.batcher.run_pending():
+            pass
+        return self.rt.calls[before:]
+
+    def last(self, seq_id) -> Reply:
+        return self.replies[seq_id][-1]
+
+    def step(self, seq_id, tokens, start=False, end=False) -> Reply:
+        """Send one request, move the clock past every wait, run what is due, return the
+        request's reply (each request in a round of its own)."""
+        self.send(seq_id, tokens, start, end)
+        self.clock.advance(1.0)
+        self.run()
+        return self.last(seq_id)

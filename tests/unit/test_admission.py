@@ -7,9 +7,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fakes import Clock, FakeRuntime, fake_artifact
+from fakes import FakeRuntime, Harness, fake_artifact
 
-from triton_tlaloc.batcher import INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, Reply, Request
+from triton_tlaloc.batcher import INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, Request
 from triton_tlaloc.engine import Engine, RequestError, Sequence
 from triton_tlaloc.pages import PagesExhausted
 from triton_tlaloc.policy import BatchPolicy
@@ -50,69 +50,52 @@ def test_a_full_pool_refuses_without_taking_a_page_then_admits_after_a_release()
     assert len(seq.pages) == 3 and engine.pages.free == 14
 
 
-class Harness:
-    def __init__(self, artifact, **policy):
-        self.clock = Clock()
-        self.rt = FakeRuntime(artifact)
-        self.batcher = Batcher(Engine(self.rt), BatchPolicy(**policy), clock=self.clock)
-        self.replies: dict = {}
-
-    def send(self, seq_id, tokens, start=False, end=False):
-        def reply_fn(reply: Reply):
-            self.replies.setdefault(seq_id, []).append(reply)
-        self.batcher.submit(Request(seq_id, list(tokens), start, end, reply_fn))
-        self.clock.advance(1.0)  # past every wait: each send runs in its own round
-        while self.batcher.run_pending():
-            pass
-        return self.replies[seq_id][-1]
-
-
 def test_a_failed_call_answers_once_with_internal_and_rolls_the_sequence_back():
     h = Harness(fake_artifact())
-    assert h.send("a", [1, 2, 3], start=True).error is None
+    assert h.step("a", [1, 2, 3], start=True).error is None
     seq = h.batcher.sequences["a"]
     before = snapshot(h.batcher.engine, seq)
     h.rt.fail_next = RuntimeError("device lost")
-    reply = h.send("a", [4])
+    reply = h.step("a", [4])
     assert reply.code == INTERNAL and "decode call failed: RuntimeError: device lost" in reply.error
     assert len(h.replies["a"]) == 2
     assert snapshot(h.batcher.engine, seq) == before, "rolled back to before the request"
-    assert h.send("a", [4]).logits is not None, "the same request then succeeds"
+    assert h.step("a", [4]).logits is not None, "the same request then succeeds"
     # a failed START leaves no sequence behind
     h.rt.fail_next = RuntimeError("device lost")
-    assert h.send("b", [1, 2], start=True).code == INTERNAL
+    assert h.step("b", [1, 2], start=True).code == INTERNAL
     assert "b" not in h.batcher.sequences
 
 
 def test_a_hybrid_models_state_slots_are_held_for_life_refused_by_name_and_reused():
     h = Harness(fake_artifact(state_slots=1))
-    assert h.send("a", [1, 2, 3], start=True).error is None
+    assert h.step("a", [1, 2, 3], start=True).error is None
     assert h.batcher.sequences["a"].state_slot == 0
-    reply = h.send("b", [1, 2], start=True)
+    reply = h.step("b", [1, 2], start=True)
     assert reply.code == UNAVAILABLE and "no free linear-attention state slot" in reply.error
     assert "b" not in h.batcher.sequences and h.batcher.sequences["a"].state_slot == 0
-    assert h.send("a", [4]).logits is not None, "the holder goes on"
-    assert h.send("a", [], end=True).error is None
-    assert h.send("b", [1, 2], start=True).error is None
+    assert h.step("a", [4]).logits is not None, "the holder goes on"
+    assert h.step("a", [], end=True).error is None
+    assert h.step("b", [1, 2], start=True).error is None
     assert h.batcher.sequences["b"].state_slot == 0
 
 
 def test_a_windowed_sequence_holds_at_most_its_ring():
     # every layer sliding (window 8, pages of 8): rings of 2 pages, no full-history pages
     h = Harness(fake_artifact(window=8, ring_pages=2, window_blocks=9))
-    h.send("a", list(range(1, 9)), start=True)
+    h.step("a", list(range(1, 9)), start=True)
     for t in range(40):
-        assert h.send("a", [t + 1]).logits is not None
+        assert h.step("a", [t + 1]).logits is not None
     seq = h.batcher.sequences["a"]
     assert len(seq.token_ids) == 48 and seq.pages == [] and len(seq.ring) == 2
 
 
 def test_unknown_sequence_and_empty_tokens_are_refused_by_name():
     h = Harness(fake_artifact())
-    reply = h.send("x", [5])
+    reply = h.step("x", [5])
     assert reply.code == INVALID_ARG and "is not held by the model" in reply.error
-    h.send("y", [1], start=True)
-    reply = h.send("y", [])
+    h.step("y", [1], start=True)
+    reply = h.step("y", [])
     assert reply.code == INVALID_ARG and "TOKENS is empty" in reply.error
 
 

@@ -4,10 +4,9 @@ artifact described in code (tests/unit/fakes.py), deterministic and fast."""
 from __future__ import annotations
 
 import pytest
-from fakes import Clock, FakeRuntime, fake_artifact
+from fakes import Harness, fake_artifact
 
-from triton_tlaloc.batcher import INVALID_ARG, UNAVAILABLE, Batcher, Reply, Request
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.batcher import INVALID_ARG, UNAVAILABLE, Request
 from triton_tlaloc.pages import choose_reclaim
 from triton_tlaloc.policy import BatchPolicy, Cohort, select
 
@@ -18,29 +17,6 @@ MS = 1e-3
 def artifact():
     # batches 1 and 2, contexts 32 and 128, 8-token pages, 32 usable pages
     return fake_artifact()
-
-
-class Harness:
-    def __init__(self, artifact, **policy):
-        self.clock = Clock()
-        self.rt = FakeRuntime(artifact)
-        self.batcher = Batcher(Engine(self.rt), BatchPolicy(**policy), clock=self.clock)
-        self.replies: dict = {}
-
-    def send(self, seq_id, tokens, start=False, end=False):
-        def reply_fn(reply: Reply):
-            self.replies.setdefault(seq_id, []).append(reply)
-        self.batcher.submit(Request(seq_id, list(tokens), start, end, reply_fn))
-
-    def run(self) -> list[tuple[str, int]]:
-        """Rounds due now; returns the calls they made."""
-        before = len(self.rt.calls)
-        while self.batcher.run_pending():
-            pass
-        return self.rt.calls[before:]
-
-    def last(self, seq_id) -> Reply:
-        return self.replies[seq_id][-1]
 
 
 def test_a_lone_sequence_never_waits(artifact):
