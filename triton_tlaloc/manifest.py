@@ -454,11 +454,12 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     art = _parse_manifest(root, mpath, manifest)
     _check_pool_layout(art, mpath)
     _check_weight_files(root, mpath, art.weights)
+    weights = {w.slot: w for w in art.weights}
+    pools = {p.name: p for p in art.pools}
+    state_pools = {p.name: p for p in art.state_pools}
     for raw in manifest["entries"]:
         entry = _read_entry(root, mpath, raw)
-        _check_program(entry, art.model, {w.slot: w for w in art.weights},
-                       {p.name: p for p in art.pools}, {p.name: p for p in art.state_pools},
-                       root / entry.program_path)
+        _check_program(entry, art.model, weights, pools, state_pools, root / entry.program_path)
         if check_bodies:
             _check_body(entry, root / entry.body)
         art.entries[entry.name] = entry
