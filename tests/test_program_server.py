@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import programs as P
+from sequence_checks import assert_check, url_of
 from triton_tlaloc.repository import ProgramOptions, write_program_repository
 from triton_tlaloc.programs.generic import ProgramError
 from triton_tlaloc.server import TritonServer
@@ -26,16 +27,6 @@ def served(built, work):
     server = TritonServer(repo, log_path=work / "programs-server.log", exit_timeout_s=3).start()
     yield server
     server.stop()
-
-
-def url_of(server, protocol):
-    return server.http_url if protocol == "http" else server.grpc_url
-
-
-def assert_check(result):
-    observed, ok = result
-    print(observed)
-    assert ok, observed
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
