@@ -276,7 +276,7 @@ def transformers_rows(table: Table, d: Deployment, protocol: str) -> None:
               f"pools; prompts of 150-180 in calls of 48), 12 greedy ids alone and 4 batched",
               "equal to transformers", lambda: S.check_alone_and_batched(
                   url, protocol, "qwen3_5", HYBRID_PROMPTS, want["qwen3_5"], 12))
-    table.run(f"{protocol}: qwen3_5 with one state slot", "UNAVAILABLE naming the holder; both "
+    table.run(f"{protocol}: qwen3_5 with one state slot", "UNAVAILABLE naming no other id; both "
               "sequences' ids equal to transformers",
               d.on(protocol, "qwen3_5_one_slot", S.check_state_slot, protocol,
                    HYBRID_PROMPTS[1:3], want["qwen3_5"][1:3]))
@@ -294,8 +294,8 @@ def pool_rows(table: Table, d: Deployment, protocol: str) -> None:
     table.run(f"{protocol}: refusals (vocab, placeholder, empty, context, long prompt)",
               "5/5 named; sequence continues with its solo ids",
               d.on(protocol, "small", S.check_refusals, protocol))
-    table.run(f"{protocol}: full pool", "UNAVAILABLE with holders; same request succeeds after "
-              "an END", d.on(protocol, "small", S.check_full_pool, protocol))
+    table.run(f"{protocol}: full pool", "UNAVAILABLE naming no other id; same request succeeds "
+              "after an END", d.on(protocol, "small", S.check_full_pool, protocol))
 
 
 def batching_rows(table: Table, d: Deployment, protocol: str) -> None:

@@ -33,6 +33,7 @@ from typing import Callable
 
 import numpy as np
 
+from .codes import INTERNAL, INVALID_ARG, UNAVAILABLE
 from .engine import Engine, RequestError, Sequence
 from .metrics import BatcherStats, CallTiming, Observer
 from .pages import PagesExhausted, choose_reclaim
@@ -40,9 +41,6 @@ from .policy import BatchPolicy, Cohort, select
 
 log = logging.getLogger("triton_tlaloc.batcher")
 
-INVALID_ARG = "INVALID_ARG"
-UNAVAILABLE = "UNAVAILABLE"
-INTERNAL = "INTERNAL"
 
 # Calls logged one by one at INFO at the start; later ones only in the counters and metrics.
 LOGGED_CALLS = 20
@@ -240,6 +238,23 @@ class Batcher:
         log.info("sequence %s refused (%s): %s", r.seq_id, reason, message)
         r.reply(Reply(error=message, code=code))
 
+    def _refuse_exhausted(self, r: Request, e: PagesExhausted) -> None:
+        """A request refused for want of pages or state slots. Who holds them goes to the
+        server log only: a correlation id is the only capability a sequence has, so no client
+        may learn another's; the client hears how many sequences hold them."""
+        holding = [s for s in self.sequences.values()
+                   if s.pages or s.ring or s.state_slot is not None]
+        log.info("sequence %s: %s; holders: %s", r.seq_id, e,
+                 ", ".join(self._holding(s) for s in holding) or "none")
+        if e.pools == ("state",):
+            self._refuse(r, UNAVAILABLE, "state_slots",
+                         f"sequence {r.seq_id}: no free linear-attention state slot: {e}; "
+                         f"{len(holding)} sequences hold slots (retry when one ends)")
+        else:
+            self._refuse(r, UNAVAILABLE, "pages",
+                         f"sequence {r.seq_id}: KV pool full: {e}; {len(holding)} sequences "
+                         f"hold pages (retry when one ends)")
+
     def _admit(self, r: Request) -> _Job | None:
         engine = self.engine
         if r.start:
@@ -283,16 +298,7 @@ class Batcher:
             self._refuse(r, INVALID_ARG, e.reason, f"sequence {r.seq_id}: {e}")
             return None
         except PagesExhausted as e:
-            holders = ", ".join(self._holding(s) for s in self.sequences.values()
-                                if s.pages or s.ring or s.state_slot is not None) or "none"
-            if e.pools == ("state",):
-                self._refuse(r, UNAVAILABLE, "state_slots",
-                             f"sequence {r.seq_id}: no free linear-attention state slot: {e}; "
-                             f"sequences holding slots: {holders}")
-            else:
-                self._refuse(r, UNAVAILABLE, "pages",
-                             f"sequence {r.seq_id}: KV pool full: {e}; sequences holding "
-                             f"pages: {holders}")
+            self._refuse_exhausted(r, e)
             return None
         if r.start:
             self.sequences[r.seq_id] = seq

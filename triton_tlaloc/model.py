@@ -20,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 
 from .backend import error_response, model_settings, parse_bool, setup_logging
 from .batcher import INVALID_ARG, Batcher, Reply, Request
+from .codes import coded_message
 from .engine import Engine
 from .manifest import load_artifact
 from .metrics import TimingLog
@@ -81,6 +82,7 @@ class TritonPythonModel:
             observers.append(self.timing_log)
             log.info("timing log: one line per call in %s", params["timing_log"])
         self.batcher = Batcher(Engine(self.runtime), policy, observers=tuple(observers))
+        self.max_context = artifact.max_context
         self.metrics.state(self.batcher.pool_state(), 0)
         self.metrics.memory(self.runtime.weight_bytes, self.runtime.kv_pool_bytes,
                             self.runtime.state_pool_bytes)
@@ -109,11 +111,17 @@ class TritonPythonModel:
             try:
                 reply_fn.top_k = top_k_parameter(r.parameters(), self.runtime.artifact.model.vocab)
                 tokens = pb_utils.get_input_tensor_by_name(r, "TOKENS").as_numpy().reshape(-1)
+                if tokens.size > self.max_context:  # sizes first: no work for what must fail
+                    self.metrics.refusal("context")
+                    reply_fn(Reply(error=f"sequence {r.correlation_id()}: TOKENS holds "
+                                         f"{tokens.size} ids, more than the largest context "
+                                         f"{self.max_context}", code=INVALID_ARG))
+                    continue
                 start = pb_utils.get_input_tensor_by_name(r, "START")
                 end = pb_utils.get_input_tensor_by_name(r, "END")
                 request = Request(
                     seq_id=r.correlation_id(),
-                    tokens=[int(t) for t in tokens],
+                    tokens=tokens.tolist(),
                     start=bool(start is not None and start.as_numpy().reshape(-1)[0]),
                     end=bool(end is not None and end.as_numpy().reshape(-1)[0]),
                     reply_fn=reply_fn)
@@ -150,7 +158,7 @@ class _Reply:
 
     def response(self, reply: Reply):
         if reply.error is not None:
-            return error_response(reply.error, reply.code)
+            return error_response(coded_message(reply.error, reply.code), reply.code)
         outputs = []
         if reply.logits is not None:
             if "LOGITS" in self.wanted:

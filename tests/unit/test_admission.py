@@ -80,6 +80,23 @@ def test_a_hybrid_models_state_slots_are_held_for_life_refused_by_name_and_reuse
     assert h.batcher.sequences["b"].state_slot == 0
 
 
+@pytest.mark.parametrize("slots", [None, 1])
+def test_a_refusal_for_want_of_pages_or_slots_names_no_other_sequence(slots, caplog):
+    """A correlation id is the only capability a sequence has: a refusal tells the client how
+    many sequences hold pages (or slots), and only the server log says which."""
+    h = Harness(fake_artifact(state_slots=slots))
+    holders = (9_111_222_333, 9_444_555_666)
+    for sid in holders[:1 if slots else 2]:
+        assert h.step(sid, list(range(1, 121)), start=True).error is None
+    with caplog.at_level("INFO", logger="triton_tlaloc.batcher"):
+        reply = h.step(7, list(range(1, 121)) if not slots else [1, 2], start=True)
+    assert reply.code == UNAVAILABLE
+    assert ("1 sequences hold slots" if slots else "2 sequences hold pages") in reply.error
+    for sid in holders:
+        assert str(sid) not in reply.error
+    assert str(holders[0]) in caplog.text, "the server log names the holders"
+
+
 def test_a_windowed_sequence_holds_at_most_its_ring():
     # every layer sliding (window 8, pages of 8): rings of 2 pages, no full-history pages
     h = Harness(fake_artifact(window=8, ring_pages=2, window_blocks=9))
