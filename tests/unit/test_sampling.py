@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import random
+import re
+
 import numpy as np
 import pytest
 
-from triton_tlaloc.frontends.sampling import Sampler, SamplingError, SamplingParams, TextStream
+from triton_tlaloc.frontends.sampling import (MAX_STOP_CHARS, MAX_STOP_STRINGS, Sampler,
+                                              SamplingError, SamplingParams, StopMatcher,
+                                              TextStream)
 
 
 def test_sampling_parameters_are_checked_by_name():
@@ -52,6 +57,181 @@ def test_text_stream_holds_back_partial_characters_and_cuts_at_stop_strings():
     stream = TextStream(lambda ids: "a" + ("é" if 3 in ids else "\ufffd" if 2 in ids else ""))
     assert [stream.push(1), stream.push(2), stream.push(3)] == ["a", "", "é"]
     assert stream.flush() == ""
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"temperature": NAN}, "temperature nan: must be a finite number"),
+    ({"temperature": INF}, "temperature inf: must be a finite number"),
+    ({"temperature": 10**400}, "temperature 1000"),  # beyond any float
+    ({"top_p": -INF}, "top_p -inf: must be a finite number"),
+    ({"top_p": NAN}, "top_p nan"),
+    ({"temperature": True}, "temperature True: expected a number"),
+    ({"temperature": []}, "temperature []: expected a number"),
+    ({"temperature": {}}, "temperature {}: expected a number"),
+    ({"temperature": "0.7"}, "temperature '0.7': expected a number"),
+    ({"temperature": 1e-320}, "temperature 1e-320: must be 0 (greedy) or at least 1e-05"),
+    ({"temperature": 9e-6}, "temperature 9e-06: must be 0 (greedy) or at least 1e-05"),
+    ({"seed": -1}, "seed -1: must be an integer in [0, 2**64)"),
+    ({"seed": 2**64}, "seed 18446744073709551616: must be an integer in [0, 2**64)"),
+    ({"seed": 1.5}, "seed 1.5: expected an integer"),
+    ({"seed": "1"}, "seed '1': expected a number"),
+    ({"seed": False}, "seed False: expected a number"),
+    ({"max_tokens": 0}, "max_tokens 0: must be >= 1"),
+    ({"max_tokens": 10**30}, "max_tokens 1000000000000000000000000000000: must be >= 1"),
+    ({"max_tokens": INF}, "max_tokens inf: expected an integer"),
+    ({"max_tokens": 2.5}, "max_tokens 2.5: expected an integer"),
+    ({"top_k": -1}, "top_k -1: must be >= 0"),
+    ({"top_k": 2**63}, "top_k 9223372036854775808: must be >= 0"),
+    ({"top_k": NAN}, "top_k nan: expected an integer"),
+    ({"stop": [1]}, "stop [1]: expected a string or a list of strings"),
+    ({"stop": ["a", None]}, "stop ['a', None]: expected a string or a list of strings"),
+    ({"stop": {"a": 1}}, "stop {'a': 1}: expected a string or a list of strings"),
+    ({"stop": 3}, "stop 3: expected a string or a list of strings"),
+    ({"stop": False}, "stop False: expected a string or a list of strings"),
+    ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop: 17 stop strings: at most 16"),
+    ({"stop": ["a", "x" * (MAX_STOP_CHARS + 1)]},
+     "stop: a stop string of 1025 characters: at most 1024"),
+    ({"stop": ["a", ""]}, "stop: an empty stop string"),
+    ({"stop_token_ids": [True]}, "stop_token_ids True: expected a number"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids 1.5: expected an integer"),
+    ({"stop_token_ids": ["1"]}, "stop_token_ids '1': expected a number"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids -1: a token id must be in [0, 2**31)"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids 2147483648: a token id must be in [0, 2**31)"),
+    ({"stop_token_ids": [0] * 1025}, "stop_token_ids: 1025 token ids: at most 1024"),
+    ({"stop_token_ids": 5}, "stop_token_ids 5: expected a list of token ids"),
+    ({"stop_token_ids": "12"}, "stop_token_ids '12': expected a list of token ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos 'yes': expected true or false"),
+    ({"ignore_eos": 1}, "ignore_eos 1: expected true or false"),
+    ({"ignore_eos": []}, "ignore_eos []: expected true or false"),
+    (["temperature", 1], "sampling parameters ['temperature', 1]: expected a JSON object"),
+    ("{}", "sampling parameters '{}': expected a JSON object"),
+], ids=repr)
+def test_bad_sampling_parameters_are_refused_by_name_and_value(bad, message):
+    with pytest.raises(SamplingError, match=re.escape(message)):
+        SamplingParams.from_dict(bad)
+
+
+@pytest.mark.parametrize("good, field, value", [
+    ({"temperature": 0}, "temperature", 0.0),
+    ({"temperature": 1e-5}, "temperature", 1e-5),
+    ({"temperature": 0.7}, "temperature", 0.7),
+    ({"temperature": None}, "temperature", 0.0),
+    ({"seed": 0}, "seed", 0),
+    ({"seed": 2**64 - 1}, "seed", 2**64 - 1),
+    ({"max_tokens": 5.0}, "max_tokens", 5),
+    ({"stop": "x"}, "stop", ("x",)),
+    ({"stop": ["a", "b"]}, "stop", ("a", "b")),
+    ({"stop": ["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS}, "stop",
+     ("x" * MAX_STOP_CHARS,) * MAX_STOP_STRINGS),
+    ({"stop": ""}, "stop", ()),
+    ({"stop_token_ids": [0, 2**31 - 1]}, "stop_token_ids", (0, 2**31 - 1)),
+    ({"ignore_eos": False}, "ignore_eos", False),
+], ids=repr)
+def test_good_sampling_parameters_are_accepted(good, field, value):
+    assert getattr(SamplingParams.from_dict(good), field) == value
+
+
+class ReferenceStream:
+    """The stop string handling as it was (quadratic in a stop string's length): the oracle."""
+
+    def __init__(self, decode, stop):
+        self.decode, self.stop, self.ids, self.sent, self.stopped = decode, stop, [], 0, False
+
+    def push(self, token):
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        cut = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop)
+               if i >= 0]
+        if cut:
+            self.stopped = True
+            text = text[:min(cut)]
+        elif text.endswith("\ufffd"):
+            return ""
+        else:
+            hold = max((k for s in self.stop for k in range(1, len(s))
+                        if text.endswith(s[:k])), default=0)
+            text = text[:len(text) - hold]
+        new = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return new
+
+    def flush(self):
+        if self.stopped:
+            return ""
+        text = self.decode(self.ids)
+        new = text[self.sent:]
+        self.sent = len(text)
+        return new
+
+
+def random_case(rng: random.Random):
+    """(the text after each push, stop strings). Mostly a text that grows by pieces of 0-3
+    characters; sometimes a half character (U+FFFD) that the next push completes, and sometimes
+    a decode that rewrites the text's last characters, as a tokenizer may."""
+    alphabet = rng.choice(("ab", "ab", "abc"))
+    stop = tuple("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 7)))
+                 for _ in range(rng.randint(0, 3)))
+    texts, text = [], ""
+    for _ in range(rng.randint(1, 25)):
+        roll = rng.random()
+        if roll < 0.1 and text:  # rewrite the end
+            keep = rng.randint(0, len(text))
+            text = text[:keep] + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4)))
+        elif roll < 0.2:  # a half character now, the whole one at the next push
+            texts.append(text + "\ufffd")
+            text += rng.choice(alphabet)
+        else:
+            text += "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3)))
+        texts.append(text)
+    return texts, stop
+
+
+def replay(stream_class, texts, stop, matcher_class=StopMatcher):
+    """What a stream gives for each push (and `stopped`), then its flush, over `texts`."""
+    stream = stream_class(lambda ids: texts[len(ids) - 1], stop)
+    if stream_class is TextStream:
+        stream.matcher = matcher_class(stop)
+    return [(stream.push(i), stream.stopped) for i in range(len(texts))] + [stream.flush()]
+
+
+def first_difference(matcher_class, cases=3000):
+    rng = random.Random(1234)
+    for _ in range(cases):
+        texts, stop = random_case(rng)
+        if replay(TextStream, texts, stop, matcher_class) != replay(ReferenceStream, texts, stop):
+            return texts, stop
+    return None
+
+
+def test_stop_matcher_gives_what_the_quadratic_search_gave():
+    assert first_difference(StopMatcher) is None
+
+
+def test_the_equivalence_check_catches_a_matcher_that_holds_back_too_little():
+    class HoldsOneFewer(StopMatcher):
+        def find(self, text, sent):
+            cut, hold = super().find(text, sent)
+            return cut, max(0, hold - 1)
+
+    assert first_difference(HoldsOneFewer) is not None
+
+
+def test_a_long_stop_string_costs_time_linear_in_its_length():
+    too_long = "ab" * (MAX_STOP_CHARS // 2) + "a"
+    with pytest.raises(SamplingError, match=f"stop string of {MAX_STOP_CHARS + 1} characters"):
+        SamplingParams.from_dict({"stop": too_long})
+    # past the request limit, for the matcher alone: each 1000-character piece is the start of
+    # the stop string, so it is all held back; testing each of the 200_000 prefixes against the
+    # text's end at each push would take minutes, Knuth-Morris-Pratt a fraction of a second
+    stop = "ab" * 100_000
+    stream = TextStream(lambda ids: "ab" * 500 * len(ids), (stop,))
+    assert [stream.push(i) for i in range(50)] == [""] * 50 and not stream.stopped
+    assert stream.flush() == "ab" * 25_000
+    stream = TextStream(lambda ids: "ab" * 500 * len(ids) + "!" * (len(ids) == 50), (stop,))
+    assert "".join(stream.push(i) for i in range(50)) == "ab" * 25_000 + "!"
 
 
 # ------------------------------------------------------------------ through Triton

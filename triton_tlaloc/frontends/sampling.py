@@ -4,17 +4,65 @@ parameters, a sampler, and the text a stream of token ids adds. Pure numpy: no T
 Sampling follows the usual order (as vllm and transformers do): temperature, then top-k, then
 top-p over what is left, then a draw from a numpy Generator seeded by `seed` (a seeded request
 repeats exactly); temperature 0 is greedy (the argmax, ties to the lower id).
+
+Every parameter is checked when the request arrives, so a bad one is refused by name rather than
+failing later as an internal error; stop strings are bounded in number and length, and matched
+in time linear in the text (Knuth-Morris-Pratt) however long they are.
 """
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass
 
 import numpy as np
 
+MAX_STOP_STRINGS = 16  # per request
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_STOP_TOKEN_IDS = 1024  # per request
+MIN_TEMPERATURE = 1e-5  # a smaller positive one divides logits into inf and NaN
+INT64_MAX = 2**63 - 1
+
 
 class SamplingError(ValueError):
     """A sampling parameter out of range; the message names it."""
+
+
+def _shown(value) -> str:
+    """`value` for a message, cut short: a request may send a megabyte where a number belongs."""
+    try:
+        return reprlib.repr(value)
+    except ValueError:  # an int with more digits than Python will print
+        return "<an integer too long to print>"
+
+
+def _refused(key: str, value, rule: str) -> SamplingError:
+    return SamplingError(f"sampling parameter {key} {_shown(value)}: {rule}")
+
+
+def _real(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _refused(key, value, "expected a number")
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond any float
+        x = math.inf
+    if not math.isfinite(x):
+        raise _refused(key, value, "must be a finite number")
+    return x
+
+
+def _integer(key: str, value, low: int, high: int, rule: str) -> int:
+    """`value` as an int in [low, high]; an integral float (5.0) counts, a bool does not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _refused(key, value, "expected a number")
+    if isinstance(value, float) and not value.is_integer():  # also NaN and inf
+        raise _refused(key, value, "expected an integer")
+    n = int(value)
+    if not low <= n <= high:
+        raise _refused(key, n, rule)
+    return n
 
 
 @dataclass(frozen=True)
@@ -33,42 +81,64 @@ class SamplingParams:
 
     @staticmethod
     def from_dict(d: dict) -> "SamplingParams":
-        unknown = sorted(set(d) - set(SamplingParams.KEYS))
+        """The parameters of a request's JSON object; absent or null ones take their defaults."""
+        if not isinstance(d, dict):
+            raise SamplingError(f"sampling parameters {_shown(d)}: expected a JSON object")
+        unknown = sorted(str(k) for k in set(d) - set(SamplingParams.KEYS))
         if unknown:
             raise SamplingError(f"unknown sampling parameter(s) {', '.join(unknown)} (known: "
                                 f"{', '.join(SamplingParams.KEYS)})")
-        stop = d.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        given = {k: v for k, v in d.items() if v is not None}
 
-        def number(key, kind, default):
-            v = d.get(key, default)
-            if v is None:
-                return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-                    kind is int and not float(v).is_integer()):
-                raise SamplingError(f"sampling parameter {key} {v!r}: expected a number")
-            return kind(v)
+        max_tokens = _integer("max_tokens", given.get("max_tokens", 16), 1, INT64_MAX,
+                              "must be >= 1 (and below 2**63)")
+        top_k = _integer("top_k", given.get("top_k", 0), 0, INT64_MAX,
+                         "must be >= 0 (0: all) and below 2**63")
+        seed = given.get("seed")
+        if seed is not None:
+            seed = _integer("seed", seed, 0, 2**64 - 1, "must be an integer in [0, 2**64)")
+        temperature = _real("temperature", given.get("temperature", 0.0))
+        if temperature < 0:
+            raise _refused("temperature", temperature, "must be >= 0")
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise _refused("temperature", temperature,
+                           f"must be 0 (greedy) or at least {MIN_TEMPERATURE!r}")
+        top_p = _real("top_p", given.get("top_p", 1.0))
+        if not 0 < top_p <= 1:
+            raise _refused("top_p", top_p, "must be in (0, 1]")
 
-        p = SamplingParams(
-            max_tokens=number("max_tokens", int, 16),
-            temperature=number("temperature", float, 0.0),
-            top_k=number("top_k", int, 0),
-            top_p=number("top_p", float, 1.0),
-            seed=None if d.get("seed") is None else number("seed", int, 0),
-            stop=tuple(str(s) for s in stop),
-            stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids") or ()),
-            ignore_eos=bool(d.get("ignore_eos", False)))
-        if p.max_tokens < 1:
-            raise SamplingError(f"sampling parameter max_tokens {p.max_tokens}: must be >= 1")
-        if p.temperature < 0:
-            raise SamplingError(f"sampling parameter temperature {p.temperature}: must be >= 0")
-        if p.top_k < 0:
-            raise SamplingError(f"sampling parameter top_k {p.top_k}: must be >= 0 (0: all)")
-        if not 0 < p.top_p <= 1:
-            raise SamplingError(f"sampling parameter top_p {p.top_p}: must be in (0, 1]")
-        if any(not s for s in p.stop):
+        stop = given.get("stop", ())
+        if isinstance(stop, str):
+            stop = (stop,) if stop else ()  # "": no stop string, as before
+        elif not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise _refused("stop", stop, "expected a string or a list of strings")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise SamplingError(f"sampling parameter stop: {len(stop)} stop strings: at most "
+                                f"{MAX_STOP_STRINGS}")
+        if any(len(s) > MAX_STOP_CHARS for s in stop):
+            longest = max(map(len, stop))
+            raise SamplingError(f"sampling parameter stop: a stop string of {longest} "
+                                f"characters: at most {MAX_STOP_CHARS}")
+        if any(not s for s in stop):
             raise SamplingError("sampling parameter stop: an empty stop string")
-        return p
+
+        stop_token_ids = given.get("stop_token_ids", ())
+        if not isinstance(stop_token_ids, (list, tuple)):
+            raise _refused("stop_token_ids", stop_token_ids, "expected a list of token ids")
+        if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingError(f"sampling parameter stop_token_ids: {len(stop_token_ids)} "
+                                f"token ids: at most {MAX_STOP_TOKEN_IDS}")
+        stop_token_ids = tuple(
+            _integer("stop_token_ids", t, 0, 2**31 - 1, "a token id must be in [0, 2**31)")
+            for t in stop_token_ids)
+
+        ignore_eos = given.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise _refused("ignore_eos", ignore_eos, "expected true or false")
+
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=seed, stop=tuple(stop),
+                              stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +173,83 @@ class Sampler:
         return int(self.rng.choice(probs.size, p=probs))
 
 
+def _borders(s: str) -> list[int]:
+    """The Knuth-Morris-Pratt prefix function: [i] is the length of the longest proper prefix of
+    s[:i + 1] that is also its suffix (where a partial match falls back to on a mismatch)."""
+    border = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[k] != s[i]:
+            k = border[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        border[i] = k
+    return border
+
+
+class StopMatcher:
+    """Where stop strings occur in a growing text, and how much of its end may begin one.
+
+    A Knuth-Morris-Pratt automaton per stop string looks at each character a bounded number of
+    times (amortized), whatever the stop strings hold; testing every prefix of a stop string
+    against the text's end, as before, took time quadratic in its length. The automata's states
+    carry over from one call to the next, so a call scans only the new characters. When the text
+    changed where the last call looked (a decode may rewrite its last characters), and after a
+    match, they scan again from where the unsent text could begin a stop string: time linear in
+    the unsent characters plus the stop string's length.
+    """
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = stop
+        self.borders = [_borders(s) for s in stop]
+        self.reach = max(map(len, stop), default=1) - 1  # how far before `sent` one may start
+        self.states = [0] * len(stop)  # of each automaton after text[:end]
+        self.end = self.sent = 0  # of the last call
+        # text[sent - reach:end] of the last call: while it is unchanged, so are the states (they
+        # depend on the last reach characters) and the absence of a stop string there
+        self.tail = ""
+        self.resumable = False
+
+    def find(self, text: str, sent: int) -> tuple[int, int]:
+        """(where the earliest stop string starts in `text`, or -1; how many characters at its
+        end are the start of a stop string, when none is in it). A stop string may begin before
+        `sent`, the characters already returned, only where they were held back: from
+        sent - len(s) + 1 on."""
+        resume = (self.resumable and self.sent <= sent <= self.end
+                  and text.startswith(self.tail, self.end - len(self.tail)))
+        cuts, holds = [], []
+        for n, s in enumerate(self.stop):
+            search_from = max(0, sent - len(s) + 1)
+            if resume:  # a match ending in the new characters starts at search_from or after
+                start, state = self.end, self.states[n]
+            else:  # early enough for the matches from search_from and for the held back end
+                start, state = min(search_from, max(0, len(text) - len(s) + 1)), 0
+            cut, self.states[n] = self._scan(n, text, start, state, search_from)
+            if cut >= 0:
+                cuts.append(cut)
+            holds.append(self.states[n])
+        self.resumable = not cuts  # a scan that found a match stopped short of the end
+        self.end, self.sent = len(text), sent
+        self.tail = text[max(0, min(sent, len(text)) - self.reach):]
+        return (min(cuts), 0) if cuts else (-1, max(holds, default=0))
+
+    def _scan(self, n: int, text: str, start: int, state: int, search_from: int):
+        """Runs stop string n's automaton over text[start:] from `state`: (where its first
+        match from search_from on starts, or -1; the state where it stopped)."""
+        s, border = self.stop[n], self.borders[n]
+        for i in range(start, len(text)):
+            c = text[i]
+            while state and s[state] != c:
+                state = border[state - 1]
+            if s[state] == c:
+                state += 1
+            if state == len(s):
+                if i - len(s) + 1 >= search_from:
+                    return i - len(s) + 1, state
+                state = border[-1]  # a match in text sent already: not a stop
+        return -1, state
+
+
 class TextStream:
     """The text a growing list of token ids adds at each step, decoded as a whole each time so
     multi-token characters come out right (an incomplete one, U+FFFD at the end, is held back),
@@ -111,6 +258,7 @@ class TextStream:
     def __init__(self, decode, stop: tuple[str, ...] = ()):
         self.decode = decode  # ids -> text
         self.stop = stop
+        self.matcher = StopMatcher(stop)
         self.ids: list[int] = []
         self.sent = 0  # characters of the text already returned
         self.stopped = False
@@ -119,19 +267,16 @@ class TextStream:
         """The new text after `token`; sets `stopped` when a stop string appeared."""
         self.ids.append(token)
         text = self.decode(self.ids)
-        cut = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop)
-               if i >= 0]
-        if cut:
+        cut, hold = self.matcher.find(text, self.sent)
+        if cut >= 0:
             self.stopped = True
-            text = text[:min(cut)]
+            end = cut
         elif text.endswith("\ufffd"):
             return ""
         else:  # hold back a tail that may be the start of a stop string
-            hold = max((k for s in self.stop for k in range(1, len(s))
-                        if text.endswith(s[:k])), default=0)
-            text = text[:len(text) - hold]
-        new = text[self.sent:]
-        self.sent = max(self.sent, len(text))
+            end = len(text) - hold
+        new = text[self.sent:end]
+        self.sent = max(self.sent, end)
         return new
 
     def flush(self) -> str:
