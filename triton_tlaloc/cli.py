@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -132,7 +133,8 @@ def _cmd_repository(args) -> int:
                              reclaim_allowance_microseconds=args.reclaim_allowance_us,
                              instance_kind=args.instance_kind, copy=args.copy,
                              compile_cache_dir=args.compile_cache_dir or "",
-                             generate_model=not args.no_generate_model)
+                             generate_model=not args.no_generate_model,
+                             sequence_slots=args.sequence_slots)
     model_dir = write_repository(args.artifact, args.repo, args.name, opts)
     print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/"
           + ("" if args.no_generate_model else f", and {model_dir}_generate (generation on the "
@@ -144,31 +146,61 @@ def _cmd_serve(args) -> int:
     import signal
     import time
 
-    from .server import TritonServer
+    from .server import RESTRICTED_APIS, TritonServer
 
+    admin_key = args.admin_key or os.environ.get("TLALOC_ADMIN_KEY") or None
     server = TritonServer(args.repo, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                          log_path=args.log_file, exit_timeout_s=args.exit_timeout)
+                          log_path=args.log_file, exit_timeout_s=args.exit_timeout,
+                          restrict_admin=not args.open_admin_api, admin_key=admin_key)
     print(f"starting tritonserver (log: {server.log_path}) ...", file=sys.stderr, flush=True)
     server.start()
     print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}",
           flush=True)
+    if args.open_admin_api:
+        print("warning: Triton's admin APIs (model repository, shared memory, trace, logging) "
+              "are open to every client", file=sys.stderr)
+    elif admin_key is None:
+        print(f"admin APIs ({', '.join(RESTRICTED_APIS)}) closed: no admin key was given",
+              file=sys.stderr)
     stop = []
     # Explicit handlers: a shell starting us in the background may have SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(1))
     while not stop and server.proc.poll() is None:
         time.sleep(0.2)
+    if not stop:  # it exited on its own: that is a failure
+        print(f"tritonserver exited with {server.proc.returncode}:\n{server.log_tail()}",
+              file=sys.stderr)
+        server.stop()
+        return 1
     rc = server.stop()
-    print(f"tritonserver stopped ({rc})", file=sys.stderr)
+    # Asked to stop, it exits 1 when open sequences outlived its exit timeout: that is the
+    # stop we asked for, not a failure (their pages go with the process).
+    how = "clean" if rc == 0 else "open sequences were dropped at the exit timeout"
+    print(f"tritonserver stopped ({how})", file=sys.stderr)
     return 0
 
 
 def _cmd_openai(args) -> int:
-    from .frontends.openai_server import ServedModel, serve
+    from .frontends.http_doors import default_allowed_hosts, is_loopback
+    from .frontends.openai_server import ServedModel, ServerOptions, serve
 
+    # The flag wins over the environment; an empty key is no key.
+    api_key = (args.api_key if args.api_key is not None
+               else os.environ.get("TLALOC_API_KEY")) or None
+    if api_key is None and not is_loopback(args.host):
+        print(f"tlaloc openai: warning: serving {args.host}, not a loopback address, with no "
+              f"API key: whoever reaches it can generate (set TLALOC_API_KEY or --api-key)",
+              file=sys.stderr)
+    options = ServerOptions(
+        api_key=api_key, max_body_bytes=args.max_body_bytes, max_concurrent=args.max_concurrent,
+        cors_origins=tuple(args.cors_origin or ()),
+        allowed_hosts=(tuple(args.allowed_host) if args.allowed_host
+                       else default_allowed_hosts(args.host)),
+        max_prompt_chars=args.max_prompt_chars)
     models = {name: ServedModel.discover(args.url, name, args.tokenizer) for name in args.model}
-    serve(args.url, models, args.host, args.port)
+    serve(args.url, models, args.host, args.port, options=options)
     return 0
 
 
@@ -295,6 +327,9 @@ def _add_repository_parser(sub) -> None:
     p.add_argument("--compile-cache-dir", default=None)
     p.add_argument("--no-generate-model", action="store_true",
                    help="do not write NAME_generate beside the sequence model")
+    p.add_argument("--sequence-slots", type=int, default=0,
+                   help="Triton's max_candidate_sequences (default: the larger of 1024 and the "
+                        "sequences the KV pool holds)")
     g = p.add_argument_group(
         "programs that are not language models",
         "ARTIFACT a bounded-program artifact (tlaloc-bounded.json) or a StableHLO program file")
@@ -321,7 +356,13 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--log-file", default=None)
-    p.add_argument("--exit-timeout", type=int, default=5)
+    p.add_argument("--exit-timeout", type=int, default=5,
+                   help="seconds Ctrl-C waits for open sequences before they are dropped")
+    p.add_argument("--admin-key", default=None,
+                   help="the value of the tlaloc-admin-key header that opens Triton's admin "
+                        "APIs (or TLALOC_ADMIN_KEY; default: none, they stay closed)")
+    p.add_argument("--open-admin-api", action="store_true",
+                   help="leave Triton's admin APIs open to every client (not recommended)")
     p.set_defaults(fn=_cmd_serve)
 
 
@@ -351,8 +392,25 @@ def _add_openai_parser(sub) -> None:
                    help="a served sequence model (its NAME_generate answers); repeatable")
     p.add_argument("--tokenizer", default=None,
                    help="the tokenizer folder (default: the generate model's tokenizer_dir)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="ask every request for `Authorization: Bearer KEY` (default: the "
+                        "TLALOC_API_KEY environment variable, which `ps` does not show; none)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="the largest request body read (default 4 MiB; larger: 413)")
+    p.add_argument("--max-concurrent", type=int, default=64,
+                   help="generations in flight at once (default 64; the one over: 429)")
+    p.add_argument("--cors-origin", action="append", default=None,
+                   help="a web origin whose pages may call the server (CORS); repeatable "
+                        "(default: none)")
+    p.add_argument("--allowed-host", action="append", default=None,
+                   help="a Host header name accepted; repeatable (default: on a loopback "
+                        "--host the loopback names only, elsewhere any)")
+    p.add_argument("--max-prompt-chars", type=int, default=1_000_000,
+                   help="the longest prompt, or messages' content, in characters "
+                        "(default 1000000; longer: 400)")
     p.set_defaults(fn=_cmd_openai)
 
 

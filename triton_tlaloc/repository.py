@@ -36,6 +36,23 @@ class RepositoryOptions:
     compile_cache_dir: str = ""
     extra_parameters: dict = field(default_factory=dict)
     generate_model: bool = True  # also write NAME_generate
+    sequence_slots: int = 0  # max_candidate_sequences (0: sequence_slots()'s default)
+
+
+# Triton's sequence slots (max_candidate_sequences) by default: far more than the pool can hold.
+MIN_SEQUENCE_SLOTS = 1024
+
+
+def sequence_slots(num_blocks: int, asked: int = 0) -> int:
+    """Triton's slot count must never be what limits admission: a sequence past it waits
+    unanswered in Triton's backlog, while the page policy refuses by name. Every live sequence
+    holds at least one page, but a START the backend refuses keeps its slot until the client
+    ENDs it or Triton's idle timeout ends it; so there are many more slots than pages, and
+    clients that do not END refused sequences cannot starve the rest."""
+    if asked and asked < num_blocks - 1:
+        raise ValueError(f"sequence_slots {asked}: fewer than the sequences the KV pool can hold "
+                         f"({num_blocks - 1}); Triton would make the rest wait unanswered")
+    return asked or max(num_blocks - 1, MIN_SEQUENCE_SLOTS)
 
 
 def _link_or_copy(src: Path, target: Path, copy: bool) -> None:
@@ -88,9 +105,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         max_batch_size=max(decode_batches),
         vocab=artifact.model.vocab,
         max_sequence_idle_microseconds=opts.max_sequence_idle_microseconds,
-        # Every sequence holds at least one page: Triton's slot count must never be what limits
-        # admission (a sequence past it waits unanswered); the page policy refuses by name.
-        max_candidate_sequences=artifact.model.num_blocks - 1,
+        max_candidate_sequences=sequence_slots(artifact.model.num_blocks, opts.sequence_slots),
         max_queue_delay_microseconds=opts.triton_queue_delay_microseconds,
         instance_kind=INSTANCE_KINDS[opts.instance_kind],
         parameters=",\n".join(_parameter(k, v) for k, v in params.items()),

@@ -9,11 +9,19 @@
   libpython3.X and fail to import ssl.
 - Loopback addresses by default, a short exit timeout (an open sequence makes a graceful
   shutdown wait the whole timeout), readiness polled over HTTP.
+- Triton's admin APIs (model-repository, shared-memory, trace, logging: loading models, mapping
+  shared memory, changing the log level) are restricted by default on HTTP and gRPC: a request
+  to them needs the header `tlaloc-admin-key` with the server's admin key (random unless given,
+  so nobody has it). Health, metadata, inference, model configuration and statistics stay open.
+- The Python backend's shared-memory regions get a prefix of this server's own, so that what a
+  server stopped at its exit timeout leaves in /dev/shm (its stubs are killed, not unloaded)
+  is removed once it has exited.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -28,6 +36,13 @@ from pathlib import Path
 
 class ServerError(RuntimeError):
     pass
+
+
+# The APIs a client needs no key for are the rest: health, metadata, inference, model-config,
+# statistics.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+ADMIN_KEY_HEADER = "tlaloc-admin-key"
+SHM_DIR = Path("/dev/shm")
 
 
 def pytriton_dir() -> Path:
@@ -77,7 +92,8 @@ class TritonServer:
     def __init__(self, repo: str | os.PathLike, *, host: str = "127.0.0.1",
                  http_port: int | None = None, grpc_port: int | None = None,
                  metrics_port: int | None = None, log_path: str | os.PathLike | None = None,
-                 exit_timeout_s: int = 5, log_verbose: int = 0, extra_args: tuple = ()):
+                 exit_timeout_s: int = 5, log_verbose: int = 0, extra_args: tuple = (),
+                 restrict_admin: bool = True, admin_key: str | None = None):
         self.repo = Path(repo).resolve()
         self.host = host
         self.http_port = http_port or free_port()
@@ -86,6 +102,12 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self._tmp = Path(tempfile.mkdtemp(prefix="tlaloc-triton-"))
         self.log_path = Path(log_path) if log_path else self._tmp / "tritonserver.log"
+        self.admin_key = admin_key or secrets.token_hex(16)
+        self.shm_prefix = f"tlaloc_{secrets.token_hex(6)}_"
+        restricted = []
+        if restrict_admin:
+            rule = f"{','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}={self.admin_key}"
+            restricted = [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
         self.args = [
             str(pytriton_dir() / "bin" / "tritonserver"),
             "--model-repository", str(self.repo),
@@ -95,6 +117,8 @@ class TritonServer:
             "--metrics-address", host, "--metrics-port", str(self.metrics_port),
             "--exit-timeout-secs", str(exit_timeout_s),
             "--log-verbose", str(log_verbose),
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            *restricted,
             *extra_args,
         ]
         self.proc: subprocess.Popen | None = None
@@ -151,7 +175,13 @@ class TritonServer:
                 self.proc.wait()
         self._log.close()
         shutil.rmtree(self._tmp / "backends", ignore_errors=True)
+        for region in self.shm_regions():  # left when the exit timeout killed the stubs
+            region.unlink(missing_ok=True)
         return self.proc.returncode
+
+    def shm_regions(self) -> list[Path]:
+        """This server's Python-backend shared-memory files in /dev/shm."""
+        return sorted(SHM_DIR.glob(f"{self.shm_prefix}*"))
 
     def __enter__(self) -> "TritonServer":
         return self.start()

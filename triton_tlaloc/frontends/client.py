@@ -8,11 +8,13 @@ Sampling is the client's: `generate_greedy` takes the argmax of each step's logi
 from __future__ import annotations
 
 import json
+import secrets
 import time
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..codes import GRPC_STATUS, split_coded_message
 
 
 class InferError(RuntimeError):
@@ -36,9 +38,16 @@ class Generation:
         return float(np.median(self.step_ms)) if self.step_ms else 0.0
 
 
+# Triton's integer correlation ids are uint64, but tritonclient's gRPC client sends them as an
+# int64 parameter: 2**63 - 1 is the largest id both protocols carry.
+MAX_SEQUENCE_ID = 2**63 - 1
+
+
 def new_sequence_id() -> int:
-    """A fresh random 63-bit correlation id (Triton's integer ids are uint64)."""
-    return uuid.uuid4().int >> 65
+    """A fresh random correlation id in [1, 2**63) (0 is "no sequence"). A correlation id is
+    the only thing that gives a request its sequence, so it must be unguessable: drawn from the
+    operating system's random source, 63 random bits."""
+    return secrets.randbelow(MAX_SEQUENCE_ID) + 1
 
 
 class TlalocClient:
@@ -167,6 +176,23 @@ class GenerateResult:
     responses: int  # responses received, the final one included
     first_token_ms: float | None  # request sent to the first response with text or ids
     error: str | None = None
+    # The error's gRPC status name (INVALID_ARGUMENT: a bad request; UNAVAILABLE: the server
+    # is full or unloading; CANCELLED; INTERNAL), as the generate model answered it.
+    status: str | None = None
+
+
+# How often a generation waiting for its next response looks at its `cancel` event.
+CANCEL_POLL_S = 0.05
+
+
+def _status_name(err, message: str) -> str | None:
+    """An error's gRPC status name: the exception's, or on a stream (whose errors carry only a
+    message) the code the generate model names in brackets at the message's start."""
+    status = err.status() if hasattr(err, "status") else None
+    if status is not None:
+        return str(status).rsplit(".", 1)[-1]
+    code, _ = split_coded_message(message)
+    return None if code is None else GRPC_STATUS[code]
 
 
 def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
@@ -175,8 +201,10 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
     """One request to a generate model over a gRPC stream (it is decoupled): the responses'
     text and ids gathered until the one flagged final. cancel_after: close the stream with its
     request cancelled after that many responses (the server must end the sequence at once);
-    cancel: a threading.Event that does the same when it is set. on_text(piece) is called with
-    each response's new text as it arrives."""
+    cancel: a threading.Event that does the same when it is set (looked at every
+    CANCEL_POLL_S, whether responses come or not: a generation that is not streamed sends
+    none until its end). on_text(piece) is called with each response's new text as it
+    arrives. A refusal's gRPC status name is in the result's `status`."""
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -200,16 +228,34 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
     t.set_data_from_numpy(np.array([stream]))
     inputs.append(t)
     pieces, ids, final, count = [], [], {}, 0
-    first_ms, error = None, None
+    first_ms, error, status = None, None, None
     t0 = time.perf_counter()
+
+    def cancelled() -> bool:
+        return (cancel_after is not None and count >= cancel_after) or (
+            cancel is not None and cancel.is_set())
+
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        waited = 0.0
         while True:
-            result, err = responses.get(timeout=timeout_s)
+            try:
+                result, err = responses.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                waited += CANCEL_POLL_S
+                if cancelled():
+                    client.stop_stream(cancel_requests=True)
+                    final = {"finish_reason": "cancelled"}
+                    break
+                if waited >= timeout_s:
+                    raise TimeoutError(f"{model}: no response in {timeout_s:.0f} s") from None
+                continue
+            waited = 0.0
             count += 1
             if err is not None:
                 error = err.message() if hasattr(err, "message") else str(err)
+                status = _status_name(err, error)
                 break
             piece = result.as_numpy("text_output")
             new_ids = result.as_numpy("token_ids")
@@ -229,8 +275,7 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
             params = result.get_response().parameters
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
                 break
-            if (cancel_after is not None and count >= cancel_after) or (
-                    cancel is not None and cancel.is_set()):
+            if cancelled():
                 client.stop_stream(cancel_requests=True)
                 final = {"finish_reason": "cancelled"}
                 break
@@ -239,7 +284,7 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
         client.close()
     return GenerateResult("".join(pieces), ids, final.get("finish_reason", "error"),
                           final.get("prompt_tokens", 0), final.get("completion_tokens", 0),
-                          count, first_ms, error)
+                          count, first_ms, error, status)
 
 
 # The backend applies its metric updates every 250 ms (metrics_interval_microseconds, on a

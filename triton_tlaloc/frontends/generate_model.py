@@ -21,23 +21,38 @@ import json
 import logging
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..backend import model_settings, setup_logging
+from ..codes import coded_message, split_coded_message
 from ..metrics import MetricsWriter
+from .client import new_sequence_id
 from .sampling import Sampler, SamplingError, SamplingParams, TextStream
 
 log = logging.getLogger("triton_tlaloc.generate")
+
+
+PROMPT_CHARACTERS_PER_TOKEN = 32
+# Room for every stop string and stop token id the sampling parameters may name.
+MAX_SAMPLING_PARAMETERS_CHARS = 256 * 1024
 
 
 class _GenerateError(Exception):
     def __init__(self, message: str, code):
         super().__init__(message)
         self.code = code
+
+
+def _code_name(code) -> str:
+    """The name of a TritonError code (its codes are bound only once the stub runs a model)."""
+    for name in ("INVALID_ARG", "UNAVAILABLE", "INTERNAL", "CANCELLED", "NOT_FOUND",
+                 "UNSUPPORTED", "ALREADY_EXISTS"):
+        if getattr(pb_utils.TritonError, name, None) == code:
+            return name
+    return "UNKNOWN"
 
 
 def _string_input(request, name: str) -> str | None:
@@ -50,12 +65,17 @@ def _string_input(request, name: str) -> str | None:
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = model_settings(args, {"eos_token_ids": "", "tokenizer_dir": ""}).params
+        params = model_settings(args, {"eos_token_ids": "", "tokenizer_dir": "",
+                                       "max_prompt_characters": ""}).params
         setup_logging(args["model_name"])
         self.model_name = args["model_name"]
         self.sequence_model = params["sequence_model"]
         self.eos_ids = {int(t) for t in params.get("eos_token_ids", "").split(",") if t}
         self.max_context = int(params["max_context"])
+        # A text prompt longer than this is refused before it is tokenized (a token is rarely
+        # more than a few characters: the default leaves a wide margin over the context).
+        self.max_prompt_chars = int(params.get("max_prompt_characters") or
+                                    PROMPT_CHARACTERS_PER_TOKEN * self.max_context)
         self.tokenizer = None
         if params.get("tokenizer_dir") and (Path(params["tokenizer_dir"]) /
                                             "tokenizer.json").is_file():
@@ -115,9 +135,11 @@ class TritonPythonModel:
             return sender.is_cancelled()
 
     def _send_error(self, sender, message: str, code):
-        """The final response of a request that failed or was cancelled."""
+        """The final response of a request that failed or was cancelled; its message names
+        its code (codes.coded_message: the gRPC stream drops the code itself)."""
         self._send(sender, pb_utils.InferenceResponse(
-            output_tensors=[], error=pb_utils.TritonError(message, code)),
+            output_tensors=[], error=pb_utils.TritonError(coded_message(message,
+                                                                        _code_name(code)), code)),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
@@ -147,20 +169,30 @@ class TritonPythonModel:
 
     def _inputs(self, request) -> tuple[list[int], SamplingParams, bool]:
         bad = pb_utils.TritonError.INVALID_ARG
+        sampling = _string_input(request, "sampling_parameters") or "{}"
+        if len(sampling) > MAX_SAMPLING_PARAMETERS_CHARS:
+            raise _GenerateError(f"sampling_parameters: {len(sampling)} characters, more than "
+                                 f"{MAX_SAMPLING_PARAMETERS_CHARS}", bad)
         try:
-            params = SamplingParams.from_dict(json.loads(
-                _string_input(request, "sampling_parameters") or "{}"))
+            params = SamplingParams.from_dict(json.loads(sampling))
         except (SamplingError, json.JSONDecodeError, TypeError, ValueError) as e:
             raise _GenerateError(f"sampling_parameters: {e}", bad) from None
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
         text = _string_input(request, "text_input")
+        # Sizes first, then the work: no id list converted, no text tokenized, that must fail.
         if ids_t is not None:
-            prompt = [int(t) for t in ids_t.as_numpy().reshape(-1)]
+            ids = ids_t.as_numpy().reshape(-1)
+            self._check_length("input_ids", ids.size)
+            prompt = ids.tolist()
         elif text is not None:
             if self.tokenizer is None:
                 raise _GenerateError("text_input needs the artifact's tokenizer, which this "
                                      "model has not got: send input_ids", bad)
+            if len(text) > self.max_prompt_chars:
+                raise _GenerateError(f"text_input holds {len(text)} characters: more than "
+                                     f"max_prompt_characters, {self.max_prompt_chars}", bad)
             prompt = self.tokenizer.encode(text)
+            self._check_length("the tokenized text_input", len(prompt))
         else:
             raise _GenerateError("send text_input or input_ids", bad)
         if not prompt:
@@ -171,6 +203,11 @@ class TritonPythonModel:
         stream = True if stream_t is None else bool(stream_t.as_numpy().reshape(-1)[0])
         return prompt, params, stream
 
+    def _check_length(self, what: str, n: int) -> None:
+        if n > self.max_context:
+            raise _GenerateError(f"{what}: {n} tokens, more than the largest context "
+                                 f"({self.max_context})", pb_utils.TritonError.INVALID_ARG)
+
     def _step(self, seq_id, tokens, *, start=False, end=False, outputs=("ARGMAX",)):
         """One request to the sequence model (BLS); returns its outputs by name."""
         flags = ((pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0)
@@ -180,9 +217,10 @@ class TritonPythonModel:
             inputs=[pb_utils.Tensor("TOKENS", np.asarray(tokens, np.int32).reshape(1, -1))],
             requested_output_names=list(outputs), correlation_id=seq_id, flags=flags)
         resp = req.exec()
-        if resp.has_error():
-            err = resp.error()
-            raise _GenerateError(err.message(), err.code())
+        if resp.has_error():  # its code is in the message: BLS drops the error's own
+            code, message = split_coded_message(resp.error().message())
+            raise _GenerateError(message, getattr(pb_utils.TritonError, code or "INTERNAL",
+                                                  pb_utils.TritonError.INTERNAL))
         return {t.name(): t.as_numpy().reshape(-1) for t in resp.output_tensors()}
 
     def _generate(self, request, sender, arrived: float):
@@ -192,10 +230,12 @@ class TritonPythonModel:
         decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
         text = TextStream(decode, params.stop)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        seq_id = uuid.uuid4().int >> 65
+        seq_id = new_sequence_id()
         generated, pieces, reason = [], [], "length"
-        out = self._step(seq_id, prompt, start=True, outputs=outputs)
         try:
+            # Inside the try: a refused START is ENDed too, or its Triton sequence slot would
+            # stay taken until the idle timeout.
+            out = self._step(seq_id, prompt, start=True, outputs=outputs)
             last = None
             while True:
                 token = int(out["ARGMAX"][0]) if params.greedy else sampler.choose(out["LOGITS"])
@@ -230,7 +270,7 @@ class TritonPythonModel:
                     reason = "cancelled"
                     break
                 out = self._step(seq_id, [token], outputs=outputs)
-        finally:  # END frees the sequence's pages at once (also after an error)
+        finally:  # END frees the sequence's pages and Triton's slot at once (also after an error)
             try:
                 self._step(seq_id, [], end=True, outputs=())
             except _GenerateError:
