@@ -5,28 +5,42 @@
     POST /v1/chat/completions    messages, rendered with the artifact's chat template
 
 `stream: true` answers with server-sent events (`data: {chunk}` lines, then `data: [DONE]`).
-Each request becomes one request to NAME_generate over a gRPC stream (client.generate); a
-client that disconnects mid-stream cancels it, which ends the sequence and frees its pages.
-Built on FastAPI and uvicorn, as vllm's OpenAI server is. Sampling follows the OpenAI API's
-defaults (temperature 1, top_p 1, max_tokens 16 for completions; a chat completion runs to the
-end of the sequence or the largest context unless max_tokens says otherwise).
+Each request becomes one request to NAME_generate over a gRPC stream (client.generate, or the
+`generate` given to make_app). Built on FastAPI and uvicorn, as vllm's OpenAI server is.
+Sampling follows the OpenAI API's defaults (temperature 1, top_p 1, max_tokens 16 for
+completions; a chat completion runs to the end of the sequence or the largest context unless
+max_tokens says otherwise).
+
+The doors (http_doors.py; ServerOptions sets them): the Host header (bound to a loopback
+address, only the loopback names), CORS for configured origins only, an optional API key, the
+body's size and JSON Content-Type, and the generations in flight (429 over the limit). A
+malformed body is a 400 naming the field; the body is parsed and the prompt tokenized off the
+event loop. The generate model's refusals keep their meaning: INVALID_ARGUMENT is 400,
+UNAVAILABLE 503, DEADLINE_EXCEEDED 504. A stream is answered only once its first piece has
+come, so a refusal at the start gets its status rather than 200 and an error event.
+
+Cancellation: each generation runs on a worker thread of its own, handing its pieces to the
+event loop. A client that disconnects, mid-stream or while waiting for a whole completion,
+sets the generation's cancel event within a fraction of a second; the generate model then ends
+the sequence, which frees its pages.
 """
 
 from __future__ import annotations
 
-import json
-import queue
+import asyncio
 import threading
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 # at module level: FastAPI resolves the annotations here
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from .client import GenerateResult, generate
+from .client import generate as grpc_generate
+from .openai_responses import Reply, completion_body, events, refusal
+from .http_doors import (APIError, GenerationSlots, add_doors, default_allowed_hosts, number,
+                         parse_body, shown, typed)
 from .tokenizer import ArtifactTokenizer
 
 
@@ -34,7 +48,7 @@ from .tokenizer import ArtifactTokenizer
 class ServedModel:
     name: str  # the name clients use: the sequence model's
     generate_model: str
-    tokenizer: ArtifactTokenizer
+    tokenizer: ArtifactTokenizer  # or anything with encode(text) and apply_chat_template
     max_context: int
 
     @staticmethod
@@ -56,40 +70,52 @@ class ServedModel:
                            int(params["max_context"]))
 
 
-def _sampling(body: dict, default_max_tokens: int | None) -> dict:
-    """The generate model's sampling_parameters from an OpenAI request body."""
-    def given(key, default):
-        return default if body.get(key) is None else body[key]
+@dataclass(frozen=True)
+class ServerOptions:
+    """What the server lets in (http_doors.py)."""
+    api_key: str | None = field(default=None, repr=False)  # None: no key asked for
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_concurrent: int = 64  # generations in flight; the one over is answered 429
+    cors_origins: tuple[str, ...] = ()  # none: no CORS headers
+    # None: derived from the bind host (for_host), loopback names if never bound
+    allowed_hosts: tuple[str, ...] | None = None
+    max_prompt_chars: int = 1_000_000  # a prompt, or the messages' content, over it is a 400
 
-    out = {"temperature": float(given("temperature", 1.0)), "top_p": float(given("top_p", 1.0))}
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
+    def __post_init__(self):
+        for name in ("max_body_bytes", "max_concurrent", "max_prompt_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)}: must be at least 1")
+
+    def for_host(self, bind_host: str) -> "ServerOptions":
+        """These options for a server bound to `bind_host`: allowed_hosts, if not given,
+        derived from it (http_doors.default_allowed_hosts)."""
+        if self.allowed_hosts is not None:
+            return self
+        return replace(self, allowed_hosts=default_allowed_hosts(bind_host))
+
+
+# ------------------------------------------------------------------ request bodies
+
+def _sampling(body: dict) -> dict:
+    """The generate model's sampling_parameters from an OpenAI request body. Each value is
+    passed on as sent once it has the JSON type its parameter takes: the generate model checks
+    its range, and names it when it refuses (a 400)."""
+    out = {"temperature": number(body, "temperature", 1.0), "top_p": number(body, "top_p", 1.0)}
+    max_tokens = number(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = number(body, "max_tokens")
     if max_tokens is not None:
-        out["max_tokens"] = int(max_tokens)
+        out["max_tokens"] = max_tokens
     for key in ("seed", "top_k"):
-        if body.get(key) is not None:
-            out[key] = body[key]
-    if body.get("stop"):
-        out["stop"] = body["stop"]
+        if (value := number(body, key)) is not None:
+            out[key] = value
+    stop = typed(body, "stop", (str, list), "a string or a list of strings")
+    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
+        raise APIError(400, f"stop: a string or a list of strings, not {shown(stop)}")
+    if stop:
+        out["stop"] = stop
     return out
 
-
-class APIError(Exception):
-    """A request the server refuses: answered with OpenAI's error object and `status`."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind,
-                                       "code": self.status}}, status_code=self.status)
-
-
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
-
-
-# ------------------------------------------------------------------ requests
 
 @dataclass
 class GenerateCall:
@@ -99,165 +125,161 @@ class GenerateCall:
     sampling: dict
     stream: bool
     chat: bool  # /v1/chat/completions (else /v1/completions): the shape of the response
-    body: dict  # the request as sent; its stream_options are read when the stream ends
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.body.get("stream_options") or {}).get("include_usage"))
+    include_usage: bool  # stream_options.include_usage: the last chunk carries the usage
 
 
 def _served_model(models: dict[str, ServedModel], body: dict) -> ServedModel:
     """The model a request names (404 if it is not served), with n = 1 (the only n served)."""
-    name = body.get("model")
+    name = typed(body, "model", (str,), "a model's name")
     if name not in models:
         raise APIError(404, f"model {name!r} is not served here (served: {', '.join(models)})",
                        "not_found_error")
-    if int(body.get("n") or 1) != 1:
+    n = typed(body, "n", (int,), "an integer")
+    if n not in (None, 1):
         raise APIError(400, "n other than 1 is not supported")
     return models[name]
 
 
-def completion_call(models: dict[str, ServedModel], body: dict) -> GenerateCall:
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage) of a request body."""
+    stream = typed(body, "stream", (bool,), "true or false")
+    options = typed(body, "stream_options", (dict,), "an object") or {}
+    include_usage = typed(options, "include_usage", (bool,), "true or false", "stream_options.")
+    return bool(stream), bool(include_usage)
+
+
+def _too_long(what: str, length: int, max_chars: int, unit: str = "characters") -> APIError:
+    return APIError(400, f"{what}: {length} {unit}, over the {max_chars} this server takes")
+
+
+# Token ids go to the generate model as int32.
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+def completion_call(models: dict[str, ServedModel], body: dict,
+                    max_prompt_chars: int = ServerOptions.max_prompt_chars) -> GenerateCall:
     """POST /v1/completions: the prompt is one string or one list of token ids (either may
     come as a list of one); max_tokens defaults to 16."""
     model = _served_model(models, body)
+    stream, include_usage = _streaming(body)
+    sampling = {"max_tokens": 16, **_sampling(body)}
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        if len(prompt) > max_prompt_chars:
+            raise _too_long("prompt", len(prompt), max_prompt_chars)
         ids = model.tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    elif isinstance(prompt, list) and len(prompt) > max_prompt_chars:
+        raise _too_long("prompt", len(prompt), max_prompt_chars, "token ids")
+    elif isinstance(prompt, list) and all(
+            type(t) is int and 0 <= t <= _MAX_TOKEN_ID for t in prompt):
         ids = list(prompt)
     else:
-        raise APIError(400, "prompt: one string or one list of token ids")
-    return GenerateCall(model, ids, _sampling(body, 16), bool(body.get("stream")), False, body)
+        raise APIError(400, f"prompt: one string or one list of token ids, not "
+                            f"{shown(prompt)}")
+    return GenerateCall(model, ids, sampling, stream, False, include_usage)
 
 
-def chat_call(models: dict[str, ServedModel], body: dict) -> GenerateCall:
+def _content_chars(messages: list) -> int:
+    """The characters of the messages' content: its text, or its text parts'."""
+    total = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise APIError(400, f"messages[{i}]: an object with role and content, not "
+                                f"{shown(message)}")
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+        elif content is not None:
+            raise APIError(400, f"messages[{i}].content: a string or a list of parts, not "
+                                f"{shown(content)}")
+    return total
+
+
+def chat_call(models: dict[str, ServedModel], body: dict,
+              max_prompt_chars: int = ServerOptions.max_prompt_chars) -> GenerateCall:
     """POST /v1/chat/completions: the messages rendered with the chat template; max_tokens
     defaults to what the largest context leaves after the prompt."""
     model = _served_model(models, body)
+    stream, include_usage = _streaming(body)
+    sampling = _sampling(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages: a non-empty list")
+        raise APIError(400, f"messages: a non-empty list, not {shown(messages)}")
+    chars = _content_chars(messages)
+    if chars > max_prompt_chars:
+        raise _too_long("messages' content", chars, max_prompt_chars)
     try:
         ids = model.tokenizer.apply_chat_template(messages)
     except Exception as e:
         raise APIError(400, f"messages: the chat template failed: {e}")
-    return GenerateCall(model, ids, _sampling(body, max(1, model.max_context - len(ids))),
-                        bool(body.get("stream")), True, body)
+    sampling.setdefault("max_tokens", max(1, model.max_context - len(ids)))
+    return GenerateCall(model, ids, sampling, stream, True, include_usage)
 
 
-# ------------------------------------------------------------------ responses
+# ------------------------------------------------------------------ generations
 
-def _choice(chat: bool, text: str | None, finish, delta: bool, first: bool = False) -> dict:
-    """choices[0] of a response (delta: of a streamed chunk; first: the stream's first)."""
-    if chat:
-        if delta:
-            d = {"role": "assistant", "content": text or ""} if first else (
-                {"content": text} if text else {})
-            return {"index": 0, "delta": d, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "finish_reason": finish}
-    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+# How often a request waiting on its generation looks whether its client has gone.
+DISCONNECT_POLL_S = 0.1
 
 
-def _usage(got: GenerateResult) -> dict:
-    return {"prompt_tokens": got.prompt_tokens, "completion_tokens": got.completion_tokens,
-            "total_tokens": got.prompt_tokens + got.completion_tokens}
+class ClientGone(Exception):
+    """The client disconnected before its answer: its generation is cancelled."""
 
 
-@dataclass
-class _Reply:
-    """What every response (and every chunk of a stream) to one request carries."""
-    call: GenerateCall
-    id: str
-    created: int
+class Generation:
+    """One generation on a worker thread of its own (generate blocks on its gRPC stream): its
+    pieces of text (when streamed), then its GenerateResult or the exception generate raised,
+    come in order on `items`, an asyncio queue of the event loop that started it. Setting
+    `cancel` stops it; `on_end` is called when it ends, however it ends."""
 
-    def body(self, obj: str, choice: dict) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created,
-                "model": self.call.model.name, "choices": [choice]}
+    def __init__(self, generate, url: str, call: GenerateCall, on_end):
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._args = (generate, url, call, on_end)
+        threading.Thread(target=self._run, daemon=True, name="tlaloc-generation").start()
 
-
-def answer(url: str, call: GenerateCall):
-    """The response to `call`, generated by the generate models at `url` (gRPC): a JSON body,
-    or server-sent events when call.stream. Blocks until the generation ends (a JSON body) or
-    has started (a stream): run it off the event loop."""
-    reply = _Reply(call, f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}",
-                   int(time.time()))
-    if call.stream:
-        return _streaming_response(url, reply)
-    return _completion_body(url, reply)
-
-
-def _completion_body(url: str, reply: _Reply) -> dict:
-    """The whole completion in one JSON body (400 if the generate model refuses)."""
-    call = reply.call
-    got = generate(url, call.model.generate_model, input_ids=call.prompt_ids,
-                   sampling=call.sampling, stream=False)
-    if got.error is not None:
-        raise APIError(400, got.error)
-    obj = "chat.completion" if call.chat else "text_completion"
-    return {**reply.body(obj, _choice(call.chat, got.text, got.finish_reason, False)),
-            "usage": _usage(got)}
-
-
-def _generate_in_thread(url: str, call: GenerateCall) -> tuple[queue.Queue, threading.Event]:
-    """The generation on a thread of its own: the queue gets each new piece of text as it
-    comes, then the GenerateResult or the exception raised; setting the event cancels it."""
-    pieces: queue.Queue = queue.Queue()
-    cancel = threading.Event()
-
-    def worker():
+    def _put(self, item) -> None:
         try:
-            got = generate(url, call.model.generate_model, input_ids=call.prompt_ids,
-                           sampling=call.sampling, on_text=pieces.put, cancel=cancel)
-            pieces.put(got)
-        except Exception as e:  # reported to the client as an error event
-            pieces.put(e)
+            self._loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server stopped, no one waits
+            pass
 
-    threading.Thread(target=worker, daemon=True).start()
-    return pieces, cancel
+    def _run(self) -> None:
+        generate, url, call, on_end = self._args
+        try:
+            try:
+                item = generate(url, call.model.generate_model, input_ids=call.prompt_ids,
+                                sampling=call.sampling, stream=call.stream,
+                                on_text=self._put if call.stream else None, cancel=self.cancel)
+            except Exception as e:  # answered as a 500 (a TimeoutError: 504)
+                item = e
+        finally:
+            on_end()  # before the answer: a client that has it can start the next
+        self._put(item)
 
-
-def _streaming_response(url: str, reply: _Reply) -> StreamingResponse:
-    pieces, cancel = _generate_in_thread(url, reply.call)
-    return StreamingResponse(_events(reply, pieces, cancel), media_type="text/event-stream")
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def _events(reply: _Reply, pieces: queue.Queue, cancel: threading.Event):
-    """The stream's events: a chunk per piece of text, a last chunk with the finish reason
-    (and the usage if stream_options.include_usage), or an error event; then [DONE]."""
-    chat = reply.call.chat
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    first = True
-    try:
-        while True:
-            item = pieces.get()
-            if isinstance(item, Exception) or (not isinstance(item, str)
-                                               and item.error is not None):
-                msg = str(item) if isinstance(item, Exception) else item.error
-                yield _sse({"error": {"message": msg}})
-                break
-            if isinstance(item, str):
-                if not item and not first:
-                    continue
-                chunk = reply.body(obj, _choice(chat, item, None, True, first))
-                first = False
-                yield _sse(chunk)
-                continue
-            chunk = reply.body(obj, _choice(chat, None, item.finish_reason, True, first))
-            if reply.call.include_usage:
-                chunk["usage"] = _usage(item)
-            yield _sse(chunk)
-            break
-        yield "data: [DONE]\n\n"
-    finally:
-        cancel.set()  # a client gone mid-stream: the generation is cancelled
+    async def next_item(self, request: Request):
+        """The next item, watching the client meanwhile: if it disconnects, the generation is
+        cancelled and ClientGone raised. (Inside a streamed response starlette watches
+        instead, cancelling the response's generator.)"""
+        getter = asyncio.ensure_future(self.items.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return getter.result()
+                if await request.is_disconnected():
+                    raise ClientGone
+        except BaseException:  # the client gone, or this task cancelled (the server stops)
+            self.cancel.set()
+            raise
+        finally:
+            getter.cancel()
 
 
 # ------------------------------------------------------------------ routes
@@ -265,17 +287,36 @@ def _events(reply: _Reply, pieces: queue.Queue, cancel: threading.Event):
 router = APIRouter()
 
 
-async def _generation(request: Request, parse):
-    """Every generation request passes here: its body parsed into a GenerateCall by `parse`,
-    then answered off the event loop (answer blocks on the gRPC stream), so that requests
-    run concurrently."""
+async def _generation(request: Request, parse) -> Response:
+    """Every generation request passes here: a slot taken (429 if none is free), its body
+    parsed into a GenerateCall by `parse` and its prompt tokenized off the event loop, the
+    generation started; then answered once it ends (a JSON body) or its first piece comes (a
+    stream), so that an error at the start is answered with its HTTP status."""
     state = request.app.state
-    call = parse(state.models, await request.json())
-    return await run_in_threadpool(answer, state.url, call)
+    state.slots.take()
+    try:
+        raw = await request.body()
+        call = await run_in_threadpool(
+            lambda: parse(state.models, parse_body(raw), state.options.max_prompt_chars))
+        generation = Generation(state.generate, state.url, call, state.slots.release)
+    except BaseException:
+        state.slots.release()  # no generation started to release it
+        raise
+    try:
+        first = await generation.next_item(request)
+    except ClientGone:
+        return Response(status_code=499)  # nginx's "client closed request": no one reads it
+    if not isinstance(first, str) and (error := refusal(first)) is not None:
+        raise error
+    reply = Reply.to(call)
+    if call.stream:
+        return StreamingResponse(events(reply, generation, first),
+                                 media_type="text/event-stream")
+    return JSONResponse(completion_body(reply, first))
 
 
 @router.get("/v1/models")
-def list_models(request: Request):
+async def list_models(request: Request):
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "triton-tlaloc"}
         for name in request.app.state.models]}
@@ -291,18 +332,32 @@ async def chat_completions(request: Request):
     return await _generation(request, chat_call)
 
 
-def make_app(url: str, models: dict[str, ServedModel]) -> FastAPI:
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+def make_app(url: str, models: dict[str, ServedModel], *,
+             options: ServerOptions = ServerOptions(), generate=grpc_generate) -> FastAPI:
     """The server's app: `models` (by the names clients use), generated by their generate
-    models at `url` (tritonserver's gRPC address)."""
+    models at `url` (tritonserver's gRPC address) through `generate` (client.generate's
+    signature and GenerateResult), behind the doors `options` set. Options whose allowed_hosts
+    is None accept the loopback names only: give serve's options.for_host(host) otherwise."""
     app = FastAPI(title="triton-tlaloc OpenAI-compatible server")
     app.state.url = url
     app.state.models = models
+    app.state.options = options
+    app.state.generate = generate
+    app.state.slots = GenerationSlots(options.max_concurrent)
     app.add_exception_handler(APIError, _api_error)
     app.include_router(router)
+    add_doors(app, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
+              cors_origins=options.cors_origins,
+              allowed_hosts=options.for_host("127.0.0.1").allowed_hosts)
     return app
 
 
-def serve_in_thread(url: str, models: dict[str, ServedModel]):
+def serve_in_thread(url: str, models: dict[str, ServedModel], *,
+                    options: ServerOptions = ServerOptions(), generate=grpc_generate):
     """The server on a free loopback port in a thread of this process (tests, verify.sh):
     returns (its /v1 base URL, a function that stops it)."""
     import socket
@@ -312,12 +367,14 @@ def serve_in_thread(url: str, models: dict[str, ServedModel]):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    front = uvicorn.Server(uvicorn.Config(make_app(url, models), host="127.0.0.1", port=port,
-                                          log_level="warning"))
+    app = make_app(url, models, options=options.for_host("127.0.0.1"), generate=generate)
+    front = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=front.run, daemon=True)
     thread.start()
     while not front.started:
-        time.sleep(0.05)
+        if not thread.is_alive():
+            raise RuntimeError(f"the OpenAI server did not start on 127.0.0.1:{port}")
+        time.sleep(0.02)
 
     def stop():
         front.should_exit = True
@@ -326,7 +383,9 @@ def serve_in_thread(url: str, models: dict[str, ServedModel]):
 
 
 def serve(url: str, models: dict[str, ServedModel], host: str = "127.0.0.1",
-          port: int = 8000) -> None:
+          port: int = 8000, *, options: ServerOptions = ServerOptions(),
+          generate=grpc_generate) -> None:
     import uvicorn
 
-    uvicorn.run(make_app(url, models), host=host, port=port, log_level="info")
+    app = make_app(url, models, options=options.for_host(host), generate=generate)
+    uvicorn.run(app, host=host, port=port, log_level="info")
