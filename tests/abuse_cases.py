@@ -1,0 +1,606 @@
+"""What an attacker or a careless client tries against a served model, and what must happen.
+
+Each case sends one kind of bad input (or a flood of it) to the sequence model, the generate
+model, `tlaloc openai` or Triton's own APIs, and returns (observed, ok). `run_case` runs it while
+a neighbour sequence decodes on the same model, then checks that the server is still ready and
+that the neighbour's ids equal its solo run: a bad request must cost nothing but its own answer.
+scripts/abuse.py prints the table (and runs the soak); tests/test_hardening.py asserts each row.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import numpy as np
+
+from triton_tlaloc.frontends.client import (InferError, TlalocClient, generate, metric,
+                                            new_sequence_id, scrape_metrics)
+
+MODEL = "smollm2"
+GENERATE = "smollm2_generate"
+API_KEY = "abuse-test-key"
+NEIGHBOUR_PROMPT = [1, 9690, 314, 260, 1953, 282]  # stays within one page with its steps
+NEIGHBOUR_STEPS = 8
+STORY = "Once upon a time, in a small village by the sea,"  # a prompt that goes on and on
+
+
+@dataclass
+class Target:
+    server: object  # a started triton_tlaloc.server.TritonServer serving MODEL and GENERATE
+    openai: str  # `tlaloc openai`'s base URL, http://127.0.0.1:PORT/v1, key API_KEY
+    max_context: int
+    max_concurrent: int  # the OpenAI server's limit of generations in flight
+    neighbour_solo: list[int] | None = None
+
+    @property
+    def openai_host(self) -> tuple[str, int]:
+        host, port = self.openai.split("//")[1].split("/")[0].split(":")
+        return host, int(port)
+
+
+# ------------------------------------------------------------------ helpers
+
+def pages_used(t: Target) -> float:
+    return metric(scrape_metrics(t.server.metrics_url), "tlaloc_kv_pages_used", model=MODEL)
+
+
+def wait_pages(t: Target, at_most: float, within_s: float) -> float | None:
+    """Seconds until MODEL's used pages fall to `at_most` (the metric lags up to 0.25 s, which
+    this counts against the generation), or None if they did not within `within_s`."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < within_s:
+        if pages_used(t) <= at_most:
+            return time.perf_counter() - t0
+        time.sleep(0.05)
+    return None
+
+
+def seq_error(t: Target, tokens, *, protocol="http", start=True, seq_id=None, dtype=np.int32,
+              name="TOKENS", parameters=None) -> tuple[str, str]:
+    """(status, message) of one sequence-model request built by hand ("accepted" if none)."""
+    url = t.server.http_url if protocol == "http" else t.server.grpc_url
+    if protocol == "http":
+        import tritonclient.http as mod
+    else:
+        import tritonclient.grpc as mod
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    arr = np.asarray(tokens, dtype=dtype).reshape(1, -1)
+    inp = mod.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+    inp.set_data_from_numpy(arr)
+    client = mod.InferenceServerClient(url)
+    sid = seq_id if seq_id is not None else new_sequence_id()
+    try:
+        client.infer(MODEL, [inp], outputs=[mod.InferRequestedOutput("ARGMAX")], sequence_id=sid,
+                     sequence_start=start, sequence_end=False, parameters=parameters)
+        with TlalocClient(url, MODEL, protocol) as c:
+            c.request(sid, [], end=True, outputs=("ARGMAX",))
+        return "accepted", ""
+    except InferenceServerException as e:
+        return str(e.status()), e.message()
+    except Exception as e:  # the client library refused to send it
+        return type(e).__name__, str(e)
+    finally:
+        client.close()
+
+
+def openai_request(t: Target, path: str, body=None, *, headers=None, method="POST",
+                   raw: bytes | None = None, key: str | None = API_KEY,
+                   timeout: float = 60) -> tuple[int, dict, str]:
+    """(status, headers, body text) of one request to `tlaloc openai`."""
+    host, port = t.openai_host
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    h = {"Content-Type": "application/json"}
+    if key is not None:
+        h["Authorization"] = f"Bearer {key}"
+    h.update(headers or {})
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    try:
+        conn.request(method, f"/v1{path}", body=data, headers=h)
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def completion(prompt, **kw) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, **kw}
+
+
+def _ok_status(want: int, got: tuple[int, dict, str], must_say: str = "") -> tuple[str, bool]:
+    status, _, text = got
+    ok = status == want and must_say.lower() in text.lower()
+    return f"{status} {text[:90]}", ok
+
+
+# ------------------------------------------------------------------ the sequence model
+
+def case_token_outside_vocab(t):
+    status, msg = seq_error(t, [1, 10**9])
+    return f"{status} {msg[:90]}", "400" in status and "outside the vocabulary" in msg
+
+
+def case_million_ids(t):
+    t0 = time.perf_counter()
+    status, msg = seq_error(t, np.ones(1_000_000, np.int32))
+    s = time.perf_counter() - t0
+    return (f"{status} in {s:.2f} s: {msg[:70]}",
+            "400" in status and "more than the largest context" in msg and s < 2)
+
+
+def case_float_tokens(t):
+    status, msg = seq_error(t, [1.0, 2.0], dtype=np.float32)
+    return f"{status} {msg[:90]}", "400" in status
+
+
+def case_wrong_input_name(t):
+    status, msg = seq_error(t, [1, 2], name="IDS")
+    return f"{status} {msg[:90]}", "400" in status
+
+
+def case_bad_top_k(t):
+    status, msg = seq_error(t, [1, 2], parameters={"top_k": -3})
+    return f"{status} {msg[:90]}", "400" in status and "top_k" in msg
+
+
+def case_step_without_start(t):
+    status, msg = seq_error(t, [5], start=False)
+    return f"{status} {msg[:90]}", "400" in status
+
+
+def case_sequence_id_2_64_over_http(t):
+    """Triton's HTTP front end cannot parse the id and answers 500 itself: the request never
+    reaches the model (nothing held, nothing touched)."""
+    status, msg = seq_error(t, [1, 2], seq_id=2**64)
+    return f"{status} {msg[:90]}", status in ("500", "400") and "sequence_id" in msg
+
+
+def case_refusal_names_no_other_id(t):
+    """The pool filled by holders; the refused START hears how many sequences hold pages,
+    never their ids (with one, it could step or END another client's sequence)."""
+    holders, status, msg = [], "accepted", ""
+    with TlalocClient(t.server.http_url, MODEL, "http") as c:
+        try:
+            while status == "accepted" and len(holders) < 64:
+                sid = new_sequence_id()
+                try:
+                    c.request(sid, list(range(1, 100)), start=True, outputs=("ARGMAX",))
+                    holders.append(sid)
+                except InferError as e:
+                    status, msg = str(e.status), str(e)
+        finally:
+            for sid in holders:
+                c.request(sid, [], end=True, outputs=("ARGMAX",))
+    leaked = [sid for sid in holders if str(sid) in msg]
+    return (f"{status}: {msg[-60:]}; {len(leaked)} of {len(holders)} holders' ids in it",
+            "503" in status and "hold pages" in msg and not leaked and holders)
+
+
+def case_refused_starts_do_not_hold_slots(t):
+    """130 STARTs refused by the backend, never ENDed by their clients; then a normal
+    sequence must be answered at once (not after Triton's idle timeout)."""
+    with TlalocClient(t.server.grpc_url, MODEL, "grpc") as c:
+        for _ in range(130):
+            try:
+                c.request(new_sequence_id(), [1, 10**9], start=True, outputs=("ARGMAX",))
+            except InferError:
+                pass
+        t0 = time.perf_counter()
+        g = c.generate_greedy([1, 2, 3], 2, argmax_output=True)
+        s = time.perf_counter() - t0
+    return f"next sequence answered in {s:.2f} s", s < 2 and len(g.generated_ids) == 2
+
+
+# ------------------------------------------------------------------ the generate model
+
+def _gen(t, sampling=None, **kw):
+    return generate(t.server.grpc_url, GENERATE, sampling=sampling, **kw)
+
+
+def _gen_refused(t, want_status: str, must_say: str, **kw) -> tuple[str, bool]:
+    t0 = time.perf_counter()
+    g = _gen(t, **kw)
+    s = time.perf_counter() - t0
+    return (f"{g.status} in {s:.2f} s: {(g.error or '')[:80]}",
+            g.status == want_status and must_say in (g.error or "") and s < 5)
+
+
+def case_generate_nan_temperature(t):
+    return _gen_refused(t, "INVALID_ARGUMENT", "temperature", input_ids=[1, 2],
+                        sampling={"temperature": float("nan")})
+
+
+def case_generate_list_temperature(t):
+    return _gen_refused(t, "INVALID_ARGUMENT", "temperature", input_ids=[1, 2],
+                        sampling={"temperature": []})
+
+
+def case_generate_tiny_temperature(t):
+    return _gen_refused(t, "INVALID_ARGUMENT", "temperature", input_ids=[1, 2],
+                        sampling={"temperature": 1e-320})
+
+
+def case_generate_negative_seed(t):
+    return _gen_refused(t, "INVALID_ARGUMENT", "seed", input_ids=[1, 2],
+                        sampling={"temperature": 1, "seed": -1})
+
+
+def case_generate_megabyte_stop_string(t):
+    return _gen_refused(t, "INVALID_ARGUMENT", "characters", text="Hello",
+                        sampling={"stop": ["x" * 1_000_000]})
+
+
+def case_generate_four_million_ids(t):
+    return _gen_refused(t, "INVALID_ARGUMENT", "largest context",
+                        input_ids=np.ones(4_000_000, np.int32))
+
+
+def case_generate_ten_megabyte_text(t):
+    return _gen_refused(t, "INVALID_ARGUMENT", "characters", text="a" * 10_000_000)
+
+
+def case_generate_refused_starts_are_ended(t):
+    """130 generations whose START the sequence model refuses; the generate model ENDs each,
+    so the next generation is answered at once."""
+    for _ in range(130):
+        _gen(t, input_ids=[1, 10**9], sampling={"max_tokens": 1})
+    t0 = time.perf_counter()
+    g = _gen(t, input_ids=[1, 2, 3], sampling={"max_tokens": 2})
+    s = time.perf_counter() - t0
+    return f"next generation in {s:.2f} s ({g.finish_reason})", s < 2 and g.error is None
+
+
+def case_generate_full_pool_is_unavailable(t):
+    """A full pool is UNAVAILABLE (retry later), not a bad request; the message names no
+    holder."""
+    holders = []
+    with TlalocClient(t.server.http_url, MODEL, "http") as c:
+        try:
+            while len(holders) < 64:
+                sid = new_sequence_id()
+                try:
+                    c.request(sid, list(range(1, 100)), start=True, outputs=("ARGMAX",))
+                    holders.append(sid)
+                except InferError:
+                    break
+            g = _gen(t, input_ids=list(range(1, 100)), sampling={"max_tokens": 2})
+            status, _, text = openai_request(t, "/completions", completion(list(range(1, 100))))
+        finally:
+            for sid in holders:
+                c.request(sid, [], end=True, outputs=("ARGMAX",))
+    leaked = any(str(sid) in (g.error or "") + text for sid in holders)
+    return (f"generate {g.status}; OpenAI {status}; holders' ids told: {leaked}",
+            g.status == "UNAVAILABLE" and status == 503 and not leaked)
+
+
+# ------------------------------------------------------------------ tlaloc openai
+
+def case_openai_no_key(t):
+    return _ok_status(401, openai_request(t, "/models", method="GET", key=None))
+
+
+def case_openai_wrong_key(t):
+    return _ok_status(401, openai_request(t, "/completions", completion("Hi"), key="guess"))
+
+
+def case_openai_text_plain(t):
+    """A web page can post text/plain without a CORS preflight: refused."""
+    return _ok_status(415, openai_request(t, "/completions", completion("Hi"),
+                                          headers={"Content-Type": "text/plain"}))
+
+
+def case_openai_malformed_json(t):
+    return _ok_status(400, openai_request(t, "/completions", raw=b'{"model": "smollm2", '))
+
+
+def case_openai_wrong_types(t):
+    got = [openai_request(t, "/completions", completion("Hi", max_tokens="abc"))[0],
+           openai_request(t, "/completions", completion("Hi", temperature=[]))[0],
+           openai_request(t, "/chat/completions", {"model": MODEL, "messages": "x"})[0],
+           openai_request(t, "/completions", raw=b"[1, 2]")[0]]
+    return f"{got}", got == [400] * 4
+
+
+def case_openai_bad_sampling_values(t):
+    got = [openai_request(t, "/completions", completion("Hi", temperature=1e-320))[0],
+           openai_request(t, "/completions", completion("Hi", temperature=1, seed=-1))[0]]
+    return f"{got}", got == [400, 400]
+
+
+def _raw_http(t, head: bytes, body: bytes = b"") -> str:
+    """The status line and headers of the answer to a request written by hand."""
+    s = socket.create_connection(t.openai_host, timeout=30)
+    try:
+        s.sendall(head + body)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        return got.decode(errors="replace").split("\r\n\r\n")[0]
+    finally:
+        s.close()
+
+
+def case_openai_body_too_large(t):
+    """Refused on its Content-Length before a byte of it is read, and a chunked body as soon
+    as it passes the limit (5 MB against 4 MiB)."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            f"application/json\r\nAuthorization: Bearer {API_KEY}\r\n")
+    by_length = _raw_http(t, f"{head}Content-Length: 5000000\r\n\r\n".encode())
+    chunk = b"a" * 1_000_000
+    chunked = _raw_http(t, f"{head}Transfer-Encoding: chunked\r\n\r\n".encode(),
+                        b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(5)))
+    got = [by_length.split("\r\n")[0], chunked.split("\r\n")[0]]
+    return f"{got}", all(" 413 " in g for g in got)
+
+
+def case_openai_foreign_host(t):
+    """DNS rebinding: a page on evil.example resolving to 127.0.0.1 sends Host: evil.example."""
+    return _ok_status(400, openai_request(t, "/models", method="GET",
+                                          headers={"Host": "evil.example"}))
+
+
+def case_openai_no_cors_for_strangers(t):
+    status, headers, _ = openai_request(t, "/models", method="GET",
+                                        headers={"Origin": "http://evil.example"})
+    allowed = headers.get("access-control-allow-origin")
+    return f"{status}, access-control-allow-origin {allowed}", allowed is None
+
+
+def case_openai_over_context(t):
+    """130 prompts longer than the context (each 400), then a normal request at once."""
+    long = list(range(1, t.max_context + 20))
+    codes = {openai_request(t, "/completions", completion(long))[0] for _ in range(130)}
+    t0 = time.perf_counter()
+    status, _, _ = openai_request(t, "/completions", completion([1, 2, 3]))
+    s = time.perf_counter() - t0
+    return f"refused with {sorted(codes)}; next answered {status} in {s:.2f} s", \
+        codes == {400} and status == 200 and s < 2
+
+
+def _open_stream(t, max_tokens=100) -> socket.socket:
+    """A streamed completion whose first event has arrived; the socket is left open."""
+    host, port = t.openai_host
+    body = json.dumps(completion(STORY, max_tokens=max_tokens, stream=True)).encode()
+    s = socket.create_connection((host, port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Content-Type: application/json\r\nAuthorization: Bearer " + API_KEY.encode() +
+              b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    got = b""
+    while b"data:" not in got:
+        chunk = s.recv(4096)
+        if not chunk:
+            raise RuntimeError(f"the stream ended before its first event: {got[:200]!r}")
+        got += chunk
+    return s
+
+
+def _settled_pages(t: Target) -> float:
+    """MODEL's used pages once the metric has caught up (it is written every 0.25 s)."""
+    time.sleep(0.6)
+    return pages_used(t)
+
+
+def _wait_held(t: Target, base: float) -> None:
+    """Until the metric shows a generation holding pages over `base`."""
+    t0 = time.perf_counter()
+    while pages_used(t) <= base and time.perf_counter() - t0 < 10:
+        time.sleep(0.05)
+
+
+def case_openai_stream_disconnect_frees_pages(t):
+    base = _settled_pages(t)
+    s = _open_stream(t)
+    _wait_held(t, base)
+    s.close()
+    freed = wait_pages(t, base, 3.0)
+    return (f"pages back to {base:.0f} in {freed:.2f} s" if freed is not None else
+            f"pages still {pages_used(t):.0f} after 3 s"), freed is not None and freed < 1.0
+
+
+def case_openai_request_disconnect_frees_pages(t):
+    host, port = t.openai_host
+    base = _settled_pages(t)
+    body = json.dumps(completion(STORY, max_tokens=100))
+    s = socket.create_connection((host, port), timeout=30)
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+              f"application/json\r\nAuthorization: Bearer {API_KEY}\r\nContent-Length: "
+              f"{len(body)}\r\n\r\n{body}".encode())
+    _wait_held(t, base)
+    s.close()
+    freed = wait_pages(t, base, 3.0)
+    return (f"pages back to {base:.0f} in {freed:.2f} s" if freed is not None else
+            f"pages still {pages_used(t):.0f} after 3 s"), freed is not None and freed < 1.0
+
+
+def case_openai_concurrency_limit(t):
+    streams = []
+    try:
+        for _ in range(t.max_concurrent):
+            streams.append(_open_stream(t, max_tokens=40))
+        status, headers, _ = openai_request(t, "/completions", completion("Hi"))
+    finally:
+        for s in streams:
+            s.close()
+    return (f"{status} with {len(streams)} in flight, retry-after "
+            f"{headers.get('retry-after')}", status == 429)
+
+
+# ------------------------------------------------------------------ Triton's own APIs
+
+def _triton_post(t, path, body) -> int:
+    req = urllib.request.Request(f"http://{t.server.http_url}{path}", method="POST",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def case_triton_logging_closed(t):
+    status = _triton_post(t, "/v2/logging", {"log_verbose_level": 1})
+    return f"{status}", status == 403
+
+
+def case_triton_repository_closed(t):
+    status = _triton_post(t, f"/v2/repository/models/{MODEL}/unload", {})
+    return f"{status}", status == 403
+
+
+# (input, expected, case); the neighbour decodes on MODEL during each.
+CASES = [
+    ("sequence model: token id 10^9", "400 naming the id", case_token_outside_vocab),
+    ("sequence model: 1M token ids", "400 before any work (< 2 s)", case_million_ids),
+    ("sequence model: FP32 TOKENS", "400 from Triton", case_float_tokens),
+    ("sequence model: input IDS instead of TOKENS", "400 from Triton", case_wrong_input_name),
+    ("sequence model: top_k -3", "400 naming top_k", case_bad_top_k),
+    ("sequence model: a step on an id never started", "400", case_step_without_start),
+    ("sequence model: sequence id 2^64 over HTTP", "Triton's own 500, nothing reached",
+     case_sequence_id_2_64_over_http),
+    ("sequence model: START into a full pool", "503 naming no other id",
+     case_refusal_names_no_other_id),
+    ("sequence model: 130 refused STARTs never ENDed, then a sequence",
+     "answered in < 2 s", case_refused_starts_do_not_hold_slots),
+    ("generate: temperature NaN", "INVALID_ARGUMENT naming it", case_generate_nan_temperature),
+    ("generate: temperature []", "INVALID_ARGUMENT naming it", case_generate_list_temperature),
+    ("generate: temperature 1e-320", "INVALID_ARGUMENT naming it",
+     case_generate_tiny_temperature),
+    ("generate: seed -1", "INVALID_ARGUMENT naming it", case_generate_negative_seed),
+    ("generate: a 1 MB stop string", "INVALID_ARGUMENT at once",
+     case_generate_megabyte_stop_string),
+    ("generate: 4M input ids", "INVALID_ARGUMENT at once", case_generate_four_million_ids),
+    ("generate: 10 MB text_input", "INVALID_ARGUMENT at once", case_generate_ten_megabyte_text),
+    ("generate: 130 refused STARTs, then a generation", "answered in < 2 s",
+     case_generate_refused_starts_are_ended),
+    ("generate and OpenAI: a full pool", "UNAVAILABLE / 503, no holder named",
+     case_generate_full_pool_is_unavailable),
+    ("openai: no API key", "401", case_openai_no_key),
+    ("openai: wrong API key", "401", case_openai_wrong_key),
+    ("openai: text/plain body", "415", case_openai_text_plain),
+    ("openai: malformed JSON", "400", case_openai_malformed_json),
+    ("openai: wrong types (max_tokens 'abc', temperature [], messages 'x', a list)",
+     "400 each", case_openai_wrong_types),
+    ("openai: temperature 1e-320, seed -1", "400 each", case_openai_bad_sampling_values),
+    ("openai: 5 MB body, by Content-Length and chunked", "413 each",
+     case_openai_body_too_large),
+    ("openai: Host evil.example", "400", case_openai_foreign_host),
+    ("openai: Origin evil.example", "no CORS header", case_openai_no_cors_for_strangers),
+    ("openai: 130 prompts over the context, then a request", "400 each; next in < 2 s",
+     case_openai_over_context),
+    ("openai: streamed client disconnects", "pages freed in < 1 s",
+     case_openai_stream_disconnect_frees_pages),
+    ("openai: waiting client disconnects", "pages freed in < 1 s",
+     case_openai_request_disconnect_frees_pages),
+    ("openai: one generation over the concurrency limit", "429", case_openai_concurrency_limit),
+    ("triton: POST /v2/logging without the admin key", "403", case_triton_logging_closed),
+    ("triton: unload a model without the admin key", "403", case_triton_repository_closed),
+]
+
+
+# ------------------------------------------------------------------ running a case
+
+def neighbour_solo(t: Target) -> list[int]:
+    with TlalocClient(t.server.http_url, MODEL, "http") as c:
+        return c.generate_greedy(NEIGHBOUR_PROMPT, NEIGHBOUR_STEPS,
+                                 argmax_output=True).generated_ids
+
+
+class Neighbour:
+    """A sequence started before a case and decoded on a thread of its own while the case runs
+    (NEIGHBOUR_STEPS ids; it holds its page until the case ends). tritonclient's HTTP client
+    must stay on the thread that made it: the thread does everything."""
+
+    def __init__(self, t: Target):
+        self.t = t
+        self.ids: list[int] = []
+        self.error: Exception | None = None
+        self.started, self.done = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.started.wait(60)
+
+    def _run(self):
+        sid = new_sequence_id()
+        try:
+            with TlalocClient(self.t.server.http_url, MODEL, "http") as c:
+                try:
+                    out = c.request(sid, NEIGHBOUR_PROMPT, start=True, outputs=("ARGMAX",))
+                    self.ids.append(int(out["ARGMAX"][0]))
+                    self.started.set()
+                    while len(self.ids) < NEIGHBOUR_STEPS:
+                        out = c.request(sid, [self.ids[-1]], outputs=("ARGMAX",))
+                        self.ids.append(int(out["ARGMAX"][0]))
+                    self.done.wait(300)
+                finally:
+                    c.request(sid, [], end=True, outputs=("ARGMAX",))
+        except Exception as e:  # reported in the row
+            self.error = e
+        finally:
+            self.started.set()
+
+    def finish(self) -> list[int]:
+        self.done.set()
+        self.thread.join(120)
+        if self.error is not None:
+            raise self.error
+        return self.ids
+
+
+def run_case(t: Target, fn) -> dict:
+    """One case with a neighbour: {observed, ok, ready, neighbour_equal}."""
+    if t.neighbour_solo is None:
+        t.neighbour_solo = neighbour_solo(t)
+    neighbour = Neighbour(t)
+    try:
+        observed, ok = fn(t)
+    except Exception as e:
+        observed, ok = f"{type(e).__name__}: {e}", False
+    try:
+        equal = neighbour.finish() == t.neighbour_solo
+    except Exception as e:
+        equal = False
+        observed += f"; neighbour failed: {type(e).__name__}: {e}"
+    return {"observed": observed, "ok": bool(ok), "ready": t.server.ready(),
+            "neighbour_equal": equal}
+
+
+# ------------------------------------------------------------------ the target
+
+def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0,
+                 more_models: dict | None = None):
+    """MODEL and GENERATE from `artifact` in `repo` (Triton ending sequences idle `idle_s`;
+    and `more_models`, {name: RepositoryOptions}, of the same artifact), a tritonserver and
+    `tlaloc openai` (key API_KEY, `max_concurrent` generations): returns (Target, a function
+    that stops both)."""
+    from triton_tlaloc.frontends.openai_server import ServedModel, ServerOptions, serve_in_thread
+    from triton_tlaloc.manifest import load_artifact
+    from triton_tlaloc.repository import RepositoryOptions, write_repository
+    from triton_tlaloc.server import TritonServer
+
+    write_repository(artifact, repo, MODEL, RepositoryOptions(
+        max_sequence_idle_microseconds=int(idle_s * 1e6)))
+    for name, opts in (more_models or {}).items():
+        write_repository(artifact, repo, name, opts)
+    server = TritonServer(repo, exit_timeout_s=3).start()
+    try:
+        base, stop_openai = serve_in_thread(
+            server.grpc_url, {MODEL: ServedModel.discover(server.grpc_url, MODEL)},
+            options=ServerOptions(api_key=API_KEY, max_concurrent=max_concurrent))
+    except Exception:
+        server.stop()
+        raise
+
+    def stop():
+        stop_openai()
+        server.stop()
+    return Target(server, base, load_artifact(artifact).max_context, max_concurrent), stop
