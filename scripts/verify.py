@@ -333,7 +333,7 @@ def reclamation_rows(table: Table, d: Deployment, protocol: str) -> None:
         "lru": (f"{protocol}: abandoned sequences reclaimed least recently active first, only "
                 f"as many as needed", "a reclaimed (4 pages >= 2 needed), b kept"),
         "refused_kept": (f"{protocol}: a sequence whose requests are refused is not reclaimed",
-                         "g refused naming f; after f ends g succeeds, reclaiming b"),
+                         "g refused, f kept; after f ends g succeeds, reclaiming b"),
         "live": (f"{protocol}: the live sequence c through all of it", "its solo ids"),
     }
     table.run_scenario(rows, S.check_reclamation(d.server, d.url(protocol), protocol),

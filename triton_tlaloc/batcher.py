@@ -63,6 +63,9 @@ class Request:
     reply_fn: Callable[[Reply], None]
     arrived: float = 0.0
     group: int = 0  # the execute() call it came in (backend_batching off)
+    # (reason, message) when the front end refused it already (TOKENS too long to convert):
+    # it still passes admission's START and activity rules, then is refused with this.
+    refusal: tuple[str, str] | None = None
     _answered: bool = field(default=False, repr=False)
 
     @property
@@ -268,7 +271,7 @@ class Batcher:
             seq = Sequence([], seq_id=r.seq_id)
         else:
             seq = self.sequences.get(r.seq_id)
-            if seq is None and r.end and not r.tokens:
+            if seq is None and r.end and not r.tokens and r.refusal is None:
                 # END with nothing to run: the sequence is already gone (its START was refused,
                 # or it was reclaimed). Closing it is what the client should do: acknowledged.
                 r.reply(Reply(kv_pages=(0, 0)))
@@ -279,6 +282,9 @@ class Batcher:
                              f"request with START (it may have ended or been reclaimed)")
                 return None
         seq.last_active = self.clock()  # a refused request counts as activity too
+        if r.refusal is not None:
+            self._refuse(r, INVALID_ARG, *r.refusal)
+            return None
         if not r.tokens:
             if r.end and not r.start:
                 self._release(seq)

@@ -111,20 +111,21 @@ class TritonPythonModel:
             try:
                 reply_fn.top_k = top_k_parameter(r.parameters(), self.runtime.artifact.model.vocab)
                 tokens = pb_utils.get_input_tensor_by_name(r, "TOKENS").as_numpy().reshape(-1)
-                if tokens.size > self.max_context:  # sizes first: no work for what must fail
-                    self.metrics.refusal("context")
-                    reply_fn(Reply(error=f"sequence {r.correlation_id()}: TOKENS holds "
-                                         f"{tokens.size} ids, more than the largest context "
-                                         f"{self.max_context}", code=INVALID_ARG))
-                    continue
                 start = pb_utils.get_input_tensor_by_name(r, "START")
                 end = pb_utils.get_input_tensor_by_name(r, "END")
                 request = Request(
-                    seq_id=r.correlation_id(),
-                    tokens=tokens.tolist(),
+                    seq_id=r.correlation_id(), tokens=[],
                     start=bool(start is not None and start.as_numpy().reshape(-1)[0]),
                     end=bool(end is not None and end.as_numpy().reshape(-1)[0]),
                     reply_fn=reply_fn)
+                # Sizes first: ids past the largest context are not converted, only refused
+                # (by the batcher, so that a START still ends the sequence it replaces).
+                if tokens.size > self.max_context:
+                    request.refusal = ("context", f"sequence {request.seq_id}: TOKENS holds "
+                                       f"{tokens.size} ids, more than the largest context "
+                                       f"{self.max_context}")
+                else:
+                    request.tokens = tokens.tolist()
             except Exception as e:  # a malformed request: answered here, once
                 reply_fn(Reply(error=f"malformed request: {e}", code=INVALID_ARG))
                 continue

@@ -104,10 +104,11 @@ class Harness:
         self.batcher = Batcher(Engine(self.rt), BatchPolicy(**policy), clock=self.clock)
         self.replies: dict = {}
 
-    def send(self, seq_id, tokens, start=False, end=False):
+    def send(self, seq_id, tokens, start=False, end=False, refusal=None):
         def reply_fn(reply: Reply):
             self.replies.setdefault(seq_id, []).append(reply)
-        self.batcher.submit(Request(seq_id, list(tokens), start, end, reply_fn))
+        self.batcher.submit(Request(seq_id, list(tokens), start, end, reply_fn,
+                                    refusal=refusal))
 
     def run(self) -> list[tuple[str, int]]:
         """Rounds due now; returns the calls they made."""
@@ -119,10 +120,10 @@ class Harness:
     def last(self, seq_id) -> Reply:
         return self.replies[seq_id][-1]
 
-    def step(self, seq_id, tokens, start=False, end=False) -> Reply:
+    def step(self, seq_id, tokens, start=False, end=False, refusal=None) -> Reply:
         """Send one request, move the clock past every wait, run what is due, return the
         request's reply (each request in a round of its own)."""
-        self.send(seq_id, tokens, start, end)
+        self.send(seq_id, tokens, start, end, refusal)
         self.clock.advance(1.0)
         self.run()
         return self.last(seq_id)

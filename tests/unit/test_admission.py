@@ -97,6 +97,23 @@ def test_a_refusal_for_want_of_pages_or_slots_names_no_other_sequence(slots, cap
     assert str(holders[0]) in caplog.text, "the server log names the holders"
 
 
+def test_a_request_refused_before_admission_still_follows_the_start_and_activity_rules():
+    """TOKENS too long to convert is refused by the front end's size check, but through the
+    batcher: a START on a held id still releases the old sequence (its KV must never be
+    continued), and a step still counts as the sequence's activity (no reclamation)."""
+    h = Harness(fake_artifact())
+    assert h.step("a", [1, 2, 3], start=True).error is None
+    h.clock.advance(50.0)
+    reply = h.step("a", [], refusal=("context", "sequence a: TOKENS holds 10^6 ids"))
+    assert reply.code == INVALID_ARG and "10^6" in reply.error
+    assert h.batcher.sequences["a"].last_active == h.clock(), "counted as activity"
+    assert h.step("a", [4]).logits is not None, "a step refused so leaves the sequence as it was"
+    reply = h.step("a", [], start=True, refusal=("context", "sequence a: TOKENS holds 10^6"))
+    assert reply.code == INVALID_ARG and "a" not in h.batcher.sequences
+    assert h.batcher.engine.pages.free == h.batcher.engine.pages.capacity, "its pages freed"
+    assert h.step("a", [5]).code == INVALID_ARG, "the old KV cannot be continued"
+
+
 def test_a_windowed_sequence_holds_at_most_its_ring():
     # every layer sliding (window 8, pages of 8): rings of 2 pages, no full-history pages
     h = Harness(fake_artifact(window=8, ring_pages=2, window_blocks=9))
