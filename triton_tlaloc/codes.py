@@ -12,6 +12,7 @@ from __future__ import annotations
 INVALID_ARG = "INVALID_ARG"  # the request is wrong: HTTP 400
 UNAVAILABLE = "UNAVAILABLE"  # the server cannot take it now (pool full, unloading): HTTP 503
 INTERNAL = "INTERNAL"  # the server failed: HTTP 500
+CANCELLED = "CANCELLED"  # the client cancelled the request
 
 # Triton's code names as gRPC status names (what a tritonclient exception's status() says).
 GRPC_STATUS = {"INVALID_ARG": "INVALID_ARGUMENT", "UNAVAILABLE": "UNAVAILABLE",

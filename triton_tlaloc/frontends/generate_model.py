@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..backend import model_settings, setup_logging
-from ..codes import coded_message, split_coded_message
+from ..backend import error_response, model_settings, setup_logging
+from ..codes import CANCELLED, INTERNAL, INVALID_ARG, coded_message, split_coded_message
 from ..metrics import MetricsWriter
 from .client import new_sequence_id
 from .sampling import Sampler, SamplingError, SamplingParams, TextStream
@@ -41,18 +41,9 @@ MAX_SAMPLING_PARAMETERS_CHARS = 256 * 1024
 
 
 class _GenerateError(Exception):
-    def __init__(self, message: str, code):
+    def __init__(self, message: str, code: str):  # code: a codes.py name
         super().__init__(message)
         self.code = code
-
-
-def _code_name(code) -> str:
-    """The name of a TritonError code (its codes are bound only once the stub runs a model)."""
-    for name in ("INVALID_ARG", "UNAVAILABLE", "INTERNAL", "CANCELLED", "NOT_FOUND",
-                 "UNSUPPORTED", "ALREADY_EXISTS"):
-        if getattr(pb_utils.TritonError, name, None) == code:
-            return name
-    return "UNKNOWN"
 
 
 def _string_input(request, name: str) -> str | None:
@@ -137,10 +128,8 @@ class TritonPythonModel:
     def _send_error(self, sender, message: str, code):
         """The final response of a request that failed or was cancelled; its message names
         its code (codes.coded_message: the gRPC stream drops the code itself)."""
-        self._send(sender, pb_utils.InferenceResponse(
-            output_tensors=[], error=pb_utils.TritonError(coded_message(message,
-                                                                        _code_name(code)), code)),
-            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._send(sender, error_response(coded_message(message, code), code),
+                   flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
         with self.lock:
@@ -162,13 +151,13 @@ class TritonPythonModel:
             log.exception("generation failed")
             self.writer.increment(self.finished["error"], 1)
             self._send_error(sender, f"generation failed: {type(e).__name__}: {e}",
-                             pb_utils.TritonError.INTERNAL)
+                             INTERNAL)
         finally:
             with self.lock:
                 self.threads.discard(threading.current_thread())
 
     def _inputs(self, request) -> tuple[list[int], SamplingParams, bool]:
-        bad = pb_utils.TritonError.INVALID_ARG
+        bad = INVALID_ARG
         sampling = _string_input(request, "sampling_parameters") or "{}"
         if len(sampling) > MAX_SAMPLING_PARAMETERS_CHARS:
             raise _GenerateError(f"sampling_parameters: {len(sampling)} characters, more than "
@@ -206,7 +195,7 @@ class TritonPythonModel:
     def _check_length(self, what: str, n: int) -> None:
         if n > self.max_context:
             raise _GenerateError(f"{what}: {n} tokens, more than the largest context "
-                                 f"({self.max_context})", pb_utils.TritonError.INVALID_ARG)
+                                 f"({self.max_context})", INVALID_ARG)
 
     def _step(self, seq_id, tokens, *, start=False, end=False, outputs=("ARGMAX",)):
         """One request to the sequence model (BLS); returns its outputs by name."""
@@ -219,8 +208,7 @@ class TritonPythonModel:
         resp = req.exec()
         if resp.has_error():  # its code is in the message: BLS drops the error's own
             code, message = split_coded_message(resp.error().message())
-            raise _GenerateError(message, getattr(pb_utils.TritonError, code or "INTERNAL",
-                                                  pb_utils.TritonError.INTERNAL))
+            raise _GenerateError(message, code or INTERNAL)
         return {t.name(): t.as_numpy().reshape(-1) for t in resp.output_tensors()}
 
     def _generate(self, request, sender, arrived: float):
@@ -277,7 +265,7 @@ class TritonPythonModel:
                 log.warning("sequence %s: END was refused", seq_id)
         self.writer.increment(self.finished[reason], 1)
         if reason == "cancelled":
-            self._send_error(sender, "the request was cancelled", pb_utils.TritonError.CANCELLED)
+            self._send_error(sender, "the request was cancelled", CANCELLED)
             return
         final = self._response("" if stream else "".join(pieces),
                                [] if stream else generated, reason, len(prompt), len(generated))
