@@ -11,6 +11,7 @@ ids, leaked pages and the serving processes' memory over time. Exit 1 on any fai
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import threading
@@ -168,8 +169,6 @@ class Soak:
         if status != 200:
             self.note(self.errors, f"openai {status}: {text[:100]}")
             return
-        import json
-
         self.count("openai done")
         got = json.loads(text)["choices"][0]["text"]
         if got != self.solo_text[k]:
@@ -228,7 +227,7 @@ class Soak:
     def report(self, samples) -> bool:
         log = self.t.server.log_text()
         left = [(sid, n) for sid, n in self.abandoned if f"reclaimed sequence {sid}:" not in log]
-        expect = sum(-(-n // 16) for _, n in left)
+        expect = sum(-(-n // self.t.block_size) for _, n in left)
         m = scrape_metrics(self.t.server.metrics_url, settle_s=0.6)
         used = metric(m, "tlaloc_kv_pages_used", model=A.MODEL)
         print("\nRSS over time (MiB):")

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ class Target:
     server: object  # a started triton_tlaloc.server.TritonServer serving MODEL and GENERATE
     openai: str  # `tlaloc openai`'s base URL, http://127.0.0.1:PORT/v1, key API_KEY
     max_context: int
+    block_size: int  # tokens per KV page
     max_concurrent: int  # the OpenAI server's limit of generations in flight
     neighbour_solo: list[int] | None = None
 
@@ -104,7 +106,8 @@ def openai_request(t: Target, path: str, body=None, *, headers=None, method="POS
     try:
         conn.request(method, f"/v1{path}", body=data, headers=h)
         r = conn.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode(errors="replace")
+        headers = {k.lower(): v for k, v in r.getheaders()}
+        return r.status, headers, r.read().decode(errors="replace")
     finally:
         conn.close()
 
@@ -161,9 +164,10 @@ def case_sequence_id_2_64_over_http(t):
     return f"{status} {msg[:90]}", status in ("500", "400") and "sequence_id" in msg
 
 
-def case_refusal_names_no_other_id(t):
-    """The pool filled by holders; the refused START hears how many sequences hold pages,
-    never their ids (with one, it could step or END another client's sequence)."""
+@contextmanager
+def full_pool(t: Target):
+    """MODEL's pool filled by sequences of 99 tokens until one is refused: yields (the
+    holders' ids, that refusal's status and message); the holders are ENDed on the way out."""
     holders, status, msg = [], "accepted", ""
     with TlalocClient(t.server.http_url, MODEL, "http") as c:
         try:
@@ -174,9 +178,17 @@ def case_refusal_names_no_other_id(t):
                     holders.append(sid)
                 except InferError as e:
                     status, msg = str(e.status), str(e)
+            yield holders, status, msg
         finally:
             for sid in holders:
                 c.request(sid, [], end=True, outputs=("ARGMAX",))
+
+
+def case_refusal_names_no_other_id(t):
+    """The pool filled by holders; the refused START hears how many sequences hold pages,
+    never their ids (with one, it could step or END another client's sequence)."""
+    with full_pool(t) as (holders, status, msg):
+        pass
     leaked = [sid for sid in holders if str(sid) in msg]
     return (f"{status}: {msg[-60:]}; {len(leaked)} of {len(holders)} holders' ids in it",
             "503" in status and "hold pages" in msg and not leaked and holders)
@@ -259,21 +271,9 @@ def case_generate_refused_starts_are_ended(t):
 def case_generate_full_pool_is_unavailable(t):
     """A full pool is UNAVAILABLE (retry later), not a bad request; the message names no
     holder."""
-    holders = []
-    with TlalocClient(t.server.http_url, MODEL, "http") as c:
-        try:
-            while len(holders) < 64:
-                sid = new_sequence_id()
-                try:
-                    c.request(sid, list(range(1, 100)), start=True, outputs=("ARGMAX",))
-                    holders.append(sid)
-                except InferError:
-                    break
-            g = _gen(t, input_ids=list(range(1, 100)), sampling={"max_tokens": 2})
-            status, _, text = openai_request(t, "/completions", completion(list(range(1, 100))))
-        finally:
-            for sid in holders:
-                c.request(sid, [], end=True, outputs=("ARGMAX",))
+    with full_pool(t) as (holders, _, _):
+        g = _gen(t, input_ids=list(range(1, 100)), sampling={"max_tokens": 2})
+        status, _, text = openai_request(t, "/completions", completion(list(range(1, 100))))
     leaked = any(str(sid) in (g.error or "") + text for sid in holders)
     return (f"generate {g.status}; OpenAI {status}; holders' ids told: {leaked}",
             g.status == "UNAVAILABLE" and status == 503 and not leaked)
@@ -313,6 +313,22 @@ def case_openai_bad_sampling_values(t):
     return f"{got}", got == [400, 400]
 
 
+def _completions_head(framing: str) -> bytes:
+    """The head of a POST /v1/completions written by hand, its body framed by `framing`
+    ("Content-Length: N" or "Transfer-Encoding: chunked")."""
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            f"application/json\r\nAuthorization: Bearer {API_KEY}\r\n{framing}\r\n\r\n"
+            ).encode()
+
+
+def _send_completion(t: Target, body: dict) -> socket.socket:
+    """A completion request sent on a socket of its own, nothing read; the socket is open."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(t.openai_host, timeout=30)
+    s.sendall(_completions_head(f"Content-Length: {len(data)}") + data)
+    return s
+
+
 def _raw_http(t, head: bytes, body: bytes = b"") -> str:
     """The status line and headers of the answer to a request written by hand."""
     s = socket.create_connection(t.openai_host, timeout=30)
@@ -332,11 +348,9 @@ def _raw_http(t, head: bytes, body: bytes = b"") -> str:
 def case_openai_body_too_large(t):
     """Refused on its Content-Length before a byte of it is read, and a chunked body as soon
     as it passes the limit (5 MB against 4 MiB)."""
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-            f"application/json\r\nAuthorization: Bearer {API_KEY}\r\n")
-    by_length = _raw_http(t, f"{head}Content-Length: 5000000\r\n\r\n".encode())
+    by_length = _raw_http(t, _completions_head("Content-Length: 5000000"))
     chunk = b"a" * 1_000_000
-    chunked = _raw_http(t, f"{head}Transfer-Encoding: chunked\r\n\r\n".encode(),
+    chunked = _raw_http(t, _completions_head("Transfer-Encoding: chunked"),
                         b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(5)))
     got = [by_length.split("\r\n")[0], chunked.split("\r\n")[0]]
     return f"{got}", all(" 413 " in g for g in got)
@@ -368,12 +382,7 @@ def case_openai_over_context(t):
 
 def _open_stream(t, max_tokens=100) -> socket.socket:
     """A streamed completion whose first event has arrived; the socket is left open."""
-    host, port = t.openai_host
-    body = json.dumps(completion(STORY, max_tokens=max_tokens, stream=True)).encode()
-    s = socket.create_connection((host, port), timeout=30)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-              b"Content-Type: application/json\r\nAuthorization: Bearer " + API_KEY.encode() +
-              b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s = _send_completion(t, completion(STORY, max_tokens=max_tokens, stream=True))
     got = b""
     while b"data:" not in got:
         chunk = s.recv(4096)
@@ -396,29 +405,23 @@ def _wait_held(t: Target, base: float) -> None:
         time.sleep(0.05)
 
 
-def case_openai_stream_disconnect_frees_pages(t):
-    base = _settled_pages(t)
-    s = _open_stream(t)
+def _freed_on_close(t: Target, s: socket.socket, base: float) -> tuple[str, bool]:
+    """Closes `s` once its generation holds pages over `base`: how soon they came back."""
     _wait_held(t, base)
     s.close()
     freed = wait_pages(t, base, 3.0)
     return (f"pages back to {base:.0f} in {freed:.2f} s" if freed is not None else
             f"pages still {pages_used(t):.0f} after 3 s"), freed is not None and freed < 1.0
+
+
+def case_openai_stream_disconnect_frees_pages(t):
+    base = _settled_pages(t)
+    return _freed_on_close(t, _open_stream(t), base)
 
 
 def case_openai_request_disconnect_frees_pages(t):
-    host, port = t.openai_host
     base = _settled_pages(t)
-    body = json.dumps(completion(STORY, max_tokens=100))
-    s = socket.create_connection((host, port), timeout=30)
-    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-              f"application/json\r\nAuthorization: Bearer {API_KEY}\r\nContent-Length: "
-              f"{len(body)}\r\n\r\n{body}".encode())
-    _wait_held(t, base)
-    s.close()
-    freed = wait_pages(t, base, 3.0)
-    return (f"pages back to {base:.0f} in {freed:.2f} s" if freed is not None else
-            f"pages still {pages_used(t):.0f} after 3 s"), freed is not None and freed < 1.0
+    return _freed_on_close(t, _send_completion(t, completion(STORY, max_tokens=100)), base)
 
 
 def case_openai_concurrency_limit(t):
@@ -436,10 +439,11 @@ def case_openai_concurrency_limit(t):
 
 # ------------------------------------------------------------------ Triton's own APIs
 
-def _triton_post(t, path, body) -> int:
-    req = urllib.request.Request(f"http://{t.server.http_url}{path}", method="POST",
+def triton_post(http_url: str, path: str, body, headers: dict | None = None) -> int:
+    """The HTTP status of a JSON POST to tritonserver at `http_url`."""
+    req = urllib.request.Request(f"http://{http_url}{path}", method="POST",
                                  data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status
@@ -448,12 +452,12 @@ def _triton_post(t, path, body) -> int:
 
 
 def case_triton_logging_closed(t):
-    status = _triton_post(t, "/v2/logging", {"log_verbose_level": 1})
+    status = triton_post(t.server.http_url, "/v2/logging", {"log_verbose_level": 1})
     return f"{status}", status == 403
 
 
 def case_triton_repository_closed(t):
-    status = _triton_post(t, f"/v2/repository/models/{MODEL}/unload", {})
+    status = triton_post(t.server.http_url, f"/v2/repository/models/{MODEL}/unload", {})
     return f"{status}", status == 403
 
 
@@ -603,4 +607,5 @@ def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0,
     def stop():
         stop_openai()
         server.stop()
-    return Target(server, base, load_artifact(artifact).max_context, max_concurrent), stop
+    art = load_artifact(artifact)
+    return Target(server, base, art.max_context, art.model.block_size, max_concurrent), stop

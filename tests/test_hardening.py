@@ -6,13 +6,11 @@ with open sequences with exit status 0 and nothing left in /dev/shm."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
@@ -60,17 +58,6 @@ def test_refused_generations_end_their_sequences_when_slots_are_few(target):
     assert g.error is None and time.perf_counter() - t0 < 2
 
 
-def _post(url, path, body, headers=None) -> int:
-    req = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})},
-                                 method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
 def test_tlaloc_serve_closes_admin_apis_and_stops_cleanly_with_open_sequences(tiny, work):
     from triton_tlaloc.repository import write_repository
 
@@ -86,9 +73,9 @@ def test_tlaloc_serve_closes_admin_apis_and_stops_cleanly_with_open_sequences(ti
     try:
         assert "ready" in proc.stdout.readline()
         url = f"127.0.0.1:{http}"
-        assert _post(url, "/v2/logging", {"log_verbose_level": 1}) == 403
-        assert _post(url, "/v2/repository/index", {}) == 403
-        assert _post(url, "/v2/logging", {"log_verbose_level": 0},
+        assert A.triton_post(url, "/v2/logging", {"log_verbose_level": 1}) == 403
+        assert A.triton_post(url, "/v2/repository/index", {}) == 403
+        assert A.triton_post(url, "/v2/logging", {"log_verbose_level": 0},
                      {"tlaloc-admin-key": "sesame"}) == 200
         with TlalocClient(url, "llama", "http") as c:  # left open: Ctrl-C must not wait on it
             c.request(new_sequence_id(), [1, 2, 3], start=True, outputs=("ARGMAX",))
