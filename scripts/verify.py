@@ -7,7 +7,7 @@ and over gRPC, print a table (check, expected, observed, PASS/FAIL); exit 1 on a
 The checks are tests/sequence_checks.py's and tests/programs.py's, which the server tests assert
 too; this script names them, in groups, and tabulates what they observed.
 
-    scripts/verify.sh [--work DIR] [--reuse] [--soak-seconds S]
+    scripts/verify.sh [--work DIR] [--reuse] [--soak-seconds S] [--pressure-seconds S]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # noqa: E402
                     with_rope_theta)
 import programs  # noqa: E402
+import reuse_checks as R  # noqa: E402
 import sequence_checks as S  # noqa: E402
 from sequence_checks import PLACEHOLDER, PROTOCOLS, TINY_PROMPT  # noqa: E402
 
@@ -180,6 +181,12 @@ def write_models(arts: dict, repo: Path, work: Path) -> None:
         generate_model=False))
     write_repository(arts["soak"][1], repo, "soak", RepositoryOptions(
         max_sequence_idle_microseconds=2_000_000, reclaim_allowance_microseconds=1_000_000))
+    # KV reuse: the same artifacts with prefix_reuse false (the reference of every reused run),
+    # and a pool for 4 sequences at the largest context under cycling users.
+    for name in ("llama", "gemma3_text", "qwen3_5", "smollm2"):
+        write_repository(arts[name][1], repo, f"{name}_cold", RepositoryOptions(
+            prefix_reuse=False, generate_model=name == "smollm2"))
+    write_repository(arts["soak"][1], repo, "pressure", RepositoryOptions(generate_model=False))
     # Programs that are not language models: bounded, ragged, nine dtypes, with state.
     programs.write_program_models(programs.build_programs(work / "programs"), repo)
 
@@ -340,6 +347,49 @@ def reclamation_rows(table: Table, d: Deployment, protocol: str) -> None:
                        f"{protocol}: reclamation", "the page policy")
 
 
+def reuse_rows(table: Table, d: Deployment, protocol: str) -> None:
+    """KV reuse: the same ids as the cold model, salts apart, chats continued."""
+    url, metrics = d.url(protocol), d.server.metrics_url
+    table.run(f"{protocol}: KV reuse, 4 prompts sharing 3 blocks (llama)",
+              "ids equal to --no-prefix-reuse; the prefix reused by users 2-4",
+              lambda: R.check_shared_prefix(url, protocol, metrics, "llama", "llama_cold",
+                                            seed=PROTOCOLS.index(protocol)))
+    table.run(f"{protocol}: KV reuse, cache salts A, B, A", "B reuses nothing; A again its 3 "
+              "blocks", lambda: R.check_cache_salts(url, protocol, metrics, "llama",
+                                                    seed=10 + PROTOCOLS.index(protocol), block_size=8))
+    for model, block in (("gemma3_text", 4), ("qwen3_5", 8)):
+        what = "ring" if model == "gemma3_text" else "state slot"
+        table.run(f"{protocol}: KV reuse, a 3-turn chat on {model} (its {what} continued)",
+                  "ids equal to --no-prefix-reuse; turns 2-3 continued",
+                  lambda model=model: R.check_sequence_chat(url, protocol, metrics, model,
+                                                            f"{model}_cold", seed=20))
+    if protocol != "grpc":
+        return
+    table.run("grpc: KV reuse, a 4-turn chat through the smollm2 generate model",
+              "ids equal to --no-prefix-reuse; turns 2-4 continued",
+              lambda: R.check_generate_chat(url, metrics, "smollm2", "smollm2_cold", seed=3))
+    table.run("grpc: KV reuse, a 3-turn chat through tlaloc openai (smollm2)",
+              "replies equal to --no-prefix-reuse; history reused",
+              lambda: R.check_openai_chat_turns(url, metrics, "smollm2", "smollm2_cold",
+                                                ["What is the capital of France?",
+                                                 "And of Italy?", "Which is larger?"]))
+
+
+def pressure_rows(table: Table, d: Deployment, seconds: float) -> None:
+    """12 users with a shared prefix cycling START, steps, END on a pool for 4 sequences."""
+    import random
+
+    url = d.url("grpc")
+    rng = random.Random(7)
+    shared = R.unique_tokens(rng, 40)
+    prompts = [shared + R.unique_tokens(rng, rng.randint(3, 30)) for _ in range(6)]
+    solo = R.solo_ids(url, "grpc", "llama_cold", prompts, 12)
+    table.run(f"grpc: KV reuse under pressure, 12 users for {seconds:.0f} s on 64 pages",
+              "every sequence its solo ids; no page held at the end; held + cached + free = 64",
+              lambda: R.check_pressure(url, "grpc", d.server.metrics_url, "pressure", solo,
+                                       prompts, seconds, capacity=64))
+
+
 def server_rows(table: Table, d: Deployment, soak_seconds: float) -> None:
     """Checks run once: the bounded program's negative control, a ragged batch, the soak and
     KV pool donation."""
@@ -371,6 +421,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=ROOT / "artifacts" / "verify")
     ap.add_argument("--soak-seconds", type=float, default=180.0)
+    ap.add_argument("--pressure-seconds", type=float, default=180.0,
+                    help="how long 12 users cycle through the KV-reuse pressure check")
     ap.add_argument("--reuse", action="store_true",
                     help="keep artifacts from an earlier run (default: export afresh, so the "
                          "certificate is for the exporter as it is now)")
@@ -397,6 +449,8 @@ def main() -> int:
             batching_rows(table, d, protocol)
             program_rows(table, d, protocol)
             reclamation_rows(table, d, protocol)
+            reuse_rows(table, d, protocol)
+        pressure_rows(table, d, args.pressure_seconds)
         server_rows(table, d, args.soak_seconds)
     finally:
         server.stop()

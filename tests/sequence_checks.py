@@ -342,13 +342,15 @@ def check_state_slot(client, protocol, prompts, want):
 
 
 def check_state_slot_metrics(metrics_url, model):
-    """After check_state_slot: no slot used, one free, a refusal for want of a slot counted."""
+    """After check_state_slot: no slot used by a live sequence, one free or kept for the ended
+    sequence's next turn (KV reuse), a refusal for want of a slot counted."""
     m = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
     used = metric(m, "tlaloc_state_slots_used", model=model)
     free = metric(m, "tlaloc_state_slots_free", model=model)
+    kept = metric(m, "tlaloc_kv_pages_cached", model=model, pool="state")
     refused = metric(m, "tlaloc_refusals_total", model=model, reason="state_slots")
-    return (f"{used:.0f} used, {free:.0f} free, {refused:.0f} refused",
-            used == 0 and free == 1 and refused >= 1)
+    return (f"{used:.0f} used, {free:.0f} free, {kept:.0f} kept, {refused:.0f} refused",
+            used == 0 and free + kept == 1 and refused >= 1)
 
 
 # ---------------------------------------------------------------- outputs and metrics
@@ -390,8 +392,8 @@ def check_small_outputs(client, prompt=TINY_PROMPT, steps=32, k=4):
 
 def check_metrics(metrics_url, client, art, free_pages):
     """A 3-token prompt and 4 steps, and a refused START, on a model with no other traffic:
-    the counters' changes, the pool (`free_pages` free, none used) and device bytes, and the
-    call phases."""
+    the counters' changes, the pool (none used, `free_pages` free or cached) and device bytes,
+    and the call phases."""
     model = client.model
     before = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
     client.generate_greedy([1, 2, 3], 5)
@@ -415,9 +417,11 @@ def check_metrics(metrics_url, client, art, free_pages):
             ("tlaloc_execution_seconds_count", dict(kind="decode"), 4),
             ("tlaloc_batch_size_bucket", dict(kind="decode", le="1"), 4)):
         cond(delta(name, **labels) == want, f"{name}{labels} changed {delta(name, **labels)}")
+    cached = metric(after, "tlaloc_kv_pages_cached", model=model, pool="full")
+    cond(cached >= 1, "the ended sequence's page not kept for its next turn")
     for name, labels, want in (
             ("tlaloc_kv_pages_used", dict(pool="full"), 0),
-            ("tlaloc_kv_pages_free", dict(pool="full"), free_pages),
+            ("tlaloc_kv_pages_free", dict(pool="full"), free_pages - cached),
             ("tlaloc_sequences_held", {}, 0),
             ("tlaloc_device_bytes", dict(what="weights"), sum(w.byte_length for w in a.weights)),
             ("tlaloc_device_bytes", dict(what="kv_pools"),

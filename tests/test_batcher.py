@@ -36,7 +36,7 @@ NO_WAIT = BatchPolicy(cohort_wait_s=0.0, prefill_wait_s=0.0)
 @pytest.fixture
 def batcher(runtime):
     # A fresh engine (page pool) per test over the one compiled runtime.
-    return Batcher(Engine(runtime), NO_WAIT, clock=Clock())
+    return Batcher(Engine(runtime, prefix_reuse=True), NO_WAIT, clock=Clock())
 
 
 class Collector:
@@ -117,13 +117,13 @@ def test_refusals_name_the_problem_and_leave_the_sequence_as_it_was(batcher, run
     batcher.submit(col.request("a", PROMPTS["a"], start=True))
     batcher.run_pending()
     seq = batcher.sequences["a"]
-    state = (list(seq.token_ids), seq.num_cached, list(seq.pages), batcher.engine.pages.free)
+    state = (list(seq.token_ids), seq.num_cached, list(seq.pages), batcher.engine.blocks.full.free)
     batcher.submit(col.request("a", tokens))
     batcher.run_pending()
     reply = col.last("a")
     assert reply.code == INVALID_ARG and message in reply.error and "sequence a" in reply.error
     assert (list(seq.token_ids), seq.num_cached, list(seq.pages),
-            batcher.engine.pages.free) == state
+            batcher.engine.blocks.full.free) == state
     # the sequence continues with its solo ids
     ids = step_all(batcher, col, ["a"], 4)["a"]
     assert ids == solo_ids(runtime, PROMPTS["a"], 4)
@@ -131,11 +131,11 @@ def test_refusals_name_the_problem_and_leave_the_sequence_as_it_was(batcher, run
 
 def test_a_prompt_longer_than_the_largest_context_is_refused(batcher):
     col = Collector()
-    free = batcher.engine.pages.free
+    free = batcher.engine.blocks.full.free
     batcher.submit(col.request("x", list(range(3, 3 + 129)), start=True))
     batcher.run_pending()
     assert col.last("x").code == INVALID_ARG and "largest context 128" in col.last("x").error
-    assert "x" not in batcher.sequences and batcher.engine.pages.free == free
+    assert "x" not in batcher.sequences and batcher.engine.blocks.full.free == free
 
 
 def test_unknown_sequence_without_start_is_refused(batcher):
@@ -147,15 +147,15 @@ def test_unknown_sequence_without_start_is_refused(batcher):
 
 
 def test_full_pool_refused_with_the_holders_then_the_same_request_succeeds(runtime):
-    engine = Engine(runtime)
+    engine = Engine(runtime, prefix_reuse=True)
     batcher = Batcher(engine, NO_WAIT, clock=Clock())
     col = Collector()
     # 32 usable pages of 8 tokens: four 64-token prompts (8 pages each) fill the pool.
-    assert engine.pages.free == 32
-    for s in ("p", "q", "r", "s"):
-        batcher.submit(col.request(s, list(range(10, 74)), start=True))
+    assert engine.blocks.full.free == 32
+    for i, s in enumerate(("p", "q", "r", "s")):  # prompts sharing no block
+        batcher.submit(col.request(s, list(range(10 + i, 74 + i)), start=True))
         batcher.run_pending()
-    assert engine.pages.free == 0
+    assert engine.blocks.full.free == 0
     batcher.submit(col.request("p", [5]))  # position 64 needs a ninth page
     batcher.run_pending()
     reply = col.last("p")
@@ -163,9 +163,9 @@ def test_full_pool_refused_with_the_holders_then_the_same_request_succeeds(runti
     assert "KV pool full" in reply.error
     assert "4 sequences hold pages" in reply.error
     assert len(batcher.sequences["p"].token_ids) == 64 and batcher.sequences["q"].pages
-    batcher.submit(col.request("q", [], end=True))  # q ends: its pages are free
+    batcher.submit(col.request("q", [], end=True))  # q ends: its pages are kept, evictable
     batcher.run_pending()
-    assert engine.pages.free == 8
+    assert batcher.pool_state()["full"] == (24, 8, 0)
     batcher.submit(col.request("p", [5]))
     batcher.run_pending()
     assert col.last("p").error is None and len(batcher.sequences["p"].pages) == 9
@@ -204,7 +204,7 @@ def test_a_failed_call_answers_each_request_once_and_rolls_back(batcher, monkeyp
 def test_the_thread_answers_every_request(runtime):
     import threading
 
-    batcher = Batcher(Engine(runtime))  # the real clock and the default waits
+    batcher = Batcher(Engine(runtime, prefix_reuse=True))  # the real clock and the default waits
     batcher.start()
     done = threading.Event()
     got = []
@@ -216,7 +216,7 @@ def test_the_thread_answers_every_request(runtime):
     assert done.wait(30)
     batcher.stop()
     assert len(got) == 1 and got[0].error is None and got[0].logits.shape == (256,)
-    assert "t" not in batcher.sequences and batcher.engine.pages.used == 0
+    assert "t" not in batcher.sequences and batcher.pool_state()["full"][0] == 0
 
 
 def test_a_later_request_with_several_tokens_is_a_prefill_continuation(batcher, runtime):
@@ -251,7 +251,8 @@ def test_timing_log_accounts_for_each_call(runtime, tmp_path):
 
     keep, path = Keep(), tmp_path / "timing.jsonl"
     log = TimingLog(str(path))
-    batcher = Batcher(Engine(runtime), NO_WAIT, clock=Clock(), observers=(keep, log))
+    batcher = Batcher(Engine(runtime, prefix_reuse=True), NO_WAIT, clock=Clock(),
+                      observers=(keep, log))
     col = Collector()
     execute_before = runtime.phase_seconds["execute"]
     batcher.submit_group([col.request("a", PROMPTS["a"], start=True),

@@ -109,12 +109,12 @@ def test_jax_wraps_negative_scatter_indices():
 
 
 def test_requests_past_the_context_or_vocabulary_are_refused_by_name(engine):
-    free_before = engine.pages.free
+    free_before = engine.blocks.full.free
     with pytest.raises(RequestError, match="exceed the largest context 128"):
         engine.generate_greedy(list(range(3, 3 + 129)), 1)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.new_sequence([1, 256])
-    assert engine.pages.free == free_before, "a refused request holds no pages"
+    assert engine.blocks.full.free == free_before, "a refused request holds no pages"
 
 
 def test_pools_in_place_100_of_100_and_copied_without_the_aliases(tiny):

@@ -64,3 +64,17 @@ def test_tlaloc_run_answers_the_capital_of_france(smollm2):
     assert "Paris" in out["text"]
     assert out["finish_reason"] == "stop"  # stopped at <|im_end|>
     assert out["pools_copied"] == 0 and out["pools_in_place"] == len(out["generated_ids"])
+
+
+def test_tlaloc_run_follow_up_reuses_the_first_turn(smollm2):
+    """`tlaloc run --chat --follow-up`: the second turn's prompt (the first turn, its answer and
+    the follow-up, through the chat template) reuses the first turn's KV."""
+    _, art = smollm2
+    proc = subprocess.run([sys.executable, "-m", "triton_tlaloc.cli", "run", str(art), "--chat",
+                           "--prompt", "What is the capital of France?", "--follow-up",
+                           "And of Italy?", "--max-new-tokens", "12", "--json"],
+                          capture_output=True, text=True, check=True)
+    first, second = (json.loads(line) for line in proc.stdout.strip().splitlines())
+    assert second["prompt_ids"][:len(first["prompt_ids"])] == first["prompt_ids"]
+    # the first turn's prompt at least (its answer too, as far as the template re-encodes it)
+    assert len(first["prompt_ids"]) <= second["reused_tokens"] < len(second["prompt_ids"])

@@ -36,8 +36,8 @@ import numpy as np
 from .codes import INTERNAL, INVALID_ARG, UNAVAILABLE
 from .engine import Engine, RequestError, Sequence
 from .metrics import BatcherStats, CallTiming, Observer
-from .pages import PagesExhausted, choose_reclaim
-from .policy import BatchPolicy, Cohort, select
+from .pages import PagesExhausted, Reuse
+from .policy import BatchPolicy, Cohort, choose_reclaim, select
 
 log = logging.getLogger("triton_tlaloc.batcher")
 
@@ -66,6 +66,7 @@ class Request:
     # (reason, message) when the front end refused it already (TOKENS too long to convert):
     # it still passes admission's START and activity rules, then is refused with this.
     refusal: tuple[str, str] | None = None
+    cache_salt: str | None = None  # a START's tenant: prompts of different salts share no KV
     _answered: bool = field(default=False, repr=False)
 
     @property
@@ -113,6 +114,7 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._groups = 0
         self.cohort = Cohort(set())  # the previous decode batch's sequences (policy.py)
+        self._evicted = (0, 0)  # cached pages evicted, ended sequences dropped, so far
         compiled = [e for e in engine.art.entries.values() if e.name in engine.rt.executables]
         self.max_decode_batch = max((e.batch for e in compiled if e.kind == "decode"), default=1)
         self.max_prefill_batch = max((e.batch for e in compiled if e.kind == "prefill"), default=1)
@@ -227,12 +229,18 @@ class Batcher:
                                                         if j.seq.seq_id in self.sequences},
                                  self.clock() + self.policy.cohort_wait_s)
         self._observe("state", self.pool_state(), len(self.sequences))
+        blocks = self.engine.blocks
+        evicted = (blocks.full.evicted - self._evicted[0], blocks.dropped - self._evicted[1])
+        if any(evicted):
+            self._evicted = (blocks.full.evicted, blocks.dropped)
+            self._observe("evicted", *evicted)
 
-    def pool_state(self) -> dict[str, tuple[int, int]]:
-        return {name: (pool.used, pool.free) for name, pool in self.engine.pools().items()}
+    def pool_state(self) -> dict[str, tuple[int, int, int]]:
+        """Per pool: (held by live sequences, cached, free) (pages.BlockManager.usage)."""
+        return self.engine.blocks.usage()
 
     def _holding(self, s: Sequence) -> str:
-        ring = f", {len(s.ring)} ring pages" if self.engine.rings is not None else ""
+        ring = f", {len(s.ring)} ring pages" if self.engine.blocks.rings is not None else ""
         slot = (f", state slot {s.state_slot}" if s.state_slot is not None else "")
         return f"{s.seq_id} ({len(s.pages)} pages{ring}{slot})"
 
@@ -264,10 +272,11 @@ class Batcher:
             old = self.sequences.pop(r.seq_id, None)
             if old is not None:
                 # A new START on a held id begins a new sequence: the old KV must never be
-                # continued, whether or not this START is admitted.
+                # continued by this id, whether or not this START is admitted. (Ended whole,
+                # another prompt of the same history may still take it over.)
                 log.info("sequence %s: START on a held id; its %d pages are released", r.seq_id,
                          len(old.pages))
-                engine.free(old)
+                engine.finish(old)
             seq = Sequence([], seq_id=r.seq_id)
         else:
             seq = self.sequences.get(r.seq_id)
@@ -287,7 +296,7 @@ class Batcher:
             return None
         if not r.tokens:
             if r.end and not r.start:
-                self._release(seq)
+                self._release(seq, ended=True)
                 r.reply(Reply(kv_pages=(0, 0)))
                 return None
             self._refuse(r, INVALID_ARG, "empty", f"sequence {r.seq_id}: TOKENS is empty")
@@ -295,11 +304,11 @@ class Batcher:
         before = (len(seq.token_ids), len(seq.pages), len(seq.ring), seq.state_slot is not None)
         try:
             try:
-                engine.admit(seq, r.tokens)
+                reuse = engine.admit(seq, r.tokens, r.cache_salt)
             except PagesExhausted:
                 if not self._reclaim_for(seq, len(r.tokens)):
                     raise
-                engine.admit(seq, r.tokens)
+                reuse = engine.admit(seq, r.tokens, r.cache_salt)
         except RequestError as e:
             self._refuse(r, INVALID_ARG, e.reason, f"sequence {r.seq_id}: {e}")
             return None
@@ -308,7 +317,14 @@ class Batcher:
             return None
         if r.start:
             self.sequences[r.seq_id] = seq
+            self._started(seq, reuse)
         return _Job(r, seq, *before)
+
+    def _started(self, seq: Sequence, reuse: Reuse) -> None:
+        self._observe("prefix", reuse.queried, reuse.reused, reuse.continued)
+        how = ("its previous turn continued" if reuse.continued else "cached blocks")
+        log.info("sequence %s: START of %d tokens, %d reused (%s)", seq.seq_id,
+                 len(seq.token_ids), reuse.reused, how if reuse.reused else "none cached")
 
     def _reclaim_for(self, seq: Sequence, n_tokens: int) -> bool:
         """Free pages held by sequences Triton has ended, as many as `seq` needs to take
@@ -395,7 +411,7 @@ class Batcher:
         for j, row in zip(jobs, logits):
             pages = (len(j.seq.pages), len(j.seq.ring))
             if j.request.end:
-                self._release(j.seq)
+                self._release(j.seq, ended=True)
             j.request.reply(Reply(logits=row, kv_pages=pages))
         t_done = time.perf_counter()
         phases = {k: v - phases_before[k] for k, v in self.engine.phase_seconds().items()}
@@ -406,7 +422,12 @@ class Batcher:
             other=(t_called - t_call) - sum(phases.values()),
             total=admit + (t_done - t_call)))
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, ended: bool = False) -> None:
+        """The sequence is no longer held for its id. Ended by its client (END): kept whole
+        for a next turn while pages allow; otherwise (reclaimed, a failed START) freed."""
         if self.sequences.get(seq.seq_id) is seq:
             del self.sequences[seq.seq_id]
-        self.engine.free(seq)
+        if ended:
+            self.engine.finish(seq)
+        else:
+            self.engine.free(seq)

@@ -68,7 +68,8 @@ def _cmd_run(args) -> int:
     batch = min(artifact.batch_ladder)
     entries = sorted(e.name for e in artifact.entries.values() if e.batch == batch)
     rt = Runtime(artifact, platform=args.platform, donate=not args.no_donate, entries=entries)
-    engine = Engine(rt)
+    # KV reuse only to show it (--follow-up): warm-up runs must not make the timed one cached.
+    engine = Engine(rt, prefix_reuse=bool(args.follow_up))
     tok = None
     if args.prompt is not None:
         from .frontends.tokenizer import ArtifactTokenizer
@@ -93,7 +94,30 @@ def _cmd_run(args) -> int:
             result.prefill_ms, result.median_ms_per_token, "", {
                 "decode_ms": [round(x, 3) for x in result.decode_ms_per_token],
                 "pools_in_place": rt.donation.in_place, "pools_copied": rt.donation.copied})
+    if args.follow_up:
+        _run_follow_up(args, engine, tok, prompt_ids, result, stop)
     return 0
+
+
+def _run_follow_up(args, engine, tok, prompt_ids, first, stop) -> None:
+    """The next turn: the first prompt, its answer and the follow-up, as one prompt. It finds
+    the first turn's KV kept and computes only what is new."""
+    if args.chat:
+        answer = tok.decode(first.generated_ids)
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt},
+                                       {"role": "assistant", "content": answer},
+                                       {"role": "user", "content": args.follow_up}])
+    elif tok is not None:
+        ids = list(prompt_ids) + first.generated_ids + tok.encode(args.follow_up, False)
+    else:
+        ids = list(prompt_ids) + first.generated_ids + list(_ints(args.follow_up))
+    result = engine.generate_greedy(ids, args.max_new_tokens, tuple(sorted(stop)))
+    text = tok.decode(result.generated_ids) if tok is not None else None
+    _report(args, result.prompt_ids, result.generated_ids, text, result.finish_reason,
+            result.prefill_ms, result.median_ms_per_token,
+            f"follow-up, {result.reused_tokens} tokens reused: ", {
+                "reused_tokens": result.reused_tokens,
+                "first_prefill_ms": round(first.prefill_ms, 2)})
 
 
 def _is_program(source: str) -> bool:
@@ -134,7 +158,8 @@ def _cmd_repository(args) -> int:
                              instance_kind=args.instance_kind, copy=args.copy,
                              compile_cache_dir=args.compile_cache_dir or "",
                              generate_model=not args.no_generate_model,
-                             sequence_slots=args.sequence_slots)
+                             sequence_slots=args.sequence_slots,
+                             prefix_reuse=not args.no_prefix_reuse)
     model_dir = write_repository(args.artifact, args.repo, args.name, opts)
     print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/"
           + ("" if args.no_generate_model else f", and {model_dir}_generate (generation on the "
@@ -296,6 +321,9 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--platform", default="cpu", help="PJRT platform (cpu, cuda)")
     p.add_argument("--no-donate", action="store_true",
                    help="strip the pools' aliasing (control: pools copied every run)")
+    p.add_argument("--follow-up", default=None,
+                   help="a second turn after the first (text, or ids with --prompt-ids): run "
+                        "with KV reuse, it computes only its new tokens; both turns reported")
     p.add_argument("--warmup-runs", type=int, default=0,
                    help="generate this many times first, untimed (benchmarks: a process's first "
                         "executions are slower)")
@@ -330,6 +358,9 @@ def _add_repository_parser(sub) -> None:
     p.add_argument("--sequence-slots", type=int, default=0,
                    help="Triton's max_candidate_sequences (default: the larger of 1024 and the "
                         "sequences the KV pool holds)")
+    p.add_argument("--no-prefix-reuse", action="store_true",
+                   help="prefix_reuse false: every prompt computes all its tokens and ended "
+                        "sequences are freed at once (a control)")
     g = p.add_argument_group(
         "programs that are not language models",
         "ARTIFACT a bounded-program artifact (tlaloc-bounded.json) or a StableHLO program file")

@@ -9,16 +9,19 @@ hybrid model, schema v4) its slot in the linear-attention state pools, held for 
 
 from __future__ import annotations
 
-import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Container, Protocol
 
 import numpy as np
 
 from .manifest import Artifact
-from .pages import PagePool, PagesExhausted, pages_for
+from .pages import (FULL, BlockManager, PagePool, PagesExhausted, PoolShape, Reuse,
+                    SharedPagePool, pages_for, root_hash)
+from .sequence import Sequence
 from .steps import Row, build_step
+
+__all__ = ["Engine", "GenerationResult", "RequestError", "Sequence", "StepRuntime"]
 
 
 class StepRuntime(Protocol):
@@ -44,24 +47,6 @@ class RequestError(ValueError):
         self.reason = reason
 
 
-_ids = itertools.count(1)
-
-
-@dataclass
-class Sequence:
-    token_ids: list[int]
-    seq_id: int | str = field(default_factory=lambda: next(_ids))
-    num_cached: int = 0  # tokens whose K/V are in the pool
-    pages: list[int] = field(default_factory=list)
-    ring: list[int] = field(default_factory=list)  # windowed pages: block b on ring[b % R]
-    state_slot: int | None = None  # its linear-attention state slot (schema v4)
-    last_active: float = 0.0  # clock time of its latest request (the backend's reclamation rule)
-
-    @property
-    def uncached(self) -> list[int]:
-        return self.token_ids[self.num_cached:]
-
-
 @dataclass
 class GenerationResult:
     prompt_ids: list[int]
@@ -69,27 +54,39 @@ class GenerationResult:
     prefill_ms: float
     decode_ms_per_token: list[float]
     finish_reason: str
+    reused_tokens: int = 0  # prompt tokens whose KV was found cached
 
     @property
     def median_ms_per_token(self) -> float:
         return float(np.median(self.decode_ms_per_token)) if self.decode_ms_per_token else 0.0
 
 
+def pool_shape(art: Artifact) -> PoolShape:
+    """What the artifact's pools hold, for the block manager."""
+    windowed, ls = art.windowed, art.linear_state
+    return PoolShape(
+        num_blocks=art.model.num_blocks, block_size=art.model.block_size,
+        # A model whose every layer is windowed (mistral) has no full-history pools to page.
+        holds_full_pages=any(p.pool_class == FULL for p in art.pools),
+        ring_blocks=windowed.num_blocks if windowed else 0,
+        ring_pages=windowed.ring_pages if windowed else 0,
+        state_slots=ls.num_slots if ls is not None else 0, model_hash=art.model.model_hash)
+
+
 class Engine:
-    def __init__(self, runtime: StepRuntime):
+    """Entry choice and calls over a runtime; every page is accounted for by `blocks`
+    (pages.BlockManager). prefix_reuse: prompts reuse cached blocks and ended sequences are
+    kept (up to `keep_ended`) for their next turn. Off unless asked for (the server asks, by
+    default): a benchmark that runs a prompt twice must measure it computed twice."""
+
+    def __init__(self, runtime: StepRuntime, prefix_reuse: bool = False, keep_ended: int = 64):
         self.rt = runtime
         self.art = runtime.artifact
         self.block_size = self.art.model.block_size
-        self.pages = PagePool(self.art.model.num_blocks, "full")
         windowed = self.art.windowed
-        self.rings = PagePool(windowed.num_blocks, "windowed") if windowed else None
         self.ring_pages = windowed.ring_pages if windowed else 0
         self.window = windowed.window if windowed else None
-        ls = self.art.linear_state
-        self.state_slots = (PagePool(ls.num_slots, "state", reserved=0, unit="slots")
-                            if ls is not None else None)
-        # A model whose every layer is windowed (mistral) has no full-history pools to page.
-        self.holds_full_pages = any(p.pool_class == "full" for p in self.art.pools)
+        self.blocks = BlockManager(pool_shape(self.art), prefix_reuse, keep_ended)
         self.refused = {(int(t["id"]) if isinstance(t, dict) else int(t)):
                         (t.get("configKey", "refusedTokens") if isinstance(t, dict)
                          else "refusedTokens")
@@ -123,88 +120,48 @@ class Engine:
                 raise RequestError(f"token id {t} is the checkpoint's {self.refused[t]} "
                                    f"placeholder, which this text decoder refuses", "token")
 
-    def admit(self, seq: Sequence, tokens: list[int]) -> None:
+    def admit(self, seq: Sequence, tokens: list[int], cache_salt: str | None = None) -> Reuse:
         """Append `tokens` to a sequence and reserve the pages they need, or raise (RequestError,
-        PagesExhausted) leaving the sequence and the pools exactly as they were."""
+        PagesExhausted) leaving the sequence and the pools exactly as they were. A new
+        sequence's prompt first takes what it finds cached (`cache_salt` is its tenant's:
+        prompts of different salts share nothing); what it took is returned."""
         self.check_tokens(tokens)
         length = len(seq.token_ids) + len(tokens)
         if length > self.art.max_context:
             raise RequestError(f"{length} positions would exceed the largest context "
                                f"{self.art.max_context}", "context")
-        self._take_pages(seq, self._need(seq, length))
+        if seq.token_ids:
+            self.blocks.reserve(seq, length)
+            seq.token_ids += tokens
+            return Reuse()
+        reuse = self.blocks.start(seq, tokens, root_hash(self.art.model.model_hash,
+                                                         cache_salt or ""))
+        try:
+            self.blocks.reserve(seq, length)
+        except PagesExhausted:
+            self.blocks.unstart(seq, reuse)
+            raise
         seq.token_ids += tokens
+        return reuse
 
-    def pools(self) -> dict[str, PagePool]:
-        return {"full": self.pages, **({"windowed": self.rings} if self.rings else {}),
-                **({"state": self.state_slots} if self.state_slots else {})}
-
-    def _need(self, seq: Sequence, length: int) -> dict[str, int]:
-        """Pages per pool `seq` must add to hold `length` positions: full-history pages for
-        every block, ring pages up to the ring's size."""
-        blocks = pages_for(length, self.block_size)
-        need = {"full": max(0, blocks - len(seq.pages)) if self.holds_full_pages else 0}
-        if self.rings is not None:
-            need["windowed"] = max(0, min(blocks, self.ring_pages) - len(seq.ring))
-        if self.state_slots is not None:
-            need["state"] = 0 if seq.state_slot is not None else 1
-        return need
+    def pools(self) -> dict[str, PagePool | SharedPagePool]:
+        return self.blocks.pools()
 
     def pages_needed(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
         """Pages per pool `seq` must add to take `n_tokens` more tokens."""
-        return self._need(seq, len(seq.token_ids) + n_tokens)
-
-    def _take_pages(self, seq: Sequence, need: dict[str, int]) -> None:
-        """All the pages of `need` or none (PagesExhausted naming each pool short of pages)."""
-        pools = self.pools()
-        short = {name: pools[name].shortage(n) for name, n in need.items()}
-        short = {name: why for name, why in short.items() if why is not None}
-        if short:
-            raise PagesExhausted("; ".join(short.values()), tuple(short))
-        seq.pages += self.pages.allocate(need["full"])
-        if self.rings is not None:
-            seq.ring += self.rings.allocate(need["windowed"])
-        if need.get("state"):
-            seq.state_slot = self.state_slots.allocate(1)[0]
+        return self.blocks.need(seq, len(seq.token_ids) + n_tokens)
 
     def rollback(self, seq: Sequence, num_tokens: int, num_pages: int, num_ring: int = 0,
                  had_state_slot: bool = True) -> bool:
-        """Undo an admit whose call failed: the sequence as it was before it. False when that
-        cannot be: a linear-attention state already holds some of the failed request's tokens
-        (a chunked prompt failing after its first chunks), and a state cannot be rewound."""
-        if self.state_slots is not None and seq.num_cached > num_tokens:
-            return False
-        if not had_state_slot and seq.state_slot is not None:
-            self.state_slots.release([seq.state_slot])
-            seq.state_slot = None
-        del seq.token_ids[num_tokens:]
-        seq.num_cached = min(seq.num_cached, num_tokens)
-        extra = seq.pages[num_pages:]
-        del seq.pages[num_pages:]
-        self.pages.release(extra)
-        if self.rings is not None:
-            extra = seq.ring[num_ring:]
-            del seq.ring[num_ring:]
-            self.rings.release(extra)
-        return True
-
-    def _reserve(self, seq: Sequence, length: int) -> None:
-        if length > self.art.max_context:
-            raise RequestError(f"sequence {seq.seq_id}: {length} positions exceed the largest "
-                               f"context {self.art.max_context}", "context")
-        self._take_pages(seq, self._need(seq, length))
+        """Undo an admit whose call failed (pages.BlockManager.rollback)."""
+        return self.blocks.rollback(seq, num_tokens, num_pages, num_ring, had_state_slot)
 
     def free(self, seq: Sequence) -> None:
-        self.pages.release(seq.pages)
-        seq.pages = []
-        if self.rings is not None:
-            self.rings.release(seq.ring)
-            seq.ring = []
-        if seq.state_slot is not None:
-            # Not cleared: the next sequence given this slot starts at position 0, and a row
-            # starting at position 0 starts from zero state.
-            self.state_slots.release([seq.state_slot])
-            seq.state_slot = None
-        seq.num_cached = 0
+        self.blocks.free(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Its client ended it: kept for the conversation's next turn, or freed."""
+        self.blocks.finish(seq)
 
     def max_call_tokens(self, seq: Sequence) -> int:
         """The most tokens one prefill call may feed `seq` now: the largest prefill entry's, and
@@ -258,7 +215,12 @@ class Engine:
 
     def _call(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:
         for s, feed in zip(seqs, feeds):
-            self._reserve(s, s.num_cached + len(feed))
+            if s.num_cached + len(feed) > self.art.max_context:
+                raise RequestError(f"sequence {s.seq_id}: {s.num_cached + len(feed)} positions "
+                                   f"exceed the largest context {self.art.max_context}",
+                                   "context")
+            self.blocks.reserve(s, s.num_cached + len(feed))
+            self.blocks.check_writes(s)
         # A row's block table names the pages up to its call's end: a sequence may hold more
         # (admitted for a whole prompt that runs in chunks) than a small entry's table holds.
         rows = []
@@ -271,38 +233,48 @@ class Engine:
         self.executions += 1
         t0 = time.perf_counter()
         step = build_step(entry, rows, self.block_size, self.ring_pages,
-                          self.state_slots is not None)
+                          self.blocks.state_slots is not None)
         self.build_seconds += time.perf_counter() - t0
         logits = self.rt.run(entry.name, step)
         for s, feed in zip(seqs, feeds):
             s.num_cached += len(feed)
+            self.blocks.register(s)
         return logits[:len(seqs)]
 
     # ------------------------------------------------------------ generation
 
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int,
-                        stop_ids: tuple[int, ...] = ()) -> GenerationResult:
-        seq = self.new_sequence(prompt_ids)
+                        stop_ids: tuple[int, ...] = (),
+                        cache_salt: str | None = None) -> GenerationResult:
+        """Greedy ids for a prompt. The prompt reuses what earlier ones left cached (when the
+        engine reuses prefixes) and the sequence is kept for a next turn afterwards."""
+        if len(prompt_ids) == 0:
+            raise RequestError("an empty prompt", "empty")
+        seq = Sequence([])
+        t0 = time.perf_counter()
+        reuse = self.admit(seq, list(prompt_ids), cache_salt)
         try:
-            t0 = time.perf_counter()
             logits = self.prefill_chunked(seq)
             prefill_ms = (time.perf_counter() - t0) * 1e3
             generated, step_ms, reason = [], [], "length"
             while True:
                 token = int(np.argmax(logits[0]))
                 generated.append(token)
-                seq.token_ids.append(token)
                 if token in stop_ids:
                     reason = "stop"
                     break
                 if len(generated) >= max_new_tokens:
                     break
-                if len(seq.token_ids) > self.art.max_context:
+                if len(seq.token_ids) + 1 > self.art.max_context:
                     reason = "context"
                     break
+                seq.token_ids.append(token)
                 t0 = time.perf_counter()
                 logits = self.decode([seq])
                 step_ms.append((time.perf_counter() - t0) * 1e3)
-            return GenerationResult(list(prompt_ids), generated, prefill_ms, step_ms, reason)
-        finally:
+        except BaseException:
             self.free(seq)
+            raise
+        self.finish(seq)
+        return GenerationResult(list(prompt_ids), generated, prefill_ms, step_ms, reason,
+                                reused_tokens=reuse.reused)

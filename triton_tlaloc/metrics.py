@@ -119,8 +119,15 @@ class Observer:
     def reclaimed(self, sequences: int, pages: int) -> None:
         pass
 
-    def state(self, pools: dict[str, tuple[int, int]], sequences: int) -> None:
-        """pools: name -> (pages used, pages free)."""
+    def state(self, pools: dict[str, tuple[int, int, int]], sequences: int) -> None:
+        """pools: name -> (pages held by live sequences, cached, free)."""
+
+    def prefix(self, queried: int, reused: int, continued: bool) -> None:
+        """A START's prompt of `queried` tokens (0 with prefix reuse off) found `reused`
+        cached; `continued`: it took over an ended sequence whole."""
+
+    def evicted(self, pages: int, sequences: int) -> None:
+        """Cached pages evicted and ended sequences dropped since the last report."""
 
     def timing(self, t: CallTiming) -> None:
         pass
@@ -151,6 +158,12 @@ class BatcherStats(Observer):
         self.refusals: dict[str, int] = {}
         self.pages_reclaimed = 0
         self.sequences_reclaimed = 0
+        self.prefix_queried = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_reused = 0  # of them, found cached
+        self.continuations = 0
+        self.evicted_pages = 0
+        self.dropped_sequences = 0
+        self.pools: dict[str, tuple[int, int, int]] = {}
         self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
         self.call_sizes: list[tuple[str, int]] = []
 
@@ -169,3 +182,15 @@ class BatcherStats(Observer):
     def reclaimed(self, sequences: int, pages: int) -> None:
         self.sequences_reclaimed += sequences
         self.pages_reclaimed += pages
+
+    def prefix(self, queried: int, reused: int, continued: bool) -> None:
+        self.prefix_queried += queried
+        self.prefix_reused += reused
+        self.continuations += int(continued)
+
+    def evicted(self, pages: int, sequences: int) -> None:
+        self.evicted_pages += pages
+        self.dropped_sequences += sequences
+
+    def state(self, pools: dict[str, tuple[int, int, int]], sequences: int) -> None:
+        self.pools = dict(pools)

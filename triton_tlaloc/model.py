@@ -11,6 +11,7 @@ infer work (docs/design.md#answering-from-a-thread).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from .engine import Engine
 from .manifest import load_artifact
 from .metrics import TimingLog
 from .model_metrics import TritonMetrics
-from .outputs import TOP_K_DEFAULT, small_outputs, top_k_parameter
+from .outputs import TOP_K_DEFAULT, cache_salt_parameter, small_outputs, top_k_parameter
 from .policy import BatchPolicy
 from .runtime import Runtime
 
@@ -44,6 +45,8 @@ DEFAULTS = {
     "tokenizer_dir": "",
     "timing_log": "",
     "metrics_interval_microseconds": "250000",
+    "prefix_reuse": "true",
+    "keep_ended_sequences": "64",
 }
 
 
@@ -81,7 +84,9 @@ class TritonPythonModel:
         if self.timing_log is not None:
             observers.append(self.timing_log)
             log.info("timing log: one line per call in %s", params["timing_log"])
-        self.batcher = Batcher(Engine(self.runtime), policy, observers=tuple(observers))
+        engine = Engine(self.runtime, prefix_reuse=parse_bool(params["prefix_reuse"]),
+                        keep_ended=int(params["keep_ended_sequences"]))
+        self.batcher = Batcher(engine, policy, observers=tuple(observers))
         self.max_context = artifact.max_context
         self.metrics.state(self.batcher.pool_state(), 0)
         self.metrics.memory(self.runtime.weight_bytes, self.runtime.kv_pool_bytes,
@@ -101,6 +106,12 @@ class TritonPythonModel:
                  rt.compile_stats.compiled, rt.compile_stats.cache_hits, rt.weight_bytes / 2**20,
                  weights, rt.kv_pool_bytes / 2**20, m.num_blocks, m.block_size, m.kv_dtype,
                  rt.state_pool_bytes / 2**20, slots, platform, params["donate_kv_pools"], policy)
+        blocks = self.batcher.engine.blocks
+        log.info("KV reuse: prefix reuse %s, ended sequences kept for their next turn: up to %d",
+                 "on" if blocks.prefix_reuse else
+                 ("off" if not parse_bool(params["prefix_reuse"]) else
+                  "not possible (rings or state slots: turns are continued whole)"),
+                 blocks.keep_ended)
 
     def execute(self, requests):
         batch = []
@@ -109,7 +120,8 @@ class TritonPythonModel:
             wanted = set(r.requested_output_names())
             reply_fn = _Reply(sender, wanted, self.metrics)
             try:
-                reply_fn.top_k = top_k_parameter(r.parameters(), self.runtime.artifact.model.vocab)
+                parameters = json.loads(r.parameters() or "{}")
+                reply_fn.top_k = top_k_parameter(parameters, self.runtime.artifact.model.vocab)
                 tokens = pb_utils.get_input_tensor_by_name(r, "TOKENS").as_numpy().reshape(-1)
                 start = pb_utils.get_input_tensor_by_name(r, "START")
                 end = pb_utils.get_input_tensor_by_name(r, "END")
@@ -117,7 +129,7 @@ class TritonPythonModel:
                     seq_id=r.correlation_id(), tokens=[],
                     start=bool(start is not None and start.as_numpy().reshape(-1)[0]),
                     end=bool(end is not None and end.as_numpy().reshape(-1)[0]),
-                    reply_fn=reply_fn)
+                    reply_fn=reply_fn, cache_salt=cache_salt_parameter(parameters))
                 # Sizes first: ids past the largest context are not converted, only refused
                 # (by the batcher, so that a START still ends the sequence it replaces).
                 if tokens.size > self.max_context:

@@ -30,10 +30,14 @@ class TritonMetrics(Observer):
             self.families.append(F(name=name, description=description, kind=kind))
             return self.families[-1]
 
-        pages_used = family("tlaloc_kv_pages_used", "KV pages held by sequences", F.GAUGE)
+        pages_used = family("tlaloc_kv_pages_used", "KV pages held by live sequences", F.GAUGE)
+        pages_cached = family("tlaloc_kv_pages_cached", "KV pages no live sequence holds that "
+                              "keep reusable KV (cached blocks, ended sequences)", F.GAUGE)
         pages_free = family("tlaloc_kv_pages_free", "KV pages free", F.GAUGE)
         self.pages_used = {pool: pages_used.Metric(labels={**self.labels, "pool": pool})
                            for pool in ("full", "windowed")}
+        self.pages_cached = {pool: pages_cached.Metric(labels={**self.labels, "pool": pool})
+                             for pool in ("full", "windowed", "state")}
         self.pages_free = {pool: pages_free.Metric(labels={**self.labels, "pool": pool})
                            for pool in ("full", "windowed")}
         # A hybrid model's linear-attention state slots (schema v4), one per live sequence.
@@ -57,6 +61,17 @@ class TritonMetrics(Observer):
         self.reclaimed_sequences = family(
             "tlaloc_sequences_reclaimed_total", "Sequences reclaimed after Triton ended them",
             F.COUNTER).Metric(labels=self.labels)
+        self.prefix_queries = family(
+            "tlaloc_prefix_cache_queries_total", "Prompt tokens of STARTs looked up in the "
+            "prefix cache", F.COUNTER).Metric(labels=self.labels)
+        self.prefix_hits = family(
+            "tlaloc_prefix_cache_hits_total", "Prompt tokens of STARTs whose KV was found cached",
+            F.COUNTER).Metric(labels=self.labels)
+        self.continuations = family(
+            "tlaloc_turn_continuations_total", "STARTs that took over an ended sequence whole",
+            F.COUNTER).Metric(labels=self.labels)
+        self._evictions = family("tlaloc_kv_evictions_total", "Cached KV given up for new "
+                                 "requests, by what (pages, sequences)", F.COUNTER)
         self._phases = family("tlaloc_call_phase_seconds_total", "Seconds spent in each phase "
                               "of the calls (batcher.CallTiming), by kind of call", F.COUNTER)
         self._by_label: dict = {}
@@ -110,8 +125,19 @@ class TritonMetrics(Observer):
         self.writer.increment(self.reclaimed_sequences, sequences)
         self.writer.increment(self.reclaimed_pages, pages)
 
+    def prefix(self, queried, reused, continued):
+        self.writer.increment(self.prefix_queries, queried)
+        self.writer.increment(self.prefix_hits, reused)
+        if continued:
+            self.writer.increment(self.continuations, 1)
+
+    def evicted(self, pages, sequences):
+        self.writer.increment(self._metric(self._evictions, what="pages"), pages)
+        self.writer.increment(self._metric(self._evictions, what="sequences"), sequences)
+
     def state(self, pools, sequences):
-        for pool, (used, free) in pools.items():
+        for pool, (used, cached, free) in pools.items():
             self.writer.set(self.pages_used[pool], used)
+            self.writer.set(self.pages_cached[pool], cached)
             self.writer.set(self.pages_free[pool], free)
         self.writer.set(self.sequences, sequences)

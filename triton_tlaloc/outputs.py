@@ -11,13 +11,32 @@ import numpy as np
 TOP_K_DEFAULT = 8
 
 
-def top_k_parameter(parameters: str | None, vocab: int) -> int:
-    """K of the TOP_K outputs from a request's parameters (JSON): top_k, default 8, an integer
-    in [1, vocab]; ValueError naming the problem otherwise."""
-    k = json.loads(parameters or "{}").get("top_k", TOP_K_DEFAULT)
+def top_k_parameter(parameters: str | dict | None, vocab: int) -> int:
+    """K of the TOP_K outputs from a request's parameters (JSON, or parsed): top_k, default 8,
+    an integer in [1, vocab]; ValueError naming the problem otherwise."""
+    if not isinstance(parameters, dict):
+        parameters = json.loads(parameters or "{}")
+    k = parameters.get("top_k", TOP_K_DEFAULT)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
         raise ValueError(f"parameter top_k {k!r}: expected an integer in [1, {vocab}]")
     return k
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def cache_salt_parameter(parameters: str | dict | None) -> str | None:
+    """A request's cache_salt (a string of at most MAX_CACHE_SALT_CHARS): prompts of different
+    salts never share cached KV. None when absent; ValueError naming the problem otherwise."""
+    if not isinstance(parameters, dict):
+        parameters = json.loads(parameters or "{}")
+    salt = parameters.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"parameter cache_salt: expected a string of 1 to "
+                         f"{MAX_CACHE_SALT_CHARS} characters")
+    return salt
 
 
 def small_outputs(logits: np.ndarray, wanted: set, k: int) -> dict[str, np.ndarray]:

@@ -1,100 +1,333 @@
-"""Page pools: which KV pages and which linear-attention state slots each sequence holds. Pure
-Python, no JAX, no Triton.
+"""KV pages: which pages and state slots each sequence holds, which pages hold a known prefix,
+and which ended sequences can be continued. Pure Python, no JAX, no Triton
+(docs/design.md#kv-reuse).
+
+Three pools, by name:
+
+- FULL: full-history pages. Each has a reference count; a page whose block is full and computed
+  carries a hash chained from its parent block's (`block_hash`), rooted in the model's hash and
+  the request's cache salt (`root_hash`), so equal hashes mean equal tokens at equal positions
+  under the same model: the same KV. A page whose count falls to 0 keeps its hash and stays
+  cached until a request needs a page and no uncached one is free; then it is evicted, least
+  recently released first and, among pages released together, the deepest block first (a
+  sequence's pages are released last block first), so shared roots outlive their branches.
+- WINDOWED: ring pages of sliding-window layers (schema v3); STATE: linear-attention state slots
+  (schema v4). Neither can be shared: a ring holds only the window's last positions and a state
+  all of them folded together. They are plain free lists.
 
 Page 0 of a KV pool is never handed out: padding rows' block tables point at it, so a padding
 row reads a page no sequence owns and (its slots being -1) writes nothing. A state-slot pool
 hands out every slot: a padding row's state slot is -1, which the entry neither reads nor
 writes.
+
+`BlockManager` does all the accounting per sequence: what a sequence needs to grow, taking it
+(all or nothing), rolling a failed call back, freeing, reusing cached blocks on a prompt, and
+keeping ended sequences whole so that the next turn of a conversation continues them.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .page_pools import (FULL, POOLS, STATE, WINDOWED, PagePool, PagesExhausted,
+                         SharedPagePool, block_hash, pages_for, root_hash)
+
+__all__ = ["FULL", "POOLS", "STATE", "WINDOWED", "BlockManager", "PagePool", "PagesExhausted",
+           "PoolShape", "Reuse", "SharedPagePool", "block_hash", "pages_for", "root_hash"]
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
 
-class PagesExhausted(RuntimeError):
-    """Not enough free pages or slots; the message says how many were asked for and are free
-    in each pool short of them, `pools` names those pools."""
+@dataclass(frozen=True)
+class PoolShape:
+    """What a model's pools hold (engine.py reads it off the artifact)."""
 
-    def __init__(self, message: str, pools: tuple[str, ...] = ()):
-        super().__init__(message)
-        self.pools = pools
+    num_blocks: int
+    block_size: int
+    holds_full_pages: bool = True  # False: every layer is windowed (mistral)
+    ring_blocks: int = 0  # pages of the windowed pool (0: none)
+    ring_pages: int = 0  # pages in one sequence's ring
+    state_slots: int = 0  # linear-attention state slots (0: none)
+    model_hash: str = ""
 
 
-def pages_for(length: int, block_size: int) -> int:
-    """Pages needed to hold `length` positions."""
-    return -(-length // block_size)
+@dataclass
+class Reuse:
+    """What a prompt found cached at its START: tokens whose KV it did not compute, and whether
+    they came from an ended sequence taken over whole (a continued turn)."""
 
-
-class PagePool:
-    """Free pages of one pool; pages are ints in `reserved` .. num_blocks - 1 (a KV pool keeps
-    page 0 back; a state-slot pool, unit "slots", gives every slot)."""
-
-    def __init__(self, num_blocks: int, name: str = "full", reserved: int = 1,
-                 unit: str = "pages"):
-        assert num_blocks > reserved, f"{name} pool: {num_blocks} {unit}, none to give"
-        self.name = name
-        self.unit = unit
-        self.num_blocks = num_blocks
-        self.capacity = num_blocks - reserved
-        self._free: deque[int] = deque(range(reserved, num_blocks))
-        self._used: set[int] = set()
-
-    def shortage(self, n: int) -> str | None:
-        """Why `n` more cannot be given, or None when they can."""
-        if n <= len(self._free):
-            return None
-        return f"{self.name} pool: {n} {self.unit} needed, {len(self._free)} free of {self.capacity}"
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
+    queried: int = 0
+    reused: int = 0
+    taken: Sequence | None = field(default=None, repr=False)  # the ended sequence continued
+    order: list = field(default_factory=list, repr=False)  # the kept sequences' order before
 
     @property
-    def used(self) -> int:
-        return len(self._used)
-
-    def allocate(self, n: int) -> list[int]:
-        if (short := self.shortage(n)) is not None:
-            raise PagesExhausted(short, (self.name,))
-        pages = [self._free.popleft() for _ in range(n)]
-        self._used.update(pages)
-        return pages
-
-    def release(self, pages: list[int]) -> None:
-        for p in pages:
-            assert p in self._used, f"{self.name} pool: page {p} released but not held"
-            self._used.remove(p)
-            self._free.append(p)
+    def continued(self) -> bool:
+        return self.taken is not None
 
 
-def choose_reclaim(candidates: list[tuple[object, object, float]], need, now: float,
-                   idle_limit: float) -> list[object]:
-    """Which sequences to reclaim so that `need` more pages are free.
+class BlockManager:
+    """All page accounting of one model's pools, per sequence (nano-vllm's BlockManager, with
+    rings, state slots and ended sequences kept whole).
 
-    candidates: (sequence id, pages held, last activity time); need: pages wanted. Pages are an
-    int, or a dict by pool ({"full": 3, "windowed": 1, "state": 1}) when a model has a windowed
-    pool or state slots. Only
-    sequences idle longer than `idle_limit` qualify: Triton has ended them (it sends no END for
-    a sequence it times out), so no client can continue them. Least recently active first, and
-    only as many as `need`. When the qualifying sequences cannot free `need` pages, nothing is
-    reclaimed: the request is refused and no sequence loses its KV for nothing.
+    prefix_reuse: a prompt attaches the cached full blocks its block-aligned prefix matches and
+    computes only the rest; a sequence's full blocks are registered as they are computed, and
+    freed pages stay cached. Only for models whose history is all in full pages (no rings, no
+    state slots: those cannot be rebuilt from shared blocks).
+    keep_ended: how many ended sequences are kept whole (pages, ring, state slot) for the next
+    turn of their conversation; least recently ended dropped first, and all of them before a
+    request is refused for want of pages.
     """
-    def as_dict(pages):
-        return pages if isinstance(pages, dict) else {"full": pages}
 
-    need = {k: v for k, v in as_dict(need).items() if v > 0}
-    idle = sorted((c for c in candidates if now - c[2] > idle_limit
-                   and any(as_dict(c[1]).values())), key=lambda c: c[2])
-    chosen, freed = [], dict.fromkeys(need, 0)
+    def __init__(self, shape: PoolShape, prefix_reuse: bool = True, keep_ended: int = 64):
+        self.shape = shape
+        self.block_size = shape.block_size
+        self.full = SharedPagePool(shape.num_blocks, FULL)
+        self.rings = PagePool(shape.ring_blocks, WINDOWED) if shape.ring_blocks else None
+        self.ring_pages = shape.ring_pages
+        self.state_slots = (PagePool(shape.state_slots, STATE, reserved=0, unit="slots")
+                            if shape.state_slots else None)
+        self.holds_full_pages = shape.holds_full_pages
+        self.prefix_reuse = (prefix_reuse and shape.holds_full_pages and self.rings is None
+                             and self.state_slots is None)
+        self.keep_ended = keep_ended if prefix_reuse else 0
+        self.ended: OrderedDict[int, Sequence] = OrderedDict()  # by id(seq), least recent first
+        self._ended_refs: Counter = Counter()  # full page -> holds by ended sequences
+        self.dropped = 0  # ended sequences dropped (for pages, or past keep_ended)
+        self.continued = 0  # ended sequences taken over by a new prompt
 
-    def covered():
-        return all(freed[k] >= v for k, v in need.items())
+    def pools(self) -> dict[str, PagePool | SharedPagePool]:
+        return {FULL: self.full, **({WINDOWED: self.rings} if self.rings else {}),
+                **({STATE: self.state_slots} if self.state_slots else {})}
 
-    for seq_id, pages, _ in idle:
-        if covered():
-            break
-        chosen.append(seq_id)
-        for k in freed:
-            freed[k] += as_dict(pages).get(k, 0)
-    return chosen if covered() else []
+    # ------------------------------------------------------------ growing
+
+    def need(self, seq: Sequence, length: int) -> dict[str, int]:
+        """Pages per pool `seq` must add to hold `length` positions: full-history pages for
+        every block, ring pages up to the ring's size, a state slot once."""
+        blocks = pages_for(length, self.block_size)
+        need = {FULL: max(0, blocks - len(seq.pages)) if self.holds_full_pages else 0}
+        if self.rings is not None:
+            need[WINDOWED] = max(0, min(blocks, self.ring_pages) - len(seq.ring))
+        if self.state_slots is not None:
+            need[STATE] = 0 if seq.state_slot is not None else 1
+        return need
+
+    def reserve(self, seq: Sequence, length: int) -> None:
+        """Take the pages `seq` needs to hold `length` positions, all or none: cached blocks
+        are evicted, then ended sequences dropped (least recently ended first), before
+        PagesExhausted names each pool still short."""
+        need = self.need(seq, length)
+        pools = self.pools()
+        short = {name: pools[name].shortage(n) for name, n in need.items()}
+        short = {name: why for name, why in short.items() if why is not None}
+        if short and not self._ended_could_cover(need):
+            # Kept sequences are not dropped for a request they cannot make room for.
+            raise PagesExhausted("; ".join(short.values()), tuple(short))
+        while any(pools[name].shortage(n) for name, n in need.items()):
+            self._drop_ended()
+        seq.pages += self.full.allocate(need[FULL])
+        if self.rings is not None:
+            seq.ring += self.rings.allocate(need[WINDOWED])
+        if need.get(STATE):
+            seq.state_slot = self.state_slots.allocate(1)[0]
+
+    def _ended_could_cover(self, need: dict[str, int]) -> bool:
+        """Whether dropping every kept sequence would free what `need` lacks."""
+        usage = self.usage()
+        pools = self.pools()
+        return all(n <= pools[name].free + usage[name][1] - (self.full.cached if name == FULL
+                                                              else 0)
+                   for name, n in need.items())
+
+    def register(self, seq: Sequence) -> None:
+        """Hash the blocks `seq` has filled since the last call, so other prompts can share
+        them (the KV of a block is final once its last position is computed)."""
+        if not self.prefix_reuse:
+            return
+        bs = self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.root
+        for b in range(len(seq.block_hashes), seq.num_cached // bs):
+            parent = block_hash(parent, seq.token_ids[b * bs:(b + 1) * bs])
+            seq.block_hashes.append(parent)
+            self.full.register(seq.pages[b], parent)
+
+    def check_writes(self, seq: Sequence) -> None:
+        """A call writes from position num_cached on: never into a block others may share."""
+        assert seq.num_cached // self.block_size >= len(seq.block_hashes), \
+            f"sequence {seq.seq_id} would write into a registered block"
+
+    # ------------------------------------------------------------ a prompt's START
+
+    def start(self, seq: Sequence, prompt: list[int], root: bytes) -> Reuse:
+        """Before a new sequence reserves pages for `prompt`: take over an ended sequence whose
+        history the prompt continues, or attach the cached blocks its prefix matches. At least
+        the prompt's last token is left to compute (its logits are the answer). Undone by
+        `unstart` when the reservation fails."""
+        assert not seq.token_ids and not seq.pages and seq.state_slot is None
+        seq.root = root
+        if self.keep_ended == 0 and not self.prefix_reuse:
+            return Reuse()
+        prefix = self._prefix_pages(prompt, root) if self.prefix_reuse else []
+        ended = self._continuable(prompt, root)
+        if ended is not None and ended.num_cached >= len(prefix) * self.block_size:
+            order = list(self.ended)
+            self._unkeep(ended)
+            seq.pages, seq.ring, seq.state_slot = list(ended.pages), list(ended.ring), \
+                ended.state_slot
+            seq.block_hashes, seq.num_cached = list(ended.block_hashes), ended.num_cached
+            self.continued += 1
+            seq.reused = seq.num_cached
+            return Reuse(len(prompt), seq.num_cached, taken=ended, order=order)
+        self.full.share(prefix)
+        seq.pages = list(prefix)
+        seq.num_cached = len(prefix) * self.block_size
+        seq.block_hashes = [self.full.block_of(p) for p in prefix]
+        seq.reused = seq.num_cached
+        return Reuse(len(prompt) if self.prefix_reuse else 0, seq.num_cached)
+
+    def unstart(self, seq: Sequence, reuse: Reuse) -> None:
+        """Undo `start` (the prompt was refused): an ended sequence taken over is kept again,
+        shared blocks are released."""
+        if reuse.taken is not None:  # the reservation took nothing: it holds what it held
+            self.continued -= 1
+            self._keep(reuse.taken)
+            for key in reuse.order:  # back in its place among the kept
+                if key in self.ended:
+                    self.ended.move_to_end(key)
+        else:
+            self.full.release(seq.pages)
+        seq.pages, seq.ring, seq.state_slot = [], [], None
+        seq.block_hashes, seq.num_cached, seq.reused = [], 0, 0
+
+    def _prefix_pages(self, prompt: list[int], root: bytes) -> list[int]:
+        bs = self.block_size
+
+        def hashes():
+            parent = root
+            for b in range((len(prompt) - 1) // bs):  # the last token is always computed
+                parent = block_hash(parent, prompt[b * bs:(b + 1) * bs])
+                yield parent
+        return self.full.lookup(hashes())
+
+    def _continuable(self, prompt: list[int], root: bytes) -> Sequence | None:
+        """The ended sequence of this root with the longest history that `prompt` begins with
+        and goes past (a state or a ring cannot be rewound, so nothing shorter qualifies)."""
+        best = None
+        for s in self.ended.values():
+            n = s.num_cached
+            if (s.root == root and n < len(prompt) and (best is None or n > best.num_cached)
+                    and s.token_ids[:n] == prompt[:n]):
+                best = s
+        return best
+
+    # ------------------------------------------------------------ ending
+
+    def rollback(self, seq: Sequence, num_tokens: int, num_pages: int, num_ring: int = 0,
+                 had_state_slot: bool = True) -> bool:
+        """Undo an admit whose call failed: the sequence as it was before it. False when that
+        cannot be: a linear-attention state already holds some of the failed request's tokens
+        (a chunked prompt failing after its first chunks), and a state cannot be rewound."""
+        if self.state_slots is not None and seq.num_cached > num_tokens:
+            return False
+        if not had_state_slot and seq.state_slot is not None:
+            self.state_slots.release([seq.state_slot])
+            seq.state_slot = None
+        del seq.token_ids[num_tokens:]
+        seq.num_cached = min(seq.num_cached, num_tokens)
+        # Blocks registered by the failed request's first chunks: those the sequence keeps
+        # will be written over by its next request, so they are forgotten first.
+        full_blocks = seq.num_cached // self.block_size
+        for page in seq.pages[full_blocks:num_pages]:
+            self.full.unregister(page)
+        del seq.block_hashes[full_blocks:]
+        extra = seq.pages[num_pages:]
+        del seq.pages[num_pages:]
+        self.full.release(extra)
+        if self.rings is not None:
+            extra = seq.ring[num_ring:]
+            del seq.ring[num_ring:]
+            self.rings.release(extra)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release everything `seq` holds (its registered blocks stay cached)."""
+        self.full.release(seq.pages)
+        seq.pages = []
+        if self.rings is not None:
+            self.rings.release(seq.ring)
+            seq.ring = []
+        if seq.state_slot is not None:
+            # Not cleared: the next sequence given this slot starts at position 0, and a row
+            # starting at position 0 starts from zero state.
+            self.state_slots.release([seq.state_slot])
+            seq.state_slot = None
+        seq.num_cached = 0
+        seq.block_hashes = []
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence ended by its client (END): kept whole for its conversation's next turn
+        when there is something to continue, else freed."""
+        if self.keep_ended == 0 or seq.num_cached == 0:
+            self.free(seq)
+            return
+        self._keep(seq)
+        while len(self.ended) > self.keep_ended:
+            self._drop_ended()
+
+    def _keep(self, seq: Sequence) -> None:
+        self.ended[id(seq)] = seq
+        self._ended_refs.update(seq.pages)
+
+    def _unkeep(self, seq: Sequence) -> None:
+        del self.ended[id(seq)]
+        self._ended_refs.subtract(seq.pages)
+        for p in seq.pages:
+            if self._ended_refs[p] == 0:
+                del self._ended_refs[p]
+
+    def _drop_ended(self) -> None:
+        seq = next(iter(self.ended.values()))
+        self._unkeep(seq)
+        self.dropped += 1
+        self.free(seq)
+
+    # ------------------------------------------------------------ accounting
+
+    def usage(self) -> dict[str, tuple[int, int, int]]:
+        """Per pool: (held by live sequences, cached, free). Cached: blocks no sequence holds,
+        and whatever only ended sequences hold; the three add up to the pool's capacity."""
+        ended_only = sum(1 for p, n in self._ended_refs.items() if self.full.refs[p] == n)
+        cached = self.full.cached + ended_only
+        free = self.full.free - self.full.cached
+        out = {FULL: (self.full.capacity - cached - free, cached, free)}
+        for name, pool in ((WINDOWED, self.rings), (STATE, self.state_slots)):
+            if pool is not None:
+                kept = sum(len(s.ring) if name == WINDOWED else int(s.state_slot is not None)
+                           for s in self.ended.values())
+                out[name] = (pool.used - kept, kept, pool.free)
+        return out
+
+    def check(self, live: list[Sequence]) -> None:
+        """Every invariant, against the live sequences: each page's count is the number of
+        sequences (live or ended) holding it, no page or slot is held twice or lost."""
+        holders = [*live, *self.ended.values()]
+        counts = Counter(p for s in holders for p in s.pages)
+        for p in range(self.full.num_blocks):
+            assert self.full.refs[p] == counts.get(p, 0), \
+                f"page {p}: count {self.full.refs[p]}, held by {counts.get(p, 0)} sequences"
+        self.full.check()
+        for s in holders:
+            assert len(set(s.pages)) == len(s.pages), f"sequence {s.seq_id} holds a page twice"
+            assert len(s.block_hashes) <= s.num_cached // self.block_size
+            for p, h in zip(s.pages, s.block_hashes):
+                assert self.full.block_of(p) in (None, h), f"page {p} holds another block"
+        for name, pool, held in ((WINDOWED, self.rings, [p for s in holders for p in s.ring]),
+                                 (STATE, self.state_slots, [s.state_slot for s in holders
+                                                            if s.state_slot is not None])):
+            if pool is not None:
+                assert len(held) == len(set(held)) == pool.used, f"{name} pool: held twice"
+                pool.check()

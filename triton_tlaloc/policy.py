@@ -96,3 +96,35 @@ def select(pending: list[Queued], *, now: float, policy: BatchPolicy, cohort: Co
         else:
             wake_at = due if wake_at is None else min(wake_at, due)
     return take, wake_at
+
+
+def choose_reclaim(candidates: list[tuple[object, object, float]], need, now: float,
+                   idle_limit: float) -> list[object]:
+    """Which sequences to reclaim so that `need` more pages are free.
+
+    candidates: (sequence id, pages held, last activity time); need: pages wanted. Pages are an
+    int, or a dict by pool ({"full": 3, "windowed": 1, "state": 1}) when a model has a windowed
+    pool or state slots. Only
+    sequences idle longer than `idle_limit` qualify: Triton has ended them (it sends no END for
+    a sequence it times out), so no client can continue them. Least recently active first, and
+    only as many as `need`. When the qualifying sequences cannot free `need` pages, nothing is
+    reclaimed: the request is refused and no sequence loses its KV for nothing.
+    """
+    def as_dict(pages):
+        return pages if isinstance(pages, dict) else {"full": pages}
+
+    need = {k: v for k, v in as_dict(need).items() if v > 0}
+    idle = sorted((c for c in candidates if now - c[2] > idle_limit
+                   and any(as_dict(c[1]).values())), key=lambda c: c[2])
+    chosen, freed = [], dict.fromkeys(need, 0)
+
+    def covered():
+        return all(freed[k] >= v for k, v in need.items())
+
+    for seq_id, pages, _ in idle:
+        if covered():
+            break
+        chosen.append(seq_id)
+        for k in freed:
+            freed[k] += as_dict(pages).get(k, 0)
+    return chosen if covered() else []

@@ -37,6 +37,7 @@ class RepositoryOptions:
     extra_parameters: dict = field(default_factory=dict)
     generate_model: bool = True  # also write NAME_generate
     sequence_slots: int = 0  # max_candidate_sequences (0: sequence_slots()'s default)
+    prefix_reuse: bool = True  # cached prompt blocks and ended sequences reused (KV reuse)
 
 
 # Triton's sequence slots (max_candidate_sequences) by default: far more than the pool can hold.
@@ -94,6 +95,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         "prefill_wait_microseconds": opts.prefill_wait_microseconds,
         "backend_batching": "true" if opts.backend_batching else "false",
         "reclaim_allowance_microseconds": opts.reclaim_allowance_microseconds,
+        "prefix_reuse": "true" if opts.prefix_reuse else "false",
         # Where `tlaloc generate` finds the tokenizer when it runs on the serving machine.
         "tokenizer_dir": str(src / "tokenizer") if artifact.tokenizer_dir else "",
         **({"compile_cache_dir": opts.compile_cache_dir} if opts.compile_cache_dir else {}),

@@ -98,10 +98,12 @@ class Harness:
     """A batcher over a FakeRuntime and a Clock, driven round by round on the test's thread; each
     sequence's replies are kept in order."""
 
-    def __init__(self, artifact, **policy):
+    def __init__(self, artifact, prefix_reuse=True, **policy):
         self.clock = Clock()
         self.rt = FakeRuntime(artifact)
-        self.batcher = Batcher(Engine(self.rt), BatchPolicy(**policy), clock=self.clock)
+        # KV reuse on, as the server runs it by default
+        self.batcher = Batcher(Engine(self.rt, prefix_reuse=prefix_reuse), BatchPolicy(**policy),
+                               clock=self.clock)
         self.replies: dict = {}
 
     def send(self, seq_id, tokens, start=False, end=False, refusal=None):

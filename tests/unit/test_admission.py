@@ -39,15 +39,15 @@ def test_a_refused_admission_changes_nothing(tokens, message):
 def test_a_full_pool_refuses_without_taking_a_page_then_admits_after_a_release():
     engine = Engine(FakeRuntime(fake_artifact()))  # 32 usable pages of 8 tokens
     holders = [Sequence([]) for _ in range(2)]
-    for s in holders:
-        engine.admit(s, list(range(1, 121)))  # 15 pages each
+    for i, s in enumerate(holders):
+        engine.admit(s, list(range(1 + i, 121 + i)))  # 15 pages each (prompts share nothing)
     seq = Sequence([])
     with pytest.raises(PagesExhausted, match="3 pages needed, 2 free of 32"):
         engine.admit(seq, list(range(1, 21)))
-    assert engine.pages.free == 2 and seq.pages == [] and seq.token_ids == []
+    assert engine.blocks.full.free == 2 and seq.pages == [] and seq.token_ids == []
     engine.free(holders[0])
     engine.admit(seq, list(range(1, 21)))
-    assert len(seq.pages) == 3 and engine.pages.free == 14
+    assert len(seq.pages) == 3 and engine.blocks.full.free == 14
 
 
 def test_a_failed_call_answers_once_with_internal_and_rolls_the_sequence_back():
@@ -86,10 +86,10 @@ def test_a_refusal_for_want_of_pages_or_slots_names_no_other_sequence(slots, cap
     many sequences hold pages (or slots), and only the server log says which."""
     h = Harness(fake_artifact(state_slots=slots))
     holders = (9_111_222_333, 9_444_555_666)
-    for sid in holders[:1 if slots else 2]:
-        assert h.step(sid, list(range(1, 121)), start=True).error is None
+    for i, sid in enumerate(holders[:1 if slots else 2]):
+        assert h.step(sid, list(range(1 + i, 121 + i)), start=True).error is None
     with caplog.at_level("INFO", logger="triton_tlaloc.batcher"):
-        reply = h.step(7, list(range(1, 121)) if not slots else [1, 2], start=True)
+        reply = h.step(7, list(range(5, 125)) if not slots else [1, 2], start=True)
     assert reply.code == UNAVAILABLE
     assert ("1 sequences hold slots" if slots else "2 sequences hold pages") in reply.error
     for sid in holders:
@@ -110,7 +110,7 @@ def test_a_request_refused_before_admission_still_follows_the_start_and_activity
     assert h.step("a", [4]).logits is not None, "a step refused so leaves the sequence as it was"
     reply = h.step("a", [], start=True, refusal=("context", "sequence a: TOKENS holds 10^6"))
     assert reply.code == INVALID_ARG and "a" not in h.batcher.sequences
-    assert h.batcher.engine.pages.free == h.batcher.engine.pages.capacity, "its pages freed"
+    assert h.batcher.pool_state()["full"][0] == 0, "no live sequence holds its pages"
     assert h.step("a", [5]).code == INVALID_ARG, "the old KV cannot be continued"
 
 
@@ -150,3 +150,18 @@ def test_the_thread_answers_every_request_and_stop_answers_the_rest():
     late = []
     batcher.submit(Request("late", [1], True, False, late.append))
     assert late[0].code == UNAVAILABLE and "unloading" in late[0].error
+
+
+def test_a_step_refused_for_pages_leaves_the_held_sequence_whole():
+    """A held sequence's step refused for want of pages keeps everything it held (a refusal
+    changes nothing), and a START refused so gives back the cached blocks it attached."""
+    h = Harness(fake_artifact())  # 32 usable pages of 8 tokens
+    for i, sid in enumerate("pqrs"):
+        assert h.step(sid, list(range(10 + i, 74 + i)), start=True).error is None  # 8 pages
+    before = snapshot(h.batcher.engine, h.batcher.sequences["p"])
+    assert h.step("p", [5]).code == UNAVAILABLE
+    assert snapshot(h.batcher.engine, h.batcher.sequences["p"]) == before
+    # a START whose prefix is cached (q's first 7 blocks) but whose last block finds no page
+    assert h.step("t", list(range(11, 75)) + [1], start=True).code == UNAVAILABLE
+    assert h.batcher.engine.blocks.full.refs[h.batcher.sequences["q"].pages[0]] == 1
+    h.batcher.engine.blocks.check(list(h.batcher.sequences.values()))

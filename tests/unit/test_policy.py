@@ -7,7 +7,7 @@ import pytest
 from fakes import Harness, fake_artifact
 
 from triton_tlaloc.batcher import INVALID_ARG, UNAVAILABLE, Request
-from triton_tlaloc.pages import choose_reclaim
+from triton_tlaloc.policy import choose_reclaim
 from triton_tlaloc.policy import BatchPolicy, Cohort, select
 
 MS = 1e-3
@@ -94,9 +94,10 @@ def test_triton_batching_control_runs_each_execute_call_as_it_came(artifact):
 
 
 def fill(h, names, tokens=60):
-    """Sequences of `tokens` tokens each (8 pages at 8 tokens a page, room for 4 more)."""
-    for s in names:
-        h.send(s, list(range(10, 10 + tokens)), start=True)
+    """Sequences of `tokens` tokens each (8 pages at 8 tokens a page, room for 4 more), no two
+    sharing a block."""
+    for i, s in enumerate(names):
+        h.send(s, list(range(10 + i, 10 + i + tokens)), start=True)
         h.clock.advance(2 * MS)
         h.run()
         assert h.last(s).error is None
@@ -105,13 +106,13 @@ def fill(h, names, tokens=60):
 def test_reclaims_only_ended_sequences_least_recently_active_first_as_many_as_needed(artifact):
     h = Harness(artifact, idle_timeout_s=1.0, reclaim_allowance_s=0.5)  # rule: idle > 2.5 s
     fill(h, ["p", "q", "r", "s"])
-    assert h.batcher.engine.pages.free == 0
+    assert h.batcher.engine.blocks.full.free == 0
     h.clock.advance(1.0)
     h.send("s", [5])  # s stays active
     h.clock.advance(2 * MS)
     h.run()
     # nobody is past the rule yet: refused by name, nothing reclaimed
-    h.send("new", list(range(10, 26)), start=True)  # 2 pages
+    h.send("new", list(range(100, 116)), start=True)  # 2 pages
     h.clock.advance(2 * MS)
     h.run()
     assert h.last("new").code == UNAVAILABLE
@@ -123,7 +124,7 @@ def test_reclaims_only_ended_sequences_least_recently_active_first_as_many_as_ne
     h.run()
     assert h.last("q").code == INVALID_ARG
     h.clock.advance(0.6)  # p and r idle 3.6 s, s 2.6 s, q 0.6 s
-    h.send("new", list(range(10, 26)), start=True)
+    h.send("new", list(range(100, 116)), start=True)
     h.clock.advance(2 * MS)
     h.run()
     assert h.last("new").error is None
@@ -142,7 +143,7 @@ def test_control_without_the_rule_a_live_sequence_is_reclaimed(artifact):
     h = Harness(artifact, idle_timeout_s=0.0, reclaim_allowance_s=0.0)
     fill(h, ["p", "q", "r", "s"])
     h.clock.advance(0.1)
-    h.send("new", list(range(10, 26)), start=True)
+    h.send("new", list(range(100, 116)), start=True)
     h.clock.advance(2 * MS)
     h.run()
     assert h.last("new").error is None and "p" not in h.batcher.sequences

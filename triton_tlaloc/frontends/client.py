@@ -98,7 +98,8 @@ class TlalocClient:
                 if k in ("success", "queue", "compute_input", "compute_infer", "compute_output")}
 
     def request(self, seq_id, tokens, *, start: bool = False, end: bool = False,
-                outputs=("LOGITS",), top_k: int | None = None) -> dict[str, np.ndarray]:
+                outputs=("LOGITS",), top_k: int | None = None,
+                cache_salt: str | None = None) -> dict[str, np.ndarray]:
         """One request asking for `outputs` (LOGITS, KV_PAGES, ARGMAX, TOP_K_IDS,
         TOP_K_LOGPROBS); returns those the response holds, each flattened. top_k: the request
         parameter K of the TOP_K outputs (the server's default is 8)."""
@@ -107,8 +108,10 @@ class TlalocClient:
         inp = mod.InferInput("TOKENS", list(arr.shape), "INT32")
         inp.set_data_from_numpy(arr)
         kw = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
-        if top_k is not None:
-            kw["parameters"] = {"top_k": int(top_k)}
+        parameters = {**({"top_k": int(top_k)} if top_k is not None else {}),
+                      **({"cache_salt": cache_salt} if cache_salt is not None else {})}
+        if parameters:
+            kw["parameters"] = parameters
         try:
             res = self._client.infer(self.model, [inp],
                                      outputs=[mod.InferRequestedOutput(n) for n in outputs],
@@ -129,9 +132,11 @@ class TlalocClient:
 
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int,
                         stop_ids: tuple[int, ...] = (), seq_id=None,
-                        argmax_output: bool = False) -> Generation:
+                        argmax_output: bool = False,
+                        cache_salt: str | None = None) -> Generation:
         """Greedy ids chosen on the client from each step's LOGITS, or with argmax_output from
-        the server's ARGMAX (4 bytes a step instead of the vocabulary's logits)."""
+        the server's ARGMAX (4 bytes a step instead of the vocabulary's logits). cache_salt: the
+        START's (prompts of different salts share no cached KV)."""
         seq_id = seq_id if seq_id is not None else new_sequence_id()
         outputs = ("ARGMAX",) if argmax_output else ("LOGITS",)
 
@@ -141,7 +146,8 @@ class TlalocClient:
         ended = False
         try:
             t0 = time.perf_counter()
-            out = self.request(seq_id, prompt_ids, start=True, outputs=outputs)
+            out = self.request(seq_id, prompt_ids, start=True, outputs=outputs,
+                               cache_salt=cache_salt)
             prefill_ms = (time.perf_counter() - t0) * 1e3
             ids, step_ms, reason = [], [], "length"
             while True:

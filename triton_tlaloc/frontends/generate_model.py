@@ -197,14 +197,16 @@ class TritonPythonModel:
             raise _GenerateError(f"{what}: {n} tokens, more than the largest context "
                                  f"({self.max_context})", INVALID_ARG)
 
-    def _step(self, seq_id, tokens, *, start=False, end=False, outputs=("ARGMAX",)):
+    def _step(self, seq_id, tokens, *, start=False, end=False, outputs=("ARGMAX",),
+              cache_salt=None):
         """One request to the sequence model (BLS); returns its outputs by name."""
         flags = ((pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0)
                  | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if end else 0))
+        kw = {"parameters": {"cache_salt": cache_salt}} if cache_salt is not None else {}
         req = pb_utils.InferenceRequest(
             model_name=self.sequence_model,
             inputs=[pb_utils.Tensor("TOKENS", np.asarray(tokens, np.int32).reshape(1, -1))],
-            requested_output_names=list(outputs), correlation_id=seq_id, flags=flags)
+            requested_output_names=list(outputs), correlation_id=seq_id, flags=flags, **kw)
         resp = req.exec()
         if resp.has_error():  # its code is in the message: BLS drops the error's own
             code, message = split_coded_message(resp.error().message())
@@ -223,7 +225,8 @@ class TritonPythonModel:
         try:
             # Inside the try: a refused START is ENDed too, or its Triton sequence slot would
             # stay taken until the idle timeout.
-            out = self._step(seq_id, prompt, start=True, outputs=outputs)
+            out = self._step(seq_id, prompt, start=True, outputs=outputs,
+                             cache_salt=params.cache_salt)
             last = None
             while True:
                 token = int(out["ARGMAX"][0]) if params.greedy else sampler.choose(out["LOGITS"])

@@ -114,6 +114,9 @@ def _sampling(body: dict) -> dict:
         raise APIError(400, f"stop: a string or a list of strings, not {shown(stop)}")
     if stop:
         out["stop"] = stop
+    # vLLM's extension: prompts of different salts never share cached KV.
+    if (salt := typed(body, "cache_salt", (str,), "a string")) is not None:
+        out["cache_salt"] = salt
     return out
 
 

@@ -21,6 +21,7 @@ import numpy as np
 MAX_STOP_STRINGS = 16  # per request
 MAX_STOP_CHARS = 1024  # per stop string
 MAX_STOP_TOKEN_IDS = 1024  # per request
+MAX_CACHE_SALT_CHARS = 256  # the sequence model refuses longer (outputs.MAX_CACHE_SALT_CHARS)
 MIN_TEMPERATURE = 1e-5  # a smaller positive one divides logits into inf and NaN
 INT64_MAX = 2**63 - 1
 
@@ -75,9 +76,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The tenant of the prompt's cached KV: prompts of different salts share none (a cache hit
+    # is a timing signal that someone sent the same prefix).
+    cache_salt: str | None = None
 
     KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
-            "ignore_eos")
+            "ignore_eos", "cache_salt")
 
     @staticmethod
     def from_dict(d: dict) -> "SamplingParams":
@@ -136,9 +140,16 @@ class SamplingParams:
         if not isinstance(ignore_eos, bool):
             raise _refused("ignore_eos", ignore_eos, "expected true or false")
 
+        cache_salt = given.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str)
+                                       or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise SamplingError(f"sampling parameter cache_salt: expected a string of 1 to "
+                                f"{MAX_CACHE_SALT_CHARS} characters")
+
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=seed, stop=tuple(stop),
-                              stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+                              stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                              cache_salt=cache_salt)
 
     @property
     def greedy(self) -> bool:

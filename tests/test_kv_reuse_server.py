@@ -1,0 +1,73 @@
+"""KV reuse through a real tritonserver, over HTTP and gRPC: the sequence model, the generate
+model and `tlaloc openai` give the same ids with prefix reuse as the same artifact served with
+`--no-prefix-reuse`; cache salts share nothing; a small pool under 12 cycling users loses no
+page and changes no id. The checks are tests/reuse_checks.py's, which scripts/verify.py
+tabulates too."""
+
+from __future__ import annotations
+
+import pytest
+
+import reuse_checks as R
+from sequence_checks import assert_check, url_of
+
+from triton_tlaloc.repository import RepositoryOptions, write_repository
+from triton_tlaloc.server import TritonServer
+
+PROTOCOLS = ["http", "grpc"]
+
+
+@pytest.fixture(scope="module")
+def served(tiny, smollm2, work):
+    """llama and smollm2, each with reuse and cold (--no-prefix-reuse); and llama with a pool
+    for 4 sequences at its largest context (128 / 8 * 4 pages)."""
+    repo = work / "repo-reuse"
+    llama = tiny.artifact("llama", False)
+    small = tiny.artifact("llama", False, num_blocks=4 * 128 // 8 + 1)
+    _, smol = smollm2
+    for name, art in (("llama", llama), ("smollm2", smol)):
+        write_repository(art, repo, name, RepositoryOptions())
+        write_repository(art, repo, f"{name}_cold", RepositoryOptions(prefix_reuse=False))
+    write_repository(small, repo, "pressure", RepositoryOptions(generate_model=False))
+    server = TritonServer(repo, exit_timeout_s=3).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_prompts_sharing_a_prefix_reuse_it_with_the_same_ids(served, protocol):
+    assert_check(R.check_shared_prefix(url_of(served, protocol), protocol, served.metrics_url,
+                                       "llama", "llama_cold", seed=PROTOCOLS.index(protocol)))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_different_cache_salts_share_no_block(served, protocol):
+    assert_check(R.check_cache_salts(url_of(served, protocol), protocol, served.metrics_url,
+                                     "llama", seed=10 + PROTOCOLS.index(protocol)))
+
+
+def test_a_chat_through_the_generate_model_continues_each_turn(served):
+    assert_check(R.check_generate_chat(url_of(served, "grpc"), served.metrics_url, "llama",
+                                       "llama_cold", seed=3))
+    # a salt of its own: its turns continue each other, under their own root
+    assert_check(R.check_generate_chat(url_of(served, "grpc"), served.metrics_url, "llama",
+                                       "llama_cold", seed=3, cache_salt="tenant-c"))
+
+
+def test_a_chat_through_tlaloc_openai_reuses_its_history(served):
+    assert_check(R.check_openai_chat_turns(
+        url_of(served, "grpc"), served.metrics_url, "smollm2", "smollm2_cold",
+        ["What is the capital of France?", "And of Italy?", "Which is larger?"]))
+
+
+@pytest.mark.parametrize("protocol", ["grpc"])
+def test_a_small_pool_under_cycling_users_loses_nothing(served, protocol):
+    import random
+
+    url = url_of(served, protocol)
+    rng = random.Random(7)
+    shared = R.unique_tokens(rng, 40)
+    prompts = [shared + R.unique_tokens(rng, rng.randint(3, 30)) for _ in range(6)]
+    solo = R.solo_ids(url, protocol, "llama_cold", prompts, 12)
+    assert_check(R.check_pressure(url, protocol, served.metrics_url, "pressure", solo, prompts,
+                                  seconds=20, capacity=64))

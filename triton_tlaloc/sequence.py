@@ -1,0 +1,33 @@
+"""A sequence: the state the backend keeps for one Triton correlation id (nano-vllm keeps it on
+its Sequence too). Pure Python.
+
+Its tokens, how many of them have KV in the pools, the pages that hold them (in logical order),
+its ring of windowed pages (schema v3), its linear-attention state slot (schema v4), and for
+prefix reuse the root of its block hashes (the model's hash and the request's cache salt) and
+the hash of each full block computed so far.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Sequence:
+    token_ids: list[int]
+    seq_id: int | str = field(default_factory=lambda: next(_ids))
+    num_cached: int = 0  # tokens whose K/V are in the pool
+    pages: list[int] = field(default_factory=list)
+    ring: list[int] = field(default_factory=list)  # windowed pages: block b on ring[b % R]
+    state_slot: int | None = None  # its linear-attention state slot (schema v4)
+    last_active: float = 0.0  # clock time of its latest request (the backend's reclamation rule)
+    root: bytes = b""  # the root of its block hashes: model hash and cache salt (pages.root_hash)
+    block_hashes: list[bytes] = field(default_factory=list)  # of blocks 0.. whose KV is computed
+    reused: int = 0  # tokens of its first prompt whose KV it found cached (not computed)
+
+    @property
+    def uncached(self) -> list[int]:
+        return self.token_ids[self.num_cached:]
