@@ -188,10 +188,13 @@ def check_pressure(url, protocol, metrics_url, model, solo, prompts, seconds, ca
         t.join()
     pages = pool_pages(metrics_url, model)
     total = pages["used"] + pages["cached"] + pages["free"]
+    m = scrape_metrics(metrics_url)
+    evicted = metric(m, "tlaloc_kv_evictions_total", model=model, what="pages")
     ok = (not wrong and not errors and done[0] > users and pages["used"] == 0
           and total == capacity)
     return (f"{done[0]} sequences, {len(wrong)} with other ids, {refused[0]} refused for pages "
-            f"(retried), {len(errors)} other errors {errors[:1]}; at the end pages held "
+            f"(retried), {len(errors)} other errors {errors[:1]}; {evicted:.0f} cached pages "
+            f"evicted; at the end pages held "
             f"{pages['used']:.0f}, cached {pages['cached']:.0f}, free {pages['free']:.0f} of "
             f"{capacity}", ok)
 

@@ -569,7 +569,9 @@ def check_openai_chat(grpc_url, model, messages, prompt):
 def check_reclamation(server, url, protocol, model="reclaim"):
     """The small pool (8 pages of 8 tokens; Triton ends a sequence idle 1 s; reclaimable after
     2.5 s). Abandoned a (4 pages) and b (2 pages), live c (2 pages, a step every 0.6 s): a new
-    prompt needing 2 pages reclaims a only. Then f (4 pages), whose client keeps being refused,
+    prompt needing 2 pages reclaims a only. The prompts share no block (prefix reuse would
+    share pages between them); an ended sequence's pages, kept for its next turn, are taken
+    before any sequence is reclaimed. Then f (4 pages), whose client keeps being refused,
     is not reclaimed; once f ends, b is. Yields ("lru", result), ("refused_kept", result) and
     ("live", result) as each is known."""
     ids = {k: new_sequence_id() for k in "abcdfg"}
@@ -595,23 +597,23 @@ def check_reclamation(server, url, protocol, model="reclaim"):
     with TlalocClient(url, model, protocol) as c:
         c.infer(ids["a"], list(range(20, 52)), start=True)  # 4 pages, abandoned
         time.sleep(0.2)
-        c.infer(ids["b"], list(range(20, 36)), start=True)  # 2 pages, abandoned
+        c.infer(ids["b"], list(range(52, 68)), start=True)  # 2 pages, abandoned
         t_c = threading.Thread(target=live_c)
         t_c.start()
         time.sleep(3.2)  # a and b past the rule; c has taken its second page: the pool is full
-        c.infer(ids["d"], list(range(40, 56)), start=True)  # needs 2 pages
+        c.infer(ids["d"], list(range(68, 84)), start=True)  # needs 2 pages
         lru = reclaimed("a") and not reclaimed("b")
         yield "lru", ("a reclaimed, b kept" if lru else "other (see log)", lru)
         c.infer(ids["d"], [], end=True)
-        c.infer(ids["f"], list(range(60, 92)), start=True)  # 4 pages: full (b2 c2 f4)
+        c.infer(ids["f"], list(range(84, 116)), start=True)  # 4 pages: full (b2 c2 f4)
         for _ in range(8):  # f's client is refused (an id outside the vocabulary) again and again
             time.sleep(0.4)
             refusal(c, ids["f"], [999])
-        err = refusal(c, ids["g"], list(range(100, 148)), start=True)  # needs 6 pages
+        err = refusal(c, ids["g"], list(range(116, 164)), start=True)  # needs 6 pages
         kept = (code_of(err, protocol) == "UNAVAILABLE" and "sequences hold pages" in str(err)
                 and str(ids["f"]) not in str(err) and not reclaimed("f"))
         c.infer(ids["f"], [], end=True)
-        g_ok = refusal(c, ids["g"], list(range(100, 148)), start=True) is None
+        g_ok = refusal(c, ids["g"], list(range(116, 164)), start=True) is None
         c.infer(ids["g"], [], end=True)
         b_gone = reclaimed("b")
         yield "refused_kept", (f"f kept: {kept}; g then: {g_ok}; b reclaimed: {b_gone}",

@@ -125,9 +125,29 @@ def windowed(tiny, work):
     # Window 8, pages of 4: rings of 4 pages (tests/test_windowed.py's shapes)
     opts = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=4, prefill_chunk=8,
                 attention_block=16)
-    return {family: export_artifact(tiny.window_checkpoint(family), work / f"reuse-{family}",
+    arts = {family: export_artifact(tiny.window_checkpoint(family), work / f"reuse-{family}",
                                     ExportOptions(**opts))
             for family in ("mistral", "gemma3_text")}
+    # gemma3_text with its windows as masks over full-history pages: prefix blocks apply
+    arts["gemma3_text_full"] = export_artifact(tiny.window_checkpoint("gemma3_text"),
+                                               work / "reuse-gemma3_text-full",
+                                               ExportOptions(**opts, windowed_kv=False))
+    return arts
+
+
+def test_a_sliding_window_model_on_full_history_pages_reuses_prefix_blocks(windowed):
+    on, off = pair(windowed["gemma3_text_full"])
+    assert on.blocks.prefix_reuse
+    base = tokens(90, 24)  # past the window of 8: the shared blocks hold KV the window masks
+    first_logits(on, base + [3])
+    for prompt in (base[:12] + tokens(91, 9), base + tokens(92, 5)):
+        warm, reuse = first_logits(on, prompt)
+        cold, _ = first_logits(off, prompt)
+        assert reuse.reused > 0 and not reuse.continued
+        assert close(warm, cold) <= TOL, close(warm, cold)
+        assert (on.generate_greedy(prompt, STEPS).generated_ids
+                == off.generate_greedy(prompt, STEPS).generated_ids)
+
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])

@@ -78,3 +78,29 @@ def test_tlaloc_run_follow_up_reuses_the_first_turn(smollm2):
     assert second["prompt_ids"][:len(first["prompt_ids"])] == first["prompt_ids"]
     # the first turn's prompt at least (its answer too, as far as the template re-encodes it)
     assert len(first["prompt_ids"]) <= second["reused_tokens"] < len(second["prompt_ids"])
+
+
+def test_a_shared_system_prompt_and_a_4_turn_chat_reuse_kv_with_the_same_ids(smollm2):
+    """SmolLM2 through the engine, KV reuse on against off: two users with one system prompt
+    (the second reuses its blocks), then a 4-turn chat through the chat template (each turn
+    reuses the one before). The same greedy ids every time."""
+    _, art = smollm2
+    tok = ArtifactTokenizer(art / "tokenizer")
+    on, off = Engine(Runtime(art), prefix_reuse=True), Engine(Runtime(art))
+    system = {"role": "system", "content": "You are a terse assistant. Answer in a few words."}
+    stop = (tok.eos_token_id,)
+    for question in ("Name a color.", "Name a fruit."):
+        ids = tok.apply_chat_template([system, {"role": "user", "content": question}])
+        warm = on.generate_greedy(ids, 6, stop)
+        assert warm.generated_ids == off.generate_greedy(ids, 6, stop).generated_ids
+    assert warm.reused_tokens >= 16, "the second user reuses the system prompt's blocks"
+    messages, previous = [system], 0
+    for question in ("Hi.", "What is 2+2?", "And 3+3?", "Thanks."):
+        messages.append({"role": "user", "content": question})
+        ids = tok.apply_chat_template(messages)
+        warm = on.generate_greedy(ids, 6, stop)
+        assert warm.generated_ids == off.generate_greedy(ids, 6, stop).generated_ids, question
+        # at least the previous turn's prompt, to its last full block of 16
+        assert warm.reused_tokens >= previous // 16 * 16, (question, warm.reused_tokens)
+        previous = len(ids)
+        messages.append({"role": "assistant", "content": tok.decode(warm.generated_ids)})

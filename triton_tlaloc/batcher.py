@@ -329,8 +329,10 @@ class Batcher:
     def _reclaim_for(self, seq: Sequence, n_tokens: int) -> bool:
         """Free pages held by sequences Triton has ended, as many as `seq` needs to take
         `n_tokens` more (in every pool); False (and nothing reclaimed) when they cannot."""
-        pools = self.engine.pools()
-        need = {k: n - pools[k].free for k, n in self.engine.pages_needed(seq, n_tokens).items()}
+        # What is free, cached or only kept for a next turn is taken before a sequence is
+        # reclaimed: only the rest is asked of the reclaimed.
+        available = self.engine.blocks.available()
+        need = {k: n - available[k] for k, n in self.engine.pages_needed(seq, n_tokens).items()}
         now = self.clock()
         candidates = [(s.seq_id, {"full": len(s.pages), "windowed": len(s.ring),
                                   "state": int(s.state_slot is not None)}, s.last_active)

@@ -137,11 +137,14 @@ class BlockManager:
 
     def _ended_could_cover(self, need: dict[str, int]) -> bool:
         """Whether dropping every kept sequence would free what `need` lacks."""
+        available = self.available()
+        return all(n <= available[name] for name, n in need.items())
+
+    def available(self) -> dict[str, int]:
+        """Per pool, what a reservation can take without touching a live sequence: free and
+        cached pages, and what only kept ended sequences hold."""
         usage = self.usage()
-        pools = self.pools()
-        return all(n <= pools[name].free + usage[name][1] - (self.full.cached if name == FULL
-                                                              else 0)
-                   for name, n in need.items())
+        return {name: cached + free for name, (_, cached, free) in usage.items()}
 
     def register(self, seq: Sequence) -> None:
         """Hash the blocks `seq` has filled since the last call, so other prompts can share
