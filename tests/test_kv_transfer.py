@@ -1,0 +1,100 @@
+"""Page transfer programs (kv_transfer.py), the host tier's moves: a sequence's pages, ring and
+state slot read to the host and written back into other pages, in place, give the same KV bytes
+and the same greedy ids as a sequence never moved. Negative control: pages written back in the
+wrong order change the logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from triton_tlaloc.engine import Engine
+from triton_tlaloc.export import ExportOptions, export_artifact
+from triton_tlaloc.kv_transfer import PageTransfer, bucket
+from triton_tlaloc.page_pools import FULL, STATE, WINDOWED
+from triton_tlaloc.runtime import Runtime
+
+PROMPT = [(i * 37 + 11) % 240 + 10 for i in range(29)]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny, work):
+    window_opts = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=4,
+                       prefill_chunk=8, attention_block=16)
+    return {
+        "llama f32": tiny.artifact("llama", False),
+        "llama fp8 KV": tiny.artifact("llama", False, kv_dtype="fp8"),
+        "gemma3_text ring": export_artifact(tiny.window_checkpoint("gemma3_text"),
+                                            work / "transfer-gemma3", ExportOptions(**window_opts)),
+        "qwen3_5 state slot": tiny.artifact("qwen3_5_text", False, batch_ladder=(1, 2),
+                                            context_ladder=(64, 256), block_size=8),
+    }
+
+
+def held(seq) -> dict[str, list[int]]:
+    return {FULL: list(seq.pages), WINDOWED: list(seq.ring),
+            STATE: [] if seq.state_slot is None else [seq.state_slot]}
+
+
+def move(engine: Engine, transfer: PageTransfer, seq, wrong_order=False) -> dict:
+    """Swap `seq` out (its pages read to the host, then released) and back in (other pages
+    taken, the host copies written into them). Returns the host copies by pool class."""
+    blocks = engine.blocks
+    pools = {FULL: blocks.full, WINDOWED: blocks.rings, STATE: blocks.state_slots}
+    old = held(seq)
+    host = {k: transfer.read(k, v) for k, v in old.items() if v}
+    new = {}
+    for k, pages in old.items():
+        if pages:
+            pools[k].release(pages)
+            new[k] = pools[k].allocate(len(pages))
+            assert new[k] != pages, f"{k}: the sequence came back in the same pages"
+    for k, h in host.items():
+        transfer.write(h, list(reversed(new[k])) if wrong_order else new[k])
+    seq.pages, seq.ring = new.get(FULL, []), new.get(WINDOWED, [])
+    seq.state_slot = new[STATE][0] if STATE in new else None
+    return host
+
+
+def run(engine, transfer=None, wrong_order=False):
+    """Greedy ids and each step's logits; with `transfer`, the sequence is moved after the
+    prompt and after half the steps."""
+    seq = engine.new_sequence(PROMPT)
+    logits = [engine.prefill_chunked(seq)[0]]
+    for step in range(STEPS):
+        if transfer is not None and step in (0, STEPS // 2):
+            host = move(engine, transfer, seq, wrong_order)
+            for k, h in host.items():  # the new pages hold the same bytes
+                back = transfer.read(k, held(seq)[k])
+                for name, a in h.arrays.items():
+                    same = np.array_equal(back.arrays[name].view(np.uint8), a.view(np.uint8))
+                    assert same or wrong_order, f"{k} pool {name}: bytes differ after the move"
+        seq.token_ids.append(int(np.argmax(logits[-1])))
+        logits.append(engine.decode([seq])[0])
+    engine.free(seq)
+    return seq.token_ids[len(PROMPT):], logits
+
+
+@pytest.mark.parametrize("name", ["llama f32", "llama fp8 KV", "gemma3_text ring",
+                                  "qwen3_5 state slot"])
+def test_a_sequence_moved_through_the_host_continues_with_the_same_ids(artifacts, name):
+    rt = Runtime(artifacts[name])
+    engine = Engine(rt)
+    transfer = PageTransfer(rt)
+    transfer.warm()
+    ids, logits = run(engine)
+    moved_ids, moved_logits = run(engine, transfer)
+    assert moved_ids == ids
+    # the same bytes: the same logits, exactly
+    assert all(np.array_equal(a, b) for a, b in zip(logits, moved_logits))
+    assert transfer.copied == 0 and transfer.in_place > 0, "writes update the pools in place"
+    if name != "qwen3_5 state slot":  # a state slot is one row: no order to get wrong
+        _, wrong = run(engine, transfer, wrong_order=True)
+        worst = max(float(np.max(np.abs(a - b))) for a, b in zip(logits[1:], wrong[1:]))
+        assert worst > 1e-3, "pages written in the wrong order must change the logits"
+    engine.blocks.check([])
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]

@@ -1,0 +1,127 @@
+"""Page transfer programs: a set of pages (full-history pages, ring pages, a state slot) copied
+out of a runtime's pools to host memory, and written back into other pages with the pools
+donated, so they are updated in place. The host tier of the KV cache is built on them: a
+sequence swapped out is its pages' bytes on the host, swapped in anywhere free.
+
+The programs are JAX functions compiled per pool class and page-count bucket (a power of two:
+a set of n pages runs in the smallest bucket that holds it, the rest padded): reads gather the
+pages of every pool of a class at once; writes scatter them back, padding indices pointing past
+the pool, which the scatter drops. Bytes are copied as they are: f32, bf16 and fp8 pools come
+back bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .page_pools import FULL, STATE, WINDOWED
+
+log = logging.getLogger("triton_tlaloc.kv_transfer")
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two that holds n (n >= 1)."""
+    assert n >= 1, "a transfer of no pages"
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass
+class HostPages:
+    """Pages of one pool class on the host: per pool name, [n, ...] (the pool's rows)."""
+
+    pool_class: str
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def count(self) -> int:
+        return len(next(iter(self.arrays.values()))) if self.arrays else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+class PageTransfer:
+    """Reads and writes pages of a runtime's pools (runtime.Runtime: `pools` by name, the
+    artifact's pool lists, the PJRT device). Donated writes are checked like entries: the pools
+    stay at their addresses (counted in `in_place` / `copied`)."""
+
+    def __init__(self, runtime):
+        import jax
+
+        self.jax = jax
+        self.rt = runtime
+        art = runtime.artifact
+        self.classes = {FULL: [p.name for p in art.pools if p.pool_class == "full"],
+                        WINDOWED: [p.name for p in art.pools if p.pool_class == "windowed"],
+                        STATE: [p.name for p in art.state_pools]}
+        self.classes = {k: v for k, v in self.classes.items() if v}
+        self._read = jax.jit(lambda pools, idx: tuple(p[idx] for p in pools))
+        # Out-of-range rows (the padding) are dropped by the scatter.
+        self._write = jax.jit(
+            lambda pools, idx, rows: tuple(p.at[idx].set(r, mode="drop")
+                                           for p, r in zip(pools, rows)),
+            donate_argnums=0)
+        self.in_place = self.copied = 0
+        self.seconds = {"read": 0.0, "write": 0.0}
+
+    def warm(self, counts=(1, 2, 4, 8)) -> None:
+        """Compile the programs of every pool class for these bucket sizes now (at load), so a
+        swap does not wait for a compile: a read of page 0 and a write that drops every row."""
+        for pool_class, names in self.classes.items():
+            rows = len(self.rt.pools[names[0]])
+            for n in counts:
+                if n > rows:
+                    break
+                host = self.read(pool_class, [0] * n)
+                self._write_padded(pool_class, np.full(n, rows, np.int32), host)
+
+    def read(self, pool_class: str, pages: list[int]) -> HostPages:
+        """Host copies of these pages (rows) of every pool of the class, in the order given."""
+        names = self.classes[pool_class]
+        n = len(pages)
+        idx = np.zeros(bucket(n), np.int32)  # padding reads page 0 (never handed out)
+        idx[:n] = pages
+        t0 = time.perf_counter()
+        outs = self._read(tuple(self.rt.pools[name] for name in names), idx)
+        arrays = {name: np.array(out, copy=True)[:n] for name, out in zip(names, outs)}
+        self.seconds["read"] += time.perf_counter() - t0
+        return HostPages(pool_class, arrays)
+
+    def write(self, host: HostPages, pages: list[int]) -> None:
+        """Write `host`'s rows into these pages (rows) of every pool of its class, in order;
+        the pools are donated and replaced by the results."""
+        assert len(pages) == host.count, f"{host.count} rows for {len(pages)} pages"
+        names = self.classes[host.pool_class]
+        rows = len(self.rt.pools[names[0]])
+        idx = np.full(bucket(len(pages)), rows, np.int32)  # past the pool: dropped
+        idx[:len(pages)] = pages
+        self._write_padded(host.pool_class, idx, host)
+
+    def _write_padded(self, pool_class: str, idx: np.ndarray, host: HostPages) -> None:
+        names = self.classes[pool_class]
+        n = len(idx)
+        padded = []
+        for name in names:
+            a = host.arrays[name]
+            if len(a) < n:
+                a = np.concatenate([a, np.zeros((n - len(a), *a.shape[1:]), a.dtype)])
+            padded.append(a)
+        before = [self.rt.pools[name].unsafe_buffer_pointer() for name in names]
+        t0 = time.perf_counter()
+        outs = self._write(tuple(self.rt.pools[name] for name in names), idx, tuple(padded))
+        for name, out in zip(names, outs):
+            self.rt.pools[name] = out
+        self.seconds["write"] += time.perf_counter() - t0
+        moved = sum(b != self.rt.pools[name].unsafe_buffer_pointer()
+                    for b, name in zip(before, names))
+        if moved:
+            self.copied += 1
+            log.warning("a page write copied %d of %d %s pools instead of updating them in "
+                        "place", moved, len(names), pool_class)
+        else:
+            self.in_place += 1
