@@ -41,8 +41,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, metric,  # noqa: E402
-                                            new_sequence_id, scrape_metrics)
+from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient,  # noqa: E402
+                                            full_pool_pages, new_sequence_id,
+                                            reuse_counters, scrape_metrics)
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer  # noqa: E402
 
 FULL = dict(users=8, system_tokens=480, question_tokens=20, turns=6, message_tokens=100,
@@ -50,8 +51,6 @@ FULL = dict(users=8, system_tokens=480, question_tokens=20, turns=6, message_tok
 QUICK = dict(users=3, system_tokens=160, question_tokens=12, turns=3, message_tokens=36,
              reps=1, batches="1", contexts="256")
 SHARED_TARGET, CHAT_TARGET = 0.15, 1.5
-COUNTERS = {"queries": "tlaloc_prefix_cache_queries_total", "hits":
-            "tlaloc_prefix_cache_hits_total", "continued": "tlaloc_turn_continuations_total"}
 WORDS = ("river stone lantern harbor meadow copper violin orchard glacier signal market ferry "
          "quiet bright ancient narrow careful distant golden hollow patient rapid silver "
          "gather follow measure wander borrow repair whisper explain carry remember build "
@@ -159,10 +158,8 @@ def chat(client, model: str, texts: list[str], tok, max_tokens: int, max_context
 def counters(metrics_url: str, models: list[str], gauges: bool = False) -> dict:
     """Per model the reuse counters, or (gauges) the full pool's pages held, cached and free."""
     m = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
-    if gauges:
-        return {name: {w: metric(m, f"tlaloc_kv_pages_{w}", model=name, pool="full")
-                       for w in ("used", "cached", "free")} for name in models}
-    return {name: {k: metric(m, n, model=name) for k, n in COUNTERS.items()} for name in models}
+    read = full_pool_pages if gauges else reuse_counters
+    return {name: read(m, name) for name in models}
 
 
 def delta(after: dict, before: dict) -> dict:

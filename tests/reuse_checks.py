@@ -11,7 +11,8 @@ import threading
 import time
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, InferError, TlalocClient,
-                                            generate, metric, scrape_metrics)
+                                            full_pool_pages, generate, metric,
+                                            reuse_counters, scrape_metrics)
 
 
 def unique_tokens(rng: random.Random, n: int) -> list[int]:
@@ -21,18 +22,14 @@ def unique_tokens(rng: random.Random, n: int) -> list[int]:
 class Counters:
     """The reuse counters of some models, scraped before and after."""
 
-    NAMES = {"queries": "tlaloc_prefix_cache_queries_total",
-             "hits": "tlaloc_prefix_cache_hits_total",
-             "continued": "tlaloc_turn_continuations_total"}
-
     def __init__(self, metrics_url: str):
         self.url = metrics_url
         self.before = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
 
     def delta(self, model: str) -> dict[str, float]:
-        after = scrape_metrics(self.url, settle_s=METRICS_SETTLE_S)
-        return {k: metric(after, n, model=model) - metric(self.before, n, model=model)
-                for k, n in self.NAMES.items()}
+        after = reuse_counters(scrape_metrics(self.url, settle_s=METRICS_SETTLE_S), model)
+        before = reuse_counters(self.before, model)
+        return {k: v - before[k] for k, v in after.items()}
 
 
 def check_shared_prefix(url, protocol, metrics_url, model, cold, seed, users=4, prefix_blocks=3,
@@ -145,12 +142,6 @@ def check_openai_chat_turns(grpc_url, metrics_url, model, cold, questions, max_t
             f"{warm['hits']:.0f} of {warm['queries']:.0f} prompt tokens reused", ok)
 
 
-def pool_pages(metrics_url, model) -> dict[str, float]:
-    m = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
-    return {what: metric(m, f"tlaloc_kv_pages_{what}", model=model, pool="full")
-            for what in ("used", "cached", "free")}
-
-
 def check_pressure(url, protocol, metrics_url, model, solo, prompts, seconds, capacity,
                    steps=(4, 12), users=12, seed=0):
     """`users` clients cycle START, greedy steps, END for `seconds` on a small pool, prompts
@@ -186,9 +177,9 @@ def check_pressure(url, protocol, metrics_url, model, solo, prompts, seconds, ca
         t.start()
     for t in threads:
         t.join()
-    pages = pool_pages(metrics_url, model)
+    m = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
+    pages = full_pool_pages(m, model)
     total = pages["used"] + pages["cached"] + pages["free"]
-    m = scrape_metrics(metrics_url)
     evicted = metric(m, "tlaloc_kv_evictions_total", model=model, what="pages")
     ok = (not wrong and not errors and done[0] > users and pages["used"] == 0
           and total == capacity)

@@ -163,7 +163,6 @@ class BatcherStats(Observer):
         self.continuations = 0
         self.evicted_pages = 0
         self.dropped_sequences = 0
-        self.pools: dict[str, tuple[int, int, int]] = {}
         self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
         self.call_sizes: list[tuple[str, int]] = []
 
@@ -191,6 +190,3 @@ class BatcherStats(Observer):
     def evicted(self, pages: int, sequences: int) -> None:
         self.evicted_pages += pages
         self.dropped_sequences += sequences
-
-    def state(self, pools: dict[str, tuple[int, int, int]], sequences: int) -> None:
-        self.pools = dict(pools)

@@ -30,12 +30,17 @@ def cache_salt_parameter(parameters: str | dict | None) -> str | None:
     salts never share cached KV. None when absent; ValueError naming the problem otherwise."""
     if not isinstance(parameters, dict):
         parameters = json.loads(parameters or "{}")
-    salt = parameters.get("cache_salt")
-    if salt is None:
-        return None
-    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
-        raise ValueError(f"parameter cache_salt: expected a string of 1 to "
-                         f"{MAX_CACHE_SALT_CHARS} characters")
+    return checked_cache_salt(parameters.get("cache_salt"), "parameter")
+
+
+def checked_cache_salt(salt, what: str):
+    """`salt` when it is None or a string of 1 to MAX_CACHE_SALT_CHARS characters; ValueError
+    naming it as `what` cache_salt otherwise (the sequence model's request parameter, the
+    generate model's sampling parameter)."""
+    if salt is not None and (not isinstance(salt, str)
+                             or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise ValueError(f"{what} cache_salt: expected a string of 1 to {MAX_CACHE_SALT_CHARS} "
+                         f"characters")
     return salt
 
 

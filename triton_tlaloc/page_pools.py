@@ -93,7 +93,9 @@ class PagePool:
 
 class SharedPagePool:
     """The full-history pool: reference-counted pages, the hashes of the full ones, and the
-    cache of pages no sequence holds that still hold a known block."""
+    cache of pages no sequence holds that still hold a known block. Of each page's holds it
+    also counts those of ended sequences kept for a next turn (`keep`), so the pages only they
+    hold (`kept_only`, cached in the usage gauges) are known without a walk over them."""
 
     def __init__(self, num_blocks: int, name: str = FULL, reserved: int = 1):
         assert num_blocks > reserved, f"{name} pool: {num_blocks} pages, none to give"
@@ -103,6 +105,10 @@ class SharedPagePool:
         self.reserved = reserved
         self.capacity = num_blocks - reserved
         self.refs = [0] * num_blocks
+        # Of each page's holds, those of sequences kept for a next turn (pages.BlockManager),
+        # and how many pages only such sequences hold (cached, in the usage gauges).
+        self.kept = [0] * num_blocks
+        self.kept_only = 0
         self._uncached: deque[int] = deque(range(reserved, num_blocks))  # count 0, no hash
         self._cached: OrderedDict[int, None] = OrderedDict()  # count 0, hashed; evicted first
         self._hash_of: dict[int, bytes] = {}
@@ -161,19 +167,36 @@ class SharedPagePool:
             assert p in self._hash_of, f"{self.name} pool: page {p} shared but holds no block"
             if self.refs[p] == 0:
                 del self._cached[p]
-            self.refs[p] += 1
+            self._count(p, holds=1)
 
     def release(self, pages: list[int]) -> None:
         """Drop one hold on each page, last page first: a page nobody holds is cached when it
         holds a known block, free otherwise."""
         for p in reversed(pages):
             assert self.refs[p] > 0, f"{self.name} pool: page {p} released but not held"
-            self.refs[p] -= 1
+            self._count(p, holds=-1)
             if self.refs[p] == 0:
                 if p in self._hash_of:
                     self._cached[p] = None
                 else:
                     self._uncached.append(p)
+
+    def keep(self, pages: list[int]) -> None:
+        """These held pages' holder has ended and is kept for its next turn."""
+        for p in pages:
+            self._count(p, kept=1)
+
+    def unkeep(self, pages: list[int]) -> None:
+        """Their kept holder is taken over or dropped: its holds are plain holds again."""
+        for p in pages:
+            self._count(p, kept=-1)
+
+    def _count(self, p: int, holds: int = 0, kept: int = 0) -> None:
+        was = 0 < self.refs[p] == self.kept[p]
+        self.refs[p] += holds
+        self.kept[p] += kept
+        assert 0 <= self.kept[p] <= self.refs[p], f"{self.name} pool: page {p} kept unheld"
+        self.kept_only += (0 < self.refs[p] == self.kept[p]) - was
 
     def register(self, page: int, h: bytes) -> None:
         """A held page's block is full and computed: other prompts may share it. When another
@@ -204,6 +227,8 @@ class SharedPagePool:
         assert not free & set(self._cached), f"{self.name} pool: a page free and cached"
         held = {p for p in range(self.reserved, self.num_blocks) if self.refs[p] > 0}
         assert all(r >= 0 for r in self.refs), f"{self.name} pool: a negative count"
+        assert self.kept_only == sum(0 < r == k for r, k in zip(self.refs, self.kept)), \
+            f"{self.name} pool: kept-only pages miscounted"
         assert not held & (free | set(self._cached)), f"{self.name} pool: a page free and held"
         assert len(held) + len(free) + len(self._cached) == self.capacity, \
             f"{self.name} pool: pages lost"

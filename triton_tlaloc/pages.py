@@ -95,7 +95,6 @@ class BlockManager:
                              and self.state_slots is None)
         self.keep_ended = keep_ended if prefix_reuse else 0
         self.ended: OrderedDict[int, Sequence] = OrderedDict()  # by id(seq), least recent first
-        self._ended_refs: Counter = Counter()  # full page -> holds by ended sequences
         self.dropped = 0  # ended sequences dropped (for pages, or past keep_ended)
         self.continued = 0  # ended sequences taken over by a new prompt
 
@@ -283,14 +282,11 @@ class BlockManager:
 
     def _keep(self, seq: Sequence) -> None:
         self.ended[id(seq)] = seq
-        self._ended_refs.update(seq.pages)
+        self.full.keep(seq.pages)
 
     def _unkeep(self, seq: Sequence) -> None:
         del self.ended[id(seq)]
-        self._ended_refs.subtract(seq.pages)
-        for p in seq.pages:
-            if self._ended_refs[p] == 0:
-                del self._ended_refs[p]
+        self.full.unkeep(seq.pages)
 
     def _drop_ended(self) -> None:
         seq = next(iter(self.ended.values()))
@@ -303,8 +299,7 @@ class BlockManager:
     def usage(self) -> dict[str, tuple[int, int, int]]:
         """Per pool: (held by live sequences, cached, free). Cached: blocks no sequence holds,
         and whatever only ended sequences hold; the three add up to the pool's capacity."""
-        ended_only = sum(1 for p, n in self._ended_refs.items() if self.full.refs[p] == n)
-        cached = self.full.cached + ended_only
+        cached = self.full.cached + self.full.kept_only
         free = self.full.free - self.full.cached
         out = {FULL: (self.full.capacity - cached - free, cached, free)}
         for name, pool in ((WINDOWED, self.rings), (STATE, self.state_slots)):
@@ -319,9 +314,12 @@ class BlockManager:
         sequences (live or ended) holding it, no page or slot is held twice or lost."""
         holders = [*live, *self.ended.values()]
         counts = Counter(p for s in holders for p in s.pages)
+        kept = Counter(p for s in self.ended.values() for p in s.pages)
         for p in range(self.full.num_blocks):
             assert self.full.refs[p] == counts.get(p, 0), \
                 f"page {p}: count {self.full.refs[p]}, held by {counts.get(p, 0)} sequences"
+            assert self.full.kept[p] == kept.get(p, 0), \
+                f"page {p}: {self.full.kept[p]} kept holds, {kept.get(p, 0)} kept sequences"
         self.full.check()
         for s in holders:
             assert len(set(s.pages)) == len(s.pages), f"sequence {s.seq_id} holds a page twice"

@@ -165,3 +165,21 @@ def test_a_step_refused_for_pages_leaves_the_held_sequence_whole():
     assert h.step("t", list(range(11, 75)) + [1], start=True).code == UNAVAILABLE
     assert h.batcher.engine.blocks.full.refs[h.batcher.sequences["q"].pages[0]] == 1
     h.batcher.engine.blocks.check(list(h.batcher.sequences.values()))
+
+
+def test_the_batchers_counters_follow_reuse_and_evictions():
+    """BatcherStats counts what STARTs found cached, continued turns, evicted cached pages and
+    dropped kept sequences (the same reports feed the Prometheus metrics)."""
+    h = Harness(fake_artifact(num_blocks=9))  # 8 pages of 8 tokens
+    prompt = list(range(10, 34))  # 3 blocks
+    assert h.step("a", prompt, start=True).error is None
+    assert h.step("a", [], end=True).error is None
+    assert h.step("b", prompt + [1], start=True).error is None  # continues a: 24 reused
+    assert h.step("b", [], end=True).error is None
+    stats = h.batcher.stats
+    assert (stats.prefix_queried, stats.prefix_reused, stats.continuations) == (49, 24, 1)
+    # c takes all 8 pages: the 4 never used, then b (kept: 4 pages) is dropped, its last
+    # page is free and its 3 cached blocks are evicted
+    assert h.step("c", list(range(100, 164)), start=True).error is None
+    assert (stats.evicted_pages, stats.dropped_sequences) == (3, 1)
+    h.batcher.engine.blocks.check(list(h.batcher.sequences.values()))

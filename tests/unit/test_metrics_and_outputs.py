@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from triton_tlaloc.metrics import MetricsWriter
-from triton_tlaloc.outputs import small_outputs, top_k_parameter
+from triton_tlaloc.outputs import cache_salt_parameter, small_outputs, top_k_parameter
 
 
 def test_metrics_writer_applies_updates_on_its_own_thread_in_batches():
@@ -68,3 +68,8 @@ def test_small_outputs_argmax_and_top_k():
     for bad in ('{"top_k": 0}', '{"top_k": 1001}', '{"top_k": "3"}', '{"top_k": true}'):
         with pytest.raises(ValueError, match="parameter top_k"):
             top_k_parameter(bad, 1000)
+    assert cache_salt_parameter(None) is None and cache_salt_parameter({"top_k": 3}) is None
+    assert cache_salt_parameter('{"cache_salt": "tenant"}') == "tenant"
+    for bad in ('{"cache_salt": ""}', '{"cache_salt": 7}', '{"cache_salt": "%s"}' % ("x" * 257)):
+        with pytest.raises(ValueError, match="parameter cache_salt: expected a string of 1 to 256"):
+            cache_salt_parameter(bad)

@@ -328,3 +328,21 @@ def metric(values: dict, name: str, **labels) -> float:
     """The sum of a scraped metric over the series whose labels include `labels`."""
     want = {(k, str(v)) for k, v in labels.items()}
     return sum(v for (n, ls), v in values.items() if n == name and want <= set(ls))
+
+
+REUSE_COUNTERS = {"queries": "tlaloc_prefix_cache_queries_total",
+                  "hits": "tlaloc_prefix_cache_hits_total",
+                  "continued": "tlaloc_turn_continuations_total"}
+
+
+def reuse_counters(values: dict, model: str) -> dict[str, float]:
+    """A model's KV reuse counters in scraped metrics: prompt tokens looked up (queries) and
+    found cached (hits), and turns that continued an ended sequence (continued)."""
+    return {k: metric(values, name, model=model) for k, name in REUSE_COUNTERS.items()}
+
+
+def full_pool_pages(values: dict, model: str) -> dict[str, float]:
+    """A model's full-history pages in scraped metrics: held by live sequences (used), cached
+    and free; they add up to the pool."""
+    return {what: metric(values, f"tlaloc_kv_pages_{what}", model=model, pool="full")
+            for what in ("used", "cached", "free")}

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..outputs import checked_cache_salt
+
 MAX_STOP_STRINGS = 16  # per request
 MAX_STOP_CHARS = 1024  # per stop string
 MAX_STOP_TOKEN_IDS = 1024  # per request
-MAX_CACHE_SALT_CHARS = 256  # the sequence model refuses longer (outputs.MAX_CACHE_SALT_CHARS)
 MIN_TEMPERATURE = 1e-5  # a smaller positive one divides logits into inf and NaN
 INT64_MAX = 2**63 - 1
 
@@ -140,11 +141,10 @@ class SamplingParams:
         if not isinstance(ignore_eos, bool):
             raise _refused("ignore_eos", ignore_eos, "expected true or false")
 
-        cache_salt = given.get("cache_salt")
-        if cache_salt is not None and (not isinstance(cache_salt, str)
-                                       or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
-            raise SamplingError(f"sampling parameter cache_salt: expected a string of 1 to "
-                                f"{MAX_CACHE_SALT_CHARS} characters")
+        try:
+            cache_salt = checked_cache_salt(given.get("cache_salt"), "sampling parameter")
+        except ValueError as e:
+            raise SamplingError(str(e)) from None
 
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=seed, stop=tuple(stop),
