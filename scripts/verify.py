@@ -8,6 +8,7 @@ The checks are tests/sequence_checks.py's and tests/programs.py's, which the ser
 too; this script names them, in groups, and tabulates what they observed.
 
     scripts/verify.sh [--work DIR] [--reuse] [--soak-seconds S] [--pressure-seconds S]
+                      [--swap-soak-seconds S]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # n
 import programs  # noqa: E402
 import reuse_checks as R  # noqa: E402
 import sequence_checks as S  # noqa: E402
+import swap_checks as W  # noqa: E402
 from sequence_checks import PLACEHOLDER, PROTOCOLS, TINY_PROMPT  # noqa: E402
 
 from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
@@ -43,6 +45,7 @@ HYBRID_PROMPTS = [[(i * 37 + 11 + k) % 240 + 10 for i in range(n)]
                   for k, n in enumerate((150, 163, 171, 180))]
 WINDOW_PROMPTS = [[(i * 53 + 7 + k) % 240 + 10 for i in range(n)]
                   for k, n in enumerate((30, 26, 33, 40))]  # three windows of 8 and more
+SWAP_SOAK_IDLE_US, SWAP_SOAK_ALLOWANCE_US = 2_000_000, 1_000_000
 CHAT_MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
@@ -167,8 +170,10 @@ def write_models(arts: dict, repo: Path, work: Path) -> None:
             continue
         # Generate models (generation on the server) for SmolLM2 and the hybrid model only:
         # each is one more backend process to start on 2 cores.
+        # The small pool and the one-slot model are for refusals: no host tier there.
         write_repository(art, repo, name, RepositoryOptions(
-            generate_model=name in ("smollm2", "qwen3_5")))
+            generate_model=name in ("smollm2", "qwen3_5"),
+            host_kv_bytes=0 if name in ("small", "qwen3_5_one_slot") else None))
     write_repository(arts["llama"][1], repo, "llama_copied", RepositoryOptions(
         donate_kv_pools=False, generate_model=False))
     # The control for backend batching: Triton's sequence batcher forms the batches after a
@@ -178,15 +183,23 @@ def write_models(arts: dict, repo: Path, work: Path) -> None:
     # Reclamation: the small pool, Triton ends a sequence idle 1 s, pages reclaimable after 2.5 s.
     write_repository(arts["small"][1], repo, "reclaim", RepositoryOptions(
         max_sequence_idle_microseconds=1_000_000, reclaim_allowance_microseconds=500_000,
-        generate_model=False))
+        generate_model=False, host_kv_bytes=0))
     write_repository(arts["soak"][1], repo, "soak", RepositoryOptions(
-        max_sequence_idle_microseconds=2_000_000, reclaim_allowance_microseconds=1_000_000))
+        max_sequence_idle_microseconds=2_000_000, reclaim_allowance_microseconds=1_000_000,
+        host_kv_bytes=0))
     # KV reuse: the same artifacts with prefix_reuse false (the reference of every reused run),
     # and a pool for 4 sequences at the largest context under cycling users.
+    # smollm2_cold is also the host tier's control: host_kv_bytes 0 refuses as before.
     for name in ("llama", "gemma3_text", "qwen3_5", "smollm2"):
         write_repository(arts[name][1], repo, f"{name}_cold", RepositoryOptions(
-            prefix_reuse=False, generate_model=name == "smollm2"))
+            prefix_reuse=False, generate_model=name == "smollm2",
+            host_kv_bytes=0 if name == "smollm2" else None))
     write_repository(arts["soak"][1], repo, "pressure", RepositoryOptions(generate_model=False))
+    # The host tier's soak: the soak's pool, Triton ending sequences idle 2 s.
+    write_repository(arts["soak"][1], repo, "swap_soak", RepositoryOptions(
+        max_sequence_idle_microseconds=SWAP_SOAK_IDLE_US, generate_model=False,
+        reclaim_allowance_microseconds=SWAP_SOAK_ALLOWANCE_US,
+        preempt_wait_microseconds=120_000_000))
     # Programs that are not language models: bounded, ragged, nine dtypes, with state.
     programs.write_program_models(programs.build_programs(work / "programs"), repo)
 
@@ -390,6 +403,28 @@ def pressure_rows(table: Table, d: Deployment, seconds: float) -> None:
                                        prompts, seconds, capacity=64))
 
 
+def host_tier_rows(table: Table, d: Deployment, soak_seconds: float) -> None:
+    """The host tier: SmolLM2's pool for 4 sequences under 16 chats and 6 growing sequences,
+    and a soak of sessions that end or vanish on the soak's pool."""
+    url, metrics = d.url("grpc"), d.server.metrics_url
+    rows = {"swapped": ("grpc: host tier, 16 SmolLM2 chats (3 turns, 0-3 s apart) on a pool "
+                        "for 4", "no refusal; every session its solo ids; swaps counted"),
+            "control": ("grpc: host tier control, the same chats with host_kv_bytes 0 "
+                        "(smollm2_cold)", "refused for pages, as before")}
+    table.run_scenario(rows, W.check_chat_pressure(url, "grpc", metrics, "smollm2",
+                                                   "smollm2_cold", seed=5), "host tier chats",
+                       "the pool")
+    table.run("grpc: host tier, 6 SmolLM2 sequences of 40 + 60 tokens on a pool for 4 of 128",
+              "no refusal; every sequence its solo ids; preemptions counted",
+              lambda: W.check_preemption(url, "grpc", metrics, "smollm2", prompt_len=40,
+                                         new_tokens=60))
+    reclaim_after = (2 * SWAP_SOAK_IDLE_US + SWAP_SOAK_ALLOWANCE_US) / 1e6
+    table.run(f"grpc: host tier soak, {soak_seconds:.0f} s of sessions that end or vanish",
+              "no error; pages held, host bytes, swapped and held sequences back to 0",
+              lambda: W.check_swap_soak(url, "grpc", metrics, "swap_soak", soak_seconds,
+                                        reclaim_after, fill=(4, 128)))
+
+
 def server_rows(table: Table, d: Deployment, soak_seconds: float) -> None:
     """Checks run once: the bounded program's negative control, a ragged batch, the soak and
     KV pool donation."""
@@ -423,6 +458,8 @@ def main() -> int:
     ap.add_argument("--soak-seconds", type=float, default=180.0)
     ap.add_argument("--pressure-seconds", type=float, default=180.0,
                     help="how long 12 users cycle through the KV-reuse pressure check")
+    ap.add_argument("--swap-soak-seconds", type=float, default=180.0,
+                    help="how long the host tier's soak runs")
     ap.add_argument("--reuse", action="store_true",
                     help="keep artifacts from an earlier run (default: export afresh, so the "
                          "certificate is for the exporter as it is now)")
@@ -451,6 +488,7 @@ def main() -> int:
             reclamation_rows(table, d, protocol)
             reuse_rows(table, d, protocol)
         pressure_rows(table, d, args.pressure_seconds)
+        host_tier_rows(table, d, args.swap_soak_seconds)
         server_rows(table, d, args.soak_seconds)
     finally:
         server.stop()

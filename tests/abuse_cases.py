@@ -591,8 +591,9 @@ def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0,
     from triton_tlaloc.repository import RepositoryOptions, write_repository
     from triton_tlaloc.server import TritonServer
 
+    # No host tier: the full-pool cases are of refusals, answered at once.
     write_repository(artifact, repo, MODEL, RepositoryOptions(
-        max_sequence_idle_microseconds=int(idle_s * 1e6)))
+        max_sequence_idle_microseconds=int(idle_s * 1e6), host_kv_bytes=0))
     for name, opts in (more_models or {}).items():
         write_repository(artifact, repo, name, opts)
     server = TritonServer(repo, exit_timeout_s=3).start()

@@ -1,6 +1,6 @@
-"""Page transfer programs (kv_transfer.py), the host tier's moves: a sequence's pages, ring and
-state slot read to the host and written back into other pages, in place, give the same KV bytes
-and the same greedy ids as a sequence never moved. Negative control: pages written back in the
+"""Page transfer programs (kv_transfer.py) under the host tier (host_tier.py): a sequence's
+pages, ring and state slot swapped out to the host and back into other pages, in place, give
+the same KV bytes and the same greedy ids as a sequence never moved. Negative control: pages written back in the
 wrong order change the logits."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.kv_transfer import PageTransfer, bucket
+from triton_tlaloc.host_tier import HostTier
+from triton_tlaloc.kv_transfer import PageTransfer, bucket, transfer_buckets
 from triton_tlaloc.page_pools import FULL, STATE, WINDOWED
 from triton_tlaloc.runtime import Runtime
 
@@ -38,23 +39,24 @@ def held(seq) -> dict[str, list[int]]:
 
 
 def move(engine: Engine, transfer: PageTransfer, seq, wrong_order=False) -> dict:
-    """Swap `seq` out (its pages read to the host, then released) and back in (other pages
-    taken, the host copies written into them). Returns the host copies by pool class."""
-    blocks = engine.blocks
-    pools = {FULL: blocks.full, WINDOWED: blocks.rings, STATE: blocks.state_slots}
+    """Swap `seq` out to a host tier (its pages read to the host, then released) and back in
+    (other pages taken, the host copies written into them). Returns the host copies by pool
+    class."""
     old = held(seq)
-    host = {k: transfer.read(k, v) for k, v in old.items() if v}
-    new = {}
-    for k, pages in old.items():
-        if pages:
-            pools[k].release(pages)
-            new[k] = pools[k].allocate(len(pages))
-            assert new[k] != pages, f"{k}: the sequence came back in the same pages"
-    for k, h in host.items():
-        transfer.write(h, list(reversed(new[k])) if wrong_order else new[k])
-    seq.pages, seq.ring = new.get(FULL, []), new.get(WINDOWED, [])
-    seq.state_slot = new[STATE][0] if STATE in new else None
-    return host
+    host = HostTier(engine.blocks, transfer, 1 << 40)
+    host.swap_out(seq)
+    copies = dict(seq.swapped.parts)
+    write = transfer.write
+    if wrong_order:
+        transfer.write = lambda h, pages: write(h, pages[::-1])
+    try:
+        host.swap_in(seq)
+    finally:
+        transfer.write = write
+    for k, pages in held(seq).items():
+        assert not pages or pages != old[k], f"{k}: the sequence came back in the same pages"
+    assert host.used == 0 and host.sequences == 0
+    return copies
 
 
 def run(engine, transfer=None, wrong_order=False):
@@ -82,7 +84,7 @@ def test_a_sequence_moved_through_the_host_continues_with_the_same_ids(artifacts
     rt = Runtime(artifacts[name])
     engine = Engine(rt)
     transfer = PageTransfer(rt)
-    transfer.warm()
+    transfer.warm(transfer_buckets(rt.artifact))
     ids, logits = run(engine)
     moved_ids, moved_logits = run(engine, transfer)
     assert moved_ids == ids

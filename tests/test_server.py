@@ -42,7 +42,10 @@ def served(tiny, work):
             "llama_int8_fp8kv": tiny.artifact("llama", False, weight_quant="int8", kv_dtype="fp8")}
     repo = work / "repo"
     for name, art in arts.items():
-        write_repository(art, repo, name, RepositoryOptions(max_sequence_idle_microseconds=600_000_000))
+        # The small pool's checks are of refusals: no host tier (it would swap instead).
+        write_repository(art, repo, name, RepositoryOptions(
+            max_sequence_idle_microseconds=600_000_000,
+            host_kv_bytes=0 if name == "small" else None))
     write_repository(arts["llama"], repo, "llama_copied",
                      RepositoryOptions(donate_kv_pools=False))
     server = TritonServer(repo, exit_timeout_s=3).start()

@@ -35,9 +35,10 @@ import numpy as np
 
 from .codes import INTERNAL, INVALID_ARG, UNAVAILABLE
 from .engine import Engine, RequestError, Sequence
+from .host_tier import HostTier
 from .metrics import BatcherStats, CallTiming, Observer
 from .pages import PagesExhausted, Reuse
-from .policy import BatchPolicy, Cohort, choose_reclaim, select
+from .policy import BatchPolicy, Cohort, choose_reclaim, choose_swap_out, select
 
 log = logging.getLogger("triton_tlaloc.batcher")
 
@@ -67,6 +68,7 @@ class Request:
     # it still passes admission's START and activity rules, then is refused with this.
     refusal: tuple[str, str] | None = None
     cache_salt: str | None = None  # a START's tenant: prompts of different salts share no KV
+    waiting_since: float | None = None  # when it first waited for pages (host tier on)
     _answered: bool = field(default=False, repr=False)
 
     @property
@@ -100,10 +102,19 @@ class _Job:
 class Batcher:
     def __init__(self, engine: Engine, policy: BatchPolicy = BatchPolicy(),
                  clock: Callable[[], float] = time.monotonic,
-                 observers: tuple[Observer, ...] = ()):
+                 observers: tuple[Observer, ...] = (), host_tier: HostTier | None = None,
+                 preempt_wait_s: float = 10.0):
         self.engine = engine
         self.policy = policy
         self.clock = clock
+        # The host tier (None: off). With it, a request short of pages swaps idle sequences
+        # out, preempts, or waits up to preempt_wait_s, instead of being refused.
+        self.host = host_tier
+        self.preempt_wait_s = preempt_wait_s
+        self._waiting: list[Request] = []  # requests waiting for pages, oldest first
+        self._retry_waiting = False  # pages were released since they last tried
+        self._busy: set = set()  # ids with a request in the round, queued or waiting
+        self._admissions = 0  # STARTs admitted so far (Sequence.admitted)
         self.sequences: dict[int | str, Sequence] = {}
         self.stats = BatcherStats()
         self._observers = [self.stats, *observers]
@@ -171,11 +182,16 @@ class Batcher:
                         return
                     now = self.clock()
                     taken, wake_at = self._select(now)
-                    if taken:
+                    sweep_at = self._sweep_at()
+                    if taken or (sweep_at is not None and now >= sweep_at):
                         break
+                    wake_at = min((t for t in (wake_at, sweep_at) if t is not None),
+                                  default=None)
                     self._cv.wait(None if wake_at is None else max(0.0, wake_at - now))
             try:
-                self.process(taken)
+                self._sweep(now)
+                if taken:
+                    self.process(taken)
             except Exception:  # never leave a request unanswered, never let the thread die
                 log.exception("batcher round failed")
                 for r in taken:
@@ -185,8 +201,10 @@ class Batcher:
 
     def run_pending(self) -> bool:
         """One round on the caller's thread if one is due now (tests drive the clock)."""
+        now = self.clock()
         with self._cv:
-            taken, _ = self._select(self.clock())
+            taken, _ = self._select(now)
+        self._sweep(now)
         if taken:
             self.process(taken)
         return bool(taken)
@@ -196,24 +214,41 @@ class Batcher:
     def _select(self, now: float) -> tuple[list[Request], float | None]:
         """Take the requests `policy.select` runs now off the queue (called with the lock
         held); returns them and when to look again if some wait."""
-        taken, wake_at = select(list(self._pending), now=now, policy=self.policy,
-                                cohort=self.cohort, held=self.sequences,
+        waiting = {r.seq_id for r in self._waiting}
+        # A swapped-out sequence is not waited for by its cohort; a sequence whose request
+        # waits for pages sends no other.
+        held = {k for k, s in self.sequences.items() if s.swapped is None}
+        taken, wake_at = select([r for r in self._pending if r.seq_id not in waiting], now=now,
+                                policy=self.policy, cohort=self.cohort, held=held,
                                 max_prefill_batch=self.max_prefill_batch)
         if taken:
             ids = {id(r) for r in taken}
             self._pending = deque(r for r in self._pending if id(r) not in ids)
+        if self._waiting:
+            # Waiting requests try again first (before newer ones take the pages) in every
+            # round, and alone when pages were released since they last tried or at their
+            # deadline.
+            due = min(r.waiting_since for r in self._waiting) + self.preempt_wait_s
+            if taken or self._retry_waiting or now >= due:
+                taken, self._waiting, self._retry_waiting = self._waiting + taken, [], False
+            else:
+                wake_at = due if wake_at is None else min(wake_at, due)
         return taken, wake_at
 
     # ------------------------------------------------------------ one round
 
     def process(self, requests: list[Request]) -> None:
-        decode, prefill = [], []
+        with self._cv:
+            queued = {r.seq_id for r in self._pending}
+        self._busy = {r.seq_id for r in requests} | queued | {r.seq_id for r in self._waiting}
+        jobs: list[_Job] = []  # a preempted sequence's job leaves the list
         t0 = time.perf_counter()
         for r in requests:
-            job = self._admit(r)
-            if job is None:
-                continue
-            (decode if r.is_decode else prefill).append(job)
+            job = self._admit(r, jobs)
+            if job is not None:
+                jobs.append(job)
+        decode = [j for j in jobs if j.request.is_decode]
+        prefill = [j for j in jobs if not j.request.is_decode]
         self._admit_seconds = time.perf_counter() - t0  # charged to the round's first call
         if decode:
             for i in range(0, len(decode), self.max_decode_batch):
@@ -229,6 +264,8 @@ class Batcher:
                                                         if j.seq.seq_id in self.sequences},
                                  self.clock() + self.policy.cohort_wait_s)
         self._observe("state", self.pool_state(), len(self.sequences))
+        if self.host is not None:
+            self._observe("host", self.host.used, self.host.sequences)
         blocks = self.engine.blocks
         evicted = (blocks.full.evicted - self._evicted[0], blocks.dropped - self._evicted[1])
         if any(evicted):
@@ -266,17 +303,17 @@ class Batcher:
                          f"sequence {r.seq_id}: KV pool full: {e}; {len(holding)} sequences "
                          f"hold pages (retry when one ends)")
 
-    def _admit(self, r: Request) -> _Job | None:
+    def _admit(self, r: Request, jobs: list[_Job]) -> _Job | None:
         engine = self.engine
         if r.start:
-            old = self.sequences.pop(r.seq_id, None)
+            old = self.sequences.get(r.seq_id)
             if old is not None:
                 # A new START on a held id begins a new sequence: the old KV must never be
                 # continued by this id, whether or not this START is admitted. (Ended whole,
                 # another prompt of the same history may still take it over.)
                 log.info("sequence %s: START on a held id; its %d pages are released", r.seq_id,
                          len(old.pages))
-                engine.finish(old)
+                self._release(old, ended=True)
             seq = Sequence([], seq_id=r.seq_id)
         else:
             seq = self.sequences.get(r.seq_id)
@@ -301,24 +338,174 @@ class Batcher:
                 return None
             self._refuse(r, INVALID_ARG, "empty", f"sequence {r.seq_id}: TOKENS is empty")
             return None
-        before = (len(seq.token_ids), len(seq.pages), len(seq.ring), seq.state_slot is not None)
         try:
-            try:
-                reuse = engine.admit(seq, r.tokens, r.cache_salt)
-            except PagesExhausted:
-                if not self._reclaim_for(seq, len(r.tokens)):
-                    raise
-                reuse = engine.admit(seq, r.tokens, r.cache_salt)
+            engine.check_request(seq, r.tokens)  # before anything moves
+            if seq.swapped is not None:
+                self._with_room(seq, len(r.tokens), jobs, lambda: self._swap_in(seq))
+            before = (len(seq.token_ids), len(seq.pages), len(seq.ring),
+                      seq.state_slot is not None)
+            reuse = self._with_room(seq, len(r.tokens), jobs,
+                                    lambda: engine.admit(seq, r.tokens, r.cache_salt))
         except RequestError as e:
             self._refuse(r, INVALID_ARG, e.reason, f"sequence {r.seq_id}: {e}")
             return None
         except PagesExhausted as e:
-            self._refuse_exhausted(r, e)
+            if not self._wait(r, seq, e):
+                self._refuse_exhausted(r, e)
             return None
         if r.start:
+            self._admissions += 1
+            seq.admitted = self._admissions
             self.sequences[r.seq_id] = seq
             self._started(seq, reuse)
         return _Job(r, seq, *before)
+
+    def _with_room(self, seq: Sequence, n_tokens: int, jobs: list[_Job], attempt):
+        """`attempt()`, making room when it runs short of pages: sequences Triton has ended
+        are reclaimed; with the host tier, idle sequences are swapped out and, when they are
+        not enough, the round's most recently admitted sequences preempted, one at a time,
+        never the requester's betters for nothing. Raises the last PagesExhausted."""
+        try:
+            return attempt()
+        except PagesExhausted as e:
+            if not self._reclaim_for(seq, n_tokens):
+                if self.host is None:
+                    raise
+                last = e
+            else:
+                try:
+                    return attempt()
+                except PagesExhausted as e2:
+                    if self.host is None:
+                        raise
+                    last = e2
+        while self._swap_out_for(seq, n_tokens, jobs):
+            try:
+                return attempt()
+            except PagesExhausted as e:
+                last = e
+        raise last
+
+    def _swap_out_for(self, seq: Sequence, n_tokens: int, jobs: list[_Job]) -> bool:
+        """Swap out (or preempt) the next sequence that helps `seq` take `n_tokens` more; False
+        when none can cover what it lacks (nothing is swapped then)."""
+        available = self.engine.blocks.available()
+        short = {k: n - available[k] for k, n in self.engine.pages_needed(seq, n_tokens).items()
+                 if n > available[k]}
+        if not short:
+            return False
+        refs = self.engine.blocks.full.refs
+        held = [s for s in self.sequences.values()
+                if s is not seq and s.swapped is None and self.host.fits(s)
+                and (s.pages or s.ring or s.state_slot is not None)]
+        idle = sorted((s for s in held if s.seq_id not in self._busy),
+                      key=lambda s: s.last_active)
+        # The requester ranks as it was admitted (a new START: after every other).
+        rank = seq.admitted if seq.seq_id in self.sequences else self._admissions + 1
+        busy = sorted((s for s in held if s.seq_id in self._busy and s.admitted > rank),
+                      key=lambda s: -s.admitted)
+        victim = choose_swap_out(
+            [(s, {"full": sum(refs[p] == 1 for p in s.pages), "windowed": len(s.ring),
+                  "state": int(s.state_slot is not None)}) for s in idle + busy], short)
+        if victim is None:
+            return False
+        job = next((j for j in jobs if j.seq is victim), None)
+        if victim.seq_id in self._busy:
+            self._preempt(victim, job, jobs)
+        else:
+            self._swap_out(victim, f"idle {self.clock() - victim.last_active:.1f} s")
+        return True
+
+    def _preempt(self, victim: Sequence, job: _Job | None, jobs: list[_Job]) -> None:
+        """Swap out a sequence whose request is in this round (or queued): its request waits
+        for pages (a job already admitted is rolled back first)."""
+        self._observe("preempted")
+        if job is not None:
+            jobs.remove(job)
+            if job.request.start:  # nothing of it is computed: it starts again when it can
+                self._release(victim)
+                self._defer(job.request)
+                log.info("sequence %s preempted before its prompt ran: it waits for pages",
+                         victim.seq_id)
+                return
+            self.engine.rollback(victim, job.num_tokens, job.num_pages, job.num_ring,
+                                 job.had_state_slot)
+            self._defer(job.request)
+        self._swap_out(victim, "preempted")
+
+    def _wait(self, r: Request, seq: Sequence, e: PagesExhausted) -> bool:
+        """With the host tier, a request short of pages waits for them (its sequence swapped
+        out) until its deadline; False: it is refused now (no host tier, past the deadline,
+        more than the pools hold, or the host budget spent)."""
+        if self.host is None:
+            return False
+        now = self.clock()
+        if r.waiting_since is not None and now - r.waiting_since >= self.preempt_wait_s:
+            e.args = (f"{e}; waited {now - r.waiting_since:.1f} s for pages "
+                      f"(preempt_wait_microseconds {self.preempt_wait_s * 1e6:.0f})",)
+            return False
+        capacity = {name: pool.capacity for name, pool in self.engine.pools().items()}
+        total = self.engine.blocks.need(Sequence([]), len(seq.token_ids) + len(r.tokens))
+        if any(n > capacity[k] for k, n in total.items()):
+            return False  # it would never fit
+        holds = seq.pages or seq.ring or seq.state_slot is not None
+        unfit = [s for s in self.sequences.values() if s is not seq and s.swapped is None
+                 and s.seq_id not in self._busy and not self.host.fits(s)
+                 and (s.pages or s.ring or s.state_slot is not None)]
+        if (holds and seq.seq_id in self.sequences and not self.host.fits(seq)) or unfit:
+            e.args = (f"{e}; the host tier is full ({self.host.used} of {self.host.budget} "
+                      f"bytes)",)
+            return False
+        if holds and seq.seq_id in self.sequences:
+            self._observe("preempted")
+            self._swap_out(seq, "preempted")
+        self._defer(r)
+        return True
+
+    def _defer(self, r: Request) -> None:
+        if r.waiting_since is None:
+            r.waiting_since = self.clock()
+            log.info("sequence %s waits for KV pages (up to %.1f s)", r.seq_id,
+                     self.preempt_wait_s)
+        self._waiting.append(r)
+        self._busy.add(r.seq_id)
+
+    def _swap_out(self, seq: Sequence, why: str) -> None:
+        swap = self.host.swap_out(seq)
+        self._swapped(seq, swap, why)
+
+    def _swap_in(self, seq: Sequence) -> None:
+        swap = self.host.swap_in(seq)
+        self._swapped(seq, swap, f"{swap.shared} pages still cached on the device"
+                      if swap.shared else "")
+
+    def _swapped(self, seq: Sequence, swap, why: str) -> None:
+        log.info("sequence %s swapped %s: %d pages, %.1f KiB in %.1f ms%s", seq.seq_id,
+                 swap.direction, swap.pages, swap.nbytes / 1024, swap.seconds * 1e3,
+                 f" ({why})" if why else "")
+        self._observe("swapped", swap.direction, swap.nbytes, swap.seconds)
+
+    def _sweep_at(self) -> float | None:
+        """When the next swapped-out sequence passes the reclamation rule (its host memory
+        is then released without waiting for a request to need it)."""
+        if self.host is None or not self.host.sequences:
+            return None
+        return min(s.last_active for s in self.sequences.values()
+                   if s.swapped is not None) + self.policy.reclaim_after_s
+
+    def _sweep(self, now: float) -> None:
+        at = self._sweep_at()
+        if at is None or now < at:
+            return
+        for s in [s for s in self.sequences.values() if s.swapped is not None
+                  and now - s.last_active > self.policy.reclaim_after_s]:
+            log.info("reclaimed sequence %s: swapped out, %.1f KiB on the host, idle %.1f s "
+                     "(Triton ends a sequence idle %.1f s)", s.seq_id, s.swapped.nbytes / 1024,
+                     now - s.last_active, self.policy.idle_timeout_s)
+            self._release(s)
+            self._observe("reclaimed", 1, 0)
+        self._observe("state", self.pool_state(), len(self.sequences))
+        self._observe("host", self.host.used, self.host.sequences)
 
     def _started(self, seq: Sequence, reuse: Reuse) -> None:
         self._observe("prefix", reuse.queried, reuse.reused, reuse.continued)
@@ -426,9 +613,13 @@ class Batcher:
 
     def _release(self, seq: Sequence, ended: bool = False) -> None:
         """The sequence is no longer held for its id. Ended by its client (END): kept whole
-        for a next turn while pages allow; otherwise (reclaimed, a failed START) freed."""
+        for a next turn while pages allow; otherwise (reclaimed, a failed START) freed. A
+        swapped-out sequence's host copy is released."""
         if self.sequences.get(seq.seq_id) is seq:
             del self.sequences[seq.seq_id]
+        self._retry_waiting = True
+        if seq.swapped is not None:
+            self.host.drop(seq)
         if ended:
             self.engine.finish(seq)
         else:

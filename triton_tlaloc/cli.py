@@ -159,7 +159,9 @@ def _cmd_repository(args) -> int:
                              compile_cache_dir=args.compile_cache_dir or "",
                              generate_model=not args.no_generate_model,
                              sequence_slots=args.sequence_slots,
-                             prefix_reuse=not args.no_prefix_reuse)
+                             prefix_reuse=not args.no_prefix_reuse,
+                             host_kv_bytes=args.host_kv_bytes,
+                             preempt_wait_microseconds=args.preempt_wait_us)
     model_dir = write_repository(args.artifact, args.repo, args.name, opts)
     print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/"
           + ("" if args.no_generate_model else f", and {model_dir}_generate (generation on the "
@@ -361,6 +363,12 @@ def _add_repository_parser(sub) -> None:
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefix_reuse false: every prompt computes all its tokens and ended "
                         "sequences are freed at once (a control)")
+    p.add_argument("--host-kv-bytes", type=int, default=None,
+                   help="host memory for swapped-out sequences' KV (default: 4x the device's "
+                        "KV pools; 0: no host tier, a request short of pages is refused)")
+    p.add_argument("--preempt-wait-us", type=int, default=10_000_000,
+                   help="how long a request short of KV pages waits for them before it is "
+                        "refused (with the host tier)")
     g = p.add_argument_group(
         "programs that are not language models",
         "ARTIFACT a bounded-program artifact (tlaloc-bounded.json) or a StableHLO program file")

@@ -125,11 +125,8 @@ class Engine:
         PagesExhausted) leaving the sequence and the pools exactly as they were. A new
         sequence's prompt first takes what it finds cached (`cache_salt` is its tenant's:
         prompts of different salts share nothing); what it took is returned."""
-        self.check_tokens(tokens)
+        self.check_request(seq, tokens)
         length = len(seq.token_ids) + len(tokens)
-        if length > self.art.max_context:
-            raise RequestError(f"{length} positions would exceed the largest context "
-                               f"{self.art.max_context}", "context")
         if seq.token_ids:
             self.blocks.reserve(seq, length)
             seq.token_ids += tokens
@@ -143,6 +140,14 @@ class Engine:
             raise
         seq.token_ids += tokens
         return reuse
+
+    def check_request(self, seq: Sequence, tokens: list[int]) -> None:
+        """RequestError unless `seq` can take `tokens`: known ids, within the largest context."""
+        self.check_tokens(tokens)
+        length = len(seq.token_ids) + len(tokens)
+        if length > self.art.max_context:
+            raise RequestError(f"{length} positions would exceed the largest context "
+                               f"{self.art.max_context}", "context")
 
     def pools(self) -> dict[str, PagePool | SharedPagePool]:
         return self.blocks.pools()

@@ -23,6 +23,18 @@ from .page_pools import FULL, STATE, WINDOWED
 log = logging.getLogger("triton_tlaloc.kv_transfer")
 
 
+def transfer_buckets(artifact) -> dict[str, tuple[int, ...]]:
+    """The page counts to compile per pool class: every power of two up to what one sequence
+    can hold (its context's pages, its ring, its one state slot)."""
+    full = artifact.max_context // artifact.model.block_size
+    ring = artifact.windowed.ring_pages if artifact.windowed else 0
+    return {FULL: _powers(full), WINDOWED: _powers(ring), STATE: (1,)}
+
+
+def _powers(n: int) -> tuple[int, ...]:
+    return tuple(1 << k for k in range(bucket(n).bit_length())) if n else ()
+
+
 def bucket(n: int) -> int:
     """The smallest power of two that holds n (n >= 1)."""
     assert n >= 1, "a transfer of no pages"
@@ -43,6 +55,10 @@ class HostPages:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
+
+    def rows(self, start: int) -> HostPages:
+        """The pages from `start` on."""
+        return HostPages(self.pool_class, {k: a[start:] for k, a in self.arrays.items()})
 
 
 class PageTransfer:
@@ -69,12 +85,18 @@ class PageTransfer:
         self.in_place = self.copied = 0
         self.seconds = {"read": 0.0, "write": 0.0}
 
-    def warm(self, counts=(1, 2, 4, 8)) -> None:
-        """Compile the programs of every pool class for these bucket sizes now (at load), so a
-        swap does not wait for a compile: a read of page 0 and a write that drops every row."""
+    def page_bytes(self, pool_class: str) -> int:
+        """Bytes of one page (row) of every pool of the class together."""
+        pools = [self.rt.pools[name] for name in self.classes.get(pool_class, ())]
+        return sum(p.nbytes // p.shape[0] for p in pools)
+
+    def warm(self, counts) -> None:
+        """Compile the programs for these bucket sizes now (at load; `counts` per pool class, or
+        the same for all), so a swap does not wait for a compile: a read of page 0 and a write
+        that drops every row."""
         for pool_class, names in self.classes.items():
             rows = len(self.rt.pools[names[0]])
-            for n in counts:
+            for n in (counts.get(pool_class, ()) if isinstance(counts, dict) else counts):
                 if n > rows:
                     break
                 host = self.read(pool_class, [0] * n)

@@ -129,6 +129,15 @@ class Observer:
     def evicted(self, pages: int, sequences: int) -> None:
         """Cached pages evicted and ended sequences dropped since the last report."""
 
+    def swapped(self, direction: str, nbytes: int, seconds: float) -> None:
+        """A sequence's KV moved to the host ("out") or back ("in")."""
+
+    def preempted(self) -> None:
+        """A sequence with a request waiting was swapped out to make room."""
+
+    def host(self, nbytes: int, sequences: int) -> None:
+        """The host tier now: bytes held, sequences swapped out."""
+
     def timing(self, t: CallTiming) -> None:
         pass
 
@@ -163,6 +172,9 @@ class BatcherStats(Observer):
         self.continuations = 0
         self.evicted_pages = 0
         self.dropped_sequences = 0
+        self.swaps = {"out": 0, "in": 0}
+        self.swap_bytes = {"out": 0, "in": 0}
+        self.preemptions = 0
         self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
         self.call_sizes: list[tuple[str, int]] = []
 
@@ -190,3 +202,10 @@ class BatcherStats(Observer):
     def evicted(self, pages: int, sequences: int) -> None:
         self.evicted_pages += pages
         self.dropped_sequences += sequences
+
+    def swapped(self, direction: str, nbytes: int, seconds: float) -> None:
+        self.swaps[direction] += 1
+        self.swap_bytes[direction] += nbytes
+
+    def preempted(self) -> None:
+        self.preemptions += 1

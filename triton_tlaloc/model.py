@@ -23,6 +23,8 @@ from .backend import error_response, model_settings, parse_bool, setup_logging
 from .batcher import INVALID_ARG, Batcher, Reply, Request
 from .codes import coded_message
 from .engine import Engine
+from .host_tier import HostTier
+from .kv_transfer import PageTransfer, transfer_buckets
 from .manifest import load_artifact
 from .metrics import TimingLog
 from .model_metrics import TritonMetrics
@@ -47,7 +49,13 @@ DEFAULTS = {
     "metrics_interval_microseconds": "250000",
     "prefix_reuse": "true",
     "keep_ended_sequences": "64",
+    "host_kv_bytes": "",  # empty: 4x the device's KV and state pools; 0: no host tier
+    "preempt_wait_microseconds": "10000000",
 }
+
+# The host tier's budget by default, in device pools' worth (TensorRT-LLM sizes its host
+# cache on its own; host memory is usually many times a device's KV pool).
+HOST_KV_DEFAULT_POOLS = 4
 
 
 def batch_policy(config: dict, params: dict[str, str]) -> BatchPolicy:
@@ -86,13 +94,36 @@ class TritonPythonModel:
             log.info("timing log: one line per call in %s", params["timing_log"])
         engine = Engine(self.runtime, prefix_reuse=parse_bool(params["prefix_reuse"]),
                         keep_ended=int(params["keep_ended_sequences"]))
-        self.batcher = Batcher(engine, policy, observers=tuple(observers))
+        host = self._host_tier(engine, params)
+        self.batcher = Batcher(engine, policy, observers=tuple(observers), host_tier=host,
+                               preempt_wait_s=int(params["preempt_wait_microseconds"]) / 1e6)
         self.max_context = artifact.max_context
         self.metrics.state(self.batcher.pool_state(), 0)
+        self.metrics.host(0, 0)
         self.metrics.memory(self.runtime.weight_bytes, self.runtime.kv_pool_bytes,
                             self.runtime.state_pool_bytes)
         self.batcher.start()
         self._log_loaded(args["model_name"], time.perf_counter() - t0, platform, params, policy)
+
+    def _host_tier(self, engine: Engine, params: dict) -> HostTier | None:
+        """The host tier of `host_kv_bytes` (its transfer programs compiled now), or None."""
+        rt = self.runtime
+        asked = params["host_kv_bytes"].strip()
+        budget = (int(asked) if asked else
+                  HOST_KV_DEFAULT_POOLS * (rt.kv_pool_bytes + rt.state_pool_bytes))
+        if budget < 0:
+            raise ValueError(f"host_kv_bytes {budget}: expected 0 (off) or a byte count")
+        if budget == 0:
+            log.info("host tier off (host_kv_bytes 0): a request short of KV pages is refused")
+            return None
+        t0 = time.perf_counter()
+        transfer = PageTransfer(rt)
+        transfer.warm(transfer_buckets(rt.artifact))
+        log.info("host tier: up to %.1f MiB of swapped-out KV in host memory; page transfer "
+                 "programs compiled in %.2f s; a request short of pages waits up to %.1f s",
+                 budget / 2**20, time.perf_counter() - t0,
+                 int(params["preempt_wait_microseconds"]) / 1e6)
+        return HostTier(engine.blocks, transfer, budget)
 
     def _log_loaded(self, name, seconds, platform, params, policy) -> None:
         rt = self.runtime

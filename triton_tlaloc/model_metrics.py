@@ -72,6 +72,15 @@ class TritonMetrics(Observer):
             F.COUNTER).Metric(labels=self.labels)
         self._evictions = family("tlaloc_kv_evictions_total", "Cached KV given up for new "
                                  "requests, by what (pages, sequences)", F.COUNTER)
+        self.swapped_now = family("tlaloc_sequences_swapped", "Sequences whose KV is swapped "
+                                  "out to host memory", F.GAUGE).Metric(labels=self.labels)
+        self.host_bytes = family("tlaloc_host_kv_bytes", "Host memory holding swapped-out "
+                                 "sequences' KV", F.GAUGE).Metric(labels=self.labels)
+        self.preemptions = family("tlaloc_preemptions_total", "Sequences with a request in "
+                                  "flight swapped out to make room (their request waits)",
+                                  F.COUNTER).Metric(labels=self.labels)
+        self._swap_bytes = family("tlaloc_swap_bytes_total", "KV bytes moved between the "
+                                  "device and the host tier, by direction (out, in)", F.COUNTER)
         self._phases = family("tlaloc_call_phase_seconds_total", "Seconds spent in each phase "
                               "of the calls (batcher.CallTiming), by kind of call", F.COUNTER)
         self._by_label: dict = {}
@@ -82,6 +91,9 @@ class TritonMetrics(Observer):
             self.wait = family("tlaloc_backend_wait_seconds", "Time a request waits in the "
                                "backend before its execution starts", F.HISTOGRAM).Metric(
                 labels=self.labels, buckets=self.WAIT_BUCKETS)
+            self.swap_seconds = family("tlaloc_swap_seconds", "Time one swap out or in takes",
+                                       F.HISTOGRAM).Metric(labels=self.labels,
+                                                           buckets=self.EXEC_BUCKETS)
             self.send = family("tlaloc_response_send_seconds", "Time a response takes to hand "
                                "over to Triton (the python backend's IPC)", F.HISTOGRAM).Metric(
                 labels=self.labels, buckets=self.WAIT_BUCKETS)
@@ -141,3 +153,15 @@ class TritonMetrics(Observer):
             self.writer.set(self.pages_cached[pool], cached)
             self.writer.set(self.pages_free[pool], free)
         self.writer.set(self.sequences, sequences)
+
+    def swapped(self, direction, nbytes, seconds):
+        self.writer.increment(self._metric(self._swap_bytes, direction=direction), nbytes)
+        if self.has_histograms:
+            self.writer.observe(self.swap_seconds, seconds)
+
+    def preempted(self):
+        self.writer.increment(self.preemptions, 1)
+
+    def host(self, nbytes, sequences):
+        self.writer.set(self.host_bytes, nbytes)
+        self.writer.set(self.swapped_now, sequences)

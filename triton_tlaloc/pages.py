@@ -119,7 +119,9 @@ class BlockManager:
         """Take the pages `seq` needs to hold `length` positions, all or none: cached blocks
         are evicted, then ended sequences dropped (least recently ended first), before
         PagesExhausted names each pool still short."""
-        need = self.need(seq, length)
+        self._take(seq, self.need(seq, length))
+
+    def _take(self, seq: Sequence, need: dict[str, int]) -> None:
         pools = self.pools()
         short = {name: pools[name].shortage(n) for name, n in need.items()}
         short = {name: why for name, why in short.items() if why is not None}
@@ -128,9 +130,9 @@ class BlockManager:
             raise PagesExhausted("; ".join(short.values()), tuple(short))
         while any(pools[name].shortage(n) for name, n in need.items()):
             self._drop_ended()
-        seq.pages += self.full.allocate(need[FULL])
+        seq.pages += self.full.allocate(need.get(FULL, 0))
         if self.rings is not None:
-            seq.ring += self.rings.allocate(need[WINDOWED])
+            seq.ring += self.rings.allocate(need.get(WINDOWED, 0))
         if need.get(STATE):
             seq.state_slot = self.state_slots.allocate(1)[0]
 
@@ -257,16 +259,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release everything `seq` holds (its registered blocks stay cached)."""
-        self.full.release(seq.pages)
-        seq.pages = []
-        if self.rings is not None:
-            self.rings.release(seq.ring)
-            seq.ring = []
-        if seq.state_slot is not None:
-            # Not cleared: the next sequence given this slot starts at position 0, and a row
-            # starting at position 0 starts from zero state.
-            self.state_slots.release([seq.state_slot])
-            seq.state_slot = None
+        self.detach(seq)
         seq.num_cached = 0
         seq.block_hashes = []
 
@@ -293,6 +286,51 @@ class BlockManager:
         self._unkeep(seq)
         self.dropped += 1
         self.free(seq)
+
+    # ------------------------------------------------------------ the host tier
+
+    def detach(self, seq: Sequence) -> None:
+        """Release everything `seq` holds but keep what it is (its tokens, how many are
+        computed, its block hashes): its KV has been copied to the host (swapped out)."""
+        self.full.release(seq.pages)
+        seq.pages = []
+        if self.rings is not None:
+            self.rings.release(seq.ring)
+            seq.ring = []
+        if seq.state_slot is not None:
+            # Not cleared: the next sequence given this slot starts at position 0, and a row
+            # starting at position 0 starts from zero state.
+            self.state_slots.release([seq.state_slot])
+            seq.state_slot = None
+
+    def attach(self, seq: Sequence, num_pages: int, num_ring: int, state_slot: bool) -> int:
+        """Give a swapped-out sequence pages again (swapping it in), all or none: its leading
+        blocks still cached on the device are shared rather than written; returns how many
+        (the first pages, whose KV need not be written). The new pages are registered with
+        the sequence's block hashes once written (`register_blocks`)."""
+        assert not seq.pages and not seq.ring and seq.state_slot is None
+        prefix = (self.full.lookup(iter(seq.block_hashes[:num_pages]))
+                  if self.prefix_reuse else [])
+        self.full.share(prefix)
+        seq.pages = list(prefix)
+        try:
+            need = {FULL: num_pages - len(prefix)}
+            if self.rings is not None:
+                need[WINDOWED] = num_ring
+            if self.state_slots is not None:
+                need[STATE] = int(state_slot)
+            self._take(seq, need)
+        except PagesExhausted:
+            self.full.release(seq.pages)
+            seq.pages = []
+            raise
+        return len(prefix)
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of pages written back from the host (see `attach`)."""
+        if self.prefix_reuse:
+            for page, h in zip(seq.pages, seq.block_hashes):
+                self.full.register(page, h)
 
     # ------------------------------------------------------------ accounting
 

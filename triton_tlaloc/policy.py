@@ -128,3 +128,26 @@ def choose_reclaim(candidates: list[tuple[object, object, float]], need, now: fl
         for k in freed:
             freed[k] += as_dict(pages).get(k, 0)
     return chosen if covered() else []
+
+
+def choose_swap_out(candidates: list[tuple[object, dict]], short: dict[str, int]) -> object:
+    """The next sequence to swap out to the host so that `short` more pages (per pool) can be
+    had, or None.
+
+    candidates: (sequence, what swapping it out frees per pool), in the order they go: idle
+    sequences, longest idle first, then those with a request waiting, most recently admitted
+    first (preemption, as vLLM does). The first that frees any of what is short, when those
+    that do can cover it all taken in order; None when they cannot, so that no sequence is
+    swapped out for nothing (the request waits or is refused instead).
+    """
+    freed = dict.fromkeys(short, 0)
+    first = None
+    for item, frees in candidates:
+        if not any(frees.get(k, 0) for k in short):
+            continue
+        first = item if first is None else first
+        for k in freed:
+            freed[k] += frees.get(k, 0)
+        if all(freed[k] >= n for k, n in short.items()):
+            return first
+    return None

@@ -4,13 +4,15 @@ its Sequence too). Pure Python.
 Its tokens, how many of them have KV in the pools, the pages that hold them (in logical order),
 its ring of windowed pages (schema v3), its linear-attention state slot (schema v4), and for
 prefix reuse the root of its block hashes (the model's hash and the request's cache salt) and
-the hash of each full block computed so far.
+the hash of each full block computed so far; while it is swapped out, its KV on the host (it
+then holds no page, ring page or state slot, and keeps its tokens and hashes).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 _ids = itertools.count(1)
 
@@ -27,6 +29,8 @@ class Sequence:
     root: bytes = b""  # the root of its block hashes: model hash and cache salt (pages.root_hash)
     block_hashes: list[bytes] = field(default_factory=list)  # of blocks 0.. whose KV is computed
     reused: int = 0  # tokens of its first prompt whose KV it found cached (not computed)
+    admitted: int = 0  # the order of its START among all admitted (preemption takes the latest)
+    swapped: Any = None  # its KV on the host while swapped out (host_tier.SwappedKV)
 
     @property
     def uncached(self) -> list[int]:

@@ -10,6 +10,9 @@ import numpy as np
 
 from triton_tlaloc.batcher import Batcher, Reply, Request
 from triton_tlaloc.engine import Engine
+from triton_tlaloc.host_tier import HostTier
+from triton_tlaloc.kv_transfer import HostPages
+from triton_tlaloc.page_pools import FULL, STATE, WINDOWED
 from triton_tlaloc.manifest import (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Artifact, Entry, KvPool,
                                     LinearState, ModelShape, Program, WindowedKv)
 from triton_tlaloc.policy import BatchPolicy
@@ -72,7 +75,9 @@ def fake_artifact(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, v
 
 class FakeRuntime:
     """Runs no program: each row's logits are one-hot at (last token + last position) % vocab,
-    so a reply shows which row it came from. Records every call as (entry, live rows)."""
+    so a reply shows which row it came from. Records every call as (entry, live rows). Its
+    "KV" is the token written at each slot (`kv`, per pool class; a state slot holds a hash of
+    every token fed to it), so a test can read back what a sequence's pages hold."""
 
     def __init__(self, artifact: Artifact):
         self.artifact = artifact
@@ -80,6 +85,31 @@ class FakeRuntime:
         self.calls: list[tuple[str, int]] = []
         self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
         self.fail_next = None  # an exception the next run raises
+        bs = artifact.model.block_size
+        self.kv = {FULL: np.full((artifact.model.num_blocks, bs), -1, np.int64)}
+        if artifact.windowed is not None:
+            self.kv[WINDOWED] = np.full((artifact.windowed.num_blocks, bs), -1, np.int64)
+        if artifact.linear_state is not None:
+            self.kv[STATE] = np.zeros((artifact.linear_state.num_slots, 1), np.int64)
+
+    def kv_of(self, seq) -> list[int]:
+        """The tokens a sequence's full-history pages hold at its computed positions."""
+        return self.kv[FULL][seq.pages].ravel()[:seq.num_cached].tolist()
+
+    def _write_kv(self, step: dict) -> None:
+        tokens, positions = step["TOKEN_IDS"], step["POSITIONS"]
+        for pool_class, key in ((FULL, "SLOT_MAPPING"), (WINDOWED, "WINDOW_SLOT_MAPPING")):
+            if key in step and pool_class in self.kv:
+                slots = step[key]
+                flat = self.kv[pool_class].reshape(-1)
+                flat[slots[slots >= 0]] = tokens[slots >= 0]
+        if "STATE_SLOTS" in step:
+            for r, slot in enumerate(step["STATE_SLOTS"]):
+                if slot < 0:
+                    continue
+                for t, pos in zip(tokens[r], positions[r]):
+                    h = 0 if pos == 0 else int(self.kv[STATE][slot, 0])
+                    self.kv[STATE][slot, 0] = (h * 31 + int(t) + 1) % (1 << 40)
 
     def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
         if self.fail_next is not None:
@@ -91,19 +121,45 @@ class FakeRuntime:
         for r in range(tokens.shape[0]):
             logits[r, (tokens[r, -1] + positions[r, -1]) % vocab] = 1.0
         self.calls.append((entry_name, int((lens > 0).sum())))
+        self._write_kv(step)
         return logits
+
+
+class FakeTransfer:
+    """kv_transfer.PageTransfer over a FakeRuntime's `kv`: rows copied out and back."""
+
+    def __init__(self, runtime: FakeRuntime):
+        self.rt = runtime
+        self.reads = self.writes = 0
+
+    def page_bytes(self, pool_class: str) -> int:
+        kv = self.rt.kv.get(pool_class)
+        return 0 if kv is None else kv[0].nbytes
+
+    def read(self, pool_class: str, pages: list[int]) -> HostPages:
+        self.reads += 1
+        return HostPages(pool_class, {"kv": self.rt.kv[pool_class][pages].copy()})
+
+    def write(self, host: HostPages, pages: list[int]) -> None:
+        assert len(pages) == host.count
+        self.writes += 1
+        self.rt.kv[host.pool_class][pages] = host.arrays["kv"]
 
 
 class Harness:
     """A batcher over a FakeRuntime and a Clock, driven round by round on the test's thread; each
     sequence's replies are kept in order."""
 
-    def __init__(self, artifact, prefix_reuse=True, **policy):
+    def __init__(self, artifact, prefix_reuse=True, host_bytes=0, preempt_wait_s=10.0,
+                 **policy):
         self.clock = Clock()
         self.rt = FakeRuntime(artifact)
         # KV reuse on, as the server runs it by default
-        self.batcher = Batcher(Engine(self.rt, prefix_reuse=prefix_reuse), BatchPolicy(**policy),
-                               clock=self.clock)
+        engine = Engine(self.rt, prefix_reuse=prefix_reuse)
+        self.transfer = FakeTransfer(self.rt)
+        host = HostTier(engine.blocks, self.transfer, host_bytes) if host_bytes else None
+        self.batcher = Batcher(engine, BatchPolicy(**policy), clock=self.clock, host_tier=host,
+                               preempt_wait_s=preempt_wait_s)
         self.replies: dict = {}
 
     def send(self, seq_id, tokens, start=False, end=False, refusal=None):
