@@ -1,0 +1,201 @@
+"""Making room for a request short of pages: the batcher's reclamation of sequences Triton has
+ended, and with the host tier its swapping, preemption and waiting (docs/design.md#the-host-tier).
+
+`RoomMaking` is the half of `batcher.Batcher` that decides whose pages go when a request needs
+more than are free; the batcher inherits it. It relies on the batcher's state: `engine`,
+`policy`, `clock`, `host` (host_tier.HostTier or None), `preempt_wait_s`, `sequences` (held
+ids), `_busy` (ids with a request in the round, queued or waiting), `_waiting` (requests waiting
+for pages), `_admissions`, and on `_observe` and `_release`. Pure Python: no Triton or JAX.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .engine import Sequence
+from .pages import PagesExhausted
+from .policy import choose_reclaim, choose_swap_out
+
+if TYPE_CHECKING:
+    from .batcher import Request, Job
+
+log = logging.getLogger("triton_tlaloc.batcher")
+
+
+class RoomMaking:
+    """Reclamation, swapping out, preemption and waiting for `batcher.Batcher`."""
+
+    def _reclaim_for(self, seq: Sequence, n_tokens: int) -> bool:
+        """Free pages held by sequences Triton has ended, as many as `seq` needs to take
+        `n_tokens` more (in every pool); False (and nothing reclaimed) when they cannot."""
+        # What is free, cached or only kept for a next turn is taken before a sequence is
+        # reclaimed: only the rest is asked of the reclaimed.
+        available = self.engine.blocks.available()
+        need = {k: n - available[k] for k, n in self.engine.pages_needed(seq, n_tokens).items()}
+        now = self.clock()
+        candidates = [(s.seq_id, {"full": len(s.pages), "windowed": len(s.ring),
+                                  "state": int(s.state_slot is not None)}, s.last_active)
+                      for s in self.sequences.values() if s is not seq]
+        victims = choose_reclaim(candidates, need, now, self.policy.reclaim_after_s)
+        if not victims:
+            return False
+        pages = 0
+        for seq_id in victims:
+            victim = self.sequences[seq_id]
+            log.info("reclaimed sequence %s: %d pages%s%s, idle %.1f s (Triton ends a sequence "
+                     "idle %.1f s)", seq_id, len(victim.pages),
+                     f" and {len(victim.ring)} ring pages" if victim.ring else "",
+                     f", state slot {victim.state_slot}" if victim.state_slot is not None else "",
+                     now - victim.last_active, self.policy.idle_timeout_s)
+            pages += len(victim.pages) + len(victim.ring)
+            self._release(victim)
+        self._observe("reclaimed", len(victims), pages)
+        return True
+
+    def _with_room(self, seq: Sequence, n_tokens: int, jobs: list[Job], attempt):
+        """`attempt()`, making room when it runs short of pages: sequences Triton has ended
+        are reclaimed; with the host tier, idle sequences are swapped out and, when they are
+        not enough, the round's most recently admitted sequences preempted, one at a time,
+        never the requester's betters for nothing. Raises the last PagesExhausted."""
+        try:
+            return attempt()
+        except PagesExhausted as e:
+            if not self._reclaim_for(seq, n_tokens):
+                if self.host is None:
+                    raise
+                last = e
+            else:
+                try:
+                    return attempt()
+                except PagesExhausted as e2:
+                    if self.host is None:
+                        raise
+                    last = e2
+        while self._swap_out_for(seq, n_tokens, jobs):
+            try:
+                return attempt()
+            except PagesExhausted as e:
+                last = e
+        raise last
+
+    def _swap_out_for(self, seq: Sequence, n_tokens: int, jobs: list[Job]) -> bool:
+        """Swap out (or preempt) the next sequence that helps `seq` take `n_tokens` more; False
+        when none can cover what it lacks (nothing is swapped then)."""
+        available = self.engine.blocks.available()
+        short = {k: n - available[k] for k, n in self.engine.pages_needed(seq, n_tokens).items()
+                 if n > available[k]}
+        if not short:
+            return False
+        refs = self.engine.blocks.full.refs
+        held = [s for s in self.sequences.values()
+                if s is not seq and s.swapped is None and self.host.fits(s)
+                and (s.pages or s.ring or s.state_slot is not None)]
+        idle = sorted((s for s in held if s.seq_id not in self._busy),
+                      key=lambda s: s.last_active)
+        # The requester ranks as it was admitted (a new START: after every other).
+        rank = seq.admitted if seq.seq_id in self.sequences else self._admissions + 1
+        busy = sorted((s for s in held if s.seq_id in self._busy and s.admitted > rank),
+                      key=lambda s: -s.admitted)
+        victim = choose_swap_out(
+            [(s, {"full": sum(refs[p] == 1 for p in s.pages), "windowed": len(s.ring),
+                  "state": int(s.state_slot is not None)}) for s in idle + busy], short)
+        if victim is None:
+            return False
+        job = next((j for j in jobs if j.seq is victim), None)
+        if victim.seq_id in self._busy:
+            self._preempt(victim, job, jobs)
+        else:
+            self._swap_out(victim, f"idle {self.clock() - victim.last_active:.1f} s")
+        return True
+
+    def _preempt(self, victim: Sequence, job: Job | None, jobs: list[Job]) -> None:
+        """Swap out a sequence whose request is in this round (or queued): its request waits
+        for pages (a job already admitted is rolled back first)."""
+        self._observe("preempted")
+        if job is not None:
+            jobs.remove(job)
+            if job.request.start:  # nothing of it is computed: it starts again when it can
+                self._release(victim)
+                self._defer(job.request)
+                log.info("sequence %s preempted before its prompt ran: it waits for pages",
+                         victim.seq_id)
+                return
+            self.engine.rollback(victim, job.num_tokens, job.num_pages, job.num_ring,
+                                 job.had_state_slot)
+            self._defer(job.request)
+        self._swap_out(victim, "preempted")
+
+    def _wait(self, r: Request, seq: Sequence, e: PagesExhausted) -> bool:
+        """With the host tier, a request short of pages waits for them (its sequence swapped
+        out) until its deadline; False: it is refused now (no host tier, past the deadline,
+        more than the pools hold, or the host budget spent)."""
+        if self.host is None:
+            return False
+        now = self.clock()
+        if r.waiting_since is not None and now - r.waiting_since >= self.preempt_wait_s:
+            e.args = (f"{e}; waited {now - r.waiting_since:.1f} s for pages "
+                      f"(preempt_wait_microseconds {self.preempt_wait_s * 1e6:.0f})",)
+            return False
+        capacity = {name: pool.capacity for name, pool in self.engine.pools().items()}
+        total = self.engine.blocks.need(Sequence([]), len(seq.token_ids) + len(r.tokens))
+        if any(n > capacity[k] for k, n in total.items()):
+            return False  # it would never fit
+        holds = seq.pages or seq.ring or seq.state_slot is not None
+        unfit = [s for s in self.sequences.values() if s is not seq and s.swapped is None
+                 and s.seq_id not in self._busy and not self.host.fits(s)
+                 and (s.pages or s.ring or s.state_slot is not None)]
+        if (holds and seq.seq_id in self.sequences and not self.host.fits(seq)) or unfit:
+            e.args = (f"{e}; the host tier is full ({self.host.used} of {self.host.budget} "
+                      f"bytes)",)
+            return False
+        if holds and seq.seq_id in self.sequences:
+            self._observe("preempted")
+            self._swap_out(seq, "preempted")
+        self._defer(r)
+        return True
+
+    def _defer(self, r: Request) -> None:
+        if r.waiting_since is None:
+            r.waiting_since = self.clock()
+            log.info("sequence %s waits for KV pages (up to %.1f s)", r.seq_id,
+                     self.preempt_wait_s)
+        self._waiting.append(r)
+        self._busy.add(r.seq_id)
+
+    def _swap_out(self, seq: Sequence, why: str) -> None:
+        swap = self.host.swap_out(seq)
+        self._swapped(seq, swap, why)
+
+    def _swap_in(self, seq: Sequence) -> None:
+        swap = self.host.swap_in(seq)
+        self._swapped(seq, swap, f"{swap.shared} pages still cached on the device"
+                      if swap.shared else "")
+
+    def _swapped(self, seq: Sequence, swap, why: str) -> None:
+        log.info("sequence %s swapped %s: %d pages, %.1f KiB in %.1f ms%s", seq.seq_id,
+                 swap.direction, swap.pages, swap.nbytes / 1024, swap.seconds * 1e3,
+                 f" ({why})" if why else "")
+        self._observe("swapped", swap.direction, swap.nbytes, swap.seconds)
+
+    def _sweep_at(self) -> float | None:
+        """When the next swapped-out sequence passes the reclamation rule (its host memory
+        is then released without waiting for a request to need it)."""
+        if self.host is None or not self.host.sequences:
+            return None
+        return min(s.last_active for s in self.sequences.values()
+                   if s.swapped is not None) + self.policy.reclaim_after_s
+
+    def _sweep(self, now: float) -> None:
+        at = self._sweep_at()
+        if at is None or now < at:
+            return
+        for s in [s for s in self.sequences.values() if s.swapped is not None
+                  and now - s.last_active > self.policy.reclaim_after_s]:
+            log.info("reclaimed sequence %s: swapped out, %.1f KiB on the host, idle %.1f s "
+                     "(Triton ends a sequence idle %.1f s)", s.seq_id, s.swapped.nbytes / 1024,
+                     now - s.last_active, self.policy.idle_timeout_s)
+            self._release(s)
+            self._observe("reclaimed", 1, 0)
+        self._observe("state", self.pool_state(), len(self.sequences))
+        self._observe("host", self.host.used, self.host.sequences)
