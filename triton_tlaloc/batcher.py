@@ -221,7 +221,8 @@ class Batcher(RoomMaking):
         waiting = {r.seq_id for r in self._waiting}
         # A swapped-out sequence is not waited for by its cohort; a sequence whose request
         # waits for pages sends no other.
-        held = {k for k, s in self.sequences.items() if s.swapped is None}
+        held = (self.sequences if self.host is None or not self.host.sequences else
+                {k for k, s in self.sequences.items() if s.swapped is None})
         taken, wake_at = select([r for r in self._pending if r.seq_id not in waiting], now=now,
                                 policy=self.policy, cohort=self.cohort, held=held,
                                 max_prefill_batch=self.max_prefill_batch)
@@ -242,9 +243,11 @@ class Batcher(RoomMaking):
     # ------------------------------------------------------------ one round
 
     def process(self, requests: list[Request]) -> None:
-        with self._cv:
-            queued = {r.seq_id for r in self._pending}
-        self._busy = {r.seq_id for r in requests} | queued | {r.seq_id for r in self._waiting}
+        if self.host is not None:  # who may not be swapped out as idle (room.py)
+            with self._cv:
+                queued = {r.seq_id for r in self._pending}
+            self._busy = ({r.seq_id for r in requests} | queued
+                          | {r.seq_id for r in self._waiting})
         jobs: list[Job] = []  # a preempted sequence's job leaves the list
         t0 = time.perf_counter()
         for r in requests:
@@ -294,8 +297,7 @@ class Batcher(RoomMaking):
         """A request refused for want of pages or state slots. Who holds them goes to the
         server log only: a correlation id is the only capability a sequence has, so no client
         may learn another's; the client hears how many sequences hold them."""
-        holding = [s for s in self.sequences.values()
-                   if s.pages or s.ring or s.state_slot is not None]
+        holding = [s for s in self.sequences.values() if any(s.holding.values())]
         log.info("sequence %s: %s; holders: %s", r.seq_id, e,
                  ", ".join(self._holding(s) for s in holding) or "none")
         if e.pools == ("state",):
@@ -343,8 +345,8 @@ class Batcher(RoomMaking):
             self._refuse(r, INVALID_ARG, "empty", f"sequence {r.seq_id}: TOKENS is empty")
             return None
         try:
-            engine.check_request(seq, r.tokens)  # before anything moves
             if seq.swapped is not None:
+                engine.check_request(seq, r.tokens)  # before its KV moves back
                 self._with_room(seq, len(r.tokens), jobs, lambda: self._swap_in(seq))
             before = (len(seq.token_ids), len(seq.pages), len(seq.ring),
                       seq.state_slot is not None)

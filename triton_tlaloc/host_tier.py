@@ -39,13 +39,18 @@ class Transfer(Protocol):
 
 @dataclass
 class SwappedKV:
-    """A swapped-out sequence's KV on the host, by pool class, and what it held."""
+    """A swapped-out sequence's KV on the host, by pool class (what it held: its pages in
+    logical order, its ring in ring order, its state slot's row)."""
 
     parts: dict[str, HostPages]
-    num_pages: int
-    num_ring: int
-    state_slot: bool
-    nbytes: int
+
+    def count(self, pool_class: str) -> int:
+        part = self.parts.get(pool_class)
+        return 0 if part is None else part.count
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts.values())
 
 
 @dataclass
@@ -69,15 +74,11 @@ class HostTier:
         self.budget = budget_bytes
         self.used = 0  # bytes held for swapped-out sequences
         self.sequences = 0  # swapped out now
-        self.moved = {"out": 0, "in": 0}  # bytes so far
-        self.swaps = {"out": 0, "in": 0}
         self.page_bytes = {c: transfer.page_bytes(c) for c in (FULL, WINDOWED, STATE)}
 
     def bytes_for(self, seq: Sequence) -> int:
         """Host bytes `seq`'s swap-out would take."""
-        pb = self.page_bytes
-        return (len(seq.pages) * pb[FULL] + len(seq.ring) * pb[WINDOWED]
-                + (seq.state_slot is not None) * pb[STATE])
+        return sum(n * self.page_bytes[k] for k, n in seq.holding.items())
 
     def fits(self, seq: Sequence) -> bool:
         return self.used + self.bytes_for(seq) <= self.budget
@@ -93,14 +94,12 @@ class HostTier:
             parts[WINDOWED] = self.transfer.read(WINDOWED, seq.ring)
         if seq.state_slot is not None:
             parts[STATE] = self.transfer.read(STATE, [seq.state_slot])
-        nbytes = sum(p.nbytes for p in parts.values())
-        moved = len(seq.pages) + len(seq.ring) + int(seq.state_slot is not None)
-        seq.swapped = SwappedKV(parts, len(seq.pages), len(seq.ring),
-                                seq.state_slot is not None, nbytes)
+        moved = sum(seq.holding.values())
+        seq.swapped = SwappedKV(parts)
         self.blocks.detach(seq)
-        self.used += nbytes
+        self.used += seq.swapped.nbytes
         self.sequences += 1
-        return self._count(Swap("out", moved, nbytes, time.perf_counter() - t0))
+        return Swap("out", moved, seq.swapped.nbytes, time.perf_counter() - t0)
 
     def swap_in(self, seq: Sequence) -> Swap:
         """Give `seq` pages again and write its KV back, or raise PagesExhausted leaving it
@@ -108,18 +107,18 @@ class HostTier:
         kv = seq.swapped
         assert kv is not None, f"sequence {seq.seq_id} is not swapped out"
         t0 = time.perf_counter()
-        shared = self.blocks.attach(seq, kv.num_pages, kv.num_ring, kv.state_slot)
-        written = kv.num_pages - shared + kv.num_ring + int(kv.state_slot)
-        if shared < kv.num_pages:
+        shared = self.blocks.attach(seq, kv.count(FULL), kv.count(WINDOWED), kv.count(STATE))
+        if shared < kv.count(FULL):
             self.transfer.write(kv.parts[FULL].rows(shared), seq.pages[shared:])
-        if kv.num_ring:
+        if kv.count(WINDOWED):
             self.transfer.write(kv.parts[WINDOWED], seq.ring)
-        if kv.state_slot:
+        if kv.count(STATE):
             self.transfer.write(kv.parts[STATE], [seq.state_slot])
         self.blocks.register_blocks(seq)
         self._release(seq)
+        written = sum(seq.holding.values()) - shared
         nbytes = kv.nbytes - shared * self.page_bytes[FULL]
-        return self._count(Swap("in", written, nbytes, time.perf_counter() - t0, shared))
+        return Swap("in", written, nbytes, time.perf_counter() - t0, shared)
 
     def drop(self, seq: Sequence) -> None:
         """A swapped-out sequence is gone (ended, reclaimed): its host copy is released."""
@@ -133,8 +132,3 @@ class HostTier:
         self.sequences -= 1
         seq.swapped = None
         assert self.used >= 0 and self.sequences >= 0
-
-    def _count(self, swap: Swap) -> Swap:
-        self.moved[swap.direction] += swap.nbytes
-        self.swaps[swap.direction] += 1
-        return swap

@@ -90,13 +90,13 @@ class PageTransfer:
         pools = [self.rt.pools[name] for name in self.classes.get(pool_class, ())]
         return sum(p.nbytes // p.shape[0] for p in pools)
 
-    def warm(self, counts) -> None:
-        """Compile the programs for these bucket sizes now (at load; `counts` per pool class, or
-        the same for all), so a swap does not wait for a compile: a read of page 0 and a write
-        that drops every row."""
+    def warm(self, counts: dict[str, tuple[int, ...]]) -> None:
+        """Compile the programs for these bucket sizes per pool class now (at load;
+        `transfer_buckets`), so a swap does not wait for a compile: a read of page 0 and a
+        write that drops every row."""
         for pool_class, names in self.classes.items():
             rows = len(self.rt.pools[names[0]])
-            for n in (counts.get(pool_class, ()) if isinstance(counts, dict) else counts):
+            for n in counts.get(pool_class, ()):
                 if n > rows:
                     break
                 host = self.read(pool_class, [0] * n)

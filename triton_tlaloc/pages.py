@@ -123,6 +123,7 @@ class BlockManager:
 
     def _take(self, seq: Sequence, need: dict[str, int]) -> None:
         pools = self.pools()
+        need = {name: n for name, n in need.items() if name in pools}
         short = {name: pools[name].shortage(n) for name, n in need.items()}
         short = {name: why for name, why in short.items() if why is not None}
         if short and not self._ended_could_cover(need):
@@ -303,7 +304,7 @@ class BlockManager:
             self.state_slots.release([seq.state_slot])
             seq.state_slot = None
 
-    def attach(self, seq: Sequence, num_pages: int, num_ring: int, state_slot: bool) -> int:
+    def attach(self, seq: Sequence, num_pages: int, num_ring: int, state_slots: int) -> int:
         """Give a swapped-out sequence pages again (swapping it in), all or none: its leading
         blocks still cached on the device are shared rather than written; returns how many
         (the first pages, whose KV need not be written). The new pages are registered with
@@ -314,12 +315,8 @@ class BlockManager:
         self.full.share(prefix)
         seq.pages = list(prefix)
         try:
-            need = {FULL: num_pages - len(prefix)}
-            if self.rings is not None:
-                need[WINDOWED] = num_ring
-            if self.state_slots is not None:
-                need[STATE] = int(state_slot)
-            self._take(seq, need)
+            self._take(seq, {FULL: num_pages - len(prefix), WINDOWED: num_ring,
+                             STATE: state_slots})
         except PagesExhausted:
             self.full.release(seq.pages)
             seq.pages = []

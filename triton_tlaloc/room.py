@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .engine import Sequence
-from .pages import PagesExhausted
+from .pages import FULL, PagesExhausted
 from .policy import choose_reclaim, choose_swap_out
 
 if TYPE_CHECKING:
@@ -29,15 +29,11 @@ class RoomMaking:
     def _reclaim_for(self, seq: Sequence, n_tokens: int) -> bool:
         """Free pages held by sequences Triton has ended, as many as `seq` needs to take
         `n_tokens` more (in every pool); False (and nothing reclaimed) when they cannot."""
-        # What is free, cached or only kept for a next turn is taken before a sequence is
-        # reclaimed: only the rest is asked of the reclaimed.
-        available = self.engine.blocks.available()
-        need = {k: n - available[k] for k, n in self.engine.pages_needed(seq, n_tokens).items()}
         now = self.clock()
-        candidates = [(s.seq_id, {"full": len(s.pages), "windowed": len(s.ring),
-                                  "state": int(s.state_slot is not None)}, s.last_active)
+        candidates = [(s.seq_id, s.holding, s.last_active)
                       for s in self.sequences.values() if s is not seq]
-        victims = choose_reclaim(candidates, need, now, self.policy.reclaim_after_s)
+        victims = choose_reclaim(candidates, self._lacking(seq, n_tokens), now,
+                                 self.policy.reclaim_after_s)
         if not victims:
             return False
         pages = 0
@@ -53,6 +49,18 @@ class RoomMaking:
         self._observe("reclaimed", len(victims), pages)
         return True
 
+    def _lacking(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
+        """Per pool, what `seq` needs to take `n_tokens` more beyond what is free, cached or
+        only kept for a next turn (all of which a reservation takes first)."""
+        available = self.engine.blocks.available()
+        return {k: n - available[k] for k, n in self.engine.pages_needed(seq, n_tokens).items()
+                if n > available[k]}
+
+    def _on_device(self, seq: Sequence) -> list[Sequence]:
+        """The other held sequences whose KV is on the device (candidates to swap out)."""
+        return [s for s in self.sequences.values()
+                if s is not seq and s.swapped is None and any(s.holding.values())]
+
     def _with_room(self, seq: Sequence, n_tokens: int, jobs: list[Job], attempt):
         """`attempt()`, making room when it runs short of pages: sequences Triton has ended
         are reclaimed; with the host tier, idle sequences are swapped out and, when they are
@@ -61,17 +69,14 @@ class RoomMaking:
         try:
             return attempt()
         except PagesExhausted as e:
-            if not self._reclaim_for(seq, n_tokens):
-                if self.host is None:
-                    raise
+            last = e
+        if self._reclaim_for(seq, n_tokens):
+            try:
+                return attempt()
+            except PagesExhausted as e:
                 last = e
-            else:
-                try:
-                    return attempt()
-                except PagesExhausted as e2:
-                    if self.host is None:
-                        raise
-                    last = e2
+        if self.host is None:
+            raise last
         while self._swap_out_for(seq, n_tokens, jobs):
             try:
                 return attempt()
@@ -82,24 +87,21 @@ class RoomMaking:
     def _swap_out_for(self, seq: Sequence, n_tokens: int, jobs: list[Job]) -> bool:
         """Swap out (or preempt) the next sequence that helps `seq` take `n_tokens` more; False
         when none can cover what it lacks (nothing is swapped then)."""
-        available = self.engine.blocks.available()
-        short = {k: n - available[k] for k, n in self.engine.pages_needed(seq, n_tokens).items()
-                 if n > available[k]}
+        short = self._lacking(seq, n_tokens)
         if not short:
             return False
         refs = self.engine.blocks.full.refs
-        held = [s for s in self.sequences.values()
-                if s is not seq and s.swapped is None and self.host.fits(s)
-                and (s.pages or s.ring or s.state_slot is not None)]
+        held = [s for s in self._on_device(seq) if self.host.fits(s)]
         idle = sorted((s for s in held if s.seq_id not in self._busy),
                       key=lambda s: s.last_active)
         # The requester ranks as it was admitted (a new START: after every other).
         rank = seq.admitted if seq.seq_id in self.sequences else self._admissions + 1
         busy = sorted((s for s in held if s.seq_id in self._busy and s.admitted > rank),
                       key=lambda s: -s.admitted)
+        # A page another sequence holds too is not freed by swapping this one out.
         victim = choose_swap_out(
-            [(s, {"full": sum(refs[p] == 1 for p in s.pages), "windowed": len(s.ring),
-                  "state": int(s.state_slot is not None)}) for s in idle + busy], short)
+            [(s, {**s.holding, FULL: sum(refs[p] == 1 for p in s.pages)}) for s in idle + busy],
+            short)
         if victim is None:
             return False
         job = next((j for j in jobs if j.seq is victim), None)
@@ -141,15 +143,15 @@ class RoomMaking:
         total = self.engine.blocks.need(Sequence([]), len(seq.token_ids) + len(r.tokens))
         if any(n > capacity[k] for k, n in total.items()):
             return False  # it would never fit
-        holds = seq.pages or seq.ring or seq.state_slot is not None
-        unfit = [s for s in self.sequences.values() if s is not seq and s.swapped is None
-                 and s.seq_id not in self._busy and not self.host.fits(s)
-                 and (s.pages or s.ring or s.state_slot is not None)]
-        if (holds and seq.seq_id in self.sequences and not self.host.fits(seq)) or unfit:
+        # A START short of pages holds nothing (its admission was undone).
+        holds = any(seq.holding.values())
+        unfit = [s for s in self._on_device(seq)
+                 if s.seq_id not in self._busy and not self.host.fits(s)]
+        if (holds and not self.host.fits(seq)) or unfit:
             e.args = (f"{e}; the host tier is full ({self.host.used} of {self.host.budget} "
                       f"bytes)",)
             return False
-        if holds and seq.seq_id in self.sequences:
+        if holds:
             self._observe("preempted")
             self._swap_out(seq, "preempted")
         self._defer(r)
@@ -187,11 +189,13 @@ class RoomMaking:
                    if s.swapped is not None) + self.policy.reclaim_after_s
 
     def _sweep(self, now: float) -> None:
-        at = self._sweep_at()
-        if at is None or now < at:
+        if self.host is None or not self.host.sequences:
             return
-        for s in [s for s in self.sequences.values() if s.swapped is not None
-                  and now - s.last_active > self.policy.reclaim_after_s]:
+        gone = [s for s in self.sequences.values() if s.swapped is not None
+                and now - s.last_active > self.policy.reclaim_after_s]
+        if not gone:
+            return
+        for s in gone:
             log.info("reclaimed sequence %s: swapped out, %.1f KiB on the host, idle %.1f s "
                      "(Triton ends a sequence idle %.1f s)", s.seq_id, s.swapped.nbytes / 1024,
                      now - s.last_active, self.policy.idle_timeout_s)

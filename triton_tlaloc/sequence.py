@@ -14,6 +14,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from .page_pools import FULL, STATE, WINDOWED
+
 _ids = itertools.count(1)
 
 
@@ -31,6 +33,12 @@ class Sequence:
     reused: int = 0  # tokens of its first prompt whose KV it found cached (not computed)
     admitted: int = 0  # the order of its START among all admitted (preemption takes the latest)
     swapped: Any = None  # its KV on the host while swapped out (host_tier.SwappedKV)
+
+    @property
+    def holding(self) -> dict[str, int]:
+        """What it holds in each pool: full-history pages, ring pages, a state slot."""
+        return {FULL: len(self.pages), WINDOWED: len(self.ring),
+                STATE: int(self.state_slot is not None)}
 
     @property
     def uncached(self) -> list[int]:
