@@ -8,7 +8,13 @@ its entries and the page transfer programs compiled first. For each prompt lengt
 sequence, then --reps sequences of fresh seeded ids; each is prefilled (timed: recompute),
 swapped out (timed) and swapped in (timed) by the server's own HostTier over the runtime's
 pools (prefix reuse off, so every page is written back). Figures are medians; per page and per
-MiB too. Nothing else should run on the machine. Writes JSON into --work.
+MiB too.
+
+Then the host tier as a prefix cache (prefix reuse on): for each length, a prompt whose first
+blocks are a known prefix (all but its last 16 tokens) is answered (time to its first logits)
+with the prefix computed (cold), found on the device, and found on the host after a
+reservation of the whole pool evicted it from the device. Nothing else should run on the
+machine. Writes JSON into --work.
 
     .venv/bin/python scripts/swap_bench.py [--reps 5] [--lengths 64,256,512,1000]
 """
@@ -47,6 +53,47 @@ def one(engine: Engine, host: HostTier, prompt: list[int]) -> dict:
     engine.free(seq)
     return {"recompute": recompute, "out": out.seconds, "in": back.seconds, "pages": pages,
             "bytes": out.nbytes}
+
+
+def first_logits(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to a START's first logits, and how many of its tokens came from the host."""
+    seq = Sequence([])
+    t0 = time.perf_counter()
+    reuse = engine.admit(seq, prompt)
+    engine.prefill_chunked(seq)
+    seconds = time.perf_counter() - t0
+    engine.free(seq)
+    return seconds, reuse.from_host
+
+
+def evict_everything(engine: Engine) -> None:
+    """Take every page (evicting every cached block: the host tier copies them) and free them."""
+    hog = Sequence([])
+    engine.blocks.reserve(hog, engine.blocks.full.capacity * engine.blocks.block_size)
+    engine.free(hog)
+
+
+def prefix_row(engine: Engine, rng: random.Random, n: int, vocab: int, reps: int) -> dict:
+    """A prompt of n tokens whose leading blocks were computed before, found where?"""
+    bs = engine.blocks.block_size
+    runs = []
+    for rep in range(reps + 1):  # the first is a warm-up
+        prefix = [rng.randrange(100, vocab) for _ in range((n - 16) // bs * bs)]
+
+        def tail():
+            return [rng.randrange(100, vocab) for _ in range(n - len(prefix))]
+        cold, _ = first_logits(engine, prefix + tail())
+        device, _ = first_logits(engine, prefix + tail())
+        evict_everything(engine)
+        host, from_host = first_logits(engine, prefix + tail())
+        assert from_host == len(prefix), (from_host, len(prefix))
+        if rep:
+            runs.append({"cold": cold, "device": device, "host": host})
+    med = {k: statistics.median(r[k] for r in runs) for k in ("cold", "device", "host")}
+    return {"tokens": n, "prefix_tokens": (n - 16) // bs * bs,
+            **{f"{k}_ms": v * 1e3 for k, v in med.items()},
+            "host_over_cold": med["host"] / med["cold"],
+            "host_over_device": med["host"] / med["device"]}
 
 
 def main() -> int:
@@ -97,8 +144,23 @@ def main() -> int:
               f"{r['out_ms']:>7.1f}ms {r['in_ms']:>6.1f}ms "
               f"{r['out_ms_per_page']:>7.2f}ms {r['in_ms_per_page']:>6.2f}ms "
               f"{r['in_over_recompute']:>12.3f}x {r['out_plus_in_over_recompute']:>18.3f}x")
+    reuse = Engine(rt, prefix_reuse=True)
+    host = HostTier(reuse.blocks, transfer, 1 << 40)
+    prefix_rows = []
+    for n in lengths:
+        prefix_rows.append(prefix_row(reuse, rng, n, vocab, args.reps))
+        log(f"{n} tokens done (prefix)")
+    print("a prompt whose leading blocks (all but its last 16 tokens) are computed, found on "
+          "the device, or found on the host: time to its first logits")
+    print(f"{'tokens':>7} {'prefix':>7} {'computed':>9} {'device':>8} {'host':>8} "
+          f"{'host/computed':>14} {'host/device':>12}")
+    for r in prefix_rows:
+        print(f"{r['tokens']:>7} {r['prefix_tokens']:>7} {r['cold_ms']:>7.1f}ms "
+              f"{r['device_ms']:>6.1f}ms {r['host_ms']:>6.1f}ms {r['host_over_cold']:>13.3f}x "
+              f"{r['host_over_device']:>11.2f}x")
     out = args.work / "swap_bench.json"
-    out.write_text(json.dumps({"ran": ran, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"ran": ran, "rows": rows, "prefix_rows": prefix_rows},
+                              indent=1))
     print(f"wrote {out}")
     return 0
 

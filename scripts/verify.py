@@ -411,13 +411,19 @@ def host_tier_rows(table: Table, d: Deployment, soak_seconds: float) -> None:
                         "for 4", "no refusal; every session its solo ids; swaps counted"),
             "control": ("grpc: host tier control, the same chats with host_kv_bytes 0 "
                         "(smollm2_cold)", "refused for pages, as before")}
+    # Prompts of 30-60 tokens and turns of 10-20: 16 chats need about 3x what the pool holds.
     table.run_scenario(rows, W.check_chat_pressure(url, "grpc", metrics, "smollm2",
-                                                   "smollm2_cold", seed=5), "host tier chats",
+                                                   "smollm2_cold", seed=5, prompt=(30, 60),
+                                                   user=(10, 20)), "host tier chats",
                        "the pool")
     table.run("grpc: host tier, 6 SmolLM2 sequences of 40 + 60 tokens on a pool for 4 of 128",
               "no refusal; every sequence its solo ids; preemptions counted",
               lambda: W.check_preemption(url, "grpc", metrics, "smollm2", prompt_len=40,
                                          new_tokens=60))
+    table.run("grpc: host tier as a prefix cache, a SmolLM2 system prompt evicted by 4 "
+              "prompts of 128 tokens", "its next prompt finds it on the host; ids equal "
+              "smollm2_cold's", lambda: W.check_host_prefix(url, "grpc", metrics, "smollm2",
+                                                           "smollm2_cold", fill=(4, 128)))
     reclaim_after = (2 * SWAP_SOAK_IDLE_US + SWAP_SOAK_ALLOWANCE_US) / 1e6
     table.run(f"grpc: host tier soak, {soak_seconds:.0f} s of sessions that end or vanish",
               "no error; pages held, host bytes, swapped and held sequences back to 0",

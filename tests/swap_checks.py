@@ -197,11 +197,47 @@ def check_swap_soak(url, protocol, metrics_url, model, seconds, reclaim_after_s,
             "swapped": metric(m, "tlaloc_sequences_swapped", model=model),
             "sequences held": metric(m, "tlaloc_sequences_held", model=model)}
     cached = metric(m, "tlaloc_kv_pages_cached", model=model, pool="full")
+    host_cached = metric(m, "tlaloc_host_cached_kv_bytes", model=model)
     swaps = metric(m, "tlaloc_swap_bytes_total", model=model, direction="out")
     return (f"{counts['ended']} sessions ended, {counts['vanished']} vanished, "
             f"{len(counts['errors'])} errors {counts['errors'][:1]}; "
             f"{swaps / 2**20:.1f} MiB swapped out; host bytes after the rule {swept:.0f}; "
             f"at the end " + ", ".join(f"{k} {v:.0f}" for k, v in left.items())
-            + f" ({cached:.0f} pages cached)",
+            + f" ({cached:.0f} pages cached, {host_cached / 2**20:.2f} MiB of evicted blocks "
+            f"on the host)",
             not counts["errors"] and counts["vanished"] > 0 and swaps > 0 and swept == 0
             and all(v == 0 for v in left.values()))
+
+
+def check_host_prefix(url, protocol, metrics_url, model, control, fill, system_len=40,
+                      new_tokens=8, seed=0):
+    """A system prompt's blocks, evicted from the device by `fill` (sequences, tokens) STARTs
+    that take the whole pool, are found on the host tier by the next prompt beginning with it
+    and written back instead of computed (tlaloc_prefix_cache_host_hits_total grows); both
+    prompts get the ids `control` gives them."""
+    rng = random.Random(seed)
+    system = [rng.randrange(10, 250) for _ in range(system_len)]
+    prompts = [system + [rng.randrange(10, 250) for _ in range(5)] for _ in range(2)]
+    with TlalocClient(url, control, protocol) as c:
+        solo = [c.generate_greedy(p, new_tokens, argmax_output=True).generated_ids
+                for p in prompts]
+
+    def host_hits():
+        m = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
+        return (metric(m, "tlaloc_prefix_cache_host_hits_total", model=model),
+                metric(m, "tlaloc_host_cached_kv_bytes", model=model))
+    with TlalocClient(url, model, protocol) as c:
+        first = c.generate_greedy(prompts[0], new_tokens, argmax_output=True).generated_ids
+        n, tokens = fill
+        ids = [new_sequence_id() for _ in range(n)]
+        for sid in ids:  # the whole pool: the system prompt's blocks are evicted
+            c.infer(sid, [rng.randrange(10, 250) for _ in range(tokens)], start=True)
+        for sid in ids:
+            c.infer(sid, [], end=True)
+        hits, cached = host_hits()
+        second = c.generate_greedy(prompts[1], new_tokens, argmax_output=True).generated_ids
+        hits = host_hits()[0] - hits
+    return (f"{hits:.0f} of the {system_len} system prompt tokens written back from the "
+            f"host ({cached / 2**20:.2f} MiB of evicted blocks there); ids "
+            f"{'equal' if [first, second] == solo else 'differ from'} {control}'s",
+            [first, second] == solo and 0 < hits <= system_len)

@@ -2,7 +2,8 @@
 largest context): 16 chat sessions idle between turns swap instead of being refused, with
 their solo ids (the control with host_kv_bytes 0 refuses); 6 sequences outgrowing the pool
 are preempted and finish with their solo ids; after a soak of sessions that end, vanish or
-vanish swapped out, nothing is held. The checks are tests/swap_checks.py's, which
+vanish swapped out, nothing is held; a system prompt evicted from the device is written back
+from the host. The checks are tests/swap_checks.py's, which
 scripts/verify.py tabulates too (there with SmolLM2)."""
 
 from __future__ import annotations
@@ -51,3 +52,8 @@ def test_a_soak_of_ended_and_vanished_sessions_leaves_nothing_held(served):
     reclaim_after = (2 * SOAK_IDLE_US + SOAK_ALLOWANCE_US) / 1e6
     assert_check(W.check_swap_soak(url_of(served, "grpc"), "grpc", served.metrics_url,
                                    "swap_soak", seconds=30, reclaim_after_s=reclaim_after))
+
+
+def test_a_prefix_evicted_from_the_device_is_written_back_from_the_host(served):
+    assert_check(W.check_host_prefix(url_of(served, "grpc"), "grpc", served.metrics_url, "swap",
+                                     "swap_control", fill=(4, 64)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine import Engine, Sequence
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.host_tier import HostTier
 from triton_tlaloc.kv_transfer import PageTransfer, bucket, transfer_buckets
@@ -100,3 +100,58 @@ def test_a_sequence_moved_through_the_host_continues_with_the_same_ids(artifacts
 
 def test_buckets_are_powers_of_two():
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+def prompt_logits(engine, prompt):
+    """A START of `prompt`: its last-token logits, greedy ids of 4 steps, tokens reused."""
+    seq = Sequence([])
+    reuse = engine.admit(seq, list(prompt))
+    logits = [engine.prefill_chunked(seq)[0]]
+    for _ in range(4):
+        seq.token_ids.append(int(np.argmax(logits[-1])))
+        logits.append(engine.decode([seq])[0])
+    return seq, reuse, logits
+
+
+@pytest.mark.parametrize("name", ["llama f32", "llama fp8 KV"])
+def test_a_prefix_evicted_to_the_host_is_written_back_with_the_same_logits(artifacts, name):
+    """A shared system prompt's blocks evicted from the device (two prompts take every page)
+    are found on the host by the next prompt and written back: its logits are exactly those
+    of the same prompt finding them still on the device. Negative control: one block written
+    back in place of another changes them (a permutation of whole blocks would not: the keys
+    carry their positions, and attention over a full prefix is a sum over all of them)."""
+    rt = Runtime(artifacts[name])
+    engine = Engine(rt, prefix_reuse=True)
+    transfer = PageTransfer(rt)
+    transfer.warm(transfer_buckets(rt.artifact))
+    host = HostTier(engine.blocks, transfer, 1 << 40)
+    system = PROMPT[:24]  # 3 blocks of 8
+    first = system + [201, 202]
+    follow = system + [203, 204, 205]
+
+    def filled():  # two prompts of 127 tokens take all 32 pages: every cached one is evicted
+        fillers = [prompt_logits(engine, [(i * 13 + k) % 240 + 10 for i in range(123)])[0]
+                   for k in (1, 2)]
+        for s in fillers:
+            engine.free(s)
+
+    a, _, _ = prompt_logits(engine, first)
+    engine.free(a)
+    b, reuse, on_device = prompt_logits(engine, follow)  # found on the device
+    assert reuse.reused == 24 and reuse.from_host == 0
+    engine.free(b)
+    filled()
+    assert len(host.cached) >= 3
+    c, reuse, from_host = prompt_logits(engine, follow)
+    assert reuse.reused == 24 and reuse.from_host == 24
+    assert all(np.array_equal(x, y) for x, y in zip(on_device, from_host))
+    assert c.token_ids == b.token_ids
+    engine.free(c)
+    filled()
+    restore = host.restore
+    host.restore = lambda blocks, pages: restore([blocks[1]] + blocks[1:], pages)
+    _, reuse, wrong = prompt_logits(engine, follow)
+    assert reuse.from_host == 24
+    worst = float(np.max(np.abs(on_device[0] - wrong[0])))
+    assert worst > 1e-3, "a block written in place of another must change the logits"
+    assert transfer.copied == 0

@@ -272,7 +272,7 @@ class Batcher(RoomMaking):
                                  self.clock() + self.policy.cohort_wait_s)
         self._observe("state", self.pool_state(), len(self.sequences))
         if self.host is not None:
-            self._observe("host", self.host.used, self.host.sequences)
+            self._observe("host", self.host.used, self.host.sequences, self.host.cached_bytes)
         blocks = self.engine.blocks
         evicted = (blocks.full.evicted - self._evicted[0], blocks.dropped - self._evicted[1])
         if any(evicted):
@@ -367,8 +367,10 @@ class Batcher(RoomMaking):
         return Job(r, seq, *before)
 
     def _started(self, seq: Sequence, reuse: Reuse) -> None:
-        self._observe("prefix", reuse.queried, reuse.reused, reuse.continued)
+        self._observe("prefix", reuse.queried, reuse.reused, reuse.continued, reuse.from_host)
         how = ("its previous turn continued" if reuse.continued else "cached blocks")
+        if reuse.from_host:
+            how += f", {reuse.from_host} of them from the host tier"
         log.info("sequence %s: START of %d tokens, %d reused (%s)", seq.seq_id,
                  len(seq.token_ids), reuse.reused, how if reuse.reused else "none cached")
 

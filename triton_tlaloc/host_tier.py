@@ -8,16 +8,26 @@ its linear-attention state slot to host arrays through the page transfer program
 computed and its block hashes. A swap-in takes pages again, all or none: leading blocks still
 cached on the device (prefix reuse) are shared instead of written, the rest are written from
 the host. Which sequences to swap, and when, is the batcher's call (batcher.py); this module
-only moves and counts. No Triton; the moves go through an injected transfer (a fake one in the
-unit tests).
+only moves and counts.
+
+With prefix reuse, the tier is also a second level of the prefix cache (pages.BlockSpill):
+cached full blocks the device pool evicts are copied here first, keyed by their hash, and a
+prompt whose prefix continues into them gets them written into its new pages instead of
+computing them. They live in what the budget has left after swapped-out sequences, least
+recently used dropped first; a swap-out that needs their room drops them.
+
+No Triton; the moves go through an injected transfer (a fake one in the unit tests).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from .kv_transfer import HostPages
 from .page_pools import FULL, STATE, WINDOWED
@@ -65,7 +75,8 @@ class Swap:
 
 
 class HostTier:
-    """Swapped-out sequences' KV in host memory, at most `budget_bytes` of it."""
+    """Swapped-out sequences' KV in host memory, at most `budget_bytes` of it, and in what
+    they leave of it, full blocks evicted from the device (with prefix reuse)."""
 
     def __init__(self, blocks: BlockManager, transfer: Transfer, budget_bytes: int):
         assert budget_bytes > 0, "a host tier of no bytes: swapping is off"
@@ -75,17 +86,27 @@ class HostTier:
         self.used = 0  # bytes held for swapped-out sequences
         self.sequences = 0  # swapped out now
         self.page_bytes = {c: transfer.page_bytes(c) for c in (FULL, WINDOWED, STATE)}
+        # Evicted blocks by hash, least recently spilled or found first; their bytes.
+        self.cached: OrderedDict[bytes, HostPages] = OrderedDict()
+        self.cached_bytes = 0
+        self.spilled = 0  # blocks copied here as they were evicted
+        self.restored = 0  # blocks written back for a prompt
+        self.spill_seconds = 0.0
+        if blocks.prefix_reuse:
+            blocks.spill = self
 
     def bytes_for(self, seq: Sequence) -> int:
         """Host bytes `seq`'s swap-out would take."""
         return sum(n * self.page_bytes[k] for k, n in seq.holding.items())
 
     def fits(self, seq: Sequence) -> bool:
+        """Whether `seq` can be swapped out (cached blocks give up their room to it)."""
         return self.used + self.bytes_for(seq) <= self.budget
 
     def swap_out(self, seq: Sequence) -> Swap:
         """Copy `seq`'s KV to the host and release its pages (the caller checked `fits`)."""
         assert seq.swapped is None, f"sequence {seq.seq_id} is swapped out already"
+        self._trim(self.bytes_for(seq))
         t0 = time.perf_counter()
         parts = {}
         if seq.pages:
@@ -132,3 +153,42 @@ class HostTier:
         self.sequences -= 1
         seq.swapped = None
         assert self.used >= 0 and self.sequences >= 0
+
+    # ------------------------------------------------------------ evicted blocks (BlockSpill)
+
+    def spill(self, evicted: list[tuple[int, bytes]]) -> None:
+        """Copy the blocks of these cached pages, about to be evicted, to the host (those not
+        kept here already), as many as the budget's free room holds."""
+        room = (self.budget - self.used) // max(self.page_bytes[FULL], 1)
+        new = [(p, h) for p, h in evicted if h not in self.cached][:room]
+        if not new:
+            return
+        self._trim(len(new) * self.page_bytes[FULL])
+        t0 = time.perf_counter()
+        rows = self.transfer.read(FULL, [p for p, _ in new])
+        for i, (_, h) in enumerate(new):
+            # A copy: one block's bytes, released on its own.
+            block = HostPages(FULL, {k: a[i:i + 1].copy() for k, a in rows.arrays.items()})
+            self.cached[h] = block
+            self.cached_bytes += block.nbytes
+        self.spilled += len(new)
+        self.spill_seconds += time.perf_counter() - t0
+
+    def find(self, h: bytes) -> HostPages | None:
+        """The block of hash `h` when it is kept here (now the most recently used)."""
+        block = self.cached.get(h)
+        if block is not None:
+            self.cached.move_to_end(h)
+        return block
+
+    def restore(self, blocks: list[HostPages], pages: list[int]) -> None:
+        """Write these kept blocks into these pages (one transfer; they stay kept here too)."""
+        arrays = {k: np.concatenate([b.arrays[k] for b in blocks]) for k in blocks[0].arrays}
+        self.transfer.write(HostPages(FULL, arrays), pages)
+        self.restored += len(blocks)
+
+    def _trim(self, room: int) -> None:
+        """Drop kept blocks, least recently used first, until `room` more bytes fit."""
+        while self.cached and self.used + self.cached_bytes + room > self.budget:
+            _, block = self.cached.popitem(last=False)
+            self.cached_bytes -= block.nbytes

@@ -3,11 +3,12 @@ out of a runtime's pools to host memory, and written back into other pages with 
 donated, so they are updated in place. The host tier of the KV cache is built on them: a
 sequence swapped out is its pages' bytes on the host, swapped in anywhere free.
 
-The programs are JAX functions compiled per pool class and page-count bucket (a power of two:
-a set of n pages runs in the smallest bucket that holds it, the rest padded): reads gather the
-pages of every pool of a class at once; writes scatter them back, padding indices pointing past
-the pool, which the scatter drops. Bytes are copied as they are: f32, bf16 and fp8 pools come
-back bit for bit.
+The programs are JAX functions lowered to StableHLO per pool class and page-count bucket (a
+power of two: a set of n pages runs in the smallest bucket that holds it, the rest padded) and
+compiled as the entries are, through the on-disk compile cache (runtime.compile_cached): reads
+gather the pages of every pool of a class at once; writes scatter them back with the pools
+donated, padding indices pointing past the pool, which the scatter drops. Bytes are copied as
+they are: f32, bf16 and fp8 pools come back bit for bit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .page_pools import FULL, STATE, WINDOWED
+from .runtime import CompileStats, compile_cached, x64_mode
 
 log = logging.getLogger("triton_tlaloc.kv_transfer")
 
@@ -63,25 +65,20 @@ class HostPages:
 
 class PageTransfer:
     """Reads and writes pages of a runtime's pools (runtime.Runtime: `pools` by name, the
-    artifact's pool lists, the PJRT device). Donated writes are checked like entries: the pools
-    stay at their addresses (counted in `in_place` / `copied`)."""
+    artifact's pool lists, its PJRT device and compile cache). Each program is a JAX function
+    lowered to StableHLO for its pool class and bucket and compiled like an entry, through the
+    on-disk compile cache. Donated writes are checked like entries: the pools stay at their
+    addresses (counted in `in_place` / `copied`)."""
 
     def __init__(self, runtime):
-        import jax
-
-        self.jax = jax
         self.rt = runtime
         art = runtime.artifact
         self.classes = {FULL: [p.name for p in art.pools if p.pool_class == "full"],
                         WINDOWED: [p.name for p in art.pools if p.pool_class == "windowed"],
                         STATE: [p.name for p in art.state_pools]}
         self.classes = {k: v for k, v in self.classes.items() if v}
-        self._read = jax.jit(lambda pools, idx: tuple(p[idx] for p in pools))
-        # Out-of-range rows (the padding) are dropped by the scatter.
-        self._write = jax.jit(
-            lambda pools, idx, rows: tuple(p.at[idx].set(r, mode="drop")
-                                           for p, r in zip(pools, rows)),
-            donate_argnums=0)
+        self._programs: dict[tuple[str, str, int], object] = {}
+        self.compile_stats = CompileStats()
         self.in_place = self.copied = 0
         self.seconds = {"read": 0.0, "write": 0.0}
 
@@ -91,16 +88,38 @@ class PageTransfer:
         return sum(p.nbytes // p.shape[0] for p in pools)
 
     def warm(self, counts: dict[str, tuple[int, ...]]) -> None:
-        """Compile the programs for these bucket sizes per pool class now (at load;
-        `transfer_buckets`), so a swap does not wait for a compile: a read of page 0 and a
-        write that drops every row."""
+        """Compile (or load from the compile cache) the programs for these bucket sizes per
+        pool class now (at load; `transfer_buckets`), so a swap does not wait for a compile."""
         for pool_class, names in self.classes.items():
             rows = len(self.rt.pools[names[0]])
             for n in counts.get(pool_class, ()):
                 if n > rows:
                     break
-                host = self.read(pool_class, [0] * n)
-                self._write_padded(pool_class, np.full(n, rows, np.int32), host)
+                self._program("read", pool_class, n)
+                self._program("write", pool_class, n)
+
+    def _program(self, kind: str, pool_class: str, n: int):
+        """The executable reading (gather) or writing (donated scatter) n rows of every pool
+        of the class, made on first use."""
+        key = (kind, pool_class, n)
+        exe = self._programs.get(key)
+        if exe is None:
+            import jax
+
+            pools = [self.rt.pools[name] for name in self.classes[pool_class]]
+            specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools]
+            idx = jax.ShapeDtypeStruct((n,), np.int32)
+            with x64_mode(any(np.dtype(p.dtype).itemsize == 8 for p in pools)):
+                if kind == "read":
+                    lowered = jax.jit(_gather).lower(specs, idx)
+                else:
+                    rows = [jax.ShapeDtypeStruct((n, *p.shape[1:]), p.dtype) for p in pools]
+                    lowered = jax.jit(_scatter, donate_argnums=0).lower(specs, idx, rows)
+            exe = compile_cached(self.rt.device, lowered.as_text(),
+                                 f"page {kind} {pool_class} x{n}", self.rt.cache_dir,
+                                 self.rt.use_cache, self.compile_stats)
+            self._programs[key] = exe
+        return exe
 
     def read(self, pool_class: str, pages: list[int]) -> HostPages:
         """Host copies of these pages (rows) of every pool of the class, in the order given."""
@@ -108,8 +127,10 @@ class PageTransfer:
         n = len(pages)
         idx = np.zeros(bucket(n), np.int32)  # padding reads page 0 (never handed out)
         idx[:n] = pages
+        exe = self._program("read", pool_class, len(idx))
         t0 = time.perf_counter()
-        outs = self._read(tuple(self.rt.pools[name] for name in names), idx)
+        device = self.rt.device
+        outs = device.execute(exe, [*(self.rt.pools[name] for name in names), device.put(idx)])
         arrays = {name: np.array(out, copy=True)[:n] for name, out in zip(names, outs)}
         self.seconds["read"] += time.perf_counter() - t0
         return HostPages(pool_class, arrays)
@@ -120,22 +141,23 @@ class PageTransfer:
         assert len(pages) == host.count, f"{host.count} rows for {len(pages)} pages"
         names = self.classes[host.pool_class]
         rows = len(self.rt.pools[names[0]])
-        idx = np.full(bucket(len(pages)), rows, np.int32)  # past the pool: dropped
+        n = bucket(len(pages))
+        idx = np.full(n, rows, np.int32)  # past the pool: dropped
         idx[:len(pages)] = pages
-        self._write_padded(host.pool_class, idx, host)
-
-    def _write_padded(self, pool_class: str, idx: np.ndarray, host: HostPages) -> None:
-        names = self.classes[pool_class]
-        n = len(idx)
         padded = []
         for name in names:
             a = host.arrays[name]
             if len(a) < n:
                 a = np.concatenate([a, np.zeros((n - len(a), *a.shape[1:]), a.dtype)])
             padded.append(a)
+        exe = self._program("write", host.pool_class, n)
+        device = self.rt.device
         before = [self.rt.pools[name].unsafe_buffer_pointer() for name in names]
         t0 = time.perf_counter()
-        outs = self._write(tuple(self.rt.pools[name] for name in names), idx, tuple(padded))
+        args = [*(self.rt.pools[name] for name in names), device.put(idx),
+                *(device.put(a) for a in padded)]
+        outs = device.execute(exe, args)
+        del args
         for name, out in zip(names, outs):
             self.rt.pools[name] = out
         self.seconds["write"] += time.perf_counter() - t0
@@ -144,6 +166,15 @@ class PageTransfer:
         if moved:
             self.copied += 1
             log.warning("a page write copied %d of %d %s pools instead of updating them in "
-                        "place", moved, len(names), pool_class)
+                        "place", moved, len(names), host.pool_class)
         else:
             self.in_place += 1
+
+
+def _gather(pools, idx):
+    return tuple(p[idx] for p in pools)
+
+
+def _scatter(pools, idx, rows):
+    # Out-of-range rows (the padding) are dropped.
+    return tuple(p.at[idx].set(r, mode="drop") for p, r in zip(pools, rows))

@@ -122,9 +122,10 @@ class Observer:
     def state(self, pools: dict[str, tuple[int, int, int]], sequences: int) -> None:
         """pools: name -> (pages held by live sequences, cached, free)."""
 
-    def prefix(self, queried: int, reused: int, continued: bool) -> None:
+    def prefix(self, queried: int, reused: int, continued: bool, from_host: int = 0) -> None:
         """A START's prompt of `queried` tokens (0 with prefix reuse off) found `reused`
-        cached; `continued`: it took over an ended sequence whole."""
+        cached, `from_host` of them on the host tier; `continued`: it took over an ended
+        sequence whole."""
 
     def evicted(self, pages: int, sequences: int) -> None:
         """Cached pages evicted and ended sequences dropped since the last report."""
@@ -135,8 +136,9 @@ class Observer:
     def preempted(self) -> None:
         """A sequence with a request waiting was swapped out to make room."""
 
-    def host(self, nbytes: int, sequences: int) -> None:
-        """The host tier now: bytes held, sequences swapped out."""
+    def host(self, nbytes: int, sequences: int, cached_bytes: int = 0) -> None:
+        """The host tier now: bytes held for swapped-out sequences, how many, and bytes of
+        evicted blocks kept."""
 
     def timing(self, t: CallTiming) -> None:
         pass
@@ -169,6 +171,7 @@ class BatcherStats(Observer):
         self.sequences_reclaimed = 0
         self.prefix_queried = 0  # prompt tokens looked up in the prefix cache
         self.prefix_reused = 0  # of them, found cached
+        self.prefix_from_host = 0  # of them, written back from the host tier
         self.continuations = 0
         self.evicted_pages = 0
         self.dropped_sequences = 0
@@ -194,9 +197,10 @@ class BatcherStats(Observer):
         self.sequences_reclaimed += sequences
         self.pages_reclaimed += pages
 
-    def prefix(self, queried: int, reused: int, continued: bool) -> None:
+    def prefix(self, queried: int, reused: int, continued: bool, from_host: int = 0) -> None:
         self.prefix_queried += queried
         self.prefix_reused += reused
+        self.prefix_from_host += from_host
         self.continuations += int(continued)
 
     def evicted(self, pages: int, sequences: int) -> None:

@@ -119,11 +119,15 @@ class TritonPythonModel:
         t0 = time.perf_counter()
         transfer = PageTransfer(rt)
         transfer.warm(transfer_buckets(rt.artifact))
-        log.info("host tier: up to %.1f MiB of swapped-out KV in host memory; page transfer "
-                 "programs compiled in %.2f s; a request short of pages waits up to %.1f s",
-                 budget / 2**20, time.perf_counter() - t0,
+        host = HostTier(engine.blocks, transfer, budget)
+        stats = transfer.compile_stats
+        log.info("host tier: up to %.1f MiB of swapped-out KV%s in host memory; %d page "
+                 "transfer programs ready in %.2f s (%d from the compile cache); a request short "
+                 "of pages waits up to %.1f s", budget / 2**20,
+                 " and evicted prefix blocks" if engine.blocks.spill else "",
+                 stats.compiled + stats.cache_hits, time.perf_counter() - t0, stats.cache_hits,
                  int(params["preempt_wait_microseconds"]) / 1e6)
-        return HostTier(engine.blocks, transfer, budget)
+        return host
 
     def _log_loaded(self, name, seconds, platform, params, policy) -> None:
         rt = self.runtime

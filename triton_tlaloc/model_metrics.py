@@ -67,6 +67,10 @@ class TritonMetrics(Observer):
         self.prefix_hits = family(
             "tlaloc_prefix_cache_hits_total", "Prompt tokens of STARTs whose KV was found cached",
             F.COUNTER).Metric(labels=self.labels)
+        self.prefix_host_hits = family(
+            "tlaloc_prefix_cache_host_hits_total", "Prompt tokens of STARTs whose KV was found "
+            "on the host tier and written back (of the hits)", F.COUNTER).Metric(
+            labels=self.labels)
         self.continuations = family(
             "tlaloc_turn_continuations_total", "STARTs that took over an ended sequence whole",
             F.COUNTER).Metric(labels=self.labels)
@@ -76,6 +80,10 @@ class TritonMetrics(Observer):
                                   "out to host memory", F.GAUGE).Metric(labels=self.labels)
         self.host_bytes = family("tlaloc_host_kv_bytes", "Host memory holding swapped-out "
                                  "sequences' KV", F.GAUGE).Metric(labels=self.labels)
+        self.host_cached_bytes = family("tlaloc_host_cached_kv_bytes", "Host memory holding "
+                                        "full blocks evicted from the device (a second level "
+                                        "of the prefix cache)", F.GAUGE).Metric(
+            labels=self.labels)
         self.preemptions = family("tlaloc_preemptions_total", "Sequences with a request in "
                                   "flight swapped out to make room (their request waits)",
                                   F.COUNTER).Metric(labels=self.labels)
@@ -137,9 +145,10 @@ class TritonMetrics(Observer):
         self.writer.increment(self.reclaimed_sequences, sequences)
         self.writer.increment(self.reclaimed_pages, pages)
 
-    def prefix(self, queried, reused, continued):
+    def prefix(self, queried, reused, continued, from_host=0):
         self.writer.increment(self.prefix_queries, queried)
         self.writer.increment(self.prefix_hits, reused)
+        self.writer.increment(self.prefix_host_hits, from_host)
         if continued:
             self.writer.increment(self.continuations, 1)
 
@@ -162,6 +171,7 @@ class TritonMetrics(Observer):
     def preempted(self):
         self.writer.increment(self.preemptions, 1)
 
-    def host(self, nbytes, sequences):
+    def host(self, nbytes, sequences, cached_bytes=0):
         self.writer.set(self.host_bytes, nbytes)
+        self.writer.set(self.host_cached_bytes, cached_bytes)
         self.writer.set(self.swapped_now, sequences)

@@ -8,6 +8,7 @@ pages no sequence holds that still hold a known block, evicted least recently re
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections import OrderedDict, deque
 from hashlib import blake2b
@@ -149,6 +150,17 @@ class SharedPagePool:
             self.refs[p] = 1
             pages.append(p)
         return pages
+
+    def evictions(self, n: int) -> list[tuple[int, bytes]]:
+        """The cached pages (with their blocks' hashes) that allocating `n` would evict."""
+        k = n - len(self._uncached)
+        if k <= 0:
+            return []
+        return [(p, self._hash_of[p]) for p in itertools.islice(self._cached, k)]
+
+    def page_of(self, h: bytes) -> int | None:
+        """The page holding the block of hash `h`, None when no page does."""
+        return self._page_of.get(h)
 
     def lookup(self, hashes) -> list[int]:
         """The pages of the longest leading run of `hashes` (an iterable, read lazily) that

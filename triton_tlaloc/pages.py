@@ -22,14 +22,17 @@ writes.
 
 `BlockManager` does all the accounting per sequence: what a sequence needs to grow, taking it
 (all or nothing), rolling a failed call back, freeing, reusing cached blocks on a prompt, and
-keeping ended sequences whole so that the next turn of a conversation continues them.
+keeping ended sequences whole so that the next turn of a conversation continues them. With a
+host tier (`BlockSpill`, host_tier.HostTier), cached blocks are copied to host memory as they
+are evicted, and a prompt's prefix continues into the blocks found there: they are written into
+the new pages its reservation takes instead of computed.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .page_pools import (FULL, POOLS, STATE, WINDOWED, PagePool, PagesExhausted,
                          SharedPagePool, block_hash, pages_for, root_hash)
@@ -39,6 +42,19 @@ __all__ = ["FULL", "POOLS", "STATE", "WINDOWED", "BlockManager", "PagePool", "Pa
 
 if TYPE_CHECKING:
     from .sequence import Sequence
+
+
+class BlockSpill(Protocol):
+    """Where evicted cached blocks go (host_tier.HostTier): full blocks kept by hash."""
+
+    def spill(self, evicted: list[tuple[int, bytes]]) -> None:
+        """These cached pages (page, block hash) are about to be given to other blocks."""
+
+    def find(self, h: bytes) -> Any:
+        """The block of hash `h` when it is kept, else None."""
+
+    def restore(self, blocks: list, pages: list[int]) -> None:
+        """Write these blocks (found by `find`) into these pages, in order."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +76,8 @@ class Reuse:
     they came from an ended sequence taken over whole (a continued turn)."""
 
     queried: int = 0
-    reused: int = 0
+    reused: int = 0  # of them, on the device or on the host
+    from_host: int = 0  # of them, written back from the host tier
     taken: Sequence | None = field(default=None, repr=False)  # the ended sequence continued
     order: list = field(default_factory=list, repr=False)  # the kept sequences' order before
 
@@ -97,6 +114,7 @@ class BlockManager:
         self.ended: OrderedDict[int, Sequence] = OrderedDict()  # by id(seq), least recent first
         self.dropped = 0  # ended sequences dropped (for pages, or past keep_ended)
         self.continued = 0  # ended sequences taken over by a new prompt
+        self.spill: BlockSpill | None = None  # set by a host tier (prefix reuse only)
 
     def pools(self) -> dict[str, PagePool | SharedPagePool]:
         return {FULL: self.full, **({WINDOWED: self.rings} if self.rings else {}),
@@ -120,6 +138,8 @@ class BlockManager:
         are evicted, then ended sequences dropped (least recently ended first), before
         PagesExhausted names each pool still short."""
         self._take(seq, self.need(seq, length))
+        if seq.from_host:
+            self._restore(seq)
 
     def _take(self, seq: Sequence, need: dict[str, int]) -> None:
         pools = self.pools()
@@ -131,6 +151,9 @@ class BlockManager:
             raise PagesExhausted("; ".join(short.values()), tuple(short))
         while any(pools[name].shortage(n) for name, n in need.items()):
             self._drop_ended()
+        if self.spill is not None and need.get(FULL):
+            if evicted := self.full.evictions(need[FULL]):
+                self.spill.spill(evicted)
         seq.pages += self.full.allocate(need.get(FULL, 0))
         if self.rings is not None:
             seq.ring += self.rings.allocate(need.get(WINDOWED, 0))
@@ -169,16 +192,18 @@ class BlockManager:
 
     def start(self, seq: Sequence, prompt: list[int], root: bytes) -> Reuse:
         """Before a new sequence reserves pages for `prompt`: take over an ended sequence whose
-        history the prompt continues, or attach the cached blocks its prefix matches. At least
-        the prompt's last token is left to compute (its logits are the answer). Undone by
+        history the prompt continues, or attach the cached blocks its prefix matches (and
+        count those found on the host, which `reserve` writes into its first new pages). At
+        least the prompt's last token is left to compute (its logits are the answer). Undone by
         `unstart` when the reservation fails."""
         assert not seq.token_ids and not seq.pages and seq.state_slot is None
         seq.root = root
         if self.keep_ended == 0 and not self.prefix_reuse:
             return Reuse()
-        prefix = self._prefix_pages(prompt, root) if self.prefix_reuse else []
+        prefix, on_host = self._prefix(prompt, root) if self.prefix_reuse else ([], [])
         ended = self._continuable(prompt, root)
-        if ended is not None and ended.num_cached >= len(prefix) * self.block_size:
+        found = (len(prefix) + len(on_host)) * self.block_size
+        if ended is not None and ended.num_cached >= found:
             order = list(self.ended)
             self._unkeep(ended)
             seq.pages, seq.ring, seq.state_slot = list(ended.pages), list(ended.ring), \
@@ -189,10 +214,12 @@ class BlockManager:
             return Reuse(len(prompt), seq.num_cached, taken=ended, order=order)
         self.full.share(prefix)
         seq.pages = list(prefix)
-        seq.num_cached = len(prefix) * self.block_size
-        seq.block_hashes = [self.full.block_of(p) for p in prefix]
+        seq.block_hashes = [self.full.block_of(p) for p in prefix] + [h for h, _ in on_host]
+        seq.from_host = [block for _, block in on_host]
+        seq.num_cached = len(seq.block_hashes) * self.block_size
         seq.reused = seq.num_cached
-        return Reuse(len(prompt) if self.prefix_reuse else 0, seq.num_cached)
+        return Reuse(len(prompt) if self.prefix_reuse else 0, seq.num_cached,
+                     from_host=len(on_host) * self.block_size)
 
     def unstart(self, seq: Sequence, reuse: Reuse) -> None:
         """Undo `start` (the prompt was refused): an ended sequence taken over is kept again,
@@ -206,17 +233,35 @@ class BlockManager:
         else:
             self.full.release(seq.pages)
         seq.pages, seq.ring, seq.state_slot = [], [], None
-        seq.block_hashes, seq.num_cached, seq.reused = [], 0, 0
+        seq.block_hashes, seq.num_cached, seq.reused, seq.from_host = [], 0, 0, []
 
-    def _prefix_pages(self, prompt: list[int], root: bytes) -> list[int]:
+    def _prefix(self, prompt: list[int], root: bytes) -> tuple[list[int], list[tuple]]:
+        """The device pages holding the prompt's leading full blocks, and the blocks after
+        them found on the host tier ((hash, block) pairs), up to the first block in neither."""
         bs = self.block_size
+        pages, on_host = [], []
+        parent = root
+        for b in range((len(prompt) - 1) // bs):  # the last token is always computed
+            parent = block_hash(parent, prompt[b * bs:(b + 1) * bs])
+            page = None if on_host else self.full.page_of(parent)
+            if page is not None:
+                pages.append(page)
+                continue
+            block = self.spill.find(parent) if self.spill is not None else None
+            if block is None:
+                break
+            on_host.append((parent, block))
+        return pages, on_host
 
-        def hashes():
-            parent = root
-            for b in range((len(prompt) - 1) // bs):  # the last token is always computed
-                parent = block_hash(parent, prompt[b * bs:(b + 1) * bs])
-                yield parent
-        return self.full.lookup(hashes())
+    def _restore(self, seq: Sequence) -> None:
+        """Write the blocks `start` found on the host into the pages after the shared prefix
+        (the reservation has just taken them) and register them."""
+        first = len(seq.block_hashes) - len(seq.from_host)
+        pages = seq.pages[first:len(seq.block_hashes)]
+        self.spill.restore(seq.from_host, pages)
+        for page, h in zip(pages, seq.block_hashes[first:]):
+            self.full.register(page, h)
+        seq.from_host = []
 
     def _continuable(self, prompt: list[int], root: bytes) -> Sequence | None:
         """The ended sequence of this root with the longest history that `prompt` begins with

@@ -202,4 +202,4 @@ class RoomMaking:
             self._release(s)
             self._observe("reclaimed", 1, 0)
         self._observe("state", self.pool_state(), len(self.sequences))
-        self._observe("host", self.host.used, self.host.sequences)
+        self._observe("host", self.host.used, self.host.sequences, self.host.cached_bytes)

@@ -33,6 +33,9 @@ class Sequence:
     reused: int = 0  # tokens of its first prompt whose KV it found cached (not computed)
     admitted: int = 0  # the order of its START among all admitted (preemption takes the latest)
     swapped: Any = None  # its KV on the host while swapped out (host_tier.SwappedKV)
+    # Between its START and its reservation: prompt blocks found on the host tier, written
+    # into its pages by the reservation (pages.BlockManager.start).
+    from_host: list = field(default_factory=list)
 
     @property
     def holding(self) -> dict[str, int]:

@@ -126,6 +126,8 @@ def check_round(h: Harness) -> None:
         swapped = [s for s in h.batcher.sequences.values() if s.swapped is not None]
         assert host.sequences == len(swapped)
         assert host.used == sum(s.swapped.nbytes for s in swapped)
+        assert host.cached_bytes == sum(b.nbytes for b in host.cached.values())
+        assert host.used + host.cached_bytes <= host.budget
 
 
 def next_token(reply) -> int:
@@ -250,13 +252,17 @@ def test_a_start_on_the_id_of_a_swapped_out_sequence_releases_its_host_copy():
         [s for s in h.batcher.sequences.values() if s.swapped is not None])
 
 
-def test_random_sessions_on_a_small_pool_keep_every_invariant():
+@pytest.mark.parametrize("shared", [False, True])
+def test_random_sessions_on_a_small_pool_keep_every_invariant(shared):
     """16 sessions of random turns, steps, ENDs and abandonment over 12 pages; every round the
     pools' books and every live sequence's KV are checked (check_round); every request is
-    answered; nothing is refused; the host comes back to 0 once all have ended."""
+    answered; nothing is refused; the host comes back to 0 once all have ended. `shared`:
+    prompts begin with one of three 16-token prefixes, so evicted blocks spilled to the host
+    are found there and written back (and checked like every other KV)."""
     rng = random.Random(7)
     h = Harness(fake_artifact(batch_ladder=(1, 2, 4), num_blocks=13), host_bytes=BIG,
                 preempt_wait_s=1000.0)
+    prefixes = [[rng.randrange(8, 256) for _ in range(16)] for _ in range(3)]
     state = {}  # id -> [tokens left this turn, waiting for a reply]
     sent = answered = 0
     for step in range(600):
@@ -266,8 +272,10 @@ def test_random_sessions_on_a_small_pool_keep_every_invariant():
                 continue  # its reply is not in yet
             if st is None:
                 if rng.random() < 0.3:
-                    h.send(k, [rng.randrange(8, 256) for _ in range(rng.randint(1, 20))],
-                           start=True)
+                    prompt = [rng.randrange(8, 256) for _ in range(rng.randint(1, 20))]
+                    if shared:
+                        prompt = rng.choice(prefixes) + prompt
+                    h.send(k, prompt, start=True)
                     state[k] = [rng.randint(1, 12), len(h.replies.get(k, [])) + 1]
                     sent += 1
                 continue
@@ -298,3 +306,5 @@ def test_random_sessions_on_a_small_pool_keep_every_invariant():
     assert h.batcher.host.used == 0 and not h.batcher.sequences
     used, _, _ = h.batcher.pool_state()[FULL]
     assert used == 0
+    if shared:  # blocks were spilled, found on the host and written back
+        assert h.batcher.host.restored > 0 and h.batcher.stats.prefix_from_host > 0
