@@ -130,9 +130,11 @@ class Batcher(RoomMaking):
         self._groups = 0
         self.cohort = Cohort(set())  # the previous decode batch's sequences (policy.py)
         self._evicted = (0, 0)  # cached pages evicted, ended sequences dropped, so far
-        compiled = [e for e in engine.art.entries.values() if e.name in engine.rt.executables]
-        self.max_decode_batch = max((e.batch for e in compiled if e.kind == "decode"), default=1)
-        self.max_prefill_batch = max((e.batch for e in compiled if e.kind == "prefill"), default=1)
+        # Of every entry, compiled or compiling (the engine splits a call while its entry
+        # compiles).
+        entries = engine.art.entries.values()
+        self.max_decode_batch = max((e.batch for e in entries if e.kind == "decode"), default=1)
+        self.max_prefill_batch = max((e.batch for e in entries if e.kind == "prefill"), default=1)
         self.context_ladder = sorted(engine.art.context_ladder)
 
     def _observe(self, method: str, *args) -> None:

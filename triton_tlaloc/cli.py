@@ -161,7 +161,8 @@ def _cmd_repository(args) -> int:
                              sequence_slots=args.sequence_slots,
                              prefix_reuse=not args.no_prefix_reuse,
                              host_kv_bytes=args.host_kv_bytes,
-                             preempt_wait_microseconds=args.preempt_wait_us)
+                             preempt_wait_microseconds=args.preempt_wait_us,
+                             background_compile=not args.compile_all_first)
     model_dir = write_repository(args.artifact, args.repo, args.name, opts)
     print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/"
           + ("" if args.no_generate_model else f", and {model_dir}_generate (generation on the "
@@ -181,7 +182,10 @@ def _cmd_serve(args) -> int:
                           log_path=args.log_file, exit_timeout_s=args.exit_timeout,
                           restrict_admin=not args.open_admin_api, admin_key=admin_key)
     print(f"starting tritonserver (log: {server.log_path}) ...", file=sys.stderr, flush=True)
-    server.start()
+
+    def progress(line):
+        print(f"  {line}", file=sys.stderr, flush=True)
+    server.start(timeout_s=args.start_timeout, wait_compiled=False, progress=progress)
     print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}",
           flush=True)
     if args.open_admin_api:
@@ -195,6 +199,8 @@ def _cmd_serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(1))
     while not stop and server.proc.poll() is None:
+        for line in server.progress_lines():  # the entries still compiling in the background
+            progress(line)
         time.sleep(0.2)
     if not stop:  # it exited on its own: that is a failure
         print(f"tritonserver exited with {server.proc.returncode}:\n{server.log_tail()}",
@@ -369,6 +375,10 @@ def _add_repository_parser(sub) -> None:
     p.add_argument("--preempt-wait-us", type=int, default=10_000_000,
                    help="how long a request short of KV pages waits for them before it is "
                         "refused (with the host tier)")
+    p.add_argument("--compile-all-first", action="store_true",
+                   help="report the model ready only once every entry is compiled (default: "
+                        "ready once a first request's entries are, the rest compiled in the "
+                        "background)")
     g = p.add_argument_group(
         "programs that are not language models",
         "ARTIFACT a bounded-program artifact (tlaloc-bounded.json) or a StableHLO program file")
@@ -395,6 +405,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--log-file", default=None)
+    p.add_argument("--start-timeout", type=float, default=1800.0,
+                   help="seconds to wait for every model to be ready")
     p.add_argument("--exit-timeout", type=int, default=5,
                    help="seconds Ctrl-C waits for open sequences before they are dropped")
     p.add_argument("--admin-key", default=None,

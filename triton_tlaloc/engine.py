@@ -30,11 +30,19 @@ class StepRuntime(Protocol):
     FakeRuntime (tests/unit/fakes.py) is another, which compiles nothing."""
 
     artifact: Artifact
-    executables: Container[str]  # names of the entries that can run
+    executables: Container[str]  # names of the entries that can run now
     phase_seconds: dict[str, float]  # seconds so far per phase: inputs, execute, copy
 
     def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
         """Run one entry: step inputs by role in, each row's last-token logits out."""
+        ...
+
+    def want(self, entry_name: str) -> None:
+        """A call would rather run on this entry, not compiled yet: compile it next."""
+        ...
+
+    def wait_for(self, entry_name: str) -> None:
+        """Block until this entry can run (it is compiling in the background)."""
         ...
 
 
@@ -91,9 +99,7 @@ class Engine:
                         (t.get("configKey", "refusedTokens") if isinstance(t, dict)
                          else "refusedTokens")
                         for t in self.art.model.refused_tokens}
-        prefill = [e for e in self.art.entries.values()
-                   if e.kind == "prefill" and e.name in runtime.executables]
-        self.max_prefill_tokens = max((e.tokens_per_seq for e in prefill), default=0)
+        self._prefill = [e for e in self.art.entries.values() if e.kind == "prefill"]
         self.last_entry = ""  # the entry of the latest call (logs and metrics)
         self.executions = 0  # entry executions so far (a chunked prompt makes several)
         self.build_seconds = 0.0  # building step inputs, summed (the step profile)
@@ -179,23 +185,39 @@ class Engine:
                                                                    self.window - 1))
         return cap
 
+    @property
+    def max_prefill_tokens(self) -> int:
+        """The most tokens of the prefill entries compiled so far (entries may still be
+        compiling in the background)."""
+        compiled = self.rt.executables
+        return max((e.tokens_per_seq for e in self._prefill if e.name in compiled), default=0)
+
     # ------------------------------------------------------------ calls
 
     def prefill(self, seqs: list[Sequence]) -> np.ndarray:
         """Feed every sequence's uncached tokens in one prefill call; returns each row's
         last-token logits [len(seqs), vocab]."""
-        n = max(len(s.uncached) for s in seqs)
-        end = max(s.num_cached + len(s.uncached) for s in seqs)
-        entry = self._entry("prefill", len(seqs), end, n)
-        return self._call(entry, seqs, [s.uncached for s in seqs])
+        return self._run("prefill", seqs, [s.uncached for s in seqs])
 
     def decode(self, seqs: list[Sequence]) -> np.ndarray:
         """One decode step: each sequence's single uncached token."""
         for s in seqs:
             assert len(s.uncached) == 1, f"sequence {s.seq_id}: decode takes one new token"
-        end = max(len(s.token_ids) for s in seqs)
-        entry = self._entry("decode", len(seqs), end, 1)
-        return self._call(entry, seqs, [s.uncached for s in seqs])
+        return self._run("decode", seqs, [s.uncached for s in seqs])
+
+    def _run(self, kind: str, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:
+        """One call for these rows, or while the entry for all of them is compiling, one call
+        per group of as many rows as a compiled entry holds."""
+        n = max(len(f) for f in feeds)
+        end = max(s.num_cached + len(f) for s, f in zip(seqs, feeds))
+        entry = self._entry(kind, len(seqs), end, n)
+        if entry is not None:
+            return self._call(entry, seqs, feeds)
+        rows = max(e.batch for e in self.art.entries.values()
+                   if e.name in self.rt.executables and e.kind == kind and e.batch < len(seqs)
+                   and e.context >= end and e.tokens_per_seq >= n)
+        return np.concatenate([self._run(kind, seqs[i:i + rows], feeds[i:i + rows])
+                               for i in range(0, len(seqs), rows)])
 
     def prefill_chunked(self, seq: Sequence) -> np.ndarray:
         """A prompt longer than the largest prefill entry's tokens goes in several calls, each
@@ -203,20 +225,32 @@ class Engine:
         logits = None
         while seq.uncached:
             chunk = min(len(seq.uncached), self.max_call_tokens(seq))
-            end = seq.num_cached + chunk
-            entry = self._entry("prefill", 1, end, chunk)
-            logits = self._call(entry, [seq], [seq.uncached[:chunk]])
+            assert chunk > 0, "no prefill entry is compiled"
+            logits = self._run("prefill", [seq], [seq.uncached[:chunk]])
         return logits
 
     def _entry(self, kind: str, batch: int, end: int, tokens: int):
+        """The smallest entry that holds the call. While it is compiling: a compiled larger
+        one, or None when compiled entries hold fewer rows (the call is split), or it is
+        waited for."""
         if end > self.art.max_context:
             raise RequestError(f"{end} positions exceed the largest context "
                                f"{self.art.max_context}", "context")
-        entry = self.art.smallest_entry(kind, batch, end, tokens, among=self.rt.executables)
-        if entry is None:
+        best = self.art.smallest_entry(kind, batch, end, tokens)
+        if best is None:
             raise RequestError(f"no {kind} entry holds {batch} rows of {tokens} tokens reaching "
                                f"position {end - 1}")
-        return entry
+        compiled = self.rt.executables
+        if best.name in compiled:
+            return best
+        self.rt.want(best.name)
+        larger = self.art.smallest_entry(kind, batch, end, tokens, among=compiled)
+        if larger is not None:
+            return larger
+        if batch > 1 and self.art.smallest_entry(kind, 1, end, tokens, among=compiled):
+            return None
+        self.rt.wait_for(best.name)
+        return best
 
     def _call(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:
         for s, feed in zip(seqs, feeds):

@@ -51,6 +51,7 @@ DEFAULTS = {
     "keep_ended_sequences": "64",
     "host_kv_bytes": "",  # empty: 4x the device's KV and state pools; 0: no host tier
     "preempt_wait_microseconds": "10000000",
+    "background_compile": "true",  # ready once a first request's entries are compiled
 }
 
 # The host tier's budget by default, in device pools' worth (TensorRT-LLM sizes its host
@@ -83,10 +84,13 @@ class TritonPythonModel:
         cache = params["compile_cache_dir"] or None
         self.runtime = Runtime(artifact, platform=platform, device_index=device,
                                donate=parse_bool(params["donate_kv_pools"]),
-                               cache_dir=Path(cache) if cache else None)
+                               cache_dir=Path(cache) if cache else None,
+                               background=parse_bool(params["background_compile"]))
         policy = batch_policy(config, params)
         self.metrics = TritonMetrics(args["model_name"],
                                      int(params["metrics_interval_microseconds"]) / 1e6)
+        self.runtime.on_compiled = self.metrics.entries
+        self.metrics.entries(len(self.runtime.executables), self.runtime.entries_total)
         observers = [self.metrics]
         self.timing_log = TimingLog(params["timing_log"]) if params["timing_log"] else None
         if self.timing_log is not None:
@@ -134,7 +138,7 @@ class TritonPythonModel:
         art, m = rt.artifact, rt.artifact.model
         weights = m.weight_dtype + (f", {m.quantized}" if m.quantized else "")
         slots = art.linear_state.num_slots if art.linear_state else 0
-        log.info("model %s loaded in %.1f s: %s, %d entries (%d compiled, %d from the cache), "
+        log.info("model %s ready in %.1f s: %s, %d entries (%d compiled, %d from the cache), "
                  "weights %.1f MiB (%s), KV pools %.1f MiB (%d pages of %d tokens, %s), state "
                  "pools %.1f MiB (%d slots), platform %s, donate_kv_pools %s; %s",
                  name, seconds, m.model_name, len(rt.executables),
@@ -186,6 +190,7 @@ class TritonPythonModel:
         log.info(
             "unloading: %s calls, %s rows, refusals %s; pools in place %d/%d checked runs",
             stats.calls, stats.rows, stats.refusals or "none", d.in_place, d.checked_runs)
+        self.runtime.close()
         self.batcher.stop()
         self.metrics.writer.close()
         if self.timing_log is not None:

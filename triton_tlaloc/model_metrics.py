@@ -51,6 +51,11 @@ class TritonMetrics(Observer):
                                 "backend", F.GAUGE).Metric(labels=self.labels)
         self._memory = family("tlaloc_device_bytes", "Bytes the model holds on its device, by "
                               "what (weights, kv_pools, state_pools)", F.GAUGE)
+        self.entries_compiled = family("tlaloc_entries_compiled", "Entries compiled so far (the "
+                                       "rest compile in the background)", F.GAUGE).Metric(
+            labels=self.labels)
+        self.entries_total = family("tlaloc_entries", "Entries of the artifact", F.GAUGE).Metric(
+            labels=self.labels)
         self._executions = family("tlaloc_executions_total", "Entry executions by kind",
                                   F.COUNTER)
         self._tokens = family("tlaloc_tokens_total", "Tokens run, prefill and decode", F.COUNTER)
@@ -105,6 +110,11 @@ class TritonMetrics(Observer):
             self.send = family("tlaloc_response_send_seconds", "Time a response takes to hand "
                                "over to Triton (the python backend's IPC)", F.HISTOGRAM).Metric(
                 labels=self.labels, buckets=self.WAIT_BUCKETS)
+
+    def entries(self, compiled: int, total: int) -> None:
+        """Entries compiled so far (the rest compile in the background), of all."""
+        self.writer.set(self.entries_compiled, compiled)
+        self.writer.set(self.entries_total, total)
 
     def memory(self, weights: int, kv_pools: int, state_pools: int) -> None:
         for what, n in (("weights", weights), ("kv_pools", kv_pools),

@@ -40,6 +40,7 @@ class RepositoryOptions:
     prefix_reuse: bool = True  # cached prompt blocks and ended sequences reused (KV reuse)
     host_kv_bytes: int | None = None  # the host tier's budget (None: 4x the pools; 0: off)
     preempt_wait_microseconds: int = 10_000_000  # how long a request waits for pages
+    background_compile: bool = True  # ready once a first request's entries are compiled
 
 
 # Triton's sequence slots (max_candidate_sequences) by default: far more than the pool can hold.
@@ -100,6 +101,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         "prefix_reuse": "true" if opts.prefix_reuse else "false",
         **({"host_kv_bytes": opts.host_kv_bytes} if opts.host_kv_bytes is not None else {}),
         "preempt_wait_microseconds": opts.preempt_wait_microseconds,
+        "background_compile": "true" if opts.background_compile else "false",
         # Where `tlaloc generate` finds the tokenizer when it runs on the serving machine.
         "tokenizer_dir": str(src / "tokenizer") if artifact.tokenizer_dir else "",
         **({"compile_cache_dir": opts.compile_cache_dir} if opts.compile_cache_dir else {}),

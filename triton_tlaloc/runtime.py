@@ -26,6 +26,7 @@ import numpy as np
 
 from .manifest import (LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, STATE_STEP_ROLES, STEP_ROLES,
                        WEIGHT, WINDOW_STEP_ROLES, Artifact, Entry, load_artifact, numpy_dtype)
+from .compiling import BackgroundCompiler, compile_order, compile_workers, first_entries
 from .stablehlo import strip_aliasing
 
 log = logging.getLogger("triton_tlaloc.runtime")
@@ -189,7 +190,7 @@ class Runtime:
     def __init__(self, artifact: Artifact | str | os.PathLike, *, platform: str = "cpu",
                  device_index: int = 0, donate: bool = True, cache_dir: Path | None = None,
                  entries: list[str] | None = None, use_cache: bool = True,
-                 check_every_run: bool = False):
+                 check_every_run: bool = False, background: bool = False):
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
         self.donate = donate
         self.device = PjrtDevice(platform, device_index)
@@ -202,11 +203,25 @@ class Runtime:
         self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
         self.executables: dict[str, object] = {}
         names = entries if entries is not None else sorted(self.artifact.entries)
-        for name in names:
+        self.entries_total = len(names)
+        # background: only what a first request needs now, the rest on compile threads.
+        now = [n for n in first_entries(self.artifact) if n in names] if background else names
+        for name in now or names:
             self.executables[name] = self._compile(self.artifact.entries[name])
         self.weights = self._upload_weights()
         self.pools = self._allocate_pools()
         self._plans = {name: self._plan(self.artifact.entries[name]) for name in self.executables}
+        self.compiler = None
+        self.on_compiled = None  # called with (compiled, total) as each entry is compiled
+        rest = [n for n in names if n not in self.executables]
+        if rest:
+            self.compiler = BackgroundCompiler(
+                compile_order(self.artifact, rest),
+                lambda name: self._compile(self.artifact.entries[name]), self._add_executable,
+                compile_workers()).start()
+            log.info("%d of %d entries compiled; %d more compile in the background on %d "
+                     "threads", len(self.executables), len(names), len(rest),
+                     compile_workers())
 
     # ---------------------------------------------------------------- load
 
@@ -216,6 +231,31 @@ class Runtime:
             text = strip_aliasing(text)  # the control: the same program, pools copied
         return compile_cached(self.device, text, f"entry {entry.name}", self.cache_dir,
                               self.use_cache, self.compile_stats)
+
+    def _add_executable(self, name: str, executable) -> None:
+        # Its plan first: a call that finds the executable finds its plan.
+        self._plans[name] = self._plan(self.artifact.entries[name])
+        self.executables[name] = executable
+        if self.on_compiled is not None:
+            self.on_compiled(len(self.executables), self.entries_total)
+
+    def want(self, name: str) -> None:
+        """A call would rather run on entry `name`: compile it next."""
+        if self.compiler is not None:
+            self.compiler.want(name)
+
+    def wait_for(self, name: str) -> None:
+        """Block until entry `name` is compiled (it is compiling in the background)."""
+        if name in self.executables:
+            return
+        if self.compiler is None:
+            raise StepInputError(f"entry {name} was not compiled in this runtime")
+        self.compiler.wait_for(name)
+
+    def close(self) -> None:
+        """Stop compiling in the background (a compile under way finishes)."""
+        if self.compiler is not None:
+            self.compiler.stop()
 
     def _upload_weights(self) -> dict[str, object]:
         t0 = time.perf_counter()

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -135,8 +136,14 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
-    def start(self, timeout_s: float = 300.0) -> "TritonServer":
+    def start(self, timeout_s: float = 300.0, wait_compiled: bool = True,
+              progress=None) -> "TritonServer":
+        """Start tritonserver and wait until it is ready, and with `wait_compiled` until every
+        model has compiled all its entries (they compile in the background once a model is
+        ready). `progress(line)` is given each line of the log that tells the load's
+        progress (`progress_lines`)."""
         self._log = open(self.log_path, "ab")
+        self._read_to = self._log_start = self.log_path.stat().st_size
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=server_environment(), start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -144,11 +151,42 @@ class TritonServer:
             if self.proc.poll() is not None:
                 raise ServerError(f"tritonserver exited with {self.proc.returncode}:\n"
                                   f"{self.log_tail()}")
-            if self.ready():
+            if progress is not None:
+                for line in self.progress_lines():
+                    progress(line)
+            if self.ready() and (not wait_compiled or self.compiled()):
                 return self
             time.sleep(0.25)
         self.stop()
         raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def compiled(self) -> bool:
+        """Whether every model compiling entries in the background has finished (its load
+        logged "compile in the background" and its compile threads "background compiles
+        done")."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)  # this run's lines only
+            text = f.read().decode(errors="replace")
+        return text.count("compile in the background on") == text.count(
+            "background compiles done")
+
+    PROGRESS = re.compile(r"entry \S+: (compiled|loaded)|weights: |KV pools: |"
+                          r"ready in |compile in the background|background compiles done|"
+                          r"failed to compile|host tier: ")
+
+    def progress_lines(self) -> list[str]:
+        """The log lines about the load written since the last call (entries compiled, weights
+        uploaded, models ready, background compiles), each cut to its message."""
+        if not self.log_path.exists():
+            return []
+        with open(self.log_path, "rb") as f:
+            f.seek(self._read_to)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # whole lines only
+        self._read_to += end
+        lines = data[:end].decode(errors="replace").splitlines()
+        return [line.split("] ", 1)[-1].strip().strip('"') for line in lines
+                if self.PROGRESS.search(line)]
 
     def ready(self) -> bool:
         try:

@@ -79,9 +79,12 @@ class FakeRuntime:
     "KV" is the token written at each slot (`kv`, per pool class; a state slot holds a hash of
     every token fed to it), so a test can read back what a sequence's pages hold."""
 
-    def __init__(self, artifact: Artifact):
+    def __init__(self, artifact: Artifact, compiling=()):
         self.artifact = artifact
-        self.executables = {name: None for name in artifact.entries}
+        # `compiling`: entries not compiled yet; one is compiled when waited for
+        self.executables = {name: None for name in artifact.entries if name not in compiling}
+        self.wanted: list[str] = []
+        self.waited: list[str] = []
         self.calls: list[tuple[str, int]] = []
         self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
         self.fail_next = None  # an exception the next run raises
@@ -91,6 +94,13 @@ class FakeRuntime:
             self.kv[WINDOWED] = np.full((artifact.windowed.num_blocks, bs), -1, np.int64)
         if artifact.linear_state is not None:
             self.kv[STATE] = np.zeros((artifact.linear_state.num_slots, 1), np.int64)
+
+    def want(self, entry_name: str) -> None:
+        self.wanted.append(entry_name)
+
+    def wait_for(self, entry_name: str) -> None:
+        self.waited.append(entry_name)
+        self.executables[entry_name] = None
 
     def kv_of(self, seq) -> list[int]:
         """The tokens a sequence's full-history pages hold at its computed positions."""

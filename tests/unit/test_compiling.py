@@ -1,0 +1,102 @@
+"""Entries compiled in the background: which a model needs before it is ready, the order of
+the rest, the compile threads (want moves an entry to the front, wait_for blocks), and the
+engine running calls on what is compiled meanwhile (a larger entry, fewer rows per call, or
+waiting) with the same replies as when everything is compiled."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from fakes import FakeRuntime, fake_artifact
+
+from triton_tlaloc.compiling import BackgroundCompiler, compile_order, first_entries
+from triton_tlaloc.engine import Engine, Sequence
+
+ART = fake_artifact(batch_ladder=(1, 2, 4), context_ladder=(32, 128))
+
+
+def test_a_first_request_needs_two_entries_and_decode_comes_first_at_each_context():
+    assert first_entries(ART) == ["decode_b1_c32", "prefill_b1_c32"]
+    order = compile_order(ART, [n for n in ART.entries if n not in first_entries(ART)])
+    assert len(order) == len(ART.entries) - 2
+    assert order[:2] == ["decode_b2_c32", "decode_b4_c32"]
+    contexts = [ART.entries[n].context for n in order]
+    assert contexts == sorted(contexts)
+    at_128 = [ART.entries[n].kind for n in order if ART.entries[n].context == 128]
+    assert at_128.index("prefill") == at_128.count("decode")  # every decode first
+
+
+def test_want_moves_an_entry_to_the_front_and_wait_for_blocks_until_it_is_compiled():
+    gate = threading.Event()
+    made, order = {}, []
+
+    def compile_one(name):
+        if name == "a":
+            gate.wait(5)  # the first compile is under way while the test asks for "d"
+        order.append(name)
+        return f"exe-{name}"
+    c = BackgroundCompiler(["a", "b", "c", "d"], compile_one, made.__setitem__, workers=1)
+    c.start()
+    c.want("d")
+    assert c.pending("d")
+    waiter = threading.Thread(target=c.wait_for, args=("d",))
+    waiter.start()
+    gate.set()
+    waiter.join(5)
+    assert not waiter.is_alive() and made["d"] == "exe-d"
+    assert c.wait_all(5) and order == ["a", "d", "b", "c"] and c.done == 4
+
+
+def test_a_failed_compile_is_raised_to_whoever_waits_for_it():
+    def compile_one(name):
+        if name == "b":
+            raise MemoryError("out of memory")
+    c = BackgroundCompiler(["a", "b"], compile_one, lambda n, e: None).start()
+    assert c.wait_all(5)
+    try:
+        c.wait_for("b")
+    except RuntimeError as e:
+        assert "entry b failed to compile: out of memory" in str(e)
+    else:
+        raise AssertionError("waiting for a failed entry must raise")
+
+
+def replies(rt, prompts, steps=3):
+    """Greedy tokens of each prompt decoded together."""
+    engine = Engine(rt)
+    seqs = [Sequence([]) for _ in prompts]
+    logits = []
+    for s, p in zip(seqs, prompts):
+        engine.admit(s, p)
+        logits.append(engine.prefill_chunked(s)[0])
+    out = [[] for _ in prompts]
+    for _ in range(steps):
+        for s, o, lg in zip(seqs, out, logits):
+            o.append(int(np.argmax(lg)))
+            s.token_ids.append(o[-1])
+        logits = list(engine.decode(seqs))
+    return out
+
+
+def test_calls_run_on_what_is_compiled_with_the_same_replies():
+    prompts = [list(range(10, 20)), list(range(30, 45)), list(range(50, 52))]
+    everything = replies(FakeRuntime(ART), prompts)
+    # Only the first entries: three rows decode one at a time on decode_b1 (decode_b4 asked
+    # for), nothing waits.
+    rt = FakeRuntime(ART, compiling=[n for n in ART.entries if n not in first_entries(ART)])
+    assert replies(rt, prompts) == everything
+    assert "decode_b4_c32" in rt.wanted and not rt.waited
+    assert {e for e, _ in rt.calls} == {"decode_b1_c32", "prefill_b1_c32"}
+    # A larger compiled entry serves a smaller call: decode_b4 for two rows.
+    rt = FakeRuntime(ART, compiling=["decode_b2_c32"])
+    assert replies(rt, prompts[:2]) == everything[:2]
+    assert "decode_b2_c32" in rt.wanted and ("decode_b4_c32", 2) in rt.calls
+
+
+def test_a_call_no_compiled_entry_holds_waits_for_its_entry():
+    prompt = list(range(10, 80))  # 70 positions: only the 128 context holds it
+    everything = replies(FakeRuntime(ART), [prompt])
+    rt = FakeRuntime(ART, compiling=[n for n in ART.entries if n not in first_entries(ART)])
+    assert replies(rt, [prompt]) == everything
+    assert rt.waited and all(ART.entries[n].context == 128 for n in rt.waited)
