@@ -14,12 +14,14 @@ they are: f32, bf16 and fp8 pools come back bit for bit.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from .page_pools import FULL, STATE, WINDOWED
+from .manifest import numpy_dtype
 from .runtime import CompileStats, compile_cached, x64_mode
 
 log = logging.getLogger("triton_tlaloc.kv_transfer")
@@ -78,6 +80,7 @@ class PageTransfer:
                         STATE: [p.name for p in art.state_pools]}
         self.classes = {k: v for k, v in self.classes.items() if v}
         self._programs: dict[tuple[str, str, int], object] = {}
+        self._compiling = threading.Lock()  # `warm` may run on a thread of its own
         self.compile_stats = CompileStats()
         self.in_place = self.copied = 0
         self.seconds = {"read": 0.0, "write": 0.0}
@@ -89,7 +92,8 @@ class PageTransfer:
 
     def warm(self, counts: dict[str, tuple[int, ...]]) -> None:
         """Compile (or load from the compile cache) the programs for these bucket sizes per
-        pool class now (at load; `transfer_buckets`), so a swap does not wait for a compile."""
+        pool class (at load, or on a thread then; `transfer_buckets`), so a swap does not wait
+        for a compile; one that comes first compiles its own program."""
         for pool_class, names in self.classes.items():
             rows = len(self.rt.pools[names[0]])
             for n in counts.get(pool_class, ()):
@@ -103,17 +107,26 @@ class PageTransfer:
         of the class, made on first use."""
         key = (kind, pool_class, n)
         exe = self._programs.get(key)
-        if exe is None:
+        if exe is not None:
+            return exe
+        with self._compiling:
+            exe = self._programs.get(key)
+            if exe is not None:  # compiled by the other thread meanwhile
+                return exe
             import jax
 
-            pools = [self.rt.pools[name] for name in self.classes[pool_class]]
-            specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools]
+            # From the manifest, not the pools: another thread may be donating them.
+            art = self.rt.artifact
+            shapes = {p.name: (tuple(p.shape), numpy_dtype(p.dtype))
+                      for p in (*art.pools, *art.state_pools)}
+            pools = [shapes[name] for name in self.classes[pool_class]]
+            specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in pools]
             idx = jax.ShapeDtypeStruct((n,), np.int32)
-            with x64_mode(any(np.dtype(p.dtype).itemsize == 8 for p in pools)):
+            with x64_mode(any(np.dtype(dtype).itemsize == 8 for _, dtype in pools)):
                 if kind == "read":
                     lowered = jax.jit(_gather).lower(specs, idx)
                 else:
-                    rows = [jax.ShapeDtypeStruct((n, *p.shape[1:]), p.dtype) for p in pools]
+                    rows = [jax.ShapeDtypeStruct((n, *shape[1:]), dtype) for shape, dtype in pools]
                     lowered = jax.jit(_scatter, donate_argnums=0).lower(specs, idx, rows)
             exe = compile_cached(self.rt.device, lowered.as_text(),
                                  f"page {kind} {pool_class} x{n}", self.rt.cache_dir,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -120,17 +121,24 @@ class TritonPythonModel:
         if budget == 0:
             log.info("host tier off (host_kv_bytes 0): a request short of KV pages is refused")
             return None
-        t0 = time.perf_counter()
         transfer = PageTransfer(rt)
-        transfer.warm(transfer_buckets(rt.artifact))
         host = HostTier(engine.blocks, transfer, budget)
-        stats = transfer.compile_stats
-        log.info("host tier: up to %.1f MiB of swapped-out KV%s in host memory; %d page "
-                 "transfer programs ready in %.2f s (%d from the compile cache); a request short "
-                 "of pages waits up to %.1f s", budget / 2**20,
+        log.info("host tier: up to %.1f MiB of swapped-out KV%s in host memory; a request "
+                 "short of pages waits up to %.1f s", budget / 2**20,
                  " and evicted prefix blocks" if engine.blocks.spill else "",
-                 stats.compiled + stats.cache_hits, time.perf_counter() - t0, stats.cache_hits,
                  int(params["preempt_wait_microseconds"]) / 1e6)
+
+        def warm():
+            t0 = time.perf_counter()
+            transfer.warm(transfer_buckets(rt.artifact))
+            stats = transfer.compile_stats
+            log.info("host tier: %d page transfer programs ready in %.2f s (%d from the "
+                     "compile cache)", stats.compiled + stats.cache_hits,
+                     time.perf_counter() - t0, stats.cache_hits)
+        if parse_bool(params["background_compile"]):  # a swap before then compiles its own
+            threading.Thread(target=warm, name="tlaloc-transfer-compile", daemon=True).start()
+        else:
+            warm()
         return host
 
     def _log_loaded(self, name, seconds, platform, params, policy) -> None:
@@ -138,10 +146,11 @@ class TritonPythonModel:
         art, m = rt.artifact, rt.artifact.model
         weights = m.weight_dtype + (f", {m.quantized}" if m.quantized else "")
         slots = art.linear_state.num_slots if art.linear_state else 0
-        log.info("model %s ready in %.1f s: %s, %d entries (%d compiled, %d from the cache), "
+        log.info("model %s ready in %.1f s: %s, %d of %d entries compiled so far (%d compiled, "
+                 "%d from the cache), "
                  "weights %.1f MiB (%s), KV pools %.1f MiB (%d pages of %d tokens, %s), state "
                  "pools %.1f MiB (%d slots), platform %s, donate_kv_pools %s; %s",
-                 name, seconds, m.model_name, len(rt.executables),
+                 name, seconds, m.model_name, len(rt.executables), rt.entries_total,
                  rt.compile_stats.compiled, rt.compile_stats.cache_hits, rt.weight_bytes / 2**20,
                  weights, rt.kv_pool_bytes / 2**20, m.num_blocks, m.block_size, m.kv_dtype,
                  rt.state_pool_bytes / 2**20, slots, platform, params["donate_kv_pools"], policy)
