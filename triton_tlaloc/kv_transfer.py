@@ -94,8 +94,9 @@ class PageTransfer:
         """Compile (or load from the compile cache) the programs for these bucket sizes per
         pool class (at load, or on a thread then; `transfer_buckets`), so a swap does not wait
         for a compile; one that comes first compiles its own program."""
+        shapes = {p.name: p.shape for p in (*self.rt.artifact.pools, *self.rt.artifact.state_pools)}
         for pool_class, names in self.classes.items():
-            rows = len(self.rt.pools[names[0]])
+            rows = shapes[names[0]][0]  # from the manifest: `tlaloc compile` has no pools
             for n in counts.get(pool_class, ()):
                 if n > rows:
                     break

@@ -27,6 +27,7 @@ import numpy as np
 from .manifest import (LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, STATE_STEP_ROLES, STEP_ROLES,
                        WEIGHT, WINDOW_STEP_ROLES, Artifact, Entry, load_artifact, numpy_dtype)
 from .compiling import BackgroundCompiler, compile_order, compile_workers, first_entries
+from .memory import MemoryLedger, release_freed
 from .stablehlo import strip_aliasing
 
 log = logging.getLogger("triton_tlaloc.runtime")
@@ -194,6 +195,9 @@ class Runtime:
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
         self.donate = donate
         self.device = PjrtDevice(platform, device_index)
+        # What the load adds to the process's resident memory, by phase (memory.py); JAX and
+        # its client count as before the load.
+        self.memory = MemoryLedger()
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.use_cache = use_cache
         self.check_every_run = check_every_run
@@ -208,9 +212,14 @@ class Runtime:
         now = [n for n in first_entries(self.artifact) if n in names] if background else names
         for name in now or names:
             self.executables[name] = self._compile(self.artifact.entries[name])
+        self.memory.mark(f"{len(self.executables)} executables")
         self.weights = self._upload_weights()
+        self.memory.mark("weights")
         self.pools = self._allocate_pools()
+        self.memory.mark("pools")
+        log.info("%s", self.memory.summary())
         self._plans = {name: self._plan(self.artifact.entries[name]) for name in self.executables}
+        self._first = set(self.executables)
         self.compiler = None
         self.on_compiled = None  # called with (compiled, total) as each entry is compiled
         rest = [n for n in names if n not in self.executables]
@@ -229,13 +238,20 @@ class Runtime:
         text = self.artifact.body_text(entry)
         if not self.donate:
             text = strip_aliasing(text)  # the control: the same program, pools copied
-        return compile_cached(self.device, text, f"entry {entry.name}", self.cache_dir,
-                              self.use_cache, self.compile_stats)
+        exe = compile_cached(self.device, text, f"entry {entry.name}", self.cache_dir,
+                             self.use_cache, self.compile_stats)
+        del text
+        release_freed()  # a compile frees most of what it allocates: give it back
+        return exe
 
     def _add_executable(self, name: str, executable) -> None:
         # Its plan first: a call that finds the executable finds its plan.
         self._plans[name] = self._plan(self.artifact.entries[name])
         self.executables[name] = executable
+        if len(self.executables) == self.entries_total:
+            # (also counts what serving allocated meanwhile)
+            self.memory.mark(f"{self.entries_total - len(self._first)} executables compiled later")
+            log.info("every entry compiled: %s", self.memory.summary())
         if self.on_compiled is not None:
             self.on_compiled(len(self.executables), self.entries_total)
 

@@ -172,7 +172,7 @@ class TritonServer:
 
     PROGRESS = re.compile(r"entry \S+: (compiled|loaded)|weights: |KV pools: |"
                           r"ready in |compile in the background|background compiles done|"
-                          r"failed to compile|host tier: ")
+                          r"failed to compile|host tier: |resident memory ")
 
     def progress_lines(self) -> list[str]:
         """The log lines about the load written since the last call (entries compiled, weights
@@ -187,6 +187,21 @@ class TritonServer:
         lines = data[:end].decode(errors="replace").splitlines()
         return [line.split("] ", 1)[-1].strip().strip('"') for line in lines
                 if self.PROGRESS.search(line)]
+
+    def stub_resident_bytes(self) -> int:
+        """Resident memory of the Python backend stubs this server started (one process per
+        model instance: where the models' weights, pools and executables live), from /proc."""
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmd = (stat.parent / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if (self.proc is not None and int(fields[1]) == self.proc.pid
+                    and b"triton_python_backend_stub" in cmd):
+                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        return total
 
     def ready(self) -> bool:
         try:
