@@ -428,6 +428,11 @@ def check_metrics(metrics_url, client, art, free_pages):
              len(a.pools) * m.num_blocks * m.block_size * m.kv_heads * m.head_size * 4)):
         value = metric(after, name, model=model, **labels)
         cond(value == want, f"{name}{labels} {value}, not {want}")
+    # The process holds at least its weights and pools (on the CPU device, in its own memory).
+    resident = metric(after, "tlaloc_resident_bytes", model=model)
+    held = sum(w.byte_length for w in a.weights) + len(a.pools) * m.num_blocks * m.block_size \
+        * m.kv_heads * m.head_size * 4
+    cond(resident > held, f"tlaloc_resident_bytes {resident}, not above weights and pools {held}")
     # The step phases (metrics.CallTiming): the executable's share of the decode calls' time.
     cond(delta("tlaloc_call_phase_seconds_total", kind="decode", phase="execute") > 0,
          "no execute phase time")

@@ -27,6 +27,7 @@ from .engine import Engine
 from .host_tier import HostTier
 from .kv_transfer import PageTransfer, transfer_buckets
 from .manifest import load_artifact
+from .memory import resident_bytes
 from .metrics import TimingLog
 from .model_metrics import TritonMetrics
 from .outputs import TOP_K_DEFAULT, cache_salt_parameter, small_outputs, top_k_parameter
@@ -90,8 +91,8 @@ class TritonPythonModel:
         policy = batch_policy(config, params)
         self.metrics = TritonMetrics(args["model_name"],
                                      int(params["metrics_interval_microseconds"]) / 1e6)
-        self.runtime.on_compiled = self.metrics.entries
-        self.metrics.entries(len(self.runtime.executables), self.runtime.entries_total)
+        self.runtime.on_compiled = self._entry_compiled
+        self._entry_compiled(len(self.runtime.executables), self.runtime.entries_total)
         observers = [self.metrics]
         self.timing_log = TimingLog(params["timing_log"]) if params["timing_log"] else None
         if self.timing_log is not None:
@@ -109,6 +110,10 @@ class TritonPythonModel:
                             self.runtime.state_pool_bytes)
         self.batcher.start()
         self._log_loaded(args["model_name"], time.perf_counter() - t0, platform, params, policy)
+
+    def _entry_compiled(self, compiled: int, total: int) -> None:
+        self.metrics.entries(compiled, total)
+        self.metrics.resident_memory(resident_bytes())
 
     def _host_tier(self, engine: Engine, params: dict) -> HostTier | None:
         """The host tier of `host_kv_bytes` (its transfer programs compiled now), or None."""

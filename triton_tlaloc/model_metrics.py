@@ -51,6 +51,10 @@ class TritonMetrics(Observer):
                                 "backend", F.GAUGE).Metric(labels=self.labels)
         self._memory = family("tlaloc_device_bytes", "Bytes the model holds on its device, by "
                               "what (weights, kv_pools, state_pools)", F.GAUGE)
+        self.resident = family("tlaloc_resident_bytes", "Resident memory of the model's "
+                               "process (its weights, pools and executables on a CPU device; "
+                               "measured at load and as entries compile)", F.GAUGE).Metric(
+            labels=self.labels)
         self.entries_compiled = family("tlaloc_entries_compiled", "Entries compiled so far (the "
                                        "rest compile in the background)", F.GAUGE).Metric(
             labels=self.labels)
@@ -120,6 +124,10 @@ class TritonMetrics(Observer):
         for what, n in (("weights", weights), ("kv_pools", kv_pools),
                         ("state_pools", state_pools)):
             self.writer.set(self._metric(self._memory, what=what), n)
+
+    def resident_memory(self, nbytes: int | None) -> None:
+        if nbytes is not None:
+            self.writer.set(self.resident, nbytes)
 
     def sent(self, seconds: float) -> None:
         if self.has_histograms:
