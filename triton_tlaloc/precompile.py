@@ -20,7 +20,6 @@ from pathlib import Path
 
 from .compiling import compile_order, compile_workers
 from .manifest import Artifact
-from .memory import release_freed
 from .runtime import CompileStats, PjrtDevice, compile_cached, default_cache_dir
 
 
@@ -68,16 +67,11 @@ def precompile(artifact: Artifact, *, platform: str = "cpu", cache_dir: Path | N
     say(f"compiling {len(names)} entries of {artifact.model.model_name} for {platform} into "
         f"{cache_dir} on {workers or compile_workers()} threads")
 
-    lock = threading.Lock()
-
     def one(name: str) -> None:
-        mine = CompileStats()  # per call: the threads share `stats` only under the lock
-        text = artifact.body_text(artifact.entries[name])
-        compile_cached(device, text, f"entry {name}", cache_dir, True, mine)
-        del text
-        release_freed()
-        with lock:
-            _add(stats, mine)
+        mine = CompileStats()  # this entry's: was it in the cache already
+        compile_cached(device, artifact.body_text(artifact.entries[name]), f"entry {name}",
+                       cache_dir, True, mine)
+        stats.add(mine.compiled, mine.cache_hits, mine.seconds)
         progress.step(f"entry {name}", "in the cache already" if mine.cache_hits
                       else f"compiled in {mine.seconds:.1f} s")
 
@@ -89,17 +83,11 @@ def precompile(artifact: Artifact, *, platform: str = "cpu", cache_dir: Path | N
         transfer = PageTransfer(_CompileOnly(artifact, device, cache_dir))
         transfer.warm(transfer_buckets(artifact))
         t = transfer.compile_stats
-        _add(stats, t)
+        stats.add(t.compiled, t.cache_hits, t.seconds)
         progress.step("page transfer programs", f"{t.compiled + t.cache_hits} programs "
                       f"({t.cache_hits} in the cache already) in "
                       f"{time.perf_counter() - t0:.1f} s")
     return stats
-
-
-def _add(total: CompileStats, more: CompileStats) -> None:
-    total.compiled += more.compiled
-    total.cache_hits += more.cache_hits
-    total.seconds += more.seconds
 
 
 __all__ = ["Progress", "precompile"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,14 @@ class CompileStats:
     compiled: int = 0
     cache_hits: int = 0
     seconds: float = 0.0
+    # Compile threads share one (the background compiles, `tlaloc compile`'s workers).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, compiled: int = 0, cache_hits: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            self.compiled += compiled
+            self.cache_hits += cache_hits
+            self.seconds += seconds
 
 
 def x64_mode(on: bool):
@@ -158,22 +167,22 @@ def compile_cached(device: PjrtDevice, text: str, what: str, cache_dir: Path,
     if use_cache and cached.is_file():
         try:
             exe = device.deserialize(cached.read_bytes())
-            stats.cache_hits += 1
-            stats.seconds += time.perf_counter() - t0
+            stats.add(cache_hits=1, seconds=time.perf_counter() - t0)
+            release_freed()  # what deserializing allocated and freed
             log.info("%s: loaded from the compile cache in %.2f s", what,
                      time.perf_counter() - t0)
             return exe
         except Exception as e:  # a stale or torn cache file: compile again
             log.warning("%s: compile cache file %s unusable (%s); compiling", what, cached, e)
     exe = device.compile(text)
-    stats.compiled += 1
-    stats.seconds += time.perf_counter() - t0
+    stats.add(compiled=1, seconds=time.perf_counter() - t0)
     log.info("%s: compiled in %.2f s", what, time.perf_counter() - t0)
     if use_cache:
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(device.serialize(exe))
         tmp.replace(cached)
+    release_freed()  # a compile frees most of what it allocates: give it back
     return exe
 
 
@@ -219,7 +228,8 @@ class Runtime:
         self.memory.mark("pools")
         log.info("%s", self.memory.summary())
         self._plans = {name: self._plan(self.artifact.entries[name]) for name in self.executables}
-        self._first = set(self.executables)
+        self.compiled_at_load = len(self.executables)
+        self._publishing = threading.Lock()
         self.compiler = None
         self.on_compiled = None  # called with (compiled, total) as each entry is compiled
         rest = [n for n in names if n not in self.executables]
@@ -238,19 +248,19 @@ class Runtime:
         text = self.artifact.body_text(entry)
         if not self.donate:
             text = strip_aliasing(text)  # the control: the same program, pools copied
-        exe = compile_cached(self.device, text, f"entry {entry.name}", self.cache_dir,
-                             self.use_cache, self.compile_stats)
-        del text
-        release_freed()  # a compile frees most of what it allocates: give it back
-        return exe
+        return compile_cached(self.device, text, f"entry {entry.name}", self.cache_dir,
+                              self.use_cache, self.compile_stats)
 
     def _add_executable(self, name: str, executable) -> None:
         # Its plan first: a call that finds the executable finds its plan.
         self._plans[name] = self._plan(self.artifact.entries[name])
-        self.executables[name] = executable
-        if len(self.executables) == self.entries_total:
+        with self._publishing:  # compile threads: exactly one of them sees the last entry
+            self.executables[name] = executable
+            last = len(self.executables) == self.entries_total
+        if last:
             # (also counts what serving allocated meanwhile)
-            self.memory.mark(f"{self.entries_total - len(self._first)} executables compiled later")
+            self.memory.mark(f"{self.entries_total - self.compiled_at_load} executables "
+                             "compiled later")
             log.info("every entry compiled: %s", self.memory.summary())
         if self.on_compiled is not None:
             self.on_compiled(len(self.executables), self.entries_total)
