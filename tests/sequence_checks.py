@@ -419,18 +419,19 @@ def check_metrics(metrics_url, client, art, free_pages):
         cond(delta(name, **labels) == want, f"{name}{labels} changed {delta(name, **labels)}")
     cached = metric(after, "tlaloc_kv_pages_cached", model=model, pool="full")
     cond(cached >= 1, "the ended sequence's page not kept for its next turn")
+    layer_pools = sum(p.stacked_layers for p in a.pools)  # a K and a V per layer, stacked or not
     for name, labels, want in (
             ("tlaloc_kv_pages_used", dict(pool="full"), 0),
             ("tlaloc_kv_pages_free", dict(pool="full"), free_pages - cached),
             ("tlaloc_sequences_held", {}, 0),
             ("tlaloc_device_bytes", dict(what="weights"), sum(w.byte_length for w in a.weights)),
             ("tlaloc_device_bytes", dict(what="kv_pools"),
-             len(a.pools) * m.num_blocks * m.block_size * m.kv_heads * m.head_size * 4)):
+             layer_pools * m.num_blocks * m.block_size * m.kv_heads * m.head_size * 4)):
         value = metric(after, name, model=model, **labels)
         cond(value == want, f"{name}{labels} {value}, not {want}")
     # The process holds at least its weights and pools (on the CPU device, in its own memory).
     resident = metric(after, "tlaloc_resident_bytes", model=model)
-    held = sum(w.byte_length for w in a.weights) + len(a.pools) * m.num_blocks * m.block_size \
+    held = sum(w.byte_length for w in a.weights) + layer_pools * m.num_blocks * m.block_size \
         * m.kv_heads * m.head_size * 4
     cond(resident > held, f"tlaloc_resident_bytes {resident}, not above weights and pools {held}")
     # The step phases (metrics.CallTiming): the executable's share of the decode calls' time.

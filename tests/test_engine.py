@@ -24,7 +24,7 @@ def engine(tiny):
 
 def sequence_kv(engine, seq, layer=0, kind="k"):
     """The K (or V) rows a sequence wrote, read back from the pool in position order."""
-    pool = engine.rt.pool_snapshot(f"l{layer}.{kind}")
+    pool = engine.rt.layer_kv_snapshot(layer, kind)
     bs = engine.block_size
     flat = pool.reshape(-1, *pool.shape[2:])
     slots = [seq.pages[p // bs] * bs + p % bs for p in range(seq.num_cached)]
@@ -80,7 +80,8 @@ def test_two_prompts_in_one_batch2_call_equal_their_solo_runs(engine):
 def test_padding_never_writes_the_pool(engine):
     """A batch-2 prefill entry given one 5-token row: 27 padding tokens in the row and one
     padding row. Every pool byte outside the sequence's 5 slots stays as it was."""
-    before = {name: engine.rt.pool_snapshot(name) for name in engine.rt.pools}
+    layers = [(layer, kind) for layer in (0, 1) for kind in "kv"]
+    before = {lk: engine.rt.layer_kv_snapshot(*lk) for lk in layers}
     seq = engine.new_sequence(PROMPT_B)
     entry = engine._entry("prefill", 2, len(PROMPT_B), len(PROMPT_B))
     assert entry.batch == 2 and entry.tokens_per_seq > len(PROMPT_B)
@@ -88,7 +89,7 @@ def test_padding_never_writes_the_pool(engine):
     bs = engine.block_size
     written = [seq.pages[p // bs] * bs + p % bs for p in range(len(PROMPT_B))]
     for name, old in before.items():
-        new = engine.rt.pool_snapshot(name)
+        new = engine.rt.layer_kv_snapshot(*name)
         flat_old, flat_new = old.reshape(-1, *old.shape[2:]), new.reshape(-1, *new.shape[2:])
         outside = np.ones(flat_old.shape[0], bool)
         outside[written] = False

@@ -135,14 +135,16 @@ def test_quantized_artifact_stores_codes_and_scales(llama, quant, code, code_byt
     manifest = json.loads((art.path / MANIFEST_NAME).read_text())
     assert manifest["model"]["weightQuant"] == quant
     assert art.model.model_hash != plain.model.model_hash
-    by_slot = {w.slot: w for w in art.weights}
-    assert by_slot["l0.qkv"].dtype == code and by_slot["l0.qkv.scale"].dtype == "f32"
-    out, n_in = by_slot["l0.qkv"].shape  # [out, in]: one scale per output channel
-    assert by_slot["l0.qkv.scale"].shape == (out,) and n_in == art.model.hidden_size
+    by_slot = {w.slot: w for w in art.weights}  # the layers' weights stacked (the layer loop)
+    assert by_slot["layers.qkv"].dtype == code and by_slot["layers.qkv.scale"].dtype == "f32"
+    layers, out, n_in = by_slot["layers.qkv"].shape  # [out, in]: a scale per output channel
+    assert layers == art.model.layers and n_in == art.model.hidden_size
+    assert by_slot["layers.qkv.scale"].shape == (layers, out)
     # the embedding, the norms and the head keep the weight dtype
-    assert {by_slot[s].dtype for s in ("embed", "lm_head", "final_norm", "l0.attn_norm")} == {"f32"}
+    assert {by_slot[s].dtype for s in ("embed", "lm_head", "final_norm",
+                                       "layers.attn_norm")} == {"f32"}
     linears = [w for w in art.weights if w.dtype == code]
-    assert len(linears) == 4 * art.model.layers  # qkv, o, gate_up, down
+    assert len(linears) == 4  # qkv, o, gate_up, down, each stacked over the layers
     f32_bytes = sum({w.slot: w for w in plain.weights}[w.slot].byte_length for w in linears)
     assert sum(w.byte_length for w in linears) * 4 == f32_bytes * code_bytes
 
@@ -163,7 +165,7 @@ def test_fp8_kv_pools_equal_transformers_with_fp8_keys_and_values(llama):
     rt = Runtime(llama["fp8_kv"], entries=["decode_b1_c32"])
     f32 = Runtime(llama["f32"], entries=["decode_b1_c32"])
     assert rt.kv_pool_bytes * 4 == f32.kv_pool_bytes
-    assert str(rt.pools["l0.k"].dtype) == "float8_e4m3fn"
+    assert str(rt.pools["layers.k"].dtype) == "float8_e4m3fn"
 
 
 def fp8_block_checkpoint(src, dst, block=16):

@@ -47,7 +47,7 @@ def _cmd_export(args) -> int:
                          attention_block=args.attention_block, prefill_tokens=args.prefill_tokens,
                          windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
                          ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks,
-                         state_slots=args.state_slots)
+                         state_slots=args.state_slots, layer_loop=not args.no_layer_loop)
     checkpoint = args.checkpoint
     if checkpoint == "smollm2":
         from .export.checkpoint import smollm2_gguf_path
@@ -334,6 +334,10 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--attention-block", type=int, default=2048,
                    help="key block of blockwise attention in prefill entries whose context "
                         "spans several")
+    p.add_argument("--no-layer-loop", action="store_true",
+                   help="unroll the layers (one set of kernels per layer) even where they are "
+                        "alike; by default alike layers run as one loop over stacked weights "
+                        "and pools: smaller executables, faster compiles")
     p.add_argument("--model-name", default=None)
     p.add_argument("--precompile", action="store_true",
                    help="then compile every program into the compile cache (tlaloc compile)")

@@ -296,18 +296,23 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class KvPool:
-    """One pool of pages: numBlocks pages of blockSize tokens, for one layer's K or V."""
+    """One pool of pages: numBlocks pages of blockSize tokens, for one layer's K or V, or (an
+    artifact whose layers run as a loop) for every layer's, stacked on the second axis."""
 
     name: str
-    layer: int
+    layer: int  # the first layer it holds
     kind: str  # "k" | "v"
     dtype: str
-    shape: tuple[int, ...]  # [numBlocks, blockSize, kvHeads, headSize]
+    shape: tuple[int, ...]  # [numBlocks, (layers,) blockSize, kvHeads, headSize]
     pool_class: str = "full"  # "full" | "windowed" (a sliding layer's rings, schema v3)
+    stacked_layers: int = 1  # layers held on axis 1; 1: one layer, no such axis
 
     def to_json(self) -> dict:
-        return {"name": self.name, "layer": self.layer, "kind": self.kind, "dtype": self.dtype,
-                "shape": list(self.shape), "class": self.pool_class}
+        out = {"name": self.name, "layer": self.layer, "kind": self.kind, "dtype": self.dtype,
+               "shape": list(self.shape), "class": self.pool_class}
+        if self.stacked_layers > 1:
+            out["stackedLayers"] = self.stacked_layers
+        return out
 
 
 @dataclass(frozen=True)
@@ -495,7 +500,7 @@ def _parse_manifest(root: Path, mpath: Path, manifest: dict) -> Artifact:
         batch_ladder = tuple(int(b) for b in buckets["batchLadder"])
         context_ladder = tuple(int(c) for c in buckets["contextLadder"])
         pools = tuple(KvPool(p["name"], int(p["layer"]), p["kind"], p["dtype"], tuple(p["shape"]),
-                             p.get("class", "full"))
+                             p.get("class", "full"), int(p.get("stackedLayers", 1)))
                       for p in manifest["kvPool"]["pools"])
         wk = manifest["model"].get("windowedKv")
         windowed = None if wk is None else WindowedKv(

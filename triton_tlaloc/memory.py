@@ -7,7 +7,8 @@ share, and the load log prints them. Two facts shape the numbers on XLA's CPU ba
 - A loaded executable holds host memory for each kernel XLA emitted (about 90 KB a fused
   kernel with jaxlib 0.7.1), so an entry of a model whose layers are unrolled costs tens of MB
   whatever its batch or context, and the executables, not the weights, are most of a model's
-  memory when the ladder has many entries.
+  memory when the ladder has many entries; the layer loop (export/layers.py) keeps one layer's
+  kernels an entry.
 - A compile allocates and frees far more than it keeps; glibc keeps freed heap pages resident
   unless asked to give them back, so each compile is followed by `release_freed`.
 

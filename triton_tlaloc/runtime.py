@@ -15,6 +15,7 @@ pools on the device, and runs entries with the pools donated.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -291,6 +292,12 @@ class Runtime:
             arr = np.fromfile(self.artifact.path / w.file, dtype=numpy_dtype(w.dtype))
             out[w.slot] = self.device.put(arr.reshape(w.shape))
             total += w.byte_length
+        # A put copies on a thread of the client's, and the host arrays outlive it until a
+        # collection: wait for the copies and collect, so the host copies are gone here and the
+        # memory ledger counts the weights once, in this phase (they were 0.25 GB of "pools").
+        for buf in out.values():
+            buf.block_until_ready()
+        gc.collect()
         self.weight_bytes = total
         m = self.artifact.model
         quant = f", {m.quantized} with per-channel scales" if m.quantized else ""
@@ -303,6 +310,8 @@ class Runtime:
         every = (*self.artifact.pools, *self.artifact.state_pools)
         specs = [(p.shape, numpy_dtype(p.dtype)) for p in every]
         pools = dict(zip((p.name for p in every), self.device.zeros(specs)))
+        for buf in pools.values():
+            buf.block_until_ready()
 
         def nbytes(ps):
             return sum(int(np.prod(p.shape)) * numpy_dtype(p.dtype).itemsize for p in ps)
@@ -410,3 +419,12 @@ class Runtime:
         """A host copy of one pool (tests): never a view, which would stop donation."""
         return np.array(self.pools[name], copy=True)
 
+
+    def layer_kv_snapshot(self, layer: int, kind: str) -> np.ndarray:
+        """A host copy of one layer's K or V pages, [pages, block, heads, d] (tests), from its
+        own pool or from the stacked pool of the layer loop."""
+        for p in self.artifact.pools:
+            stacked = p.stacked_layers > 1 and p.layer <= layer < p.layer + p.stacked_layers
+            if p.kind == kind and stacked:
+                return self.pool_snapshot(p.name)[:, layer - p.layer].copy()
+        return self.pool_snapshot(f"l{layer}.{kind}")

@@ -15,16 +15,45 @@ softmax and P.V are f32. A token that sees no key (a row of length 0, a padding 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
+
+
+@dataclass(frozen=True)
+class LayerPool:
+    """One layer of a pool stacked over the layers, [pages, layers, block, kh, d], inside the
+    layer loop: it reads as that layer's [pages, block, kh, d] pool, and a gather of its pages
+    reads that layer's slab of each page only."""
+
+    stacked: Any
+    layer: Any  # the loop's layer index, a traced int32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = self.stacked.shape
+        return (s[0], *s[2:])
+
+    @property
+    def dtype(self):
+        return self.stacked.dtype
+
+
+def take_pages(pool, tables):
+    """pool[tables]: [*tables.shape, block, kh, d], of a layer's pool or of a LayerPool."""
+    import jax.numpy as jnp
+
+    if isinstance(pool, LayerPool):
+        return pool.stacked[tables, pool.layer]
+    return jnp.take(pool, tables, axis=0)
 
 
 def _gather(k_pool, v_pool, tables):
     """The pages a table names, per row: [b, pages x block, kh, d] keys and values."""
-    import jax.numpy as jnp
-
     b, n = tables.shape
     _, block_size, kh, d = k_pool.shape
-    return tuple(jnp.take(pool, tables, axis=0).reshape(b, n * block_size, kh, d)
+    return tuple(take_pages(pool, tables).reshape(b, n * block_size, kh, d)
                  for pool in (k_pool, v_pool))
 
 

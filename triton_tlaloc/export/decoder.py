@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .checkpoint import DecoderConfig
 from .quant import code_dtype
 from ..manifest import (BLOCK_TABLES, KV_POOL_IN, KV_POOL_OUT, LOGITS, POSITIONS, SEQ_LENS,
@@ -65,24 +67,37 @@ def out_first_linears(weight_dtype: str) -> bool:
     return weight_dtype != "f32"
 
 
+def loops_layers(cfg: DecoderConfig, windowed: WindowedKv | None) -> bool:
+    """Whether the model's layers can run as one loop over stacked weights: every layer an
+    attention layer with the same window and RoPE, none on a ring (a pattern of layer kinds, as
+    gemma3's and qwen3_5's, is unrolled)."""
+    n = cfg.num_layers
+    return (windowed is None and cfg.linear is None and n > 1
+            and len({cfg.window(i) for i in range(n)}) == 1
+            and all(np.array_equal(cfg.inv_freq(i), cfg.inv_freq(0)) for i in range(n)))
+
+
 def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
-                 weight_quant: str | None = None, quant_head: bool = False) -> list[WeightSlot]:
+                 weight_quant: str | None = None, quant_head: bool = False,
+                 layer_loop: bool = False) -> list[WeightSlot]:
     """The artifact's weights in @main's order. With `quant_head` (and a weight_quant) the head
     is quantized too: a tied table as codes [vocab, hidden] and a scale per vocab row, which
     the head reads as its [out, in] and the embedding gathers and scales; an untied lm_head
-    like the layers' linears."""
-    h, d = cfg.hidden_size, cfg.head_size
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    like the layers' linears. With `layer_loop` each layer weight is one slot stacked over the
+    layers ("layers.qkv" [layers, out, in]), its linears [out, in] whatever the dtype
+    (`stacked_slots`)."""
+    h = cfg.hidden_size
     of = out_first_linears(weight_dtype)
 
-    def linear(name, n_in, n_out, quantized=True):
+    def linear(name, n_in, n_out, quantized=True, out_first=of):
         """A layer's linear; with --weight-quant its codes, stored [out, in] whatever the
         weight dtype (one-row products widen codes as they read them only along the weight's
         minor axis), and its scale per output channel."""
         if weight_quant is not None and quantized:
             return [WeightSlot(name, (n_out, n_in), "linear", True, weight_quant),
                     WeightSlot(f"{name}.scale", (n_out,), "scale")]
-        return [WeightSlot(name, (n_out, n_in) if of else (n_in, n_out), "linear", of)]
+        return [WeightSlot(name, (n_out, n_in) if out_first else (n_in, n_out), "linear",
+                           out_first)]
 
     # A tied f32 table is stored once, [hidden, vocab]: the head's [in, out] layout (XLA's CPU
     # dot against a [vocab, hidden] table contracting [1] x [1] took 62.6 ms at 4 rows against
@@ -96,37 +111,12 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
     else:
         slots = [WeightSlot("embed_t", (h, cfg.vocab_size), "embed") if transposed
                  else WeightSlot("embed", (cfg.vocab_size, h), "embed", of)]
-    if cfg.attn_output_gate:  # q_proj gives each head's query and its output gate
-        qkv += cfg.num_heads * d
-    la = cfg.linear
-    for i in range(cfg.num_layers):
-        slots.append(WeightSlot(f"l{i}.attn_norm", (h,), "norm"))
-        if cfg.is_linear(i):
-            # A Gated DeltaNet layer: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a fused, the
-            # conv kernel [channels, kernel], A_log and dt_bias per value head, the gated norm
-            # (its weight as stored: no 1 + weight), out_proj.
-            hv = la.num_value_heads
-            slots += [*linear(f"l{i}.lin_in", h, la.conv_channels + la.value_dim + 2 * hv),
-                      WeightSlot(f"l{i}.conv", (la.conv_channels, la.conv_kernel), "param"),
-                      WeightSlot(f"l{i}.A_log", (hv,), "param"),
-                      WeightSlot(f"l{i}.dt_bias", (hv,), "param"),
-                      WeightSlot(f"l{i}.lin_norm", (la.value_head_dim,), "param"),
-                      *linear(f"l{i}.lin_out", la.value_dim, h)]
-        else:
-            slots += linear(f"l{i}.qkv", h, qkv)
-            if cfg.qk_norm:
-                slots += [WeightSlot(f"l{i}.q_norm", (d,), "norm"),
-                          WeightSlot(f"l{i}.k_norm", (d,), "norm")]
-            slots += linear(f"l{i}.o", cfg.num_heads * d, h)
-        if cfg.sandwich_norms:
-            slots.append(WeightSlot(f"l{i}.post_attn_norm", (h,), "norm"))
-        slots += [
-            WeightSlot(f"l{i}.mlp_norm", (h,), "norm"),
-            *linear(f"l{i}.gate_up", h, 2 * cfg.intermediate_size),
-            *linear(f"l{i}.down", cfg.intermediate_size, h),
-        ]
-        if cfg.sandwich_norms:
-            slots.append(WeightSlot(f"l{i}.post_mlp_norm", (h,), "norm"))
+    if layer_loop:
+        first = layer_slots(cfg, 0, lambda *a: linear(*a, out_first=True))
+        slots += stacked_slots(first, cfg.num_layers)
+    else:
+        for i in range(cfg.num_layers):
+            slots += layer_slots(cfg, i, linear)
     slots.append(WeightSlot("final_norm", (h,), "norm"))
     if not cfg.tie_word_embeddings:
         # the head keeps the weight dtype unless quant_head
@@ -134,9 +124,69 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
     return slots
 
 
+def layer_slots(cfg: DecoderConfig, i: int, linear) -> list[WeightSlot]:
+    """Layer i's weight slots ("l{i}.<part>"); `linear(name, n_in, n_out)` gives a linear's."""
+    h, d = cfg.hidden_size, cfg.head_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    if cfg.attn_output_gate:  # q_proj gives each head's query and its output gate
+        qkv += cfg.num_heads * d
+    la = cfg.linear
+    slots = [WeightSlot(f"l{i}.attn_norm", (h,), "norm")]
+    if cfg.is_linear(i):
+        # A Gated DeltaNet layer: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a fused, the
+        # conv kernel [channels, kernel], A_log and dt_bias per value head, the gated norm
+        # (its weight as stored: no 1 + weight), out_proj.
+        hv = la.num_value_heads
+        slots += [*linear(f"l{i}.lin_in", h, la.conv_channels + la.value_dim + 2 * hv),
+                  WeightSlot(f"l{i}.conv", (la.conv_channels, la.conv_kernel), "param"),
+                  WeightSlot(f"l{i}.A_log", (hv,), "param"),
+                  WeightSlot(f"l{i}.dt_bias", (hv,), "param"),
+                  WeightSlot(f"l{i}.lin_norm", (la.value_head_dim,), "param"),
+                  *linear(f"l{i}.lin_out", la.value_dim, h)]
+    else:
+        slots += linear(f"l{i}.qkv", h, qkv)
+        if cfg.qk_norm:
+            slots += [WeightSlot(f"l{i}.q_norm", (d,), "norm"),
+                      WeightSlot(f"l{i}.k_norm", (d,), "norm")]
+        slots += linear(f"l{i}.o", cfg.num_heads * d, h)
+    if cfg.sandwich_norms:
+        slots.append(WeightSlot(f"l{i}.post_attn_norm", (h,), "norm"))
+    slots += [
+        WeightSlot(f"l{i}.mlp_norm", (h,), "norm"),
+        *linear(f"l{i}.gate_up", h, 2 * cfg.intermediate_size),
+        *linear(f"l{i}.down", cfg.intermediate_size, h),
+    ]
+    if cfg.sandwich_norms:
+        slots.append(WeightSlot(f"l{i}.post_mlp_norm", (h,), "norm"))
+    return slots
+
+
+STACKED = "layers."  # the prefix of a slot stacked over the layers
+
+
+def stacked_slots(first: list[WeightSlot], num_layers: int) -> list[WeightSlot]:
+    """Layer 0's slots as slots stacked over every layer: "l0.qkv" [out, in] becomes
+    "layers.qkv" [layers, out, in]."""
+    return [WeightSlot(STACKED + s.name.split(".", 1)[1], (num_layers, *s.shape), s.kind,
+                       s.out_first, s.quant) for s in first]
+
+
+def unstacked_slot(slot: WeightSlot, i: int) -> WeightSlot:
+    """Layer i's part of a stacked slot, as the unrolled layout names it."""
+    assert slot.name.startswith(STACKED), slot.name
+    return WeightSlot(f"l{i}.{slot.name[len(STACKED):]}", slot.shape[1:], slot.kind,
+                      slot.out_first, slot.quant)
+
+
 def kv_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, kv_dtype: str,
-             windowed: WindowedKv | None = None) -> list[KvPool]:
-    """K then V for each attention layer; a windowed layer's pools hold rings (schema v3)."""
+             windowed: WindowedKv | None = None, layer_loop: bool = False) -> list[KvPool]:
+    """K then V for each attention layer; a windowed layer's pools hold rings (schema v3). With
+    `layer_loop`, one K and one V pool hold every layer, [pages, layers, block, heads, d]: a
+    page keeps its first axis, so a page of every layer is one row to move."""
+    if layer_loop:
+        shape = (num_blocks, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_size)
+        return [KvPool(f"{STACKED}{kind}", 0, kind, kv_dtype, shape, "full", cfg.num_layers)
+                for kind in ("k", "v")]
     pools = []
     for i in cfg.attention_layers:
         ring = windowed is not None and i in windowed.layers
@@ -166,7 +216,7 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
                   block_size: int, num_blocks: int, weight_dtype: str,
                   kv_dtype: str, windowed: WindowedKv | None = None,
                   num_state_slots: int = 0, weight_quant: str | None = None,
-                  quant_head: bool = False) -> Program:
+                  quant_head: bool = False, layer_loop: bool = False) -> Program:
     """The signature of one entry, in @main's order."""
     b, t, m = batch, tokens_per_seq, context // block_size
     inputs = [
@@ -181,7 +231,7 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
                    TensorSpec("window_slot_mapping", WINDOW_SLOT_MAPPING, "i32", (b, t))]
     if cfg.linear is not None:
         inputs.append(TensorSpec("state_slots", STATE_SLOTS, "i32", (b,)))
-    pools = kv_pools(cfg, num_blocks, block_size, kv_dtype, windowed)
+    pools = kv_pools(cfg, num_blocks, block_size, kv_dtype, windowed, layer_loop)
     states = state_pools(cfg, num_state_slots)
     pool_start = len(inputs)
 
@@ -194,7 +244,7 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
         inputs.append(TensorSpec(f"{p.name}.in", role_of(p, WINDOW_KV_POOL_IN, KV_POOL_IN,
                                                           STATE_POOL_IN),
                                  p.dtype, p.shape, pool=p.name))
-    for s in weight_slots(cfg, weight_dtype, weight_quant, quant_head):
+    for s in weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop):
         inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, s.dtype(weight_dtype), s.shape, slot=s.name))
     outputs = [TensorSpec("logits", LOGITS, "f32", (b, cfg.vocab_size))]
     for p in (*pools, *states):
@@ -218,18 +268,24 @@ def layer_pools(cfg: DecoderConfig) -> dict[int, tuple[int, int]]:
 def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str,
                   attention_block: int = 2048, windowed: WindowedKv | None = None,
                   num_state_slots: int = 0, weight_quant: str | None = None,
-                  quant_head: bool = False):
+                  quant_head: bool = False, layer_loop: bool = False):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits, pools...).
-    layers.py has its parts."""
+    layers.py has its parts. With `layer_loop` the layers run as a loop (`lax.scan`) over the
+    stacked weights and pools, so the program holds one layer's kernels instead of one set per
+    layer (docs/design.md#the-layer-loop)."""
     from . import layers
 
-    slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head)
+    slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop)
     names = [s.name for s in slots]
-    g = layers.Graph(cfg, {s.name: s for s in slots}, weight_dtype == "bf16", block_size,
-                     num_blocks, attention_block, windowed, num_state_slots)
+    # The parts look slots up by their unrolled names ("l0.qkv"): a stacked slot's layer 0.
+    slot_of = {s.name: s for s in slots}
+    slot_of.update({unstacked_slot(s, 0).name: unstacked_slot(s, 0)
+                    for s in slots if s.name.startswith(STACKED)})
+    g = layers.Graph(cfg, slot_of, weight_dtype == "bf16", block_size, num_blocks,
+                     attention_block, windowed, num_state_slots)
     pool_of = layer_pools(cfg)
     n_step = 5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
-    n_pools = 2 * cfg.num_layers
+    n_pools = 2 if layer_loop else 2 * cfg.num_layers
 
     def fn(*args):
         token_ids, positions, block_tables, seq_lens, slot_mapping = args[:5]
@@ -241,6 +297,9 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         x = layers.embed(g, w, token_ids)
         step = layers.make_step(g, token_ids, positions, block_tables, seq_lens, slot_mapping,
                                 window_tables, window_slots, state_slots)
+        if layer_loop:
+            x, new_pools = layers.layer_loop(g, step, w, x, *pools)
+            return (layers.head(g, w, x), *new_pools)
         new_pools = list(pools)
         for i in range(cfg.num_layers):
             a, b = pool_of[i]
@@ -254,19 +313,21 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_blocks: int,
                 weight_dtype: str, attention_block: int = 2048,
                 windowed: WindowedKv | None = None, num_state_slots: int = 0,
-                weight_quant: str | None = None, quant_head: bool = False) -> str:
+                weight_quant: str | None = None, quant_head: bool = False,
+                layer_loop: bool = False) -> str:
     """StableHLO text of one entry; every pool parameter is donated (tf.aliasing_output)."""
     import jax
 
     from ..manifest import numpy_dtype
 
     fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block, windowed,
-                       num_state_slots, weight_quant, quant_head)
+                       num_state_slots, weight_quant, quant_head, layer_loop)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)
     return lowered.as_text()
 
 
-__all__ = ["WeightSlot", "out_first_linears", "weight_slots", "kv_pools", "state_pools",
+__all__ = ["WeightSlot", "out_first_linears", "loops_layers", "weight_slots", "layer_slots",
+           "stacked_slots", "unstacked_slot", "STACKED", "kv_pools", "state_pools",
            "entry_program", "layer_pools", "make_entry_fn", "lower_entry"]

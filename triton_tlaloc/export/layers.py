@@ -2,6 +2,7 @@
 together into the function an entry lowers.
 
     embed          token ids to f32 hidden states (a tied, transposed or quantized table too)
+    layer_loop     every layer as one loop over stacked weights and pools (alike layers)
     decoder_layer  RMSNorm, the layer's mixer and the residual, then the MLP
     attention      q|k|v, [q/k RMSNorm], RoPE, the KV write, paged attention, [gate], o_proj
     linear_mixer   a Gated DeltaNet layer: its states gathered, conv, delta rule, states written
@@ -25,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from . import linear_attention as la_ops
-from .attention import blockwise, one_pass, ring
+from .attention import LayerPool, blockwise, one_pass, ring
 from .checkpoint import DecoderConfig, LinearAttention
 from ..manifest import WindowedKv
 
@@ -132,16 +133,18 @@ def matmul(x, w, out_first: bool, bf16: bool):
     x = jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
     if not out_first:  # f32 [in, out]
         return jnp.matmul(x, w, precision=lax.Precision.HIGHEST)
-    # [out, in] weights hold bf16 values (decoder.out_first_linears), and so does the rounded
-    # input: their products are exact in f32 and TF32, so no precision=HIGHEST, with which XLA's
-    # CPU matrix-vector emitter is 1.3x slower.
+    # A bf16 artifact's [out, in] weights (decoder.out_first_linears) and the rounded input hold
+    # bf16 values: their products are exact in f32 and TF32, so no precision=HIGHEST, with which
+    # XLA's CPU matrix-vector emitter is 1.3x slower.
+    # An f32 [out, in] weight (the layer loop's) holds f32 values: its products take HIGHEST.
+    precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     wf = w.astype(jnp.float32)  # fused into the reads below, never materialized at one row
     lead, n_in = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, n_in)
     if flat.shape[0] <= MATVEC_ROWS:
-        out = jnp.stack([jnp.dot(wf, r) for r in flat])
+        out = jnp.stack([jnp.dot(wf, r, precision=precision) for r in flat])
     else:
-        out = lax.dot_general(flat, wf, (((1,), (1,)), ((), ())))
+        out = lax.dot_general(flat, wf, (((1,), (1,)), ((), ())), precision=precision)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -176,6 +179,30 @@ def embed(g: Graph, w: dict, token_ids):
     if g.cfg.embed_scale is not None:
         x = x * np.float32(g.cfg.embed_scale)
     return x
+
+
+def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
+    """Every layer as one lax.scan over the stacked weights ("layers.<part>", the layer on the
+    first axis), with the stacked K and V pools as the loop's carry, each layer's keys and
+    values scattered into them in place. The loop body is layer 0's graph: the layers are
+    alike (decoder.loops_layers), so layer 0's config, RoPE and slots stand for every layer.
+    Returns (x, (k_pool, v_pool))."""
+    from .decoder import STACKED
+
+    stacked = {name[len(STACKED):]: a for name, a in w.items() if name.startswith(STACKED)}
+    cos_sin(g.cfg, step, 0)  # RoPE's tables once, before the loop
+
+    def body(carry, xs):
+        x, k_all, v_all = carry
+        layer, parts = xs
+        w_layer = {f"l0.{part}": a for part, a in parts.items()}
+        x, k, v = decoder_layer(g, step, w_layer, 0, x, LayerPool(k_all, layer),
+                                LayerPool(v_all, layer))
+        return (x, k.stacked, v.stacked), None
+
+    layer_ids = jnp.arange(g.cfg.num_layers, dtype=jnp.int32)
+    (x, k_pool, v_pool), _ = lax.scan(body, (x, k_pool, v_pool), (layer_ids, stacked))
+    return x, (k_pool, v_pool)
 
 
 def decoder_layer(g: Graph, step: Step, w: dict, i: int, x, pool_a, pool_b):
@@ -281,11 +308,16 @@ def write_kv(g: Graph, step: Step, pool, new, on_ring: bool):
     kv_heads, d = g.cfg.num_kv_heads, g.cfg.head_size
     idx = step.window_slots if on_ring else step.kv_slots
     shape = pool.shape
-    slots = pool.reshape(shape[0] * g.block_size, kv_heads, d)
     rows = new.reshape(-1, kv_heads, d)
     if step.pad_row:  # the second, dropped row that keeps the scatter in place
         rows = jnp.concatenate([rows, jnp.zeros_like(rows)])
-    return slots.at[idx].set(to_pool(rows, pool.dtype), mode="drop").reshape(shape)
+    rows = to_pool(rows, pool.dtype)
+    if isinstance(pool, LayerPool):  # (page, layer, offset); padding's page is past the end
+        page, offset = idx // g.block_size, idx % g.block_size
+        return LayerPool(pool.stacked.at[page, pool.layer, offset].set(rows, mode="drop"),
+                         pool.layer)
+    slots = pool.reshape(shape[0] * g.block_size, kv_heads, d)
+    return slots.at[idx].set(rows, mode="drop").reshape(shape)
 
 
 def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):

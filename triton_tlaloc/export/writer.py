@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import Checkpoint, DecoderConfig, open_checkpoint
-from .decoder import WeightSlot, entry_program, kv_pools, lower_entry, state_pools, weight_slots
+from .decoder import (STACKED, WeightSlot, entry_program, kv_pools, loops_layers, lower_entry,
+                      state_pools, unstacked_slot, weight_slots)
 from .quant import QUANT_FORMATS, quantize_rows
 from ..manifest import (MANIFEST_NAME, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Entry, LinearState,
                        WeightFile, WindowedKv, load_artifact, numpy_dtype)
@@ -64,6 +65,9 @@ class ExportOptions:
     # Linear-attention state slots (schema v4): sequences that can hold state at once (None:
     # four times the largest batch).
     state_slots: int | None = None
+    # Layers run as one loop over weights and pools stacked over the layers, when the model's
+    # layers are alike (decoder.loops_layers); False: unrolled, one set of kernels per layer.
+    layer_loop: bool = True
 
     def validate(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -139,6 +143,11 @@ class ExportOptions:
         below = (self.prefill_tokens if self.prefill_tokens is not None
                  else [2 ** k for k in range(5, top.bit_length())])
         return sorted({t for t in below if t < top} | {top})
+
+    def loops_layers(self, cfg: DecoderConfig, num_blocks: int) -> bool:
+        """Whether this export's entries run their layers as a loop
+        (docs/design.md#the-layer-loop)."""
+        return self.layer_loop and loops_layers(cfg, self.windowed(cfg, num_blocks))
 
     @property
     def kv_type(self) -> str:
@@ -219,24 +228,42 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
     raise AssertionError(f"unknown weight slot {name}")
 
 
+def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot,
+                  quant: str | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """A slot's array as the artifact stores it, before the cast to its dtype, and with a
+    quantized slot its scales: a stacked slot's layers one by one, stacked."""
+    if slot.name.startswith(STACKED):
+        parts = [stored_tensor(ckpt, cfg, unstacked_slot(slot, i), quant)
+                 for i in range(slot.shape[0])]
+        scales = None if slot.quant is None else np.stack([s for _, s in parts])
+        return np.stack([a for a, _ in parts]), scales
+    arr = slot_tensor(ckpt, cfg, slot)
+    if tuple(arr.shape) != slot.shape:
+        raise ExportError(f"{ckpt.path}: weight {slot.name} has shape {list(arr.shape)}, "
+                          f"the config implies {list(slot.shape)}")
+    if slot.quant is not None:  # from the checkpoint's values in f32 (GGUF: dequantized)
+        return quantize_rows(arr, slot.quant)
+    return arr, None
+
+
 def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, out: Path,
-                   model_hash) -> list[WeightFile]:
+                   model_hash, layer_loop: bool) -> list[WeightFile]:
     (out / "weights").mkdir()
     written = []
     total = 0
     t0 = time.perf_counter()
     scales = {}  # a quantized linear's scales, written in the slot after its codes
     for idx, slot in enumerate(weight_slots(cfg, opts.weight_dtype, opts.weight_quant,
-                                            opts.quant_head)):
+                                            opts.quant_head, layer_loop)):
         dtype = slot.dtype(opts.weight_dtype)
-        arr = scales.pop(slot.name) if slot.kind == "scale" else slot_tensor(ckpt, cfg, slot)
-        if tuple(arr.shape) != slot.shape:
-            raise ExportError(f"{ckpt.path}: weight {slot.name} has shape {list(arr.shape)}, "
-                              f"the config implies {list(slot.shape)}")
-        if slot.quant is not None:  # from the checkpoint's values in f32 (GGUF: dequantized)
-            data, scales[f"{slot.name}.scale"] = quantize_rows(arr, slot.quant)
-        else:  # widen first so bf16 rounding happens once, from the checkpoint's own values
-            data = arr.astype(np.float32).astype(numpy_dtype(dtype))
+        if slot.kind == "scale":
+            data = scales.pop(slot.name)
+        else:
+            arr, scale = stored_tensor(ckpt, cfg, slot, slot.quant)
+            if scale is not None:
+                data, scales[f"{slot.name}.scale"] = arr, scale
+            else:  # widen first so bf16 rounding happens once, from the checkpoint's own values
+                data = arr.astype(np.float32).astype(numpy_dtype(dtype))
         data = np.ascontiguousarray(data)
         rel = f"weights/{idx:04d}_{slot.name}.bin"
         raw = data.tobytes()  # little-endian: numpy's native order on every platform we run
@@ -274,16 +301,19 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
              + (f", linears {opts.weight_quant}" if opts.weight_quant else "")
              + f", KV {opts.kv_type}")
         model_hash = hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True).encode())
-        weights = _write_weights(ckpt, cfg, opts, tmp, model_hash)
+        windowed = opts.windowed(cfg, num_blocks)
+        layer_loop = opts.loops_layers(cfg, num_blocks)
+        weights = _write_weights(ckpt, cfg, opts, tmp, model_hash, layer_loop)
         tokenizer_files = ckpt.save_tokenizer(tmp / "tokenizer")
         _log(f"[export] tokenizer: {', '.join(tokenizer_files) or 'none in the checkpoint'}")
+        _log("[export] layers: " + ("one loop over stacked weights and pools" if layer_loop
+                                    else "unrolled, one set of kernels per layer"))
 
-        windowed = opts.windowed(cfg, num_blocks)
         linear_state = _linear_state(cfg, opts)
-        entries = _write_entries(cfg, opts, num_blocks, windowed, tmp)
+        entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop)
         _log_pools(cfg, windowed, linear_state)
         manifest = _manifest(cfg, opts, num_blocks, model_hash.hexdigest(), windowed,
-                             linear_state, entries, weights)
+                             linear_state, entries, weights, layer_loop)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         load_artifact(tmp)  # every body against its signature, every file against the manifest
         if out.exists():
@@ -321,14 +351,15 @@ def _log_pools(cfg: DecoderConfig, windowed: WindowedKv | None,
 
 def _manifest(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_hash: str,
               windowed: WindowedKv | None, linear_state: LinearState | None,
-              entries: list[Entry], weights: list[WeightFile]) -> dict:
+              entries: list[Entry], weights: list[WeightFile], layer_loop: bool) -> dict:
     """The artifact's manifest, as manifest.json holds it (its keys in this order)."""
-    pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_type, windowed)
+    pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_type, windowed, layer_loop)
     return {
         "schema": (SCHEMA_V4 if linear_state is not None else
                    SCHEMA_V3 if windowed is not None else SCHEMA_V2),
         "exporter": "triton-tlaloc",
-        "model": _model_json(cfg, opts, num_blocks, model_hash, windowed, linear_state),
+        "model": _model_json(cfg, opts, num_blocks, model_hash, windowed, linear_state,
+                             layer_loop),
         "buckets": {"batchLadder": sorted(opts.batch_ladder),
                     "contextLadder": sorted(opts.context_ladder)},
         "kvPool": {"numBlocks": num_blocks, "blockSize": opts.block_size,
@@ -342,7 +373,8 @@ def _manifest(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_ha
 
 
 def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_hash: str,
-                windowed: WindowedKv | None, linear_state: LinearState | None) -> dict:
+                windowed: WindowedKv | None, linear_state: LinearState | None,
+                layer_loop: bool) -> dict:
     """The manifest's "model": the model's shape and the export's choices."""
     return {
         "family": cfg.family,
@@ -364,6 +396,7 @@ def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_
         "maxPositions": cfg.max_positions,
         "prefillChunk": opts.prefill_chunk,
         "attentionBlock": opts.attention_block,
+        "layerLoop": layer_loop,
         "layerWindows": [cfg.window(i) for i in range(cfg.num_layers)],
         **({"windowedKv": windowed.to_json()} if windowed is not None else {}),
         **({"linearState": linear_state.to_json()} if linear_state is not None else {}),
@@ -387,7 +420,7 @@ def _linear_state(cfg: DecoderConfig, opts: ExportOptions) -> LinearState | None
 
 
 def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
-                   windowed: WindowedKv | None, out: Path) -> list[Entry]:
+                   windowed: WindowedKv | None, out: Path, layer_loop: bool) -> list[Entry]:
     (out / "bodies").mkdir()
     (out / "programs").mkdir()
     plan = []
@@ -406,10 +439,10 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
         slots = opts.resolved_state_slots() if cfg.linear is not None else 0
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
                                 opts.weight_dtype, opts.kv_type, windowed, slots,
-                                opts.weight_quant, opts.quant_head)
+                                opts.weight_quant, opts.quant_head, layer_loop)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
                            opts.attention_block, windowed, slots, opts.weight_quant,
-                           opts.quant_head)
+                           opts.quant_head, layer_loop)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
             # A custom call is a platform's library function (jax's triangular solve lowers to
