@@ -278,9 +278,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop)
     names = [s.name for s in slots]
     # The parts look slots up by their unrolled names ("l0.qkv"): a stacked slot's layer 0.
-    slot_of = {s.name: s for s in slots}
-    slot_of.update({unstacked_slot(s, 0).name: unstacked_slot(s, 0)
-                    for s in slots if s.name.startswith(STACKED)})
+    layer0 = [unstacked_slot(s, 0) for s in slots if s.name.startswith(STACKED)]
+    slot_of = {s.name: s for s in (*slots, *layer0)}
     g = layers.Graph(cfg, slot_of, weight_dtype == "bf16", block_size, num_blocks,
                      attention_block, windowed, num_state_slots)
     pool_of = layer_pools(cfg)

@@ -144,11 +144,6 @@ class ExportOptions:
                  else [2 ** k for k in range(5, top.bit_length())])
         return sorted({t for t in below if t < top} | {top})
 
-    def loops_layers(self, cfg: DecoderConfig, num_blocks: int) -> bool:
-        """Whether this export's entries run their layers as a loop
-        (docs/design.md#the-layer-loop)."""
-        return self.layer_loop and loops_layers(cfg, self.windowed(cfg, num_blocks))
-
     @property
     def kv_type(self) -> str:
         """The KV pools' element type, as StableHLO spells it."""
@@ -228,13 +223,12 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
     raise AssertionError(f"unknown weight slot {name}")
 
 
-def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot,
-                  quant: str | None) -> tuple[np.ndarray, np.ndarray | None]:
+def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig,
+                  slot: WeightSlot) -> tuple[np.ndarray, np.ndarray | None]:
     """A slot's array as the artifact stores it, before the cast to its dtype, and with a
     quantized slot its scales: a stacked slot's layers one by one, stacked."""
     if slot.name.startswith(STACKED):
-        parts = [stored_tensor(ckpt, cfg, unstacked_slot(slot, i), quant)
-                 for i in range(slot.shape[0])]
+        parts = [stored_tensor(ckpt, cfg, unstacked_slot(slot, i)) for i in range(slot.shape[0])]
         scales = None if slot.quant is None else np.stack([s for _, s in parts])
         return np.stack([a for a, _ in parts]), scales
     arr = slot_tensor(ckpt, cfg, slot)
@@ -259,7 +253,7 @@ def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, ou
         if slot.kind == "scale":
             data = scales.pop(slot.name)
         else:
-            arr, scale = stored_tensor(ckpt, cfg, slot, slot.quant)
+            arr, scale = stored_tensor(ckpt, cfg, slot)
             if scale is not None:
                 data, scales[f"{slot.name}.scale"] = arr, scale
             else:  # widen first so bf16 rounding happens once, from the checkpoint's own values
@@ -302,7 +296,8 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
              + f", KV {opts.kv_type}")
         model_hash = hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True).encode())
         windowed = opts.windowed(cfg, num_blocks)
-        layer_loop = opts.loops_layers(cfg, num_blocks)
+        # alike layers run as one loop (docs/design.md#the-layer-loop) unless told otherwise
+        layer_loop = opts.layer_loop and loops_layers(cfg, windowed)
         weights = _write_weights(ckpt, cfg, opts, tmp, model_hash, layer_loop)
         tokenizer_files = ckpt.save_tokenizer(tmp / "tokenizer")
         _log(f"[export] tokenizer: {', '.join(tokenizer_files) or 'none in the checkpoint'}")
