@@ -68,4 +68,6 @@ def test_tritonserver_is_ready_before_the_background_compiles_and_answers_meanwh
             assert time.monotonic() - t0 < 600, "background compiles did not finish"
             time.sleep(0.5)
         after = [c.generate_greedy(p, 10, argmax_output=True).generated_ids for p in PROMPTS]
+    held = [line for line in server.log_text().splitlines() if "still compiling" in line]
+    print(f"calls held back for a compile: {len(held)}", *held[:3], sep="\n")
     assert early == after

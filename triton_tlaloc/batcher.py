@@ -11,12 +11,18 @@ are run:
   `BatchPolicy.reclaim_after_s`: Triton sends no END for a sequence it times out), least
   recently active first, only as many as needed (`policy.choose_reclaim`). With the host tier,
   idle live sequences are then swapped out to host memory, busy ones preempted, and a request
-  that still cannot run waits for pages (room.py); otherwise the request is refused by name. A
-  refused request still counts as activity. No live sequence's KV is ever lost.
+  that still cannot run waits for pages (room.py); otherwise the request is refused by name
+  (admission.py). A refused request still counts as activity. No live sequence's KV is ever
+  lost.
 - Calls. Decode rows of several sequences go into one decode call on the smallest entry that
   holds them; prompts of one context bucket into one prefill call (a call computes every row at
   its entry's context, so buckets are not merged); a prompt longer than the largest prefill
   entry runs alone, in chunks. A call that fails is rolled back row by row.
+- Entries still compiling (the model is ready before every entry is compiled). A call runs on a
+  compiled entry that holds it; when none does, its entry is asked for and the call is held
+  back, admitted, while the thread serves every other sequence; it runs in the first round
+  after an entry compiles (a prompt in chunks keeps the chunks it ran). The thread never waits
+  for a compile.
 - Every request gets exactly one reply: its logits, or an error with a code naming the problem.
 
 Pure Python over an `Engine`: no Triton or JAX import here, so it is tested with a fake clock
@@ -29,18 +35,18 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
-
 from .codes import INTERNAL, INVALID_ARG, UNAVAILABLE
-from .engine import Engine, RequestError, Sequence
+from .engine import Engine, EntryCompiling, Sequence
 from .host_tier import HostTier
 from .metrics import BatcherStats, CallTiming, Observer
-from .pages import PagesExhausted, Reuse
+from .admission import Admission, Job, Reply, Request
 from .policy import BatchPolicy, Cohort, select
 from .room import RoomMaking
+
+# What the front ends take from here: the batcher, its requests and replies, and reply codes.
+__all__ = ["Batcher", "INTERNAL", "INVALID_ARG", "Job", "Reply", "Request", "UNAVAILABLE"]
 
 log = logging.getLogger("triton_tlaloc.batcher")
 
@@ -49,61 +55,7 @@ log = logging.getLogger("triton_tlaloc.batcher")
 LOGGED_CALLS = 20
 
 
-@dataclass
-class Reply:
-    logits: np.ndarray | None = None  # [vocab] f32
-    kv_pages: tuple[int, int] | None = None  # pages held in the full and the windowed pool
-    error: str | None = None
-    code: str | None = None  # INVALID_ARG | UNAVAILABLE | INTERNAL when error is set
-
-
-@dataclass
-class Request:
-    seq_id: int | str
-    tokens: list[int]
-    start: bool
-    end: bool
-    reply_fn: Callable[[Reply], None]
-    arrived: float = 0.0
-    group: int = 0  # the execute() call it came in (backend_batching off)
-    # (reason, message) when the front end refused it already (TOKENS too long to convert):
-    # it still passes admission's START and activity rules, then is refused with this.
-    refusal: tuple[str, str] | None = None
-    cache_salt: str | None = None  # a START's tenant: prompts of different salts share no KV
-    waiting_since: float | None = None  # when it first waited for pages (host tier on)
-    _answered: bool = field(default=False, repr=False)
-
-    @property
-    def is_decode(self) -> bool:
-        """One token for a held sequence: a decode step (everything else runs as a prompt)."""
-        return not self.start and len(self.tokens) == 1
-
-    @property
-    def is_prompt(self) -> bool:
-        return self.start or len(self.tokens) > 1
-
-    def reply(self, reply: Reply) -> None:
-        assert not self._answered, f"sequence {self.seq_id}: a request answered twice"
-        self._answered = True
-        try:
-            self.reply_fn(reply)
-        except Exception:  # a client gone away must not stop the thread
-            log.exception("sequence %s: sending the reply failed", self.seq_id)
-
-
-@dataclass
-class Job:
-    """A request admitted in this round, and its sequence as it was before (for rollback)."""
-
-    request: Request
-    seq: Sequence
-    num_tokens: int  # the sequence's tokens before this request (for rollback)
-    num_pages: int
-    num_ring: int
-    had_state_slot: bool
-
-
-class Batcher(RoomMaking):
+class Batcher(Admission, RoomMaking):
     def __init__(self, engine: Engine, policy: BatchPolicy = BatchPolicy(),
                  clock: Callable[[], float] = time.monotonic,
                  observers: tuple[Observer, ...] = (), host_tier: HostTier | None = None,
@@ -118,6 +70,10 @@ class Batcher(RoomMaking):
         self._waiting: list[Request] = []  # requests waiting for pages, oldest first
         self._retry_waiting = False  # pages were released since they last tried
         self._busy: set = set()  # ids with a request in the round, queued or waiting
+        # Jobs held back until an entry they need compiles (admitted, their pages reserved),
+        # and whether an entry compiled since the round that held them back.
+        self._held_back: list[Job] = []
+        self._entries_changed = False
         self._admissions = 0  # STARTs admitted so far (Sequence.admitted)
         self.sequences: dict[int | str, Sequence] = {}
         self.stats = BatcherStats()
@@ -136,6 +92,7 @@ class Batcher(RoomMaking):
         self.max_decode_batch = max((e.batch for e in entries if e.kind == "decode"), default=1)
         self.max_prefill_batch = max((e.batch for e in entries if e.kind == "prefill"), default=1)
         self.context_ladder = sorted(engine.art.context_ladder)
+        engine.waits_for_compiles = False  # this thread holds such a call back instead
 
     def _observe(self, method: str, *args) -> None:
         for o in self._observers:
@@ -164,6 +121,13 @@ class Batcher(RoomMaking):
             self._pending.extend(requests)
             self._cv.notify()
 
+    def entries_compiled(self) -> None:
+        """An entry finished compiling (the runtime's compile threads call this): calls held
+        back for one run again in the next round."""
+        with self._cv:
+            self._entries_changed = True
+            self._cv.notify()
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tlaloc-batcher", daemon=True)
         self._thread.start()
@@ -175,8 +139,9 @@ class Batcher(RoomMaking):
         if self._thread is not None:
             self._thread.join(timeout)
         with self._cv:
-            leftover = list(self._pending)
+            leftover = list(self._pending) + [j.request for j in self._held_back]
             self._pending.clear()
+            self._held_back = []
         for r in leftover:
             r.reply(Reply(error="the model is unloading", code=UNAVAILABLE))
 
@@ -187,21 +152,22 @@ class Batcher(RoomMaking):
                     if self._stopping:
                         return
                     now = self.clock()
-                    taken, wake_at = self._select(now)
+                    taken, resumed, wake_at = self._select(now)
                     sweep_at = self._sweep_at()
-                    if taken or (sweep_at is not None and now >= sweep_at):
+                    if taken or resumed or (sweep_at is not None and now >= sweep_at):
                         break
                     wake_at = min((t for t in (wake_at, sweep_at) if t is not None),
                                   default=None)
                     self._cv.wait(None if wake_at is None else max(0.0, wake_at - now))
             try:
                 self._sweep(now)
-                if taken:
-                    self.process(taken)
+                if taken or resumed:
+                    self.process(taken, resumed)
             except Exception:  # never leave a request unanswered, never let the thread die
                 log.exception("batcher round failed")
-                for r in taken:
-                    if not r._answered:
+                held = {id(j.request) for j in self._held_back}
+                for r in taken + [j.request for j in resumed]:
+                    if not r._answered and id(r) not in held:
                         r.reply(Reply(error="internal error in the batcher (see the server "
                                             "log)", code=INTERNAL))
 
@@ -209,18 +175,24 @@ class Batcher(RoomMaking):
         """One round on the caller's thread if one is due now (tests drive the clock)."""
         now = self.clock()
         with self._cv:
-            taken, _ = self._select(now)
+            taken, resumed, _ = self._select(now)
         self._sweep(now)
-        if taken:
-            self.process(taken)
-        return bool(taken)
+        if taken or resumed:
+            self.process(taken, resumed)
+        return bool(taken or resumed)
 
     # ------------------------------------------------------------ what runs when
 
-    def _select(self, now: float) -> tuple[list[Request], float | None]:
+    def _select(self, now: float) -> tuple[list[Request], list[Job], float | None]:
         """Take the requests `policy.select` runs now off the queue (called with the lock
-        held); returns them and when to look again if some wait."""
-        waiting = {r.seq_id for r in self._waiting}
+        held); returns them, the held-back jobs that may run now (an entry compiled since they
+        were held back), and when to look again if some wait."""
+        resumed = []
+        if self._held_back and self._entries_changed:
+            resumed, self._held_back = self._held_back, []
+        self._entries_changed = False
+        # A sequence whose request waits (for pages, or an entry) sends no other.
+        waiting = {r.seq_id for r in self._waiting} | self.held_back_ids()
         # A swapped-out sequence is not waited for by its cohort; a sequence whose request
         # waits for pages sends no other.
         held = (self.sequences if self.host is None or not self.host.sequences else
@@ -240,23 +212,31 @@ class Batcher(RoomMaking):
                 taken, self._waiting, self._retry_waiting = self._waiting + taken, [], False
             else:
                 wake_at = due if wake_at is None else min(wake_at, due)
-        return taken, wake_at
+        return taken, resumed, wake_at
 
     # ------------------------------------------------------------ one round
 
-    def process(self, requests: list[Request]) -> None:
+    def process(self, requests: list[Request], resumed: list[Job] = ()) -> None:
+        """One round: admit `requests`, then run them with the `resumed` jobs (admitted in
+        an earlier round and held back until an entry compiled)."""
         if self.host is not None:  # who may not be swapped out as idle (room.py)
             with self._cv:
                 queued = {r.seq_id for r in self._pending}
             self._busy = ({r.seq_id for r in requests} | queued
-                          | {r.seq_id for r in self._waiting})
-        jobs: list[Job] = []  # a preempted sequence's job leaves the list
+                          | {r.seq_id for r in self._waiting} | self.held_back_ids())
+        jobs: list[Job] = list(resumed)  # a preempted sequence's job leaves the list
         t0 = time.perf_counter()
         for r in requests:
             job = self._admit(r, jobs)
             if job is not None:
                 jobs.append(job)
-        decode = [j for j in jobs if j.request.is_decode]
+        decode = []
+        for j in (j for j in jobs if j.request.is_decode):
+            compiling = self.engine.decode_waits_for(j.seq)
+            if compiling is not None:
+                self._hold_back([j], "decode", compiling)
+            else:
+                decode.append(j)
         prefill = [j for j in jobs if not j.request.is_decode]
         self._admit_seconds = time.perf_counter() - t0  # charged to the round's first call
         if decode:
@@ -284,97 +264,6 @@ class Batcher(RoomMaking):
     def pool_state(self) -> dict[str, tuple[int, int, int]]:
         """Per pool: (held by live sequences, cached, free) (pages.BlockManager.usage)."""
         return self.engine.blocks.usage()
-
-    def _holding(self, s: Sequence) -> str:
-        ring = f", {len(s.ring)} ring pages" if self.engine.blocks.rings is not None else ""
-        slot = (f", state slot {s.state_slot}" if s.state_slot is not None else "")
-        return f"{s.seq_id} ({len(s.pages)} pages{ring}{slot})"
-
-    def _refuse(self, r: Request, code: str, reason: str, message: str) -> None:
-        self._observe("refusal", reason)
-        log.info("sequence %s refused (%s): %s", r.seq_id, reason, message)
-        r.reply(Reply(error=message, code=code))
-
-    def _refuse_exhausted(self, r: Request, e: PagesExhausted) -> None:
-        """A request refused for want of pages or state slots. Who holds them goes to the
-        server log only: a correlation id is the only capability a sequence has, so no client
-        may learn another's; the client hears how many sequences hold them."""
-        holding = [s for s in self.sequences.values() if any(s.holding.values())]
-        log.info("sequence %s: %s; holders: %s", r.seq_id, e,
-                 ", ".join(self._holding(s) for s in holding) or "none")
-        if e.pools == ("state",):
-            self._refuse(r, UNAVAILABLE, "state_slots",
-                         f"sequence {r.seq_id}: no free linear-attention state slot: {e}; "
-                         f"{len(holding)} sequences hold slots (retry when one ends)")
-        else:
-            self._refuse(r, UNAVAILABLE, "pages",
-                         f"sequence {r.seq_id}: KV pool full: {e}; {len(holding)} sequences "
-                         f"hold pages (retry when one ends)")
-
-    def _admit(self, r: Request, jobs: list[Job]) -> Job | None:
-        engine = self.engine
-        if r.start:
-            old = self.sequences.get(r.seq_id)
-            if old is not None:
-                # A new START on a held id begins a new sequence: the old KV must never be
-                # continued by this id, whether or not this START is admitted. (Ended whole,
-                # another prompt of the same history may still take it over.)
-                log.info("sequence %s: START on a held id; its %d pages are released", r.seq_id,
-                         len(old.pages))
-                self._release(old, ended=True)
-            seq = Sequence([], seq_id=r.seq_id)
-        else:
-            seq = self.sequences.get(r.seq_id)
-            if seq is None and r.end and not r.tokens and r.refusal is None:
-                # END with nothing to run: the sequence is already gone (its START was refused,
-                # or it was reclaimed). Closing it is what the client should do: acknowledged.
-                r.reply(Reply(kv_pages=(0, 0)))
-                return None
-            if seq is None:
-                self._refuse(r, INVALID_ARG, "unknown_sequence",
-                             f"sequence {r.seq_id} is not held by the model: send its first "
-                             f"request with START (it may have ended or been reclaimed)")
-                return None
-        seq.last_active = self.clock()  # a refused request counts as activity too
-        if r.refusal is not None:
-            self._refuse(r, INVALID_ARG, *r.refusal)
-            return None
-        if not r.tokens:
-            if r.end and not r.start:
-                self._release(seq, ended=True)
-                r.reply(Reply(kv_pages=(0, 0)))
-                return None
-            self._refuse(r, INVALID_ARG, "empty", f"sequence {r.seq_id}: TOKENS is empty")
-            return None
-        try:
-            if seq.swapped is not None:
-                engine.check_request(seq, r.tokens)  # before its KV moves back
-                self._with_room(seq, len(r.tokens), jobs, lambda: self._swap_in(seq))
-            before = (len(seq.token_ids), len(seq.pages), len(seq.ring),
-                      seq.state_slot is not None)
-            reuse = self._with_room(seq, len(r.tokens), jobs,
-                                    lambda: engine.admit(seq, r.tokens, r.cache_salt))
-        except RequestError as e:
-            self._refuse(r, INVALID_ARG, e.reason, f"sequence {r.seq_id}: {e}")
-            return None
-        except PagesExhausted as e:
-            if not self._wait(r, seq, e):
-                self._refuse_exhausted(r, e)
-            return None
-        if r.start:
-            self._admissions += 1
-            seq.admitted = self._admissions
-            self.sequences[r.seq_id] = seq
-            self._started(seq, reuse)
-        return Job(r, seq, *before)
-
-    def _started(self, seq: Sequence, reuse: Reuse) -> None:
-        self._observe("prefix", reuse.queried, reuse.reused, reuse.continued, reuse.from_host)
-        how = ("its previous turn continued" if reuse.continued else "cached blocks")
-        if reuse.from_host:
-            how += f", {reuse.from_host} of them from the host tier"
-        log.info("sequence %s: START of %d tokens, %d reused (%s)", seq.seq_id,
-                 len(seq.token_ids), reuse.reused, how if reuse.reused else "none cached")
 
     def _prefill_groups(self, jobs: list[Job]) -> list[list[Job]]:
         """Prompts of one context bucket run as one call, up to the largest prefill batch. A
@@ -412,6 +301,9 @@ class Batcher(RoomMaking):
                 logits = self.engine.prefill_chunked(seqs[0])
             else:
                 logits = self.engine.prefill(seqs)
+        except EntryCompiling as e:
+            self._hold_back(jobs, kind, e.entry_name)
+            return
         except Exception as e:
             log.exception("%s call for sequences %s failed", kind, [s.seq_id for s in seqs])
             for j in jobs:
@@ -446,6 +338,21 @@ class Batcher(RoomMaking):
             **phases, respond=t_done - t_called,
             other=(t_called - t_call) - sum(phases.values()),
             total=admit + (t_done - t_call)))
+
+    def held_back_ids(self) -> set:
+        """The sequences whose request is held back until an entry compiles."""
+        return {j.seq.seq_id for j in self._held_back}
+
+    def _hold_back(self, jobs: list[Job], kind: str, entry_name: str) -> None:
+        """Hold admitted jobs back until an entry compiles: their sequences keep what they
+        hold (and what chunks of a prompt ran) and are neither swapped out nor reclaimed."""
+        for j in jobs:
+            log.info("sequence %s: its %s call waits for entry %s, still compiling; other "
+                     "sequences are served meanwhile", j.seq.seq_id, kind,
+                     entry_name)
+            self._observe("held_back", kind)
+        with self._cv:
+            self._held_back += jobs
 
     def _release(self, seq: Sequence, ended: bool = False) -> None:
         """The sequence is no longer held for its id. Ended by its client (END): kept whole

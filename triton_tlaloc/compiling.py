@@ -6,7 +6,8 @@ smallest context's single-row decode entry and its prefill entry for a whole con
 tokens). The rest compile on worker threads in `compile_order`: decode before prefill at each
 context (a conversation makes one decode call per token), smaller contexts and batches first.
 A call that needs an entry not compiled yet asks for it (`want`: it goes to the front of the
-queue) and runs on a compiled entry that holds it meanwhile, or waits for it (`wait_for`).
+queue) and runs on a compiled entry that holds it meanwhile, or waits for it (`wait_for`; the
+batcher's thread never waits: it holds the call back and serves others, batcher.py).
 Pure Python: the compile itself is injected.
 """
 
@@ -53,6 +54,7 @@ class BackgroundCompiler:
     def __init__(self, names: list[str], compile_one: Callable[[str], object],
                  compiled: Callable[[str, object], None], workers: int = 1):
         self.total = len(names)
+        self._names = frozenset(names)
         self._queue = list(names)
         self._compile_one = compile_one
         self._compiled = compiled
@@ -78,8 +80,9 @@ class BackgroundCompiler:
         return len(self._done)
 
     def pending(self, name: str) -> bool:
+        """Whether `name` is one of these compiles and has neither finished nor failed."""
         with self._cond:
-            return name not in self._done and name not in self._failed
+            return name in self._names and name not in self._done and name not in self._failed
 
     def want(self, name: str) -> None:
         """Compile `name` next (a call is waiting for it, or running on a larger entry)."""

@@ -21,7 +21,8 @@ from .pages import (FULL, BlockManager, PagePool, PagesExhausted, PoolShape, Reu
 from .sequence import Sequence
 from .steps import Row, build_step
 
-__all__ = ["Engine", "GenerationResult", "RequestError", "Sequence", "StepRuntime"]
+__all__ = ["Engine", "EntryCompiling", "GenerationResult", "RequestError", "Sequence",
+           "StepRuntime"]
 
 
 class StepRuntime(Protocol):
@@ -41,9 +42,24 @@ class StepRuntime(Protocol):
         """A call would rather run on this entry, not compiled yet: compile it next."""
         ...
 
+    def compiling(self, entry_name: str) -> bool:
+        """Whether this entry is still to compile in the background (False once it is
+        compiled, or when its compile failed: waiting for it then raises the failure)."""
+        ...
+
     def wait_for(self, entry_name: str) -> None:
         """Block until this entry can run (it is compiling in the background)."""
         ...
+
+
+class EntryCompiling(Exception):
+    """The call needs an entry still compiling, and no compiled entry stands in for it. Raised
+    instead of waiting by an engine that must not block (the batcher's: it holds the call back
+    and serves other sequences); nothing of the call has run, so it can be made again."""
+
+    def __init__(self, entry_name: str):
+        super().__init__(f"entry {entry_name} is compiling")
+        self.entry_name = entry_name
 
 
 class RequestError(ValueError):
@@ -103,6 +119,9 @@ class Engine:
         self.last_entry = ""  # the entry of the latest call (logs and metrics)
         self.executions = 0  # entry executions so far (a chunked prompt makes several)
         self.build_seconds = 0.0  # building step inputs, summed (the step profile)
+        # A call whose entry is compiling waits for it (`tlaloc run`), or raises EntryCompiling
+        # (the batcher sets this False: its thread serves other sequences meanwhile).
+        self.waits_for_compiles = True
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent so far in each phase of a call: building the step inputs, and the
@@ -192,6 +211,18 @@ class Engine:
         compiled = self.rt.executables
         return max((e.tokens_per_seq for e in self._prefill if e.name in compiled), default=0)
 
+    def decode_waits_for(self, seq: Sequence) -> str | None:
+        """The entry still compiling that `seq`'s decode step needs (no compiled entry stands
+        in for it; it is asked for: compiled next), or None when the step can run now."""
+        end = len(seq.token_ids)
+        if self.art.smallest_entry("decode", 1, end, among=self.rt.executables) is not None:
+            return None
+        best = self.art.smallest_entry("decode", 1, end)
+        if best is None or not self.rt.compiling(best.name):
+            return None  # the call itself says what is wrong
+        self.rt.want(best.name)
+        return best.name
+
     # ------------------------------------------------------------ calls
 
     def prefill(self, seqs: list[Sequence]) -> np.ndarray:
@@ -232,7 +263,7 @@ class Engine:
     def _entry(self, kind: str, batch: int, end: int, tokens: int):
         """The smallest entry that holds the call. While it is compiling: a compiled larger
         one, or None when compiled entries hold fewer rows (the call is split), or it is
-        waited for."""
+        waited for (EntryCompiling when the engine must not wait)."""
         if end > self.art.max_context:
             raise RequestError(f"{end} positions exceed the largest context "
                                f"{self.art.max_context}", "context")
@@ -249,7 +280,9 @@ class Engine:
             return larger
         if batch > 1 and self.art.smallest_entry(kind, 1, end, tokens, among=compiled):
             return None
-        self.rt.wait_for(best.name)
+        if not self.waits_for_compiles and self.rt.compiling(best.name):
+            raise EntryCompiling(best.name)
+        self.rt.wait_for(best.name)  # raises at once if its compile failed
         return best
 
     def _call(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:

@@ -136,6 +136,9 @@ class Observer:
     def preempted(self) -> None:
         """A sequence with a request waiting was swapped out to make room."""
 
+    def held_back(self, kind: str) -> None:
+        """A call (decode or prefill) held back until an entry it needs compiles."""
+
     def host(self, nbytes: int, sequences: int, cached_bytes: int = 0) -> None:
         """The host tier now: bytes held for swapped-out sequences, how many, and bytes of
         evicted blocks kept."""
@@ -178,6 +181,7 @@ class BatcherStats(Observer):
         self.swaps = {"out": 0, "in": 0}
         self.swap_bytes = {"out": 0, "in": 0}
         self.preemptions = 0
+        self.held_for_compile = {"decode": 0, "prefill": 0}  # calls held back
         self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
         self.call_sizes: list[tuple[str, int]] = []
 
@@ -213,3 +217,6 @@ class BatcherStats(Observer):
 
     def preempted(self) -> None:
         self.preemptions += 1
+
+    def held_back(self, kind: str) -> None:
+        self.held_for_compile[kind] += 1

@@ -91,8 +91,6 @@ class TritonPythonModel:
         policy = batch_policy(config, params)
         self.metrics = TritonMetrics(args["model_name"],
                                      int(params["metrics_interval_microseconds"]) / 1e6)
-        self.runtime.on_compiled = self._entry_compiled
-        self._entry_compiled(len(self.runtime.executables), self.runtime.entries_total)
         observers = [self.metrics]
         self.timing_log = TimingLog(params["timing_log"]) if params["timing_log"] else None
         if self.timing_log is not None:
@@ -103,6 +101,9 @@ class TritonPythonModel:
         host = self._host_tier(engine, params)
         self.batcher = Batcher(engine, policy, observers=tuple(observers), host_tier=host,
                                preempt_wait_s=int(params["preempt_wait_microseconds"]) / 1e6)
+        # Compiled entries count from here; calls held back for one run again.
+        self.runtime.on_compiled = self._entry_compiled
+        self._entry_compiled(len(self.runtime.executables), self.runtime.entries_total)
         self.max_context = artifact.max_context
         self.metrics.state(self.batcher.pool_state(), 0)
         self.metrics.host(0, 0)
@@ -112,6 +113,7 @@ class TritonPythonModel:
         self._log_loaded(args["model_name"], time.perf_counter() - t0, platform, params, policy)
 
     def _entry_compiled(self, compiled: int, total: int) -> None:
+        self.batcher.entries_compiled()
         self.metrics.entries(compiled, total)
         self.metrics.resident_memory(resident_bytes())
 

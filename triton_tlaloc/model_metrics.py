@@ -96,6 +96,9 @@ class TritonMetrics(Observer):
         self.preemptions = family("tlaloc_preemptions_total", "Sequences with a request in "
                                   "flight swapped out to make room (their request waits)",
                                   F.COUNTER).Metric(labels=self.labels)
+        self._held_back = family("tlaloc_held_for_compile_total", "Calls held back until an "
+                                 "entry they need compiled (other sequences were served "
+                                 "meanwhile), by kind (decode, prefill)", F.COUNTER)
         self._swap_bytes = family("tlaloc_swap_bytes_total", "KV bytes moved between the "
                                   "device and the host tier, by direction (out, in)", F.COUNTER)
         self._phases = family("tlaloc_call_phase_seconds_total", "Seconds spent in each phase "
@@ -188,6 +191,9 @@ class TritonMetrics(Observer):
 
     def preempted(self):
         self.writer.increment(self.preemptions, 1)
+
+    def held_back(self, kind):
+        self.writer.increment(self._metric(self._held_back, kind=kind), 1)
 
     def host(self, nbytes, sequences, cached_bytes=0):
         self.writer.set(self.host_bytes, nbytes)

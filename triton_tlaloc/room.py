@@ -5,7 +5,7 @@ ended, and with the host tier its swapping, preemption and waiting (docs/design.
 more than are free; the batcher inherits it. It relies on the batcher's state: `engine`,
 `policy`, `clock`, `host` (host_tier.HostTier or None), `preempt_wait_s`, `sequences` (held
 ids), `_busy` (ids with a request in the round, queued or waiting), `_waiting` (requests waiting
-for pages), `_admissions`, and on `_observe` and `_release`. Pure Python: no Triton or JAX.
+for pages), `_admissions`, and on `held_back_ids`, `_observe` and `_release`. Pure Python: no Triton or JAX.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ class RoomMaking:
         """Free pages held by sequences Triton has ended, as many as `seq` needs to take
         `n_tokens` more (in every pool); False (and nothing reclaimed) when they cannot."""
         now = self.clock()
+        held_back = self.held_back_ids()  # their requests are in flight
         candidates = [(s.seq_id, s.holding, s.last_active)
-                      for s in self.sequences.values() if s is not seq]
+                      for s in self.sequences.values()
+                      if s is not seq and s.seq_id not in held_back]
         victims = choose_reclaim(candidates, self._lacking(seq, n_tokens), now,
                                  self.policy.reclaim_after_s)
         if not victims:
@@ -57,9 +59,12 @@ class RoomMaking:
                 if n > available[k]}
 
     def _on_device(self, seq: Sequence) -> list[Sequence]:
-        """The other held sequences whose KV is on the device (candidates to swap out)."""
+        """The other held sequences whose KV is on the device (candidates to swap out), but
+        for those whose call is held back until an entry compiles (it runs as admitted)."""
+        held_back = self.held_back_ids()
         return [s for s in self.sequences.values()
-                if s is not seq and s.swapped is None and any(s.holding.values())]
+                if s is not seq and s.swapped is None and any(s.holding.values())
+                and s.seq_id not in held_back]
 
     def _with_room(self, seq: Sequence, n_tokens: int, jobs: list[Job], attempt):
         """`attempt()`, making room when it runs short of pages: sequences Triton has ended

@@ -271,6 +271,11 @@ class Runtime:
         if self.compiler is not None:
             self.compiler.want(name)
 
+    def compiling(self, name: str) -> bool:
+        """Whether entry `name` is still to compile in the background (queued or under way)."""
+        return (name not in self.executables and self.compiler is not None
+                and self.compiler.pending(name))
+
     def wait_for(self, name: str) -> None:
         """Block until entry `name` is compiled (it is compiling in the background)."""
         if name in self.executables:

@@ -81,8 +81,10 @@ class FakeRuntime:
 
     def __init__(self, artifact: Artifact, compiling=()):
         self.artifact = artifact
-        # `compiling`: entries not compiled yet; one is compiled when waited for
+        # `compiling`: entries not compiled yet; one is compiled when waited for, or by
+        # `finish_compile` (`fail_compile`: its compile failed)
         self.executables = {name: None for name in artifact.entries if name not in compiling}
+        self.failed: set[str] = set()
         self.wanted: list[str] = []
         self.waited: list[str] = []
         self.calls: list[tuple[str, int]] = []
@@ -98,8 +100,17 @@ class FakeRuntime:
     def want(self, entry_name: str) -> None:
         self.wanted.append(entry_name)
 
+    def compiling(self, entry_name: str) -> bool:
+        return entry_name not in self.executables and entry_name not in self.failed
+
     def wait_for(self, entry_name: str) -> None:
         self.waited.append(entry_name)
+        if entry_name in self.failed:
+            raise RuntimeError(f"entry {entry_name} failed to compile: out of memory")
+        self.executables[entry_name] = None
+
+    def finish_compile(self, entry_name: str) -> None:
+        assert self.compiling(entry_name)
         self.executables[entry_name] = None
 
     def kv_of(self, seq) -> list[int]:
@@ -161,9 +172,9 @@ class Harness:
     sequence's replies are kept in order."""
 
     def __init__(self, artifact, prefix_reuse=True, host_bytes=0, preempt_wait_s=10.0,
-                 **policy):
+                 compiling=(), **policy):
         self.clock = Clock()
-        self.rt = FakeRuntime(artifact)
+        self.rt = FakeRuntime(artifact, compiling)
         # KV reuse on, as the server runs it by default
         engine = Engine(self.rt, prefix_reuse=prefix_reuse)
         self.transfer = FakeTransfer(self.rt)
@@ -184,6 +195,11 @@ class Harness:
         while self.batcher.run_pending():
             pass
         return self.rt.calls[before:]
+
+    def compile(self, entry_name: str) -> None:
+        """The entry finishes compiling in the background."""
+        self.rt.finish_compile(entry_name)
+        self.batcher.entries_compiled()
 
     def last(self, seq_id) -> Reply:
         return self.replies[seq_id][-1]

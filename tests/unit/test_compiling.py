@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from fakes import FakeRuntime, fake_artifact
+from fakes import FakeRuntime, Harness, fake_artifact
 
 from triton_tlaloc.compiling import BackgroundCompiler, compile_order, first_entries
 from triton_tlaloc.engine import Engine, Sequence
@@ -100,3 +100,92 @@ def test_a_call_no_compiled_entry_holds_waits_for_its_entry():
     rt = FakeRuntime(ART, compiling=[n for n in ART.entries if n not in first_entries(ART)])
     assert replies(rt, [prompt]) == everything
     assert rt.waited and all(ART.entries[n].context == 128 for n in rt.waited)
+
+
+def tokens_of(replies) -> list[int]:
+    return [int(np.argmax(r.logits)) for r in replies]
+
+
+def a_long_prompt_and_a_short_conversation(h: Harness, compile_between=None) -> dict:
+    """B's 70-token prompt (the 128 context) arrives while A decodes at the 32 context; A's
+    next steps run whatever B waits for; `compile_between(h)` is called after them."""
+    h.step("A", range(10, 20), start=True)
+    h.send("B", range(40, 110), start=True)
+    h.clock.advance(1.0)
+    h.run()
+    for _ in range(3):
+        h.step("A", [tokens_of(h.replies["A"])[-1]])
+    if compile_between is not None:
+        compile_between(h)
+    h.clock.advance(1.0)
+    h.run()
+    for _ in range(3):
+        h.step("B", [tokens_of(h.replies["B"])[-1]])
+    return {k: tokens_of(v) for k, v in h.replies.items()}
+
+
+def test_a_call_whose_entry_is_compiling_is_held_back_while_others_run_with_the_same_replies():
+    everything = a_long_prompt_and_a_short_conversation(Harness(ART))
+    compiling = [n for n in ART.entries if n not in first_entries(ART)]
+    h = Harness(ART, compiling=compiling)
+    seen = {}
+
+    def while_b_is_held_back(h):
+        # B's first 32 tokens ran on the 32-context prefill entry, the rest waits for a
+        # 128-context one (asked for); A's four replies came meanwhile, B's none.
+        seen["B"] = h.replies.get("B", [])
+        seen["B cached"] = h.batcher.sequences["B"].num_cached
+        seen["A"] = len(h.replies["A"])
+        seen["wanted"] = h.rt.wanted[-1]
+        seen["held"] = dict(h.batcher.stats.held_for_compile)
+        h.compile(h.rt.wanted[-1])
+        h.compile("decode_b1_c128")  # B's steps need it next
+
+    assert a_long_prompt_and_a_short_conversation(h, while_b_is_held_back) == everything
+    assert seen["B"] == [] and seen["B cached"] == 32 and seen["A"] == 4
+    assert seen["wanted"].startswith("prefill_b1_c128") and seen["held"]["prefill"] == 1
+    assert not h.rt.waited  # the batcher's thread never waited for a compile
+
+
+def test_a_decode_step_past_the_compiled_contexts_is_held_back_and_the_others_decode():
+    compiling = [n for n in ART.entries if n not in first_entries(ART)]
+    h = Harness(ART, compiling=[n for n in compiling if n != "prefill_b1_c128_t32"])
+    h.step("A", range(10, 42), start=True)  # 32 positions: its next step needs context 128
+    h.step("B", range(50, 55), start=True)
+    h.send("A", [7])
+    h.send("B", [8])
+    h.clock.advance(1.0)
+    h.run()
+    assert len(h.replies["A"]) == 1 and len(h.replies["B"]) == 2
+    assert h.rt.wanted[-1] == "decode_b1_c128" and h.batcher.held_back_ids() == {"A"}
+    h.step("B", [9])  # B goes on; A sends nothing while its step waits
+    assert len(h.replies["B"]) == 3 and len(h.replies["A"]) == 1
+    h.compile("decode_b1_c128")
+    h.run()
+    assert len(h.replies["A"]) == 2 and h.last("A").error is None
+    assert h.batcher.held_back_ids() == set() and h.rt.calls[-1] == ("decode_b1_c128", 1)
+
+
+def test_a_held_back_call_whose_compile_fails_is_answered_once_and_rolled_back():
+    compiling = [n for n in ART.entries if n not in first_entries(ART)]
+    h = Harness(ART, compiling=compiling)
+    h.send("B", range(40, 110), start=True)
+    h.clock.advance(1.0)
+    h.run()
+    assert "B" not in h.replies and h.batcher.held_back_ids() == {"B"}
+    h.rt.failed.add(h.rt.wanted[-1])
+    h.batcher.entries_compiled()  # the compile threads report a failure as they finish
+    h.run()
+    assert h.last("B").code == "INTERNAL" and "failed to compile" in h.last("B").error
+    assert len(h.replies["B"]) == 1 and "B" not in h.batcher.sequences
+    assert h.batcher.pool_state()["full"][0] == 0  # every page it held is back
+
+
+def test_stopping_answers_a_call_held_back_for_a_compile():
+    h = Harness(ART, compiling=[n for n in ART.entries if n not in first_entries(ART)])
+    h.send("B", range(40, 110), start=True)
+    h.clock.advance(1.0)
+    h.run()
+    assert h.batcher.held_back_ids() == {"B"}
+    h.batcher.stop()
+    assert h.last("B").code == "UNAVAILABLE" and len(h.replies["B"]) == 1

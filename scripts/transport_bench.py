@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""The transport's ceiling, measured next to the real model in one run.
+
+Serves, from one tritonserver, the project's tiny llama (a seeded random checkpoint built with
+transformers, exported with batches 1, 2 and 4) and a model that does nothing but answer
+(scripts/transport_ceiling_model.py) under the same config.pbtxt, and drives both from one
+asyncio client per protocol (tritonclient's grpc.aio and http.aio): N sequences at once, each a
+START of 4 tokens then --steps requests of one token (the last with END), each sent when the
+previous reply arrived, as a decoding client does. It prints requests/s for each model at each
+N over gRPC and HTTP and the real model's ratio to the ceiling, measured back to back (medians
+of --runs rounds after a warm-up round; the models alternate within a round, so both see the
+same machine).
+
+    .venv/bin/python scripts/transport_bench.py [--sequences 1,4,16,64] [--steps 64] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from triton_tlaloc.frontends.client import new_sequence_id  # noqa: E402
+from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
+from triton_tlaloc.server import TritonServer  # noqa: E402
+
+PROMPT = 4
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def tiny_artifact(work: Path, max_sequences: int, steps: int) -> Path:
+    from oracle import make_tiny_checkpoint
+
+    from triton_tlaloc.export import ExportOptions, export_artifact
+
+    ckpt = make_tiny_checkpoint(work / "ckpt", "llama")
+    context = 1 << (PROMPT + steps - 1).bit_length()
+    blocks = max_sequences * context // 8 + 1  # every sequence holds its pages at once
+    return export_artifact(ckpt, work / "art", ExportOptions(
+        batch_ladder=(1, 2, 4), context_ladder=(context,), block_size=8, num_blocks=blocks))
+
+
+def write_models(art: Path, repo: Path) -> None:
+    """The tiny model as `tiny`, and the ceiling under the same config as `ceiling`."""
+    write_repository(art, repo, "tiny", RepositoryOptions(generate_model=False))
+    (repo / "ceiling" / "1").mkdir(parents=True)
+    config = (repo / "tiny" / "config.pbtxt").read_text()
+    (repo / "ceiling" / "config.pbtxt").write_text(
+        config.replace('name: "tiny"', 'name: "ceiling"', 1))
+    shutil.copy(ROOT / "scripts" / "transport_ceiling_model.py",
+                repo / "ceiling" / "1" / "model.py")
+
+
+class Driver:
+    """One asyncio client of a protocol; `run` drives N sequences against a model."""
+
+    def __init__(self, protocol: str, url: str):
+        self.protocol = protocol
+        if protocol == "grpc":
+            import tritonclient.grpc.aio as client
+            import tritonclient.grpc as types
+        else:
+            import tritonclient.http.aio as client
+            import tritonclient.http as types
+        self.types = types
+        self.client = client.InferenceServerClient(url)
+
+    async def request(self, model: str, sid: int, tokens: list[int], start: bool, end: bool):
+        t = self.types
+        tokens_in = t.InferInput("TOKENS", [1, len(tokens)], "INT32")
+        tokens_in.set_data_from_numpy(np.array([tokens], np.int32))
+        result = await self.client.infer(model, [tokens_in],
+                                         outputs=[t.InferRequestedOutput("ARGMAX")],
+                                         sequence_id=sid, sequence_start=start,
+                                         sequence_end=end)
+        return int(result.as_numpy("ARGMAX").reshape(-1)[0])
+
+    async def sequence(self, model: str, i: int, steps: int, latencies: list[float]) -> None:
+        sid = new_sequence_id()
+        # unique prompts; the steps feed fixed ids so both models see the same requests
+        tokens = [(sid + 7 * j) % 250 + 3 for j in range(PROMPT)]
+        t0 = time.perf_counter()
+        await self.request(model, sid, tokens, True, False)
+        latencies.append(time.perf_counter() - t0)
+        for s in range(steps):
+            t0 = time.perf_counter()
+            await self.request(model, sid, [(i * 31 + s) % 250 + 3], False, s == steps - 1)
+            latencies.append(time.perf_counter() - t0)
+
+    async def run(self, model: str, sequences: int, steps: int) -> dict:
+        latencies: list[float] = []
+        t0 = time.perf_counter()
+        await asyncio.gather(*(self.sequence(model, i, steps, latencies)
+                               for i in range(sequences)))
+        wall = time.perf_counter() - t0
+        ms = np.array(latencies) * 1e3
+        return {"requests_per_s": len(latencies) / wall, "p50_ms": float(np.percentile(ms, 50)),
+                "p99_ms": float(np.percentile(ms, 99))}
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+async def bench(server: TritonServer, args) -> dict:
+    drivers = {"grpc": Driver("grpc", server.grpc_url), "http": Driver("http", server.http_url)}
+    protocols = args.protocols.split(",")
+    counts = [int(n) for n in args.sequences.split(",")]
+    results: dict = {}
+    try:
+        for r in range(args.runs + 1):  # round 0 is the warm-up
+            for n in counts:
+                for p in protocols:
+                    for model in ("ceiling", "tiny"):
+                        got = await drivers[p].run(model, n, args.steps)
+                        if r > 0:
+                            results.setdefault((p, n, model), []).append(got)
+            log(f"round {r}{' (warm-up)' if r == 0 else ''} done")
+    finally:
+        for d in drivers.values():
+            await d.close()
+    return results
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
+def report(results: dict, args) -> dict:
+    print(f"\nrequests/s, medians of {args.runs} rounds ({args.steps} one-token requests per "
+          f"sequence after a START of {PROMPT}; {os.cpu_count()} cores, client and server on "
+          f"this machine):\n")
+    print("| protocol | sequences | ceiling req/s | tiny llama req/s | ratio | ceiling p50 / p99 ms "
+          "| tiny p50 / p99 ms |")
+    print("|---|---:|---:|---:|---:|---|---|")
+    table = []
+    for (p, n, model), runs in sorted(results.items()):
+        if model != "ceiling":
+            continue
+        tiny = results[(p, n, "tiny")]
+        row = {"protocol": p, "sequences": n,
+               "ceiling": median_of(runs, "requests_per_s"),
+               "tiny": median_of(tiny, "requests_per_s"),
+               "ceiling_p50_ms": median_of(runs, "p50_ms"),
+               "ceiling_p99_ms": median_of(runs, "p99_ms"),
+               "tiny_p50_ms": median_of(tiny, "p50_ms"), "tiny_p99_ms": median_of(tiny, "p99_ms")}
+        row["ratio"] = row["tiny"] / row["ceiling"]
+        table.append(row)
+        print(f"| {p} | {n} | {row['ceiling']:.0f} | {row['tiny']:.0f} | {row['ratio']:.2f} | "
+              f"{row['ceiling_p50_ms']:.2f} / {row['ceiling_p99_ms']:.2f} | "
+              f"{row['tiny_p50_ms']:.2f} / {row['tiny_p99_ms']:.2f} |")
+    return {"cores": os.cpu_count(), "steps": args.steps, "runs": args.runs, "rows": table}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sequences", default="1,4,16,64")
+    ap.add_argument("--protocols", default="grpc,http")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
+    args = ap.parse_args()
+    counts = [int(n) for n in args.sequences.split(",")]
+    with tempfile.TemporaryDirectory(prefix="tlaloc-transport-") as tmp:
+        work = Path(tmp)
+        log("building the tiny llama and its repository ...")
+        art = tiny_artifact(work, max(counts), args.steps)
+        write_models(art, work / "repo")
+        with TritonServer(work / "repo") as server:
+            log(f"tritonserver ready: {server.grpc_url} (gRPC), {server.http_url} (HTTP)")
+            results = asyncio.run(bench(server, args))
+    summary = report(results, args)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
