@@ -2,14 +2,17 @@
 """The transport's ceiling, measured next to the real model in one run.
 
 Serves, from one tritonserver, the project's tiny llama (a seeded random checkpoint built with
-transformers, exported with batches 1, 2 and 4) and a model that does nothing but answer
-(scripts/transport_ceiling_model.py) under the same config.pbtxt, and drives both from one
-asyncio client per protocol (tritonclient's grpc.aio and http.aio): N sequences at once, each a
-START of 4 tokens then --steps requests of one token (the last with END), each sent when the
-previous reply arrived, as a decoding client does. It prints requests/s for each model at each
-N over gRPC and HTTP and the real model's ratio to the ceiling, measured back to back (medians
-of --runs rounds after a warm-up round; the models alternate within a round, so both see the
-same machine).
+transformers, exported with batches 1, 2 and 4) and models that do nothing but answer
+(scripts/transport_ceiling_model.py) under the same config.pbtxt: `ceiling` answers as the
+sequence model does (one thread sends each response), `ceiling_execute` returns a call's
+responses from execute() (one message to Triton for all of them: the fastest the Python
+backend answers). One asyncio client per protocol (tritonclient's grpc.aio and http.aio) drives
+N sequences at once, each a START of 4 tokens then --steps requests of one token (the last with
+END), each sent when the previous reply arrived, as a decoding client does. It prints requests/s
+for each model at each N over gRPC and HTTP and the real model's ratio to the ceiling, measured
+back to back (medians of --runs rounds after a warm-up round; the models alternate within a
+round, so all see the same machine), and at one sequence where the real model's time goes: per
+decode call, the backend's phases (its metrics) and the executable's share.
 
     .venv/bin/python scripts/transport_bench.py [--sequences 1,4,16,64] [--steps 64] [--runs 3]
 """
@@ -33,7 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from triton_tlaloc.frontends.client import new_sequence_id  # noqa: E402
+from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, metric,  # noqa: E402
+                                            new_sequence_id, scrape_metrics)
+from triton_tlaloc.metrics import CallTiming  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.server import TritonServer  # noqa: E402
 
@@ -56,15 +61,22 @@ def tiny_artifact(work: Path, max_sequences: int, steps: int) -> Path:
         batch_ladder=(1, 2, 4), context_ladder=(context,), block_size=8, num_blocks=blocks))
 
 
+MODELS = ("ceiling", "ceiling_execute", "tiny")
+SENDER_THREADS = {"ceiling": 1, "ceiling_execute": 0}
+
+
 def write_models(art: Path, repo: Path) -> None:
-    """The tiny model as `tiny`, and the ceiling under the same config as `ceiling`."""
+    """The tiny model as `tiny`, and the ceilings under the same config."""
     write_repository(art, repo, "tiny", RepositoryOptions(generate_model=False))
-    (repo / "ceiling" / "1").mkdir(parents=True)
     config = (repo / "tiny" / "config.pbtxt").read_text()
-    (repo / "ceiling" / "config.pbtxt").write_text(
-        config.replace('name: "tiny"', 'name: "ceiling"', 1))
-    shutil.copy(ROOT / "scripts" / "transport_ceiling_model.py",
-                repo / "ceiling" / "1" / "model.py")
+    for name, threads in SENDER_THREADS.items():
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(
+            config.replace('name: "tiny"', f'name: "{name}"', 1).replace(
+                "parameters [\n", f'parameters [\n  {{ key: "sender_threads" value: '
+                f'{{ string_value: "{threads}" }} }},\n', 1))
+        shutil.copy(ROOT / "scripts" / "transport_ceiling_model.py",
+                    repo / name / "1" / "model.py")
 
 
 class Driver:
@@ -126,8 +138,12 @@ async def bench(server: TritonServer, args) -> dict:
         for r in range(args.runs + 1):  # round 0 is the warm-up
             for n in counts:
                 for p in protocols:
-                    for model in ("ceiling", "tiny"):
+                    for model in MODELS:
+                        before = scrape_metrics(server.metrics_url) if model == "tiny" else {}
                         got = await drivers[p].run(model, n, args.steps)
+                        if model == "tiny":
+                            got["calls"] = call_phases(before, scrape_metrics(
+                                server.metrics_url, settle_s=METRICS_SETTLE_S))
                         if r > 0:
                             results.setdefault((p, n, model), []).append(got)
             log(f"round {r}{' (warm-up)' if r == 0 else ''} done")
@@ -135,6 +151,19 @@ async def bench(server: TritonServer, args) -> dict:
         for d in drivers.values():
             await d.close()
     return results
+
+
+def call_phases(before: dict, after: dict) -> dict:
+    """Per decode call of the tiny model between two scrapes: ms in each phase of the backend
+    (metrics.CallTiming) and rows."""
+    calls = (metric(after, "tlaloc_executions_total", kind="decode")
+             - metric(before, "tlaloc_executions_total", kind="decode"))
+    out = {"decode_calls": calls}
+    for phase in CallTiming.PHASES:
+        spent = (metric(after, "tlaloc_call_phase_seconds_total", kind="decode", phase=phase)
+                 - metric(before, "tlaloc_call_phase_seconds_total", kind="decode", phase=phase))
+        out[phase] = spent / calls * 1e3 if calls else 0.0
+    return out
 
 
 def median_of(runs: list[dict], key: str) -> float:
@@ -145,25 +174,41 @@ def report(results: dict, args) -> dict:
     print(f"\nrequests/s, medians of {args.runs} rounds ({args.steps} one-token requests per "
           f"sequence after a START of {PROMPT}; {os.cpu_count()} cores, client and server on "
           f"this machine):\n")
-    print("| protocol | sequences | ceiling req/s | tiny llama req/s | ratio | ceiling p50 / p99 ms "
-          "| tiny p50 / p99 ms |")
-    print("|---|---:|---:|---:|---:|---|---|")
+    print("| protocol | sequences | ceiling req/s | tiny llama req/s | tiny / ceiling | "
+          "answered from execute() req/s | ceiling p50 / p99 ms | tiny p50 / p99 ms |")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
     table = []
     for (p, n, model), runs in sorted(results.items()):
         if model != "ceiling":
             continue
-        tiny = results[(p, n, "tiny")]
+        tiny, execute = results[(p, n, "tiny")], results[(p, n, "ceiling_execute")]
         row = {"protocol": p, "sequences": n,
                "ceiling": median_of(runs, "requests_per_s"),
                "tiny": median_of(tiny, "requests_per_s"),
+               "ceiling_execute": median_of(execute, "requests_per_s"),
                "ceiling_p50_ms": median_of(runs, "p50_ms"),
                "ceiling_p99_ms": median_of(runs, "p99_ms"),
-               "tiny_p50_ms": median_of(tiny, "p50_ms"), "tiny_p99_ms": median_of(tiny, "p99_ms")}
+               "tiny_p50_ms": median_of(tiny, "p50_ms"), "tiny_p99_ms": median_of(tiny, "p99_ms"),
+               "tiny_decode_call_ms": {k: statistics.median(r["calls"][k] for r in tiny)
+                                       for k in tiny[0]["calls"]}}
         row["ratio"] = row["tiny"] / row["ceiling"]
         table.append(row)
         print(f"| {p} | {n} | {row['ceiling']:.0f} | {row['tiny']:.0f} | {row['ratio']:.2f} | "
+              f"{row['ceiling_execute']:.0f} | "
               f"{row['ceiling_p50_ms']:.2f} / {row['ceiling_p99_ms']:.2f} | "
               f"{row['tiny_p50_ms']:.2f} / {row['tiny_p99_ms']:.2f} |")
+    print("\nthe tiny model's decode calls, ms per call (medians of the rounds' means):\n")
+    print("| protocol | sequences | rows a call | " + " | ".join(CallTiming.PHASES) +
+          " | backend overhead (all but wait and the executable) |")
+    print("|---|---:|---:|" + "---:|" * (len(CallTiming.PHASES) + 1))
+    for row in table:
+        c = row["tiny_decode_call_ms"]
+        overhead = sum(c[k] for k in CallTiming.PHASES if k not in ("wait", "execute"))
+        row["backend_overhead_ms"] = overhead
+        calls = c["decode_calls"]
+        rows = row["sequences"] * args.steps / calls if calls else 0
+        print(f"| {row['protocol']} | {row['sequences']} | {rows:.1f} | " +
+              " | ".join(f"{c[k]:.3f}" for k in CallTiming.PHASES) + f" | {overhead:.3f} |")
     return {"cores": os.cpu_count(), "steps": args.steps, "runs": args.runs, "rows": table}
 
 

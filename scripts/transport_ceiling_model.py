@@ -1,12 +1,16 @@
 """The transport's ceiling: a Triton Python-backend model that does nothing but answer.
 
 scripts/transport_bench.py serves it under the sequence model's own config.pbtxt (sequence
-batcher, control inputs, batch size, outputs) next to the real model. It answers the way the
-sequence model does: execute() takes each request's response sender and returns at once, and
-one thread of its own sends each request one final response holding the same outputs (zero
-LOGITS of the vocabulary's size, ARGMAX, KV_PAGES). What it serves per second is what the
+batcher, control inputs, batch size, outputs) next to the real model. By default it answers the
+way the sequence model does: execute() takes each request's response sender and returns at once,
+and one thread of its own sends each request one final response holding the outputs it asked for
+(zero LOGITS of the vocabulary's size, ARGMAX, KV_PAGES). What it serves per second is what the
 server, the Python backend's IPC and the client allow with no model at all: the limit every
 figure of the real model is a ratio of.
+
+Parameter sender_threads: how many threads send (default 1; each request is sent by one of
+them); 0 answers from execute() instead, every response of the call returned together (the
+Python backend passes them to Triton in one message, not one round trip each).
 """
 
 from __future__ import annotations
@@ -28,10 +32,18 @@ class TritonPythonModel:
                         "ARGMAX": np.zeros((1, 1), np.int32),
                         "KV_PAGES": np.zeros((1, 2), np.int32)}
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._answer, daemon=True)
-        self.thread.start()
+        threads = int(config.get("parameters", {}).get("sender_threads", {})
+                      .get("string_value", "1"))
+        self.threads = [threading.Thread(target=self._answer, daemon=True)
+                        for _ in range(threads)]
+        for t in self.threads:
+            t.start()
 
     def execute(self, requests):
+        if not self.threads:  # sender_threads 0: answered from execute(), one message for all
+            return [pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor(n, v) for n, v in self.outputs.items()
+                if n in r.requested_output_names()]) for r in requests]
         for r in requests:
             self.queue.put((r.get_response_sender(), set(r.requested_output_names())))
         return None
@@ -47,5 +59,7 @@ class TritonPythonModel:
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
-        self.queue.put(None)
-        self.thread.join(5)
+        for t in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join(5)

@@ -33,6 +33,7 @@ from .model_metrics import TritonMetrics
 from .outputs import TOP_K_DEFAULT, cache_salt_parameter, small_outputs, top_k_parameter
 from .policy import BatchPolicy
 from .runtime import Runtime
+from .simulated import SimulatedRuntime, simulated_step_s
 
 log = logging.getLogger("triton_tlaloc.model")
 
@@ -54,6 +55,8 @@ DEFAULTS = {
     "host_kv_bytes": "",  # empty: 4x the device's KV and state pools; 0: no host tier
     "preempt_wait_microseconds": "10000000",
     "background_compile": "true",  # ready once a first request's entries are compiled
+    # A benchmark mode: each call a wait of this many ms (simulated.py; refused outside one)
+    "simulate_step_ms": "",
 }
 
 # The host tier's budget by default, in device pools' worth (TensorRT-LLM sizes its host
@@ -84,10 +87,17 @@ class TritonPythonModel:
             manifest = version_dir / manifest
         artifact = load_artifact(manifest.parent)  # refuses a bad artifact by name
         cache = params["compile_cache_dir"] or None
-        self.runtime = Runtime(artifact, platform=platform, device_index=device,
-                               donate=parse_bool(params["donate_kv_pools"]),
-                               cache_dir=Path(cache) if cache else None,
-                               background=parse_bool(params["background_compile"]))
+        step_s = simulated_step_s(params["simulate_step_ms"])  # a benchmark mode (refused
+        if step_s is not None:                                  # outside one)
+            log.warning("BENCHMARK MODE: simulate_step_ms %s: nothing is compiled, every call "
+                        "waits %.1f ms and returns logits that are not the model's",
+                        params["simulate_step_ms"], step_s * 1e3)
+            self.runtime = SimulatedRuntime(artifact, step_s)
+        else:
+            self.runtime = Runtime(artifact, platform=platform, device_index=device,
+                                   donate=parse_bool(params["donate_kv_pools"]),
+                                   cache_dir=Path(cache) if cache else None,
+                                   background=parse_bool(params["background_compile"]))
         policy = batch_policy(config, params)
         self.metrics = TritonMetrics(args["model_name"],
                                      int(params["metrics_interval_microseconds"]) / 1e6)
@@ -120,6 +130,9 @@ class TritonPythonModel:
     def _host_tier(self, engine: Engine, params: dict) -> HostTier | None:
         """The host tier of `host_kv_bytes` (its transfer programs compiled now), or None."""
         rt = self.runtime
+        if isinstance(rt, SimulatedRuntime):
+            log.info("host tier off: a simulated runtime has no pools to copy")
+            return None
         asked = params["host_kv_bytes"].strip()
         budget = (int(asked) if asked else
                   HOST_KV_DEFAULT_POOLS * (rt.kv_pool_bytes + rt.state_pool_bytes))
@@ -150,6 +163,10 @@ class TritonPythonModel:
 
     def _log_loaded(self, name, seconds, platform, params, policy) -> None:
         rt = self.runtime
+        if isinstance(rt, SimulatedRuntime):
+            log.info("model %s ready in %.1f s, simulated: %d entries, each call a wait of "
+                     "%.1f ms; %s", name, seconds, rt.entries_total, rt.step_s * 1e3, policy)
+            return
         art, m = rt.artifact, rt.artifact.model
         weights = m.weight_dtype + (f", {m.quantized}" if m.quantized else "")
         slots = art.linear_state.num_slots if art.linear_state else 0
@@ -202,10 +219,11 @@ class TritonPythonModel:
 
     def finalize(self):
         stats = self.batcher.stats
-        d = self.runtime.donation
-        log.info(
-            "unloading: %s calls, %s rows, refusals %s; pools in place %d/%d checked runs",
-            stats.calls, stats.rows, stats.refusals or "none", d.in_place, d.checked_runs)
+        log.info("unloading: %s calls, %s rows, refusals %s%s", stats.calls, stats.rows,
+                 stats.refusals or "none",
+                 "" if isinstance(self.runtime, SimulatedRuntime) else
+                 "; pools in place {0.in_place}/{0.checked_runs} checked runs".format(
+                     self.runtime.donation))
         self.runtime.close()
         self.batcher.stop()
         self.metrics.writer.close()
