@@ -44,25 +44,9 @@ from triton_tlaloc.frontends.client import new_sequence_id  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.server import TritonServer  # noqa: E402
 from triton_tlaloc.simulated import BENCHMARK_ENV  # noqa: E402
+from transport_bench import PROMPT, log, tiny_artifact  # noqa: E402
 
-PROMPT = 4
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def tiny_artifact(work: Path, tokens: int) -> Path:
-    from oracle import make_tiny_checkpoint
-
-    from triton_tlaloc.export import ExportOptions, export_artifact
-
-    ckpt = make_tiny_checkpoint(work / "ckpt", "llama")
-    context = 1 << (PROMPT + tokens).bit_length()
-    return export_artifact(ckpt, work / "art", ExportOptions(
-        batch_ladder=BATCHES, context_ladder=(context,), block_size=8,
-        num_blocks=max(BATCHES) * context // 8 + 1))
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
@@ -174,7 +158,7 @@ def main() -> None:
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="tlaloc-simulated-") as tmp:
         work = Path(tmp)
-        art = tiny_artifact(work, args.tokens)
+        art = tiny_artifact(work, BATCHES, max(BATCHES), args.tokens)
         write_repository(art, work / "repo", "tiny", RepositoryOptions(
             extra_parameters={"simulate_step_ms": str(args.step_ms)}))
         with TritonServer(work / "repo") as server:

@@ -49,16 +49,19 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def tiny_artifact(work: Path, max_sequences: int, steps: int) -> Path:
+def tiny_artifact(work: Path, batches: tuple[int, ...], max_sequences: int, tokens: int) -> Path:
+    """The tiny llama (a seeded random transformers checkpoint) exported with these batches, one
+    context that holds a START of PROMPT tokens and `tokens` more, and pages for
+    `max_sequences` such sequences at once."""
     from oracle import make_tiny_checkpoint
 
     from triton_tlaloc.export import ExportOptions, export_artifact
 
     ckpt = make_tiny_checkpoint(work / "ckpt", "llama")
-    context = 1 << (PROMPT + steps - 1).bit_length()
-    blocks = max_sequences * context // 8 + 1  # every sequence holds its pages at once
+    context = 1 << (PROMPT + tokens - 1).bit_length()
     return export_artifact(ckpt, work / "art", ExportOptions(
-        batch_ladder=(1, 2, 4), context_ladder=(context,), block_size=8, num_blocks=blocks))
+        batch_ladder=batches, context_ladder=(context,), block_size=8,
+        num_blocks=max_sequences * context // 8 + 1))
 
 
 MODELS = ("ceiling", "ceiling_execute", "tiny")
@@ -224,7 +227,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tlaloc-transport-") as tmp:
         work = Path(tmp)
         log("building the tiny llama and its repository ...")
-        art = tiny_artifact(work, max(counts), args.steps)
+        art = tiny_artifact(work, (1, 2, 4), max(counts), args.steps)
         write_models(art, work / "repo")
         with TritonServer(work / "repo") as server:
             log(f"tritonserver ready: {server.grpc_url} (gRPC), {server.http_url} (HTTP)")

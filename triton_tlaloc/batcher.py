@@ -222,8 +222,8 @@ class Batcher(Admission, RoomMaking):
         if self.host is not None:  # who may not be swapped out as idle (room.py)
             with self._cv:
                 queued = {r.seq_id for r in self._pending}
-            self._busy = ({r.seq_id for r in requests} | queued
-                          | {r.seq_id for r in self._waiting} | self.held_back_ids())
+            self._busy = ({r.seq_id for r in requests} | {j.seq.seq_id for j in resumed}
+                          | queued | {r.seq_id for r in self._waiting} | self.held_back_ids())
         jobs: list[Job] = list(resumed)  # a preempted sequence's job leaves the list
         t0 = time.perf_counter()
         for r in requests:

@@ -65,6 +65,12 @@ class HostPages:
         return HostPages(self.pool_class, {k: a[start:] for k, a in self.arrays.items()})
 
 
+def pool_specs(art) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Every KV and state pool's (shape, numpy dtype) by name, from the manifest."""
+    return {p.name: (tuple(p.shape), numpy_dtype(p.dtype))
+            for p in (*art.pools, *art.state_pools)}
+
+
 class PageTransfer:
     """Reads and writes pages of a runtime's pools (runtime.Runtime: `pools` by name, the
     artifact's pool lists, its PJRT device and compile cache). Each program is a JAX function
@@ -94,9 +100,9 @@ class PageTransfer:
         """Compile (or load from the compile cache) the programs for these bucket sizes per
         pool class (at load, or on a thread then; `transfer_buckets`), so a swap does not wait
         for a compile; one that comes first compiles its own program."""
-        shapes = {p.name: p.shape for p in (*self.rt.artifact.pools, *self.rt.artifact.state_pools)}
+        specs = pool_specs(self.rt.artifact)
         for pool_class, names in self.classes.items():
-            rows = shapes[names[0]][0]  # from the manifest: `tlaloc compile` has no pools
+            rows = specs[names[0]][0][0]  # from the manifest: `tlaloc compile` has no pools
             for n in counts.get(pool_class, ()):
                 if n > rows:
                     break
@@ -117,10 +123,8 @@ class PageTransfer:
             import jax
 
             # From the manifest, not the pools: another thread may be donating them.
-            art = self.rt.artifact
-            shapes = {p.name: (tuple(p.shape), numpy_dtype(p.dtype))
-                      for p in (*art.pools, *art.state_pools)}
-            pools = [shapes[name] for name in self.classes[pool_class]]
+            specs_by_name = pool_specs(self.rt.artifact)
+            pools = [specs_by_name[name] for name in self.classes[pool_class]]
             specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in pools]
             idx = jax.ShapeDtypeStruct((n,), np.int32)
             with x64_mode(any(np.dtype(dtype).itemsize == 8 for _, dtype in pools)):

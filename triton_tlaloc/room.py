@@ -5,7 +5,8 @@ ended, and with the host tier its swapping, preemption and waiting (docs/design.
 more than are free; the batcher inherits it. It relies on the batcher's state: `engine`,
 `policy`, `clock`, `host` (host_tier.HostTier or None), `preempt_wait_s`, `sequences` (held
 ids), `_busy` (ids with a request in the round, queued or waiting), `_waiting` (requests waiting
-for pages), `_admissions`, and on `held_back_ids`, `_observe` and `_release`. Pure Python: no Triton or JAX.
+for pages), `_admissions`, and on `held_back_ids`, `_observe` and `_release`. Pure Python: no
+Triton or JAX.
 """
 
 from __future__ import annotations

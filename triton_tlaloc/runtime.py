@@ -424,7 +424,6 @@ class Runtime:
         """A host copy of one pool (tests): never a view, which would stop donation."""
         return np.array(self.pools[name], copy=True)
 
-
     def layer_kv_snapshot(self, layer: int, kind: str) -> np.ndarray:
         """A host copy of one layer's K or V pages, [pages, block, heads, d] (tests), from its
         own pool or from the stacked pool of the layer loop."""

@@ -45,7 +45,8 @@ def simulated_logits(tokens: np.ndarray, positions: np.ndarray, vocab: int) -> n
     sequence's ids depend on nothing but its own tokens (batched equals solo)."""
     rows = tokens.shape[0]
     logits = np.zeros((rows, vocab), np.float32)
-    logits[np.arange(rows), (tokens[:, -1].astype(np.int64) * 31 + positions[:, -1] + 7) % vocab] = 1
+    hot = (tokens[:, -1].astype(np.int64) * 31 + positions[:, -1] + 7) % vocab
+    logits[np.arange(rows), hot] = 1
     return logits
 
 

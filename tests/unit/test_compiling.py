@@ -189,3 +189,19 @@ def test_stopping_answers_a_call_held_back_for_a_compile():
     assert h.batcher.held_back_ids() == {"B"}
     h.batcher.stop()
     assert h.last("B").code == "UNAVAILABLE" and len(h.replies["B"]) == 1
+
+
+def test_a_resumed_call_is_busy_so_a_prompt_short_of_pages_does_not_swap_its_sequence_out():
+    art = fake_artifact(batch_ladder=(1, 2, 4), context_ladder=(32, 128), num_blocks=17)
+    h = Harness(art, host_bytes=1 << 20,
+                compiling=[n for n in art.entries if n not in first_entries(art)])
+    h.send("B", range(40, 110), start=True)  # 9 of the 16 pages, held back after one chunk
+    h.clock.advance(1.0)
+    h.run()
+    assert h.batcher.held_back_ids() == {"B"}
+    h.compile(h.rt.wanted[-1])
+    h.send("C", range(120, 200), start=True)  # 10 pages: 3 more than are free
+    h.clock.advance(1.0)
+    h.run()  # B runs in the round that admits C
+    assert h.batcher.sequences["B"].swapped is None
+    assert h.last("B").error is None and h.batcher.sequences["B"].num_cached == 70
