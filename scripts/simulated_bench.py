@@ -125,12 +125,14 @@ async def generate_model(client, model: str, i: int, tokens: int) -> Stream:
     return stream
 
 
-async def one_run(url: str, path: str, n: int, tokens: int) -> dict:
+async def one_run(url: str, path: str, n: int, tokens: int, name: str = "tiny") -> dict:
+    """N sequences of `tokens` tokens through the sequence model `name` (path "sequence") or
+    its generate model (path "generate") at once."""
     import tritonclient.grpc.aio as grpcaio
 
     client = grpcaio.InferenceServerClient(url)
     run = sequence_model if path == "sequence" else generate_model
-    model = "tiny" if path == "sequence" else "tiny_generate"
+    model = name if path == "sequence" else f"{name}_generate"
     try:
         t0 = time.perf_counter()
         streams = await asyncio.gather(*(run(client, model, i, tokens) for i in range(n)))
@@ -150,6 +152,10 @@ def main() -> None:
     ap.add_argument("--paths", default="sequence,generate")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cohort-wait-us", type=int, default=RepositoryOptions.cohort_wait_microseconds)
+    ap.add_argument("--cohort-wait-steps", type=float,
+                    default=RepositoryOptions.cohort_wait_steps)
+    ap.add_argument("--reply-threads", type=int, default=RepositoryOptions.reply_threads)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "simulated_bench")
     args = ap.parse_args()
     counts = [int(n) for n in args.sequences.split(",")]
@@ -160,6 +166,8 @@ def main() -> None:
         work = Path(tmp)
         art = tiny_artifact(work, BATCHES, max(BATCHES), args.tokens)
         write_repository(art, work / "repo", "tiny", RepositoryOptions(
+            cohort_wait_microseconds=args.cohort_wait_us,
+            cohort_wait_steps=args.cohort_wait_steps, reply_threads=args.reply_threads,
             extra_parameters={"simulate_step_ms": str(args.step_ms)}))
         with TritonServer(work / "repo") as server:
             log(f"tritonserver ready ({os.cpu_count()} cores); simulated step {args.step_ms} ms")

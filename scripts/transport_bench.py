@@ -4,9 +4,11 @@
 Serves, from one tritonserver, the project's tiny llama (a seeded random checkpoint built with
 transformers, exported with batches 1, 2 and 4) and models that do nothing but answer
 (scripts/transport_ceiling_model.py) under the same config.pbtxt: `ceiling` answers as the
-sequence model does (one thread sends each response), `ceiling_execute` returns a call's
+sequence model does (its reply threads send each response), `ceiling_execute` returns a call's
 responses from execute() (one message to Triton for all of them: the fastest the Python
-backend answers). One asyncio client per protocol (tritonclient's grpc.aio and http.aio) drives
+backend answers). A control, `tiny_inline`, is the tiny llama as it answered before the reply
+threads: every reply sent by the batching thread, the cohort wait bounded by
+cohort_wait_microseconds alone. One asyncio client per protocol (tritonclient's grpc.aio and http.aio) drives
 N sequences at once, each a START of 4 tokens then --steps requests of one token (the last with
 END), each sent when the previous reply arrived, as a decoding client does. It prints requests/s
 for each model at each N over gRPC and HTTP and the real model's ratio to the ceiling, measured
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -64,20 +67,24 @@ def tiny_artifact(work: Path, batches: tuple[int, ...], max_sequences: int, toke
         num_blocks=max_sequences * context // 8 + 1))
 
 
-MODELS = ("ceiling", "ceiling_execute", "tiny")
-SENDER_THREADS = {"ceiling": 1, "ceiling_execute": 0}
+MODELS = ("ceiling", "ceiling_execute", "tiny", "tiny_inline")
+# The control: replies sent by the batching thread, the cohort wait not bounded by the step
+INLINE = dict(reply_threads=0, cohort_wait_steps=0)
 
 
-def write_models(art: Path, repo: Path) -> None:
-    """The tiny model as `tiny`, and the ceilings under the same config."""
-    write_repository(art, repo, "tiny", RepositoryOptions(generate_model=False))
+def write_models(art: Path, repo: Path, options: RepositoryOptions) -> None:
+    """The tiny model as `tiny`, the control as `tiny_inline`, and the ceilings under the tiny
+    model's config: `ceiling` sends from as many threads as the tiny model's reply threads,
+    `ceiling_execute` answers from execute()."""
+    write_repository(art, repo, "tiny", options)
+    write_repository(art, repo, "tiny_inline", dataclasses.replace(options, **INLINE))
     config = (repo / "tiny" / "config.pbtxt").read_text()
-    for name, threads in SENDER_THREADS.items():
+    for name, threads in (("ceiling", max(1, options.reply_threads)), ("ceiling_execute", 0)):
         (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(
-            config.replace('name: "tiny"', f'name: "{name}"', 1).replace(
-                "parameters [\n", f'parameters [\n  {{ key: "sender_threads" value: '
-                f'{{ string_value: "{threads}" }} }},\n', 1))
+        own = config.replace('name: "tiny"', f'name: "{name}"', 1).replace(
+            "parameters [\n", f'parameters [\n  {{ key: "sender_threads" value: '
+            f'{{ string_value: "{threads}" }} }},\n', 1)
+        (repo / name / "config.pbtxt").write_text(own)
         shutil.copy(ROOT / "scripts" / "transport_ceiling_model.py",
                     repo / name / "1" / "model.py")
 
@@ -142,7 +149,8 @@ async def bench(server: TritonServer, args) -> dict:
             for n in counts:
                 for p in protocols:
                     for model in MODELS:
-                        before = scrape_metrics(server.metrics_url) if model == "tiny" else {}
+                        before = (scrape_metrics(server.metrics_url) if model == "tiny"
+                                  else {})
                         got = await drivers[p].run(model, n, args.steps)
                         if model == "tiny":
                             got["calls"] = call_phases(before, scrape_metrics(
@@ -159,12 +167,13 @@ async def bench(server: TritonServer, args) -> dict:
 def call_phases(before: dict, after: dict) -> dict:
     """Per decode call of the tiny model between two scrapes: ms in each phase of the backend
     (metrics.CallTiming) and rows."""
-    calls = (metric(after, "tlaloc_executions_total", kind="decode")
-             - metric(before, "tlaloc_executions_total", kind="decode"))
+    calls = (metric(after, "tlaloc_executions_total", model="tiny", kind="decode")
+             - metric(before, "tlaloc_executions_total", model="tiny", kind="decode"))
     out = {"decode_calls": calls}
     for phase in CallTiming.PHASES:
-        spent = (metric(after, "tlaloc_call_phase_seconds_total", kind="decode", phase=phase)
-                 - metric(before, "tlaloc_call_phase_seconds_total", kind="decode", phase=phase))
+        labels = dict(model="tiny", kind="decode", phase=phase)
+        spent = (metric(after, "tlaloc_call_phase_seconds_total", **labels)
+                 - metric(before, "tlaloc_call_phase_seconds_total", **labels))
         out[phase] = spent / calls * 1e3 if calls else 0.0
     return out
 
@@ -178,16 +187,19 @@ def report(results: dict, args) -> dict:
           f"sequence after a START of {PROMPT}; {os.cpu_count()} cores, client and server on "
           f"this machine):\n")
     print("| protocol | sequences | ceiling req/s | tiny llama req/s | tiny / ceiling | "
-          "answered from execute() req/s | ceiling p50 / p99 ms | tiny p50 / p99 ms |")
-    print("|---|---:|---:|---:|---:|---:|---|---|")
+          "answered from execute() req/s | ceiling p50 / p99 ms | tiny p50 / p99 ms | "
+          "control: replies sent by the batching thread req/s | tiny / control |")
+    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|")
     table = []
     for (p, n, model), runs in sorted(results.items()):
         if model != "ceiling":
             continue
         tiny, execute = results[(p, n, "tiny")], results[(p, n, "ceiling_execute")]
+        inline = results[(p, n, "tiny_inline")]
         row = {"protocol": p, "sequences": n,
                "ceiling": median_of(runs, "requests_per_s"),
                "tiny": median_of(tiny, "requests_per_s"),
+               "tiny_inline": median_of(inline, "requests_per_s"),
                "ceiling_execute": median_of(execute, "requests_per_s"),
                "ceiling_p50_ms": median_of(runs, "p50_ms"),
                "ceiling_p99_ms": median_of(runs, "p99_ms"),
@@ -199,7 +211,8 @@ def report(results: dict, args) -> dict:
         print(f"| {p} | {n} | {row['ceiling']:.0f} | {row['tiny']:.0f} | {row['ratio']:.2f} | "
               f"{row['ceiling_execute']:.0f} | "
               f"{row['ceiling_p50_ms']:.2f} / {row['ceiling_p99_ms']:.2f} | "
-              f"{row['tiny_p50_ms']:.2f} / {row['tiny_p99_ms']:.2f} |")
+              f"{row['tiny_p50_ms']:.2f} / {row['tiny_p99_ms']:.2f} | "
+              f"{row['tiny_inline']:.0f} | {row['tiny'] / row['tiny_inline']:.2f} |")
     print("\nthe tiny model's decode calls, ms per call (medians of the rounds' means):\n")
     print("| protocol | sequences | rows a call | " + " | ".join(CallTiming.PHASES) +
           " | backend overhead (all but wait and the executable) |")
@@ -221,6 +234,10 @@ def main() -> None:
     ap.add_argument("--protocols", default="grpc,http")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cohort-wait-us", type=int, default=RepositoryOptions.cohort_wait_microseconds)
+    ap.add_argument("--cohort-wait-steps", type=float,
+                    default=RepositoryOptions.cohort_wait_steps)
+    ap.add_argument("--reply-threads", type=int, default=RepositoryOptions.reply_threads)
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = ap.parse_args()
     counts = [int(n) for n in args.sequences.split(",")]
@@ -228,7 +245,10 @@ def main() -> None:
         work = Path(tmp)
         log("building the tiny llama and its repository ...")
         art = tiny_artifact(work, (1, 2, 4), max(counts), args.steps)
-        write_models(art, work / "repo")
+        write_models(art, work / "repo", RepositoryOptions(
+            generate_model=False, cohort_wait_microseconds=args.cohort_wait_us,
+            cohort_wait_steps=args.cohort_wait_steps,
+            reply_threads=args.reply_threads))
         with TritonServer(work / "repo") as server:
             log(f"tritonserver ready: {server.grpc_url} (gRPC), {server.http_url} (HTTP)")
             results = asyncio.run(bench(server, args))

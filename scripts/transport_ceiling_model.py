@@ -8,9 +8,10 @@ and one thread of its own sends each request one final response holding the outp
 server, the Python backend's IPC and the client allow with no model at all: the limit every
 figure of the real model is a ratio of.
 
-Parameter sender_threads: how many threads send (default 1; each request is sent by one of
-them); 0 answers from execute() instead, every response of the call returned together (the
-Python backend passes them to Triton in one message, not one round trip each).
+Parameter sender_threads: how many threads send (default: the config's `reply_threads`, as the
+sequence model; each request is sent by one of them); 0 answers from execute() instead, every
+response of the call returned together (the Python backend passes them to Triton in one
+message, not one round trip each).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ class TritonPythonModel:
                         "ARGMAX": np.zeros((1, 1), np.int32),
                         "KV_PAGES": np.zeros((1, 2), np.int32)}
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        threads = int(config.get("parameters", {}).get("sender_threads", {})
-                      .get("string_value", "1"))
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        threads = int(params.get("sender_threads", params.get("reply_threads", "2")))
         self.threads = [threading.Thread(target=self._answer, daemon=True)
                         for _ in range(threads)]
         for t in self.threads:

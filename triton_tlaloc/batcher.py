@@ -85,6 +85,7 @@ class Batcher(Admission, RoomMaking):
         self._thread: threading.Thread | None = None
         self._groups = 0
         self.cohort = Cohort(set())  # the previous decode batch's sequences (policy.py)
+        self._decode_s: float | None = None  # the last round's decode calls took (the clock)
         self._evicted = (0, 0)  # cached pages evicted, ended sequences dropped, so far
         # Of every entry, compiled or compiling (the engine splits a call while its entry
         # compiles).
@@ -240,10 +241,12 @@ class Batcher(Admission, RoomMaking):
         prefill = [j for j in jobs if not j.request.is_decode]
         self._admit_seconds = time.perf_counter() - t0  # charged to the round's first call
         if decode:
+            t_decode = self.clock()
             for i in range(0, len(decode), self.max_decode_batch):
                 self._run("decode", decode[i:i + self.max_decode_batch])
+            self._decode_s = self.clock() - t_decode
             self.cohort = Cohort({j.seq.seq_id for j in decode if not j.request.end},
-                                 self.clock() + self.policy.cohort_wait_s)
+                                 self.clock() + self.policy.cohort_wait(self._decode_s))
         for group in self._prefill_groups(prefill):
             self._run("prefill", group)
         if prefill:
@@ -251,7 +254,7 @@ class Batcher(Admission, RoomMaking):
             # sent together decode together from their first step.
             self.cohort = Cohort(self.cohort.members | {j.seq.seq_id for j in prefill
                                                         if j.seq.seq_id in self.sequences},
-                                 self.clock() + self.policy.cohort_wait_s)
+                                 self.clock() + self.policy.cohort_wait(self._decode_s))
         self._observe("state", self.pool_state(), len(self.sequences))
         if self.host is not None:
             self._observe("host", self.host.used, self.host.sequences, self.host.cached_bytes)

@@ -169,6 +169,7 @@ def _cmd_repository(args) -> int:
     opts = RepositoryOptions(max_sequence_idle_microseconds=args.max_sequence_idle_us,
                              donate_kv_pools=not args.no_donate,
                              cohort_wait_microseconds=args.cohort_wait_us,
+                             cohort_wait_steps=args.cohort_wait_steps,
                              prefill_wait_microseconds=args.prefill_wait_us,
                              backend_batching=not args.triton_batching,
                              triton_queue_delay_microseconds=args.triton_queue_delay_us,
@@ -178,6 +179,7 @@ def _cmd_repository(args) -> int:
                              generate_model=not args.no_generate_model,
                              sequence_slots=args.sequence_slots,
                              prefix_reuse=not args.no_prefix_reuse,
+                             reply_threads=args.reply_threads,
                              host_kv_bytes=args.host_kv_bytes,
                              preempt_wait_microseconds=args.preempt_wait_us,
                              background_compile=not args.compile_all_first)
@@ -395,7 +397,13 @@ def _add_repository_parser(sub) -> None:
                    help="donate_kv_pools (a program: donate_state) false: pools or state "
                         "copied every run (a control)")
     p.add_argument("--cohort-wait-us", type=int, default=20_000)
+    p.add_argument("--cohort-wait-steps", type=float, default=1.0,
+                   help="a decode batch waits for its cohort at most this many of the "
+                        "previous decode call's durations too (0: only --cohort-wait-us)")
     p.add_argument("--prefill-wait-us", type=int, default=2_000)
+    p.add_argument("--reply-threads", type=int, default=2,
+                   help="threads that send the responses (0: the batching thread sends them, "
+                        "one at a time)")
     p.add_argument("--reclaim-allowance-us", type=int, default=2_000_000,
                    help="added to twice the idle timeout before an idle sequence's pages may "
                         "be reclaimed")

@@ -32,6 +32,7 @@ from .metrics import TimingLog
 from .model_metrics import TritonMetrics
 from .outputs import TOP_K_DEFAULT, cache_salt_parameter, small_outputs, top_k_parameter
 from .policy import BatchPolicy
+from .replies import ReplySenders
 from .runtime import Runtime
 from .simulated import SimulatedRuntime, simulated_step_s
 
@@ -42,6 +43,7 @@ DEFAULTS = {
     "serving_manifest": "artifact/tlaloc-serving.json",
     "donate_kv_pools": "true",
     "cohort_wait_microseconds": "20000",
+    "cohort_wait_steps": "1",  # and at most this many of the previous decode call's times
     "prefill_wait_microseconds": "2000",
     "backend_batching": "true",
     "reclaim_allowance_microseconds": "2000000",
@@ -57,6 +59,8 @@ DEFAULTS = {
     "background_compile": "true",  # ready once a first request's entries are compiled
     # A benchmark mode: each call a wait of this many ms (simulated.py; refused outside one)
     "simulate_step_ms": "",
+    # Threads that build and send the responses (replies.py); 0: the batcher thread sends them
+    "reply_threads": "2",
 }
 
 # The host tier's budget by default, in device pools' worth (TensorRT-LLM sizes its host
@@ -67,10 +71,14 @@ HOST_KV_DEFAULT_POOLS = 4
 def batch_policy(config: dict, params: dict[str, str]) -> BatchPolicy:
     """The batcher's policy from the model's parameters and its sequence batcher's idle
     timeout (Triton's default when unset is 1 s)."""
+    if float(params["cohort_wait_steps"]) < 0:
+        raise ValueError(f"cohort_wait_steps {params['cohort_wait_steps']}: expected 0 (off) "
+                         f"or more")
     idle_us = int(config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
                   or 1_000_000)
     return BatchPolicy(
         cohort_wait_s=int(params["cohort_wait_microseconds"]) / 1e6,
+        cohort_wait_steps=float(params["cohort_wait_steps"]),
         prefill_wait_s=int(params["prefill_wait_microseconds"]) / 1e6,
         backend_batching=parse_bool(params["backend_batching"]),
         idle_timeout_s=idle_us / 1e6,
@@ -101,6 +109,7 @@ class TritonPythonModel:
         policy = batch_policy(config, params)
         self.metrics = TritonMetrics(args["model_name"],
                                      int(params["metrics_interval_microseconds"]) / 1e6)
+        self.senders = ReplySenders(int(params["reply_threads"]), self.metrics.reply_queued)
         observers = [self.metrics]
         self.timing_log = TimingLog(params["timing_log"]) if params["timing_log"] else None
         if self.timing_log is not None:
@@ -190,7 +199,7 @@ class TritonPythonModel:
         for r in requests:
             sender = r.get_response_sender()
             wanted = set(r.requested_output_names())
-            reply_fn = _Reply(sender, wanted, self.metrics)
+            reply_fn = _Reply(sender, wanted, self.metrics, self.senders)
             try:
                 parameters = json.loads(r.parameters() or "{}")
                 reply_fn.top_k = top_k_parameter(parameters, self.runtime.artifact.model.vocab)
@@ -226,21 +235,22 @@ class TritonPythonModel:
                      self.runtime.donation))
         self.runtime.close()
         self.batcher.stop()
+        self.senders.stop()
         self.metrics.writer.close()
         if self.timing_log is not None:
             self.timing_log.close()
 
 
 class _Reply:
-    """The function that answers one request: builds its response and sends it. Called exactly
-    once per request (batcher.Request.reply), always from one thread at a time: a send waits
-    for Triton's process to take the response (~1 ms, whatever its size), and sends from
-    several threads at once crashed tritonserver (boost::interprocess::lock_exception in
-    libtriton_python.so, docs/performance.md). Only the outputs the request names are sent
-    (Triton names them all when a client names none)."""
+    """The function that answers one request: hands its reply to the reply senders
+    (replies.py), whose thread builds the response and sends it, so that the batcher thread
+    does not wait for Triton's process to take it. Called exactly once per request
+    (batcher.Request.reply); each response sender is used by one thread only. Only the outputs
+    the request names are sent (Triton names them all when a client names none)."""
 
-    def __init__(self, sender, wanted: set, metrics: TritonMetrics | None):
-        self.sender, self.wanted, self.metrics = sender, wanted, metrics
+    def __init__(self, sender, wanted: set, metrics: TritonMetrics | None,
+                 senders: ReplySenders):
+        self.sender, self.wanted, self.metrics, self.senders = sender, wanted, metrics, senders
         self.top_k = TOP_K_DEFAULT
 
     def response(self, reply: Reply):
@@ -258,11 +268,14 @@ class _Reply:
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def __call__(self, reply: Reply) -> None:
+        self.senders.submit(lambda: self.send(reply))
+
+    def send(self, reply: Reply) -> None:
         t0 = time.perf_counter()
         try:
             self.sender.send(self.response(reply),
                              flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:  # a client gone away must not take the batcher thread down
+        except Exception:  # a client gone away must not take a sender thread down
             log.exception("sending a response failed")
             return
         if self.metrics is not None:

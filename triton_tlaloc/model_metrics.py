@@ -117,6 +117,9 @@ class TritonMetrics(Observer):
             self.send = family("tlaloc_response_send_seconds", "Time a response takes to hand "
                                "over to Triton (the python backend's IPC)", F.HISTOGRAM).Metric(
                 labels=self.labels, buckets=self.WAIT_BUCKETS)
+            self.queued = family("tlaloc_reply_queued_seconds", "Time a reply waits for a "
+                                 "reply sender thread", F.HISTOGRAM).Metric(
+                labels=self.labels, buckets=self.WAIT_BUCKETS)
 
     def entries(self, compiled: int, total: int) -> None:
         """Entries compiled so far (the rest compile in the background), of all."""
@@ -135,6 +138,10 @@ class TritonMetrics(Observer):
     def sent(self, seconds: float) -> None:
         if self.has_histograms:
             self.writer.observe(self.send, seconds)
+
+    def reply_queued(self, seconds: float) -> None:
+        if self.has_histograms:
+            self.writer.observe(self.queued, seconds)
 
     def _metric(self, family, buckets=None, **labels):
         """The family's metric for these labels (with the model's), made on first use."""

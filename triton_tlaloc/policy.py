@@ -3,9 +3,12 @@ pending, the decode cohort, the policy's waits and the clock (docs/design.md#bat
 
 - Decode cohorts. The sequences of the previous decode batch (and those whose prompt ran since)
   form the cohort. The next decode batch runs once every cohort member still held has its next
-  request queued, or at the cohort's deadline (`cohort_wait_s` after the previous batch). A lone
-  sequence is its own cohort and never waits; sequences decoding together stay together
-  whatever the spread of their clients' replies.
+  request queued, or at the cohort's deadline (`cohort_wait_s` after the previous batch, and
+  with `cohort_wait_steps` at most that many of the previous batch's call times: a member
+  later than a step's time costs the others more than a step of its own would cost it, and
+  when replies take longer to reach the clients than a step, the calls keep running on
+  whoever is back). A lone sequence is its own cohort and never waits; sequences decoding
+  together stay together whatever the spread of their clients' replies.
 - Merged prompts. A prompt waits up to `prefill_wait_s` for prompts sent with it, or runs at
   once when they fill the largest prefill batch. A later request of several tokens is a prefill
   continuation and waits like a prompt.
@@ -26,10 +29,20 @@ from typing import Callable, Container, Iterable, Protocol
 @dataclass(frozen=True)
 class BatchPolicy:
     cohort_wait_s: float = 0.020
+    # > 0: the cohort wait is also at most this many of the previous decode call's durations
+    # (the server's default is 1; 0 here keeps the pure-policy tests' clocks simple)
+    cohort_wait_steps: float = 0.0
     prefill_wait_s: float = 0.002
     backend_batching: bool = True
     idle_timeout_s: float = 60.0  # the model's max_sequence_idle_microseconds
     reclaim_allowance_s: float = 2.0  # Triton checks its timeout on a schedule of its own
+
+    def cohort_wait(self, decode_s: float | None) -> float:
+        """How long the next decode batch waits for its cohort, given the previous decode
+        call's seconds (None: none ran yet)."""
+        if self.cohort_wait_steps > 0 and decode_s is not None:
+            return min(self.cohort_wait_s, self.cohort_wait_steps * decode_s)
+        return self.cohort_wait_s
 
     @property
     def reclaim_after_s(self) -> float:

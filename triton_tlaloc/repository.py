@@ -26,6 +26,7 @@ class RepositoryOptions:
     max_sequence_idle_microseconds: int = 60_000_000
     donate_kv_pools: bool = True
     cohort_wait_microseconds: int = 20_000
+    cohort_wait_steps: float = 1.0  # the cohort wait is also at most this many decode calls
     prefill_wait_microseconds: int = 2_000
     # backend_batching false and a queue delay: Triton forms the batches (a control)
     backend_batching: bool = True
@@ -41,6 +42,7 @@ class RepositoryOptions:
     host_kv_bytes: int | None = None  # the host tier's budget (None: 4x the pools; 0: off)
     preempt_wait_microseconds: int = 10_000_000  # how long a request waits for pages
     background_compile: bool = True  # ready once a first request's entries are compiled
+    reply_threads: int = 2  # threads that send the responses (0: the batching thread)
 
 
 # Triton's sequence slots (max_candidate_sequences) by default: far more than the pool can hold.
@@ -95,6 +97,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         "serving_manifest": f"artifact/{MANIFEST_NAME}",
         "donate_kv_pools": "true" if opts.donate_kv_pools else "false",
         "cohort_wait_microseconds": opts.cohort_wait_microseconds,
+        "cohort_wait_steps": opts.cohort_wait_steps,
         "prefill_wait_microseconds": opts.prefill_wait_microseconds,
         "backend_batching": "true" if opts.backend_batching else "false",
         "reclaim_allowance_microseconds": opts.reclaim_allowance_microseconds,
@@ -102,6 +105,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         **({"host_kv_bytes": opts.host_kv_bytes} if opts.host_kv_bytes is not None else {}),
         "preempt_wait_microseconds": opts.preempt_wait_microseconds,
         "background_compile": "true" if opts.background_compile else "false",
+        "reply_threads": opts.reply_threads,
         # Where `tlaloc generate` finds the tokenizer when it runs on the serving machine.
         "tokenizer_dir": str(src / "tokenizer") if artifact.tokenizer_dir else "",
         **({"compile_cache_dir": opts.compile_cache_dir} if opts.compile_cache_dir else {}),

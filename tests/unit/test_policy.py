@@ -32,6 +32,33 @@ def test_a_lone_sequence_never_waits(artifact):
     assert list(h.batcher.stats.waits_s)[1:] == [0.0] * 5
 
 
+@pytest.mark.parametrize("steps, waits_ms", [(1.0, 5), (0.0, 20)])
+def test_the_cohort_wait_is_at_most_a_step_with_cohort_wait_steps(artifact, steps, waits_ms):
+    """Calls of 5 ms: with cohort_wait_steps 1 a member waits for its cohort one call's time
+    (5 ms), not the whole cohort wait (20 ms); with 0 (the control) the whole 20 ms."""
+    h = Harness(artifact, cohort_wait_s=20 * MS, cohort_wait_steps=steps)
+    run = h.rt.run
+
+    def timed_run(entry_name, step):
+        h.clock.advance(5 * MS)  # every call takes 5 ms on the fake clock
+        return run(entry_name, step)
+    h.rt.run = timed_run
+    for s in ("a", "b"):
+        h.send(s, [1, 2, 3], start=True)
+    h.clock.advance(2 * MS)
+    assert h.run() == [("prefill_b2_c32", 2)]
+    h.send("a", [7])
+    h.send("b", [8])
+    assert h.run() == [("decode_b2_c32", 2)], "the cohort, complete"
+    h.send("a", [9])  # b is late
+    h.clock.advance((waits_ms - 1) * MS)
+    assert h.run() == [], "a waits for b"
+    h.clock.advance(1 * MS)
+    assert h.run() == [("decode_b1_c32", 1)], f"a runs alone after {waits_ms} ms"
+    assert BatchPolicy(cohort_wait_s=0.02, cohort_wait_steps=2).cohort_wait(0.004) == 0.008
+    assert BatchPolicy(cohort_wait_s=0.02, cohort_wait_steps=2).cohort_wait(None) == 0.02
+
+
 def test_a_cohort_runs_together_or_after_the_cohort_wait(artifact):
     h = Harness(artifact, cohort_wait_s=20 * MS)
     for s in ("a", "b"):
