@@ -2,7 +2,8 @@
 """A real model served: the sequence model driven by a client against the generate model.
 
 Serves an artifact (by default artifacts/smollm2-f32-loop: SmolLM2-135M with f32 weights,
-`.venv/bin/tlaloc export smollm2 artifacts/smollm2-f32-loop --weight-dtype f32`) from one
+`.venv/bin/tlaloc export smollm2 artifacts/smollm2-f32-loop --weight-dtype f32`, run first when
+the directory is missing) from one
 tritonserver, every entry compiled before the first request, and for N concurrent sequences
 measures side by side in one run:
 
@@ -25,6 +26,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -39,11 +41,12 @@ from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa
 from triton_tlaloc.server import TritonServer  # noqa: E402
 
 PATHS = ("sequence", "generate")
+DEFAULT_ARTIFACT = ROOT / "artifacts" / "smollm2-f32-loop"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--artifact", type=Path, default=ROOT / "artifacts" / "smollm2-f32-loop")
+    ap.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT)
     ap.add_argument("--sequences", default="1,4,16")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
@@ -51,6 +54,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "serving_bench.json")
     args = ap.parse_args()
     counts = [int(n) for n in args.sequences.split(",")]
+    if not args.artifact.exists() and args.artifact == DEFAULT_ARTIFACT:
+        log(f"exporting SmolLM2 with f32 weights to {args.artifact} ...")
+        subprocess.run([str(Path(sys.executable).parent / "tlaloc"), "export", "smollm2",
+                        str(args.artifact), "--weight-dtype", "f32"], check=True)
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="tlaloc-serving-") as tmp:
         repo = Path(tmp) / "repo"
