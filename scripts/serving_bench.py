@@ -3,9 +3,8 @@
 
 Serves an artifact (by default artifacts/smollm2-f32-loop: SmolLM2-135M with f32 weights,
 `.venv/bin/tlaloc export smollm2 artifacts/smollm2-f32-loop --weight-dtype f32`, run first when
-the directory is missing) from one
-tritonserver, every entry compiled before the first request, and for N concurrent sequences
-measures side by side in one run:
+the directory is missing) from one tritonserver, every entry compiled before the first request,
+and for N concurrent sequences measures side by side in one run:
 
 - `sequence`: client-side greedy through the sequence model from one asyncio gRPC client, each
   sequence a START of 4 ids then one request a token (ARGMAX back);
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from simulated_bench import one_run  # noqa: E402
-from transport_bench import log  # noqa: E402
+from transport_bench import add_answering_arguments, answering_options, log  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.server import TritonServer  # noqa: E402
 
@@ -50,7 +49,7 @@ def main() -> None:
     ap.add_argument("--sequences", default="1,4,16")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--reply-threads", type=int, default=RepositoryOptions.reply_threads)
+    add_answering_arguments(ap)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "serving_bench.json")
     args = ap.parse_args()
     counts = [int(n) for n in args.sequences.split(",")]
@@ -62,7 +61,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tlaloc-serving-") as tmp:
         repo = Path(tmp) / "repo"
         write_repository(args.artifact, repo, "served", RepositoryOptions(
-            reply_threads=args.reply_threads, background_compile=False))
+            **answering_options(args), background_compile=False))
         with TritonServer(repo) as server:
             log(f"tritonserver ready ({os.cpu_count()} cores), {args.artifact}")
             for r in range(args.runs + 1):  # run 0 warms up

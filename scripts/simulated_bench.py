@@ -44,7 +44,8 @@ from triton_tlaloc.frontends.client import new_sequence_id  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.server import TritonServer  # noqa: E402
 from triton_tlaloc.simulated import BENCHMARK_ENV  # noqa: E402
-from transport_bench import PROMPT, log, tiny_artifact  # noqa: E402
+from transport_bench import (PROMPT, add_answering_arguments, answering_options,  # noqa: E402
+                             log, tiny_artifact)
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -152,10 +153,7 @@ def main() -> None:
     ap.add_argument("--paths", default="sequence,generate")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--cohort-wait-us", type=int, default=RepositoryOptions.cohort_wait_microseconds)
-    ap.add_argument("--cohort-wait-steps", type=float,
-                    default=RepositoryOptions.cohort_wait_steps)
-    ap.add_argument("--reply-threads", type=int, default=RepositoryOptions.reply_threads)
+    add_answering_arguments(ap)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "simulated_bench")
     args = ap.parse_args()
     counts = [int(n) for n in args.sequences.split(",")]
@@ -166,8 +164,7 @@ def main() -> None:
         work = Path(tmp)
         art = tiny_artifact(work, BATCHES, max(BATCHES), args.tokens)
         write_repository(art, work / "repo", "tiny", RepositoryOptions(
-            cohort_wait_microseconds=args.cohort_wait_us,
-            cohort_wait_steps=args.cohort_wait_steps, reply_threads=args.reply_threads,
+            **answering_options(args),
             extra_parameters={"simulate_step_ms": str(args.step_ms)}))
         with TritonServer(work / "repo") as server:
             log(f"tritonserver ready ({os.cpu_count()} cores); simulated step {args.step_ms} ms")

@@ -8,9 +8,9 @@ sequence model does (its reply threads send each response), `ceiling_execute` re
 responses from execute() (one message to Triton for all of them: the fastest the Python
 backend answers). A control, `tiny_inline`, is the tiny llama as it answered before the reply
 threads: every reply sent by the batching thread, the cohort wait bounded by
-cohort_wait_microseconds alone. One asyncio client per protocol (tritonclient's grpc.aio and http.aio) drives
-N sequences at once, each a START of 4 tokens then --steps requests of one token (the last with
-END), each sent when the previous reply arrived, as a decoding client does. It prints requests/s
+cohort_wait_microseconds alone. One asyncio client per protocol (tritonclient's grpc.aio and
+http.aio) drives N sequences at once, each a START of 4 tokens then --steps requests of one
+token (the last with END), each sent when the previous reply arrived, as a decoding client does. It prints requests/s
 for each model at each N over gRPC and HTTP and the real model's ratio to the ceiling, measured
 back to back (medians of --runs rounds after a warm-up round; the models alternate within a
 round, so all see the same machine), and at one sequence where the real model's time goes: per
@@ -65,6 +65,21 @@ def tiny_artifact(work: Path, batches: tuple[int, ...], max_sequences: int, toke
     return export_artifact(ckpt, work / "art", ExportOptions(
         batch_ladder=batches, context_ladder=(context,), block_size=8,
         num_blocks=max_sequences * context // 8 + 1))
+
+
+def add_answering_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of how the sequence model answers, which the benchmarks vary."""
+    ap.add_argument("--cohort-wait-us", type=int,
+                    default=RepositoryOptions.cohort_wait_microseconds)
+    ap.add_argument("--cohort-wait-steps", type=float,
+                    default=RepositoryOptions.cohort_wait_steps)
+    ap.add_argument("--reply-threads", type=int, default=RepositoryOptions.reply_threads)
+
+
+def answering_options(args) -> dict:
+    """add_answering_arguments' values as RepositoryOptions fields."""
+    return dict(cohort_wait_microseconds=args.cohort_wait_us,
+                cohort_wait_steps=args.cohort_wait_steps, reply_threads=args.reply_threads)
 
 
 MODELS = ("ceiling", "ceiling_execute", "tiny", "tiny_inline")
@@ -234,10 +249,7 @@ def main() -> None:
     ap.add_argument("--protocols", default="grpc,http")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--cohort-wait-us", type=int, default=RepositoryOptions.cohort_wait_microseconds)
-    ap.add_argument("--cohort-wait-steps", type=float,
-                    default=RepositoryOptions.cohort_wait_steps)
-    ap.add_argument("--reply-threads", type=int, default=RepositoryOptions.reply_threads)
+    add_answering_arguments(ap)
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = ap.parse_args()
     counts = [int(n) for n in args.sequences.split(",")]
@@ -245,10 +257,8 @@ def main() -> None:
         work = Path(tmp)
         log("building the tiny llama and its repository ...")
         art = tiny_artifact(work, (1, 2, 4), max(counts), args.steps)
-        write_models(art, work / "repo", RepositoryOptions(
-            generate_model=False, cohort_wait_microseconds=args.cohort_wait_us,
-            cohort_wait_steps=args.cohort_wait_steps,
-            reply_threads=args.reply_threads))
+        write_models(art, work / "repo", RepositoryOptions(generate_model=False,
+                                                           **answering_options(args)))
         with TritonServer(work / "repo") as server:
             log(f"tritonserver ready: {server.grpc_url} (gRPC), {server.http_url} (HTTP)")
             results = asyncio.run(bench(server, args))

@@ -71,9 +71,6 @@ HOST_KV_DEFAULT_POOLS = 4
 def batch_policy(config: dict, params: dict[str, str]) -> BatchPolicy:
     """The batcher's policy from the model's parameters and its sequence batcher's idle
     timeout (Triton's default when unset is 1 s)."""
-    if float(params["cohort_wait_steps"]) < 0:
-        raise ValueError(f"cohort_wait_steps {params['cohort_wait_steps']}: expected 0 (off) "
-                         f"or more")
     idle_us = int(config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
                   or 1_000_000)
     return BatchPolicy(

@@ -37,6 +37,11 @@ class BatchPolicy:
     idle_timeout_s: float = 60.0  # the model's max_sequence_idle_microseconds
     reclaim_allowance_s: float = 2.0  # Triton checks its timeout on a schedule of its own
 
+    def __post_init__(self):
+        if self.cohort_wait_steps < 0:
+            raise ValueError(f"cohort_wait_steps {self.cohort_wait_steps}: expected 0 (off) or "
+                             f"more")
+
     def cohort_wait(self, decode_s: float | None) -> float:
         """How long the next decode batch waits for its cohort, given the previous decode
         call's seconds (None: none ran yet)."""

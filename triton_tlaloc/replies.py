@@ -44,10 +44,6 @@ class ReplySenders:
         for t in self._threads:
             t.start()
 
-    @property
-    def threads(self) -> int:
-        return len(self._threads)
-
     def submit(self, send: Callable[[], None]) -> None:
         """Send a reply: on a sender thread, or here when there is none (or they stopped)."""
         with self._lock:

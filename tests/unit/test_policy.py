@@ -57,6 +57,8 @@ def test_the_cohort_wait_is_at_most_a_step_with_cohort_wait_steps(artifact, step
     assert h.run() == [("decode_b1_c32", 1)], f"a runs alone after {waits_ms} ms"
     assert BatchPolicy(cohort_wait_s=0.02, cohort_wait_steps=2).cohort_wait(0.004) == 0.008
     assert BatchPolicy(cohort_wait_s=0.02, cohort_wait_steps=2).cohort_wait(None) == 0.02
+    with pytest.raises(ValueError, match="cohort_wait_steps -1"):
+        BatchPolicy(cohort_wait_steps=-1)
 
 
 def test_a_cohort_runs_together_or_after_the_cohort_wait(artifact):

@@ -40,14 +40,10 @@ def test_the_sends_of_a_call_overlap_with_two_threads(threads, overlap):
         except threading.BrokenBarrierError:
             done.append(False)
 
-    senders = ReplySenders(threads)
-    if threads == 0:  # inline: the submitting thread waits in the first send
-        senders.submit(send)
-        senders.submit(send)
-    else:
-        senders.submit(send)
-        senders.submit(send)
-        senders.stop()
+    senders = ReplySenders(threads)  # 0: the submitting thread waits in the first send
+    senders.submit(send)
+    senders.submit(send)
+    senders.stop()
     assert all(done) is overlap and len(done) == 2
 
 
