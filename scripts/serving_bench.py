@@ -8,7 +8,10 @@ and for N concurrent sequences measures side by side in one run:
 
 - `sequence`: client-side greedy through the sequence model from one asyncio gRPC client, each
   sequence a START of 4 ids then one request a token (ARGMAX back);
-- `generate`: the generate model, N concurrent gRPC streams, input_ids, greedy, ignore_eos.
+- `generate`: the generate model, N concurrent gRPC streams, input_ids, greedy, ignore_eos,
+  its loop in the sequence model's process;
+- `generate_bls`: the same through a generate model that makes a BLS call a token (the loop
+  before the local one, `generation_loop` bls).
 
 Per path and N: tokens/s (generated tokens over the run's wall time), time to first token and
 time per output token (p50, p99), and the generate model's ratio to client-side greedy. Medians
@@ -36,10 +39,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from simulated_bench import one_run  # noqa: E402
 from transport_bench import add_answering_arguments, answering_options, log  # noqa: E402
-from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
+from triton_tlaloc.manifest import load_artifact  # noqa: E402
+from triton_tlaloc.repository import (RepositoryOptions, write_generate_model,  # noqa: E402
+                                      write_repository)
 from triton_tlaloc.server import TritonServer  # noqa: E402
 
-PATHS = ("sequence", "generate")
+PATHS = ("sequence", "generate", "generate_bls")
 DEFAULT_ARTIFACT = ROOT / "artifacts" / "smollm2-f32-loop"
 
 
@@ -62,6 +67,9 @@ def main() -> None:
         repo = Path(tmp) / "repo"
         write_repository(args.artifact, repo, "served", RepositoryOptions(
             **answering_options(args), background_compile=False))
+        art = load_artifact(args.artifact)
+        write_generate_model(art, repo, "served", str(art.path.resolve() / "tokenizer")
+                             if art.tokenizer_dir else "", "bls", "served_generate_bls")
         with TritonServer(repo) as server:
             log(f"tritonserver ready ({os.cpu_count()} cores), {args.artifact}")
             for r in range(args.runs + 1):  # run 0 warms up
@@ -83,8 +91,9 @@ def report(results: dict, counts: list[int], args) -> list[dict]:
           f"medians of {args.runs} runs; {os.cpu_count()} cores, client and server on this "
           f"machine\n")
     print("| sequences | client greedy tokens/s | generate model tokens/s | generate / client | "
-          "client TPOT p50 / p99 ms | generate TPOT p50 / p99 ms | generate TTFT p50 ms |")
-    print("|---:|---:|---:|---:|---|---|---:|")
+          "BLS loop tokens/s | BLS / client | client TPOT p50 / p99 ms | "
+          "generate TPOT p50 / p99 ms | generate TTFT p50 ms |")
+    print("|---:|---:|---:|---:|---:|---:|---|---|---:|")
     rows = []
     for n in counts:
         row = {"sequences": n}
@@ -92,9 +101,11 @@ def report(results: dict, counts: list[int], args) -> list[dict]:
             runs = results[(p, n)]
             row[p] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         row["ratio"] = row["generate"]["tokens_per_s"] / row["sequence"]["tokens_per_s"]
+        row["bls_ratio"] = row["generate_bls"]["tokens_per_s"] / row["sequence"]["tokens_per_s"]
         rows.append(row)
-        s, g = row["sequence"], row["generate"]
+        s, g, b = row["sequence"], row["generate"], row["generate_bls"]
         print(f"| {n} | {s['tokens_per_s']:.1f} | {g['tokens_per_s']:.1f} | {row['ratio']:.2f} | "
+              f"{b['tokens_per_s']:.1f} | {row['bls_ratio']:.2f} | "
               f"{s['tpot_p50_ms']:.1f} / {s['tpot_p99_ms']:.1f} | "
               f"{g['tpot_p50_ms']:.1f} / {g['tpot_p99_ms']:.1f} | {g['ttft_p50_ms']:.0f} |")
     return rows

@@ -11,7 +11,9 @@ step, N / step time tokens/s):
 - the sequence model, from one asyncio gRPC client (tritonclient grpc.aio): N sequences, each a
   START of 4 tokens then one request per token (greedy on the client from ARGMAX);
 - the generate model: N concurrent gRPC streams (one asyncio client), input_ids, greedy,
-  ignore_eos.
+  ignore_eos; its loop in the sequence model's process (`generate`, the default), and the
+  control `generate_bls`: a generate model of the same sequence model making a BLS call a
+  token (`generation_loop` bls).
 
 Per path and N: tokens/s (generated tokens over the wall time of the whole run), its ratio to the
 limit, time to first token and time per output token (p50, p99; a response carrying k tokens
@@ -41,7 +43,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from triton_tlaloc.frontends.client import new_sequence_id  # noqa: E402
-from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
+from triton_tlaloc.manifest import load_artifact  # noqa: E402
+from triton_tlaloc.repository import (RepositoryOptions, write_generate_model,  # noqa: E402
+                                      write_repository)
 from triton_tlaloc.server import TritonServer  # noqa: E402
 from triton_tlaloc.simulated import BENCHMARK_ENV  # noqa: E402
 from transport_bench import (PROMPT, add_answering_arguments, answering_options,  # noqa: E402
@@ -127,13 +131,13 @@ async def generate_model(client, model: str, i: int, tokens: int) -> Stream:
 
 
 async def one_run(url: str, path: str, n: int, tokens: int, name: str = "tiny") -> dict:
-    """N sequences of `tokens` tokens through the sequence model `name` (path "sequence") or
-    its generate model (path "generate") at once."""
+    """N sequences of `tokens` tokens through the sequence model `name` (path "sequence"), its
+    generate model (path "generate") or its BLS-loop generate model ("generate_bls") at once."""
     import tritonclient.grpc.aio as grpcaio
 
     client = grpcaio.InferenceServerClient(url)
     run = sequence_model if path == "sequence" else generate_model
-    model = name if path == "sequence" else f"{name}_generate"
+    model = name if path == "sequence" else f"{name}_{path}"
     try:
         t0 = time.perf_counter()
         streams = await asyncio.gather(*(run(client, model, i, tokens) for i in range(n)))
@@ -150,7 +154,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--sequences", default="1,4,16,64")
-    ap.add_argument("--paths", default="sequence,generate")
+    ap.add_argument("--paths", default="sequence,generate,generate_bls")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     add_answering_arguments(ap)
@@ -166,6 +170,8 @@ def main() -> None:
         write_repository(art, work / "repo", "tiny", RepositoryOptions(
             **answering_options(args),
             extra_parameters={"simulate_step_ms": str(args.step_ms)}))
+        write_generate_model(load_artifact(art), work / "repo", "tiny", "", "bls",
+                             "tiny_generate_bls")
         with TritonServer(work / "repo") as server:
             log(f"tritonserver ready ({os.cpu_count()} cores); simulated step {args.step_ms} ms")
             for r in range(args.runs + 1):  # run 0 warms up

@@ -10,7 +10,8 @@ import pytest
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, generate, metric,
                                   scrape_metrics)
-from triton_tlaloc.repository import RepositoryOptions, write_repository
+from triton_tlaloc.manifest import load_artifact
+from triton_tlaloc.repository import RepositoryOptions, write_generate_model, write_repository
 from triton_tlaloc.server import TritonServer
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 
@@ -23,97 +24,120 @@ def served(tiny, smollm2, work):
     write_repository(tiny.artifact("llama", False), repo, "llama",
                      RepositoryOptions(max_sequence_idle_microseconds=600_000_000))
     write_repository(smollm2[1], repo, "smollm2", RepositoryOptions())
+    # The same sequence models' generate models with the loop in their own process, a BLS
+    # call a token (NAME_generate_bls)
+    for name, art in (("llama", tiny.artifact("llama", False)), ("smollm2", smollm2[1])):
+        write_generate_model(load_artifact(art), repo, name,
+                             str(art / "tokenizer") if (art / "tokenizer").is_dir() else "",
+                             "bls", f"{name}_generate_bls")
     server = TritonServer(repo, exit_timeout_s=3).start()
     yield server, ArtifactTokenizer(smollm2[1] / "tokenizer")
     server.stop()
 
 
+@pytest.mark.parametrize("loop", ["", "_bls"], ids=["local loop", "BLS loop"])
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "one response"])
-def test_greedy_generation_equals_the_sequence_models_greedy_ids(served, stream):
+def test_greedy_generation_equals_the_sequence_models_greedy_ids(served, stream, loop):
     """SmolLM2, 32 tokens of a chat prompt: the generate model's ids equal the client-side
     greedy ids of the sequence model, its text is their decoding, and the final response
-    counts the tokens."""
+    counts the tokens. The local loop's last token comes in its final response; the BLS
+    loop's final response is one of its own."""
     server, tok = served
     prompt = tok.apply_chat_template([{"role": "user", "content": "Write a short poem about "
                                                                   "the sea."}])
     with TlalocClient(server.grpc_url, "smollm2") as c:
         want = c.generate_greedy(prompt, 32).generated_ids
-    got = generate(server.grpc_url, "smollm2_generate", input_ids=prompt, stream=stream,
-                   sampling={"max_tokens": 32, "ignore_eos": True})
+    got = generate(server.grpc_url, f"smollm2_generate{loop}", input_ids=prompt,
+                   stream=stream, sampling={"max_tokens": 32, "ignore_eos": True})
     assert got.error is None and got.token_ids == want
     assert got.text == tok.decode(want)
     assert (got.finish_reason, got.prompt_tokens, got.completion_tokens) == ("length",
                                                                                len(prompt), 32)
-    assert got.responses == (33 if stream else 1)
+    if not stream:
+        assert got.responses == 1
+    elif loop:
+        assert got.responses == 33
+    else:  # a response a token, or several tokens to a response when the sends fall behind
+        assert 2 <= got.responses <= 32
 
 
-def test_text_input_stops_at_end_of_sequence_and_at_a_stop_string(served):
+@pytest.mark.parametrize("loop", ["", "_bls"], ids=["local loop", "BLS loop"])
+def test_text_input_stops_at_end_of_sequence_and_at_a_stop_string(served, loop):
     server, tok = served
     chat = tok.decode(tok.apply_chat_template([{"role": "user",
                                                 "content": "What is the capital of France?"}]))
-    got = generate(server.grpc_url, "smollm2_generate", text=chat, sampling={"max_tokens": 64})
+    got = generate(server.grpc_url, f"smollm2_generate{loop}", text=chat,
+                   sampling={"max_tokens": 64})
     assert got.finish_reason == "stop" and "Paris" in got.text  # its end-of-sequence token
     assert got.completion_tokens < 64
-    cut = generate(server.grpc_url, "smollm2_generate", text=chat,
+    cut = generate(server.grpc_url, f"smollm2_generate{loop}", text=chat,
                    sampling={"max_tokens": 64, "stop": ["Paris"]})
     assert cut.finish_reason == "stop" and "Paris" not in cut.text
     assert got.text.startswith(cut.text) and got.text[len(cut.text):].startswith("Paris")
 
 
 def test_seeded_sampling_repeats_exactly(served):
+    """The same seed gives the same ids in either loop (the sampler is the same code, in the
+    sequence model's process or the generate model's)."""
     server, _ = served
 
-    def sample(seed, **extra):
-        return generate(server.grpc_url, "llama_generate", input_ids=PROMPT, sampling={
+    def sample(seed, loop="", **extra):
+        return generate(server.grpc_url, f"llama_generate{loop}", input_ids=PROMPT, sampling={
             "max_tokens": 24, "temperature": 1.0, "seed": seed, "ignore_eos": True,
             **extra}).token_ids
     first = sample(11)
     assert sample(11) == first and sample(12) != first
+    assert sample(11, "_bls") == first
     greedy = generate(server.grpc_url, "llama_generate", input_ids=PROMPT,
                       sampling={"max_tokens": 24, "ignore_eos": True}).token_ids
     assert sample(13, top_k=1) == greedy  # top_k 1 is greedy whatever the seed
 
 
-def test_cancelling_a_generation_frees_its_pages_and_others_go_on(served):
+@pytest.mark.parametrize("loop", ["", "_bls"], ids=["local loop", "BLS loop"])
+def test_cancelling_a_generation_frees_its_pages_and_others_go_on(served, loop):
     server, _ = served
+    model = f"llama_generate{loop}"
     with TlalocClient(server.grpc_url, "llama") as c:
         want = c.generate_greedy(PROMPT, 40).generated_ids
     before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
     other = {}
 
     def run_other():
-        other["result"] = generate(server.grpc_url, "llama_generate", input_ids=PROMPT,
+        other["result"] = generate(server.grpc_url, model, input_ids=PROMPT,
                                    sampling={"max_tokens": 40, "ignore_eos": True})
     thread = threading.Thread(target=run_other)
     thread.start()
-    cancelled = generate(server.grpc_url, "llama_generate", input_ids=PROMPT[:5],
+    cancelled = generate(server.grpc_url, model, input_ids=PROMPT[:5],
                          sampling={"max_tokens": 110, "ignore_eos": True}, cancel_after=3)
     thread.join(120)
     assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 110
     assert other["result"].token_ids == want  # the other generation went on
-    # The metrics are applied every 250 ms: poll (a loaded machine may take a few periods).
-    for _ in range(20):
-        after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
-        if metric(after, "tlaloc_sequences_held", model="llama") == 0:
-            break
-    assert metric(after, "tlaloc_kv_pages_used", model="llama", pool="full") == 0
-    assert metric(after, "tlaloc_sequences_held", model="llama") == 0
 
     def delta(name, **labels):
         return metric(after, name, **labels) - metric(before, name, **labels)
-    assert delta("tlaloc_generations_total", model="llama_generate", reason="cancelled") == 1
-    assert delta("tlaloc_generations_total", model="llama_generate", reason="length") == 1
-    assert delta("tlaloc_time_to_first_token_seconds_count", model="llama_generate") == 2
+    # The metrics are applied every 250 ms by each model's own writer: poll (a loaded machine
+    # may take a few periods).
+    for _ in range(20):
+        after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+        if (metric(after, "tlaloc_sequences_held", model="llama") == 0
+                and delta("tlaloc_generations_total", model=model, reason="cancelled") > 0):
+            break
+    assert metric(after, "tlaloc_kv_pages_used", model="llama", pool="full") == 0
+    assert metric(after, "tlaloc_sequences_held", model="llama") == 0
+    assert delta("tlaloc_generations_total", model=model, reason="cancelled") == 1
+    assert delta("tlaloc_generations_total", model=model, reason="length") == 1
+    assert delta("tlaloc_time_to_first_token_seconds_count", model=model) == 2
 
 
-def test_bad_requests_get_one_error_naming_the_problem(served):
+@pytest.mark.parametrize("loop", ["", "_bls"], ids=["local loop", "BLS loop"])
+def test_bad_requests_get_one_error_naming_the_problem(served, loop):
     server, _ = served
     for kwargs, message in (
             (dict(input_ids=PROMPT, sampling={"temperature": -1}), "temperature -1.0"),
             (dict(text="hello"), "text_input needs the artifact's tokenizer"),
             (dict(input_ids=[5, 999]), "token id 999 is outside the vocabulary"),
             (dict(), "send text_input or input_ids")):
-        got = generate(server.grpc_url, "llama_generate", **kwargs)
+        got = generate(server.grpc_url, f"llama_generate{loop}", **kwargs)
         assert got.error is not None and message in got.error, (kwargs, got)
         assert got.responses == 1
 

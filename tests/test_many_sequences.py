@@ -1,16 +1,21 @@
 """64 sequences at once through tritonserver: the tiny llama exported with a batch ladder up to
 64, its replies sent by the reply threads. Every sequence's greedy ids equal its solo run, and
 the decode calls really held many rows (a batch of 64 prompts runs as decode calls of more than
-32 rows), so the check cannot pass on small batches alone."""
+32 rows), so the check cannot pass on small batches alone. The same for 64 streams of its
+generate model, whose loops run in the sequence model's process."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from sequence_checks import assert_check, check_concurrent_solo, metrics_delta, solo_runs
 
+from triton_tlaloc.frontends.client import generate
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.server import TritonServer
 
 SEQUENCES, STEPS = 64, 8
+GENERATE_STEPS = 24  # a prompt of up to 7 and 24 tokens: within the context of 32
 
 
 def test_64_sequences_batched_equal_their_solo_runs(tiny, work):
@@ -19,8 +24,7 @@ def test_64_sequences_batched_equal_their_solo_runs(tiny, work):
     repo = work / "repo-many"
     # The tiny model's step is ~1 ms: cohorts bounded by the cohort wait alone (20 ms), so that
     # 64 clients' requests meet in one call.
-    write_repository(art, repo, "many", RepositoryOptions(generate_model=False,
-                                                          cohort_wait_steps=0))
+    write_repository(art, repo, "many", RepositoryOptions(cohort_wait_steps=0))
     prompts = [[(i * 37 + 5 * j) % 250 + 3 for j in range(3 + i % 5)] for i in range(SEQUENCES)]
     with TritonServer(repo) as server:
         assert 'reply_threads' in (repo / "many" / "config.pbtxt").read_text()
@@ -33,3 +37,21 @@ def test_64_sequences_batched_equal_their_solo_runs(tiny, work):
         print(f"{calls:.0f} calls for {SEQUENCES} sequences of {STEPS} steps, {large:.0f} of "
               f"more than 32 rows")
         assert large >= STEPS // 2, "the sequences ran in calls of more than 32 rows"
+
+        # 64 generate streams at once (longer than the sequences above, so that they overlap
+        # though each client starts on its own): the local loops decode in shared calls too.
+        solo = solo_runs(server.grpc_url, "grpc", "many", prompts, GENERATE_STEPS)
+
+        def stream(prompt):
+            return generate(server.grpc_url, "many_generate", input_ids=prompt,
+                            sampling={"max_tokens": GENERATE_STEPS, "ignore_eos": True})
+        results = []
+        _, delta = metrics_delta(server.metrics_url, lambda: results.extend(
+            ThreadPoolExecutor(SEQUENCES).map(stream, prompts)))
+        wrong = [i for i, (r, want) in enumerate(zip(results, solo))
+                 if r.error is not None or r.token_ids != want]
+        assert not wrong, f"streams {wrong[:8]} differ from their solo runs"
+        calls = delta("tlaloc_batch_size_count", model="many")
+        rows = delta("tlaloc_batch_size_sum", model="many")
+        print(f"generate model: {calls:.0f} calls, {rows / calls:.1f} rows a call")
+        assert rows / calls >= 3, "the streams decoded in shared calls (alone: 1 row a call)"

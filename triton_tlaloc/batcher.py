@@ -87,6 +87,8 @@ class Batcher(Admission, RoomMaking):
         self.cohort = Cohort(set())  # the previous decode batch's sequences (policy.py)
         self._decode_s: float | None = None  # the last round's decode calls took (the clock)
         self._evicted = (0, 0)  # cached pages evicted, ended sequences dropped, so far
+        # Called after every round (on this thread): local generations send the round's tokens.
+        self.round_listeners: list[Callable[[], None]] = []
         # Of every entry, compiled or compiling (the engine splits a call while its entry
         # compiles).
         entries = engine.art.entries.values()
@@ -145,6 +147,7 @@ class Batcher(Admission, RoomMaking):
             self._held_back = []
         for r in leftover:
             r.reply(Reply(error="the model is unloading", code=UNAVAILABLE))
+        self._round_ended()
 
     def _loop(self) -> None:
         while True:
@@ -171,6 +174,14 @@ class Batcher(Admission, RoomMaking):
                     if not r._answered and id(r) not in held:
                         r.reply(Reply(error="internal error in the batcher (see the server "
                                             "log)", code=INTERNAL))
+            self._round_ended()
+
+    def _round_ended(self) -> None:
+        for listener in self.round_listeners:
+            try:
+                listener()
+            except Exception:  # never let the thread die
+                log.exception("a round listener failed")
 
     def run_pending(self) -> bool:
         """One round on the caller's thread if one is due now (tests drive the clock)."""
@@ -180,6 +191,7 @@ class Batcher(Admission, RoomMaking):
         self._sweep(now)
         if taken or resumed:
             self.process(taken, resumed)
+            self._round_ended()
         return bool(taken or resumed)
 
     # ------------------------------------------------------------ what runs when

@@ -180,6 +180,7 @@ def _cmd_repository(args) -> int:
                              sequence_slots=args.sequence_slots,
                              prefix_reuse=not args.no_prefix_reuse,
                              reply_threads=args.reply_threads,
+                             generation_loop=args.generation_loop,
                              host_kv_bytes=args.host_kv_bytes,
                              preempt_wait_microseconds=args.preempt_wait_us,
                              background_compile=not args.compile_all_first)
@@ -404,6 +405,9 @@ def _add_repository_parser(sub) -> None:
     p.add_argument("--reply-threads", type=int, default=2,
                    help="threads that send the responses (0: the batching thread sends them, "
                         "one at a time)")
+    p.add_argument("--generation-loop", choices=("local", "bls"), default="local",
+                   help="where NAME_generate's loop runs: in NAME's process over a local link "
+                        "(local), or as a BLS call to NAME per token (bls)")
     p.add_argument("--reclaim-allowance-us", type=int, default=2_000_000,
                    help="added to twice the idle timeout before an idle sequence's pages may "
                         "be reclaimed")

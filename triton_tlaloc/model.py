@@ -26,6 +26,7 @@ from .codes import coded_message
 from .engine import Engine
 from .host_tier import HostTier
 from .kv_transfer import PageTransfer, transfer_buckets
+from .local_generation import LocalGenerations
 from .manifest import load_artifact
 from .memory import resident_bytes
 from .metrics import TimingLog
@@ -61,6 +62,8 @@ DEFAULTS = {
     "simulate_step_ms": "",
     # Threads that build and send the responses (replies.py); 0: the batcher thread sends them
     "reply_threads": "2",
+    # Generate models may run their generation loops in this process (local_generation.py)
+    "local_generation": "true",
 }
 
 # The host tier's budget by default, in device pools' worth (TensorRT-LLM sizes its host
@@ -125,6 +128,12 @@ class TritonPythonModel:
         self.metrics.host(0, 0)
         self.metrics.memory(self.runtime.weight_bytes, self.runtime.kv_pool_bytes,
                             self.runtime.state_pool_bytes)
+        self.local = None
+        if parse_bool(params["local_generation"]):
+            self.local = LocalGenerations.open(args["model_name"], self.batcher.submit_group,
+                                               artifact.max_context)
+            if self.local is not None:
+                self.batcher.round_listeners.append(self.local.round_ended)
         self.batcher.start()
         self._log_loaded(args["model_name"], time.perf_counter() - t0, platform, params, policy)
 
@@ -233,6 +242,8 @@ class TritonPythonModel:
         self.runtime.close()
         self.batcher.stop()
         self.senders.stop()
+        if self.local is not None:
+            self.local.stop()
         self.metrics.writer.close()
         if self.timing_log is not None:
             self.timing_log.close()

@@ -43,7 +43,12 @@ class RepositoryOptions:
     preempt_wait_microseconds: int = 10_000_000  # how long a request waits for pages
     background_compile: bool = True  # ready once a first request's entries are compiled
     reply_threads: int = 2  # threads that send the responses (0: the batching thread)
+    # Where NAME_generate's loop runs: "local" (in NAME's process, over a local link) or "bls"
+    # (a BLS call to NAME per token)
+    generation_loop: str = "local"
 
+
+GENERATION_LOOPS = ("local", "bls")
 
 # Triton's sequence slots (max_candidate_sequences) by default: far more than the pool can hold.
 MIN_SEQUENCE_SLOTS = 1024
@@ -79,6 +84,8 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
                      opts: RepositoryOptions = RepositoryOptions()) -> Path:
     """Write REPO/NAME; returns the model directory."""
     artifact = load_artifact(artifact_dir)
+    if opts.generation_loop not in GENERATION_LOOPS:
+        raise ValueError(f"generation loop {opts.generation_loop!r}: expected local or bls")
     if opts.instance_kind not in INSTANCE_KINDS:
         raise ValueError(f"instance kind {opts.instance_kind!r}: expected cpu or gpu")
     if opts.max_sequence_idle_microseconds <= 0:
@@ -106,6 +113,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         "preempt_wait_microseconds": opts.preempt_wait_microseconds,
         "background_compile": "true" if opts.background_compile else "false",
         "reply_threads": opts.reply_threads,
+        "local_generation": "true" if opts.generation_loop == "local" else "false",
         # Where `tlaloc generate` finds the tokenizer when it runs on the serving machine.
         "tokenizer_dir": str(src / "tokenizer") if artifact.tokenizer_dir else "",
         **({"compile_cache_dir": opts.compile_cache_dir} if opts.compile_cache_dir else {}),
@@ -124,7 +132,8 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
     )
     (model_dir / "config.pbtxt").write_text(text)
     if opts.generate_model:
-        _write_generate_model(artifact, Path(repo), name, params["tokenizer_dir"])
+        write_generate_model(artifact, Path(repo), name, params["tokenizer_dir"],
+                             opts.generation_loop)
     return model_dir
 
 
@@ -132,17 +141,21 @@ def generate_model_name(name: str) -> str:
     return f"{name}_generate"
 
 
-def _write_generate_model(artifact, repo: Path, name: str, tokenizer_dir: str) -> Path:
-    model_dir = repo / generate_model_name(name)
+def write_generate_model(artifact, repo: Path, name: str, tokenizer_dir: str,
+                         generation_loop: str = "local", model_name: str = "") -> Path:
+    """REPO/NAME_generate (or `model_name`), the generate model of sequence model NAME."""
+    model_name = model_name or generate_model_name(name)
+    model_dir = repo / model_name
     if model_dir.exists():
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     shutil.copyfile(TEMPLATE_DIR / "generate" / "model.py", model_dir / "1" / "model.py")
     params = {"sequence_model": name, "tokenizer_dir": tokenizer_dir,
               "max_context": artifact.max_context,
-              "eos_token_ids": ",".join(str(t) for t in artifact.model.eos_token_ids)}
+              "eos_token_ids": ",".join(str(t) for t in artifact.model.eos_token_ids),
+              "generation_loop": generation_loop}
     text = Template((TEMPLATE_DIR / "generate" / "config.pbtxt.in").read_text()).substitute(
-        name=generate_model_name(name), sequence_model=name,
+        name=model_name, sequence_model=name,
         parameters=",\n".join(_parameter(k, v) for k, v in params.items()))
     (model_dir / "config.pbtxt").write_text(text)
     return model_dir
@@ -183,6 +196,8 @@ def write_program_repository(source: str | os.PathLike, repo: str | os.PathLike,
     from .stablehlo import read_signature
 
     src = Path(source).resolve()
+    if opts.generation_loop not in GENERATION_LOOPS:
+        raise ValueError(f"generation loop {opts.generation_loop!r}: expected local or bls")
     if opts.instance_kind not in INSTANCE_KINDS:
         raise ValueError(f"instance kind {opts.instance_kind!r}: expected cpu or gpu")
     model_dir = Path(repo) / name

@@ -1,12 +1,18 @@
 """The generate model: text generation on the server, streamed (docs/design.md#front-ends).
 
 A decoupled Triton Python model written by `tlaloc repository` beside the sequence model. Each
-request (text_input or input_ids, sampling_parameters as JSON) runs on a thread of its own as a
-sequence of the sequence model, called through BLS (pb_utils.InferenceRequest with a fresh
-correlation id and the START / END flags): its decode steps go through that model's batcher, so
-concurrent generations decode in the same cohorts as every other sequence. Greedy steps ask the
-sequence model for ARGMAX alone (4 bytes); sampled steps for LOGITS, sampled here
-(sampling.Sampler: temperature, top-k, top-p, a seed).
+request (text_input or input_ids, sampling_parameters as JSON) is checked here, then generated
+as a sequence of the sequence model, whose decode steps go through that model's batcher, so
+concurrent generations decode in the same cohorts as every other sequence. Two loops:
+
+- `generation_loop` "local" (the default): the loop runs in the sequence model's process
+  (local_generation.py), reached over a local link; each round's tokens come back in one
+  message, and the responses are sent by a thread of their own (local_streams.py), several
+  tokens to a response when the sends fall behind.
+- "bls" (and the fallback when the link cannot be opened): a thread per request calls the
+  sequence model through BLS (pb_utils.InferenceRequest with a fresh correlation id and the
+  START / END flags), once per token. Greedy steps ask for ARGMAX alone (4 bytes); sampled
+  steps for LOGITS, sampled here (sampling.Sampler: temperature, top-k, top-p, a seed).
 
 Each step's new text goes out as a response (text_output, token_ids); the last response, flagged
 final, carries finish_reason (stop, length, cancelled), prompt_tokens and completion_tokens. With
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 from pathlib import Path
@@ -30,6 +37,7 @@ from ..backend import error_response, model_settings, setup_logging
 from ..codes import CANCELLED, INTERNAL, INVALID_ARG, coded_message, split_coded_message
 from ..metrics import MetricsWriter
 from .client import new_sequence_id
+from .local_streams import LocalLoop, LocalStream, Outbound, StreamSenders
 from .sampling import Sampler, SamplingError, SamplingParams, TextStream
 
 log = logging.getLogger("triton_tlaloc.generate")
@@ -57,7 +65,8 @@ def _string_input(request, name: str) -> str | None:
 class TritonPythonModel:
     def initialize(self, args):
         params = model_settings(args, {"eos_token_ids": "", "tokenizer_dir": "",
-                                       "max_prompt_characters": ""}).params
+                                       "max_prompt_characters": "",
+                                       "generation_loop": "local"}).params
         setup_logging(args["model_name"])
         self.model_name = args["model_name"]
         self.sequence_model = params["sequence_model"]
@@ -79,8 +88,20 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
         self._metrics()
-        log.info("generate model %s: sequence model %s, tokenizer %s, end-of-sequence ids %s",
-                 self.model_name, self.sequence_model,
+        loop = params["generation_loop"]
+        if loop not in ("local", "bls"):
+            raise ValueError(f"generation_loop {loop!r}: expected local or bls")
+        self.local = None
+        if loop == "local":
+            self.senders = StreamSenders(1, self._send_out, self._is_cancelled,
+                                         lambda s: self.local.cancel(s))
+            self.local = LocalLoop(self.sequence_model, self.senders, self._observe_token,
+                                   self._finished)
+            self.intake: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=self._take_in, name="tlaloc-generate-intake",
+                             daemon=True).start()
+        log.info("generate model %s: sequence model %s, generation loop %s, tokenizer %s, "
+                 "end-of-sequence ids %s", self.model_name, self.sequence_model, loop,
                  "yes" if self.tokenizer else "none (input_ids only)", sorted(self.eos_ids))
 
     def _metrics(self):
@@ -103,13 +124,20 @@ class TritonPythonModel:
                          for r in ("stop", "length", "cancelled", "error")}
 
     def execute(self, requests):
+        arrived = time.perf_counter()
+        if self.local is not None:
+            self.intake.put((requests, arrived))
+            return None
         for request in requests:
-            thread = threading.Thread(target=self._run, args=(request, time.perf_counter()),
-                                      name="tlaloc-generate", daemon=True)
-            with self.lock:
-                self.threads.add(thread)
-            thread.start()
+            self._start_bls(request, arrived)
         return None
+
+    def _start_bls(self, request, arrived: float, sender=None) -> None:
+        thread = threading.Thread(target=self._run, args=(request, arrived, sender),
+                                  name="tlaloc-generate", daemon=True)
+        with self.lock:
+            self.threads.add(thread)
+        thread.start()
 
     def _send(self, sender, response, flags=0):
         """Responses are sent one at a time, whichever generation's thread sends: sends from
@@ -132,16 +160,77 @@ class TritonPythonModel:
                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
+        if self.local is not None:
+            self.intake.put(None)
+            self.local.close()
+            self.senders.stop()
         with self.lock:
             threads = list(self.threads)
         for t in threads:
             t.join(10)
         self.writer.close()
 
-    # ---------------------------------------------------------------- one generation
+    # ---------------------------------------------------------------- local loop
 
-    def _run(self, request, arrived: float):
-        sender = request.get_response_sender()
+    def _take_in(self):
+        """The intake thread: checks each request, then starts the checked ones in the
+        sequence model's process together (one message); a bad one gets its one error."""
+        while True:
+            item = self.intake.get()
+            if item is None:
+                return
+            requests, arrived = item
+            streams = []
+            for request in requests:
+                sender = request.get_response_sender()
+                try:
+                    prompt, params, stream = self._inputs(request)
+                except _GenerateError as e:
+                    self.writer.increment(self.finished["error"], 1)
+                    self._send_error(sender, str(e), e.code)
+                    continue
+                if not self.local.connected():  # no link (yet): this one through BLS
+                    self._start_bls(request, arrived, sender)
+                    continue
+                decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
+                stops = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                                      else self.eos_ids)
+                streams.append(LocalStream(sender, prompt, params, stream,
+                                           TextStream(decode, params.stop), stops, arrived))
+            if streams:
+                self.local.start(streams)
+
+    def _send_out(self, stream: LocalStream, out: Outbound) -> None:
+        """One response of a local generation (on the stream sender thread)."""
+        if out.error is not None:
+            code, message = out.error
+            response = error_response(coded_message(message, code), code)
+        else:
+            ended = out.finish is not None
+            response = self._response(out.text, out.token_ids, out.finish,
+                                      len(stream.prompt) if ended else None,
+                                      stream.generated if ended else None)
+        self._send(stream.sender, response,
+                   flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.final else 0)
+
+    def _is_cancelled(self, stream: LocalStream) -> bool:
+        return self._cancelled(stream.sender)
+
+    def _observe_token(self, stream: LocalStream, now: float) -> None:
+        if stream.last_token is None:
+            self.writer.observe(self.ttft, now - stream.arrived)
+        else:
+            self.writer.observe(self.tpot, now - stream.last_token)
+        stream.last_token = now
+
+    def _finished(self, stream: LocalStream) -> None:
+        reason = stream.finish or ("cancelled" if stream.error[0] == CANCELLED else "error")
+        self.writer.increment(self.finished[reason], 1)
+
+    # ---------------------------------------------------------------- one generation (BLS)
+
+    def _run(self, request, arrived: float, sender=None):
+        sender = sender or request.get_response_sender()
         try:
             self._generate(request, sender, arrived)
         except _GenerateError as e:

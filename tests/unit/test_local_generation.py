@@ -1,0 +1,235 @@
+"""Generation loops run in the sequence model's process (local_generation.py), the generate
+model's side of them (frontends/local_streams.py) and the link between (generation_link.py),
+without Triton: a real batcher over the simulated runtime, a real Unix socket."""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+from fakes import fake_artifact
+
+from triton_tlaloc.admission import Reply
+from triton_tlaloc.batcher import Batcher
+from triton_tlaloc.engine import Engine
+from triton_tlaloc.frontends.local_streams import (LocalLoop, LocalStream, Outbound,
+                                                   StreamSenders)
+from triton_tlaloc.frontends.sampling import SamplingParams, TextStream
+from triton_tlaloc.generation_link import LinkError, connect, link_paths, listen
+from triton_tlaloc.local_generation import Generation, LocalGenerations
+from triton_tlaloc.policy import BatchPolicy
+from triton_tlaloc.simulated import SimulatedRuntime
+
+ART = fake_artifact(batch_ladder=(1, 4, 16), context_ladder=(64,), block_size=8,
+                    num_blocks=400)
+SERVER_PID = 4_000_000_000  # no real process has it: the link's files are the test's own
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def logits_at(token: int, vocab: int = 16) -> Reply:
+    row = np.zeros(vocab, np.float32)
+    row[token] = 1.0
+    return Reply(logits=row)
+
+
+def test_a_generation_chooses_emits_queues_its_next_step_and_ends_once():
+    events, queued = [], []
+    gen = Generation(7, [1, 2], SamplingParams(max_tokens=3), {9}, 64, events.append,
+                     queued.extend)
+    first = gen.start_request()
+    assert first.start and first.tokens == [1, 2] and first.seq_id is gen.seq_id
+    gen.on_reply(logits_at(5))
+    gen.on_reply(logits_at(6))
+    assert events == [[7, 5, None], [7, 6, None]]
+    assert [r.tokens for r in queued] == [[5], [6]] and not any(r.end for r in queued)
+    gen.on_reply(logits_at(4))  # the third token: max_tokens reached
+    assert events[-1] == [7, 4, "length"] and queued[-1].end and queued[-1].tokens == []
+    with pytest.raises(AssertionError, match="after the generation ended"):
+        gen.on_reply(logits_at(4))
+
+    for reply, want in ((logits_at(9), [8, -1, "stop"]),  # a stop id is not emitted
+                        (Reply(error="KV pool full", code="UNAVAILABLE"),
+                         [8, -1, "error", "UNAVAILABLE", "KV pool full"])):
+        events.clear()
+        queued.clear()
+        gen = Generation(8, [1], SamplingParams(max_tokens=5), {9}, 64, events.append,
+                         queued.extend)
+        gen.on_reply(reply)
+        assert events == [want] and [r.end for r in queued] == [True]
+    events.clear()
+    gen = Generation(9, [1], SamplingParams(max_tokens=5), set(), 64, events.append,
+                     queued.extend)
+    gen.cancelled = True
+    gen.on_reply(logits_at(3))
+    assert events == [[9, -1, "cancelled"]]
+    # The largest context ends a generation too: a prompt of 62 in a context of 64.
+    events.clear()
+    gen = Generation(10, list(range(62)), SamplingParams(max_tokens=50), set(), 64,
+                     events.append, queued.extend)
+    gen.on_reply(logits_at(3))
+    gen.on_reply(logits_at(3))
+    assert [e[2] for e in events] == [None, "length"]
+
+
+def test_local_sequence_ids_equal_no_client_id():
+    gen = Generation(1, [1], SamplingParams(), set(), 64, print, print)
+    number = gen.seq_id.number
+    assert gen.seq_id != number and gen.seq_id != str(gen.seq_id) and gen.seq_id != f"{number}"
+    assert {gen.seq_id: 1}.get(number) is None
+
+
+class Sent:
+    """The generate model's sends, captured: each stream's responses in order."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.by_stream: dict[int, list[Outbound]] = {}
+        self.done = threading.Condition()
+
+    def __call__(self, stream: LocalStream, out: Outbound) -> None:
+        time.sleep(self.delay_s)
+        with self.done:
+            self.by_stream.setdefault(id(stream), []).append(out)
+            self.done.notify_all()
+
+    def wait_finals(self, n: int, timeout: float = 30.0) -> None:
+        with self.done:
+            assert self.done.wait_for(lambda: sum(
+                1 for outs in self.by_stream.values() if outs[-1].final) >= n, timeout)
+
+
+def streams_for(prompts, max_tokens, streaming=True):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [LocalStream(None, p, params, streaming, TextStream(lambda ids: "", ()), set(),
+                        time.perf_counter()) for p in prompts]
+
+
+def greedy_alone(prompt: list[int], n: int) -> list[int]:
+    engine = Engine(SimulatedRuntime(ART, 0.0))
+    return engine.generate_greedy(prompt, n).generated_ids
+
+
+class Served:
+    """A batcher over the simulated runtime with local generations, and a generate model's
+    loop linked to it through a real socket; `run` generates and shuts everything down."""
+
+    def __init__(self, step_s: float, send_delay_s: float = 0.0, cancelled: bool = False):
+        self.rt = SimulatedRuntime(ART, step_s)
+        self.batcher = Batcher(Engine(self.rt), BatchPolicy(prefill_wait_s=0.001))
+        self.local = LocalGenerations("tiny", self.batcher.submit_group, ART.max_context,
+                                      SERVER_PID)
+        self.batcher.round_listeners.append(self.local.round_ended)
+        self.batcher.start()
+        self.sent = Sent(send_delay_s)
+        self.cancels = []
+        self.senders = StreamSenders(1, self.sent, lambda s: cancelled, self._cancel)
+        self.loop = LocalLoop("tiny", self.senders, lambda s, now: None, lambda s: None,
+                              SERVER_PID)
+        assert self.loop.connected()
+
+    def _cancel(self, stream):
+        self.cancels.append(stream)
+        self.loop.cancel(stream)
+
+    def run(self, streams: list[LocalStream]) -> list[list[Outbound]]:
+        try:
+            self.loop.start(streams)
+            self.sent.wait_finals(len(streams))
+            for _ in range(500):  # each generation's END follows its last event
+                if not self.batcher.sequences:
+                    break
+                time.sleep(0.01)
+            self.released = not self.batcher.sequences
+        finally:
+            self.loop.close()
+            self.senders.stop()
+            self.batcher.stop()
+            self.local.stop()
+        return [self.sent.by_stream[id(s)] for s in streams]
+
+
+def test_16_local_generations_get_the_ids_they_get_alone_in_shared_calls(private_tmp):
+    """Through a real socket and a real batcher: 16 streams started together decode in shared
+    calls, each equal to its greedy run alone; every stream ends with one final response
+    (length, after all 12 tokens). Control: the streams' ids are told apart."""
+    served = Served(0.002)
+    prompts = [[(i * 7 + j) % 250 + 3 for j in range(4)] for i in range(16)]
+    streams = streams_for(prompts, 12)
+    got = []
+    for s, outs in zip(streams, served.run(streams)):
+        assert [o.final for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].finish == "length" and s.generated == 12
+        got.append([t for o in outs for t in o.token_ids])
+    assert got[:4] == [greedy_alone(p, 12) for p in prompts[:4]]
+    assert len({tuple(ids) for ids in got}) > 8
+    assert served.rt.runs <= 2 * 13  # at most two calls a step: the streams share them
+    assert served.released  # every generation's sequence ENDed
+    assert not served.local.socket_path.exists() and not served.local.key_path.exists()
+
+
+def test_responses_carry_several_tokens_when_sends_fall_behind(private_tmp):
+    """Sends slower than the step: responses gather the tokens that came meanwhile, in order,
+    nothing lost. Control: with sends faster than the step, one response a token."""
+    for send_delay, step, many in ((0.012, 0.001, True), (0.0, 0.01, False)):
+        prompt = [5, 6, 7]
+        outs, = Served(step, send_delay).run(streams_for([prompt], 16))
+        assert [t for o in outs for t in o.token_ids] == greedy_alone(prompt, 16)
+        sizes = [len(o.token_ids) for o in outs]
+        assert (max(sizes) > 1) == many, sizes
+
+
+def test_a_cancelled_stream_ends_with_one_cancelled_response_and_frees_its_sequence(
+        private_tmp):
+    served = Served(0.01, cancelled=True)
+    streams = streams_for([[1, 2, 3]], 1000, streaming=False)
+    outs, = served.run(streams)
+    assert {id(s) for s in served.cancels} == {id(streams[0])}
+    assert len(outs) == 1 and outs[0].error[0] == "CANCELLED"
+    assert streams[0].generated < 1000 and served.released
+
+
+def test_the_link_refuses_a_peer_without_its_key_and_a_shared_directory(private_tmp):
+    listener, sock, key_file = listen("tiny", SERVER_PID)
+    try:
+        assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+        accepted = []
+
+        def accept():
+            try:
+                accepted.append(listener.accept())
+            except multiprocessing.AuthenticationError as e:
+                accepted.append(e)
+        t = threading.Thread(target=accept)
+        t.start()
+        with pytest.raises(multiprocessing.AuthenticationError):
+            multiprocessing.connection.Client(str(sock), family="AF_UNIX", authkey=b"x" * 32)
+        t.join(5)
+        assert isinstance(accepted[0], multiprocessing.AuthenticationError)
+        with pytest.raises(LinkError, match="another instance"):
+            listen("tiny", SERVER_PID)
+    finally:
+        listener.close()
+    # A socket file nothing listens on (a killed server's): taken over.
+    sock.unlink(missing_ok=True)
+    import socket
+    with socket.socket(socket.AF_UNIX) as stale:
+        stale.bind(str(sock))
+    assert sock.exists()
+    listener, _, _ = listen("tiny", SERVER_PID)
+    listener.close()
+    with pytest.raises(LinkError, match="no local generation link"):
+        connect("other", SERVER_PID)
+    directory = link_paths("tiny", SERVER_PID)[0].parent
+    os.chmod(directory, 0o755)
+    with pytest.raises(LinkError, match="not a directory private to this user"):
+        link_paths("tiny", SERVER_PID)
