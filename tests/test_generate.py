@@ -95,22 +95,25 @@ def test_seeded_sampling_repeats_exactly(served):
 
 @pytest.mark.parametrize("loop", ["", "_bls"], ids=["local loop", "BLS loop"])
 def test_cancelling_a_generation_frees_its_pages_and_others_go_on(served, loop):
+    """SmolLM2, whose steps (~27 ms) leave time to cancel: the local loop runs a generation at
+    the engine's pace, not the client's, so the tiny llama's ~1 ms steps would finish 200
+    tokens before a cancel could reach them."""
     server, _ = served
-    model = f"llama_generate{loop}"
-    with TlalocClient(server.grpc_url, "llama") as c:
-        want = c.generate_greedy(PROMPT, 40).generated_ids
+    model = f"smollm2_generate{loop}"
+    with TlalocClient(server.grpc_url, "smollm2") as c:
+        want = c.generate_greedy(PROMPT, 24).generated_ids
     before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
     other = {}
 
     def run_other():
         other["result"] = generate(server.grpc_url, model, input_ids=PROMPT,
-                                   sampling={"max_tokens": 40, "ignore_eos": True})
+                                   sampling={"max_tokens": 24, "ignore_eos": True})
     thread = threading.Thread(target=run_other)
     thread.start()
     cancelled = generate(server.grpc_url, model, input_ids=PROMPT[:5],
-                         sampling={"max_tokens": 110, "ignore_eos": True}, cancel_after=3)
+                         sampling={"max_tokens": 200, "ignore_eos": True}, cancel_after=3)
     thread.join(120)
-    assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 110
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 200
     assert other["result"].token_ids == want  # the other generation went on
 
     def delta(name, **labels):
@@ -119,11 +122,11 @@ def test_cancelling_a_generation_frees_its_pages_and_others_go_on(served, loop):
     # may take a few periods).
     for _ in range(20):
         after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
-        if (metric(after, "tlaloc_sequences_held", model="llama") == 0
+        if (metric(after, "tlaloc_sequences_held", model="smollm2") == 0
                 and delta("tlaloc_generations_total", model=model, reason="cancelled") > 0):
             break
-    assert metric(after, "tlaloc_kv_pages_used", model="llama", pool="full") == 0
-    assert metric(after, "tlaloc_sequences_held", model="llama") == 0
+    assert metric(after, "tlaloc_kv_pages_used", model="smollm2", pool="full") == 0
+    assert metric(after, "tlaloc_sequences_held", model="smollm2") == 0
     assert delta("tlaloc_generations_total", model=model, reason="cancelled") == 1
     assert delta("tlaloc_generations_total", model=model, reason="length") == 1
     assert delta("tlaloc_time_to_first_token_seconds_count", model=model) == 2

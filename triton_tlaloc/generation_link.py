@@ -92,6 +92,17 @@ def connect(sequence_model: str, server_pid: int | None = None) -> Connection:
         raise LinkError(f"{sequence_model}: no local generation link at {sock}: {e}") from None
 
 
+def hang_up(conn: Connection) -> None:
+    """Shuts the connection's socket down both ways: a thread blocked reading it gets the end
+    of the stream (closing it under that thread could hand its descriptor to another file).
+    The reading thread closes it."""
+    try:
+        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already
+        pass
+
+
 def send_frame(conn: Connection, items: list) -> None:
     conn.send_bytes(json.dumps(items, separators=(",", ":")).encode())
 

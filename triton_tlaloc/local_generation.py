@@ -31,7 +31,7 @@ import numpy as np
 from .admission import Reply, Request
 from .codes import INTERNAL, INVALID_ARG
 from .frontends.sampling import Sampler, SamplingError, SamplingParams
-from .generation_link import LinkError, listen, receive_frame, send_frame
+from .generation_link import LinkError, hang_up, listen, receive_frame, send_frame
 
 log = logging.getLogger("triton_tlaloc.local_generation")
 
@@ -157,10 +157,7 @@ class LinkConnection:
             self._cv.notify()
         if self._writer.is_alive() and threading.current_thread() is not self._writer:
             self._writer.join(1.0)
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        hang_up(self.conn)  # the reader thread closes it
 
     def _write(self) -> None:
         while True:
@@ -172,7 +169,7 @@ class LinkConnection:
             if events:
                 try:
                     send_frame(self.conn, events)
-                except (OSError, ValueError):
+                except Exception:  # closed under it by the reader (the peer went away)
                     self._lost("writing")
                     return
             if closed:
@@ -184,6 +181,7 @@ class LinkConnection:
                 commands = receive_frame(self.conn)
             except (EOFError, OSError, ValueError):
                 self._lost("reading")
+                self.conn.close()
                 return
             starts = []
             for command in commands:

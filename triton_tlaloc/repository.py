@@ -196,8 +196,6 @@ def write_program_repository(source: str | os.PathLike, repo: str | os.PathLike,
     from .stablehlo import read_signature
 
     src = Path(source).resolve()
-    if opts.generation_loop not in GENERATION_LOOPS:
-        raise ValueError(f"generation loop {opts.generation_loop!r}: expected local or bls")
     if opts.instance_kind not in INSTANCE_KINDS:
         raise ValueError(f"instance kind {opts.instance_kind!r}: expected cpu or gpu")
     model_dir = Path(repo) / name

@@ -198,6 +198,31 @@ def test_a_cancelled_stream_ends_with_one_cancelled_response_and_frees_its_seque
     assert streams[0].generated < 1000 and served.released
 
 
+def test_a_generate_model_unloading_ends_its_streams_and_the_sequences_are_freed(private_tmp):
+    """Streams still generating when the generate model unloads get one final error each;
+    the sequence model sees the link close and ends their sequences at their next step."""
+    served = Served(0.01)
+    streams = streams_for([[1, 2, 3], [4, 5]], 1000)
+    served.loop.start(streams)
+    time.sleep(0.1)
+    served.loop.close()
+    served.sent.wait_finals(2)
+    for _ in range(500):
+        if not served.batcher.sequences:
+            break
+        time.sleep(0.01)
+    freed = not served.batcher.sequences
+    served.senders.stop()
+    served.batcher.stop()
+    served.local.stop()
+    for s in streams:
+        outs = served.sent.by_stream[id(s)]
+        assert [o.final for o in outs].count(True) == 1 and outs[-1].final
+        assert outs[-1].error == ("UNAVAILABLE", "the generate model is unloading")
+        assert 0 < s.generated < 1000
+    assert freed
+
+
 def test_the_link_refuses_a_peer_without_its_key_and_a_shared_directory(private_tmp):
     listener, sock, key_file = listen("tiny", SERVER_PID)
     try:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..codes import CANCELLED, UNAVAILABLE
-from ..generation_link import LinkError, connect, receive_frame, send_frame
+from ..generation_link import LinkError, connect, hang_up, receive_frame, send_frame
 from .sampling import SamplingParams, TextStream
 
 log = logging.getLogger("triton_tlaloc.generate")
@@ -228,6 +228,7 @@ class LocalLoop:
                 events = receive_frame(conn)
             except (EOFError, OSError, ValueError) as e:
                 self._link_lost(conn, f"receiving: {e}")
+                conn.close()
                 return
             for event in events:
                 try:
@@ -284,17 +285,24 @@ class LocalLoop:
             streams, self.streams = list(self.streams.values()), {}
         log.warning("the local generation link to %s was lost (%s): %d generations end",
                     self.sequence_model, doing, len(streams))
+        self._end(streams, f"the sequence model {self.sequence_model} went away during the "
+                           f"generation")
+
+    def _end(self, streams: list[LocalStream], message: str) -> None:
         for s in streams:
             with s.lock:
                 if s.ended:
                     continue
-                s.error = (UNAVAILABLE, f"the sequence model {self.sequence_model} went away "
-                                        f"during the generation")
+                s.error = (UNAVAILABLE, message)
             self.on_finished(s)
             self.senders.schedule(s)
 
     def close(self) -> None:
+        """The generate model unloads: the link is closed, and every stream still generating
+        ends with an error (sent before the senders stop)."""
         with self._lock:
             conn, self._conn = self._conn, None
+            streams, self.streams = list(self.streams.values()), {}
         if conn is not None:
-            conn.close()
+            hang_up(conn)  # its receiver thread closes it
+        self._end(streams, "the generate model is unloading")
