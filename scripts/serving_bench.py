@@ -67,9 +67,8 @@ def main() -> None:
         repo = Path(tmp) / "repo"
         write_repository(args.artifact, repo, "served", RepositoryOptions(
             **answering_options(args), background_compile=False))
-        art = load_artifact(args.artifact)
-        write_generate_model(art, repo, "served", str(art.path.resolve() / "tokenizer")
-                             if art.tokenizer_dir else "", "bls", "served_generate_bls")
+        write_generate_model(load_artifact(args.artifact), repo, "served", "bls",
+                             "served_generate_bls")
         with TritonServer(repo) as server:
             log(f"tritonserver ready ({os.cpu_count()} cores), {args.artifact}")
             for r in range(args.runs + 1):  # run 0 warms up

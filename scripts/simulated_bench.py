@@ -170,7 +170,7 @@ def main() -> None:
         write_repository(art, work / "repo", "tiny", RepositoryOptions(
             **answering_options(args),
             extra_parameters={"simulate_step_ms": str(args.step_ms)}))
-        write_generate_model(load_artifact(art), work / "repo", "tiny", "", "bls",
+        write_generate_model(load_artifact(art), work / "repo", "tiny", "bls",
                              "tiny_generate_bls")
         with TritonServer(work / "repo") as server:
             log(f"tritonserver ready ({os.cpu_count()} cores); simulated step {args.step_ms} ms")

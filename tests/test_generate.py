@@ -27,9 +27,7 @@ def served(tiny, smollm2, work):
     # The same sequence models' generate models with the loop in their own process, a BLS
     # call a token (NAME_generate_bls)
     for name, art in (("llama", tiny.artifact("llama", False)), ("smollm2", smollm2[1])):
-        write_generate_model(load_artifact(art), repo, name,
-                             str(art / "tokenizer") if (art / "tokenizer").is_dir() else "",
-                             "bls", f"{name}_generate_bls")
+        write_generate_model(load_artifact(art), repo, name, "bls", f"{name}_generate_bls")
     server = TritonServer(repo, exit_timeout_s=3).start()
     yield server, ArtifactTokenizer(smollm2[1] / "tokenizer")
     server.stop()

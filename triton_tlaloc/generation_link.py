@@ -61,7 +61,7 @@ def listen(sequence_model: str, server_pid: int | None = None) -> tuple[Listener
     in the same server listens already."""
     sock, key_file = link_paths(sequence_model, server_pid)
     if sock.exists():
-        if _answers(sock):
+        if knock(sock):
             raise LinkError(f"{sock} exists: another instance of {sequence_model} in this "
                             f"server runs the local generations")
         # Left by a server that was killed (its process id is this one's again): removed.
@@ -73,7 +73,9 @@ def listen(sequence_model: str, server_pid: int | None = None) -> tuple[Listener
     return Listener(str(sock), family="AF_UNIX", authkey=key), sock, key_file
 
 
-def _answers(sock: Path) -> bool:
+def knock(sock: Path) -> bool:
+    """Connects to the socket and hangs up: whether something listens there (a listener's
+    blocked accept() returns, which is also how one is woken to stop)."""
     with socket.socket(socket.AF_UNIX) as probe:
         try:
             probe.connect(str(sock))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import socket
 import threading
 from typing import Callable
 
@@ -31,7 +30,8 @@ import numpy as np
 from .admission import Reply, Request
 from .codes import INTERNAL, INVALID_ARG
 from .frontends.sampling import Sampler, SamplingError, SamplingParams
-from .generation_link import LinkError, hang_up, listen, receive_frame, send_frame
+from .generation_link import (LinkError, hang_up, knock, listen, receive_frame,
+                              send_frame)
 
 log = logging.getLogger("triton_tlaloc.local_generation")
 
@@ -304,11 +304,7 @@ class LocalGenerations:
         the listener and its files are removed."""
         self._stopping = True
         self.round_ended()
-        try:  # wakes the acceptor (closing a listening socket does not, on Linux)
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(self.socket_path))
-        except OSError:
-            pass
+        knock(self.socket_path)  # wakes the acceptor (closing its socket does not, on Linux)
         with self._lock:
             links = list(self.connections)
         for link in links:

@@ -115,7 +115,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         "reply_threads": opts.reply_threads,
         "local_generation": "true" if opts.generation_loop == "local" else "false",
         # Where `tlaloc generate` finds the tokenizer when it runs on the serving machine.
-        "tokenizer_dir": str(src / "tokenizer") if artifact.tokenizer_dir else "",
+        "tokenizer_dir": _tokenizer_dir(artifact),
         **({"compile_cache_dir": opts.compile_cache_dir} if opts.compile_cache_dir else {}),
         **opts.extra_parameters,
     }
@@ -132,8 +132,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
     )
     (model_dir / "config.pbtxt").write_text(text)
     if opts.generate_model:
-        write_generate_model(artifact, Path(repo), name, params["tokenizer_dir"],
-                             opts.generation_loop)
+        write_generate_model(artifact, Path(repo), name, opts.generation_loop)
     return model_dir
 
 
@@ -141,8 +140,12 @@ def generate_model_name(name: str) -> str:
     return f"{name}_generate"
 
 
-def write_generate_model(artifact, repo: Path, name: str, tokenizer_dir: str,
-                         generation_loop: str = "local", model_name: str = "") -> Path:
+def _tokenizer_dir(artifact) -> str:
+    return str(artifact.path.resolve() / "tokenizer") if artifact.tokenizer_dir else ""
+
+
+def write_generate_model(artifact, repo: Path, name: str, generation_loop: str = "local",
+                         model_name: str = "") -> Path:
     """REPO/NAME_generate (or `model_name`), the generate model of sequence model NAME."""
     model_name = model_name or generate_model_name(name)
     model_dir = repo / model_name
@@ -150,7 +153,7 @@ def write_generate_model(artifact, repo: Path, name: str, tokenizer_dir: str,
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     shutil.copyfile(TEMPLATE_DIR / "generate" / "model.py", model_dir / "1" / "model.py")
-    params = {"sequence_model": name, "tokenizer_dir": tokenizer_dir,
+    params = {"sequence_model": name, "tokenizer_dir": _tokenizer_dir(artifact),
               "max_context": artifact.max_context,
               "eos_token_ids": ",".join(str(t) for t in artifact.model.eos_token_ids),
               "generation_loop": generation_loop}

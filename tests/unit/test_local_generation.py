@@ -137,6 +137,15 @@ class Served:
                               SERVER_PID)
         assert self.loop.connected()
 
+    def wait_released(self) -> bool:
+        """Whether every sequence was released within 5 s (a generation's END follows its
+        last event)."""
+        for _ in range(500):
+            if not self.batcher.sequences:
+                return True
+            time.sleep(0.01)
+        return False
+
     def _cancel(self, stream):
         self.cancels.append(stream)
         self.loop.cancel(stream)
@@ -145,11 +154,7 @@ class Served:
         try:
             self.loop.start(streams)
             self.sent.wait_finals(len(streams))
-            for _ in range(500):  # each generation's END follows its last event
-                if not self.batcher.sequences:
-                    break
-                time.sleep(0.01)
-            self.released = not self.batcher.sequences
+            self.released = self.wait_released()
         finally:
             self.loop.close()
             self.senders.stop()
@@ -207,11 +212,7 @@ def test_a_generate_model_unloading_ends_its_streams_and_the_sequences_are_freed
     time.sleep(0.1)
     served.loop.close()
     served.sent.wait_finals(2)
-    for _ in range(500):
-        if not served.batcher.sequences:
-            break
-        time.sleep(0.01)
-    freed = not served.batcher.sequences
+    freed = served.wait_released()
     served.senders.stop()
     served.batcher.stop()
     served.local.stop()

@@ -192,11 +192,9 @@ class TritonPythonModel:
                 if not self.local.connected():  # no link (yet): this one through BLS
                     self._start_bls(request, arrived, sender)
                     continue
-                decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
-                stops = set(params.stop_token_ids) | (set() if params.ignore_eos
-                                                      else self.eos_ids)
                 streams.append(LocalStream(sender, prompt, params, stream,
-                                           TextStream(decode, params.stop), stops, arrived))
+                                           self._text_stream(params), self._stops(params),
+                                           arrived))
             if streams:
                 self.local.start(streams)
 
@@ -281,6 +279,14 @@ class TritonPythonModel:
         stream = True if stream_t is None else bool(stream_t.as_numpy().reshape(-1)[0])
         return prompt, params, stream
 
+    def _text_stream(self, params: SamplingParams) -> TextStream:
+        decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
+        return TextStream(decode, params.stop)
+
+    def _stops(self, params: SamplingParams) -> set[int]:
+        """The ids that end a generation (not part of its text)."""
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+
     def _check_length(self, what: str, n: int) -> None:
         if n > self.max_context:
             raise _GenerateError(f"{what}: {n} tokens, more than the largest context "
@@ -306,9 +312,8 @@ class TritonPythonModel:
         prompt, params, stream = self._inputs(request)
         sampler = Sampler(params)
         outputs = ("ARGMAX",) if params.greedy else ("LOGITS",)
-        decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
-        text = TextStream(decode, params.stop)
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        text = self._text_stream(params)
+        stops = self._stops(params)
         seq_id = new_sequence_id()
         generated, pieces, reason = [], [], "length"
         try:

@@ -73,17 +73,21 @@ class LocalStream:
     def ended(self) -> bool:
         return self.finish is not None or self.error is not None
 
+    @property
+    def has_output(self) -> bool:
+        """Whether a response is due: the final one, or new text and ids when streaming."""
+        return self.ended or (self.streaming and bool(self.ids or self.pieces))
+
     def take(self) -> Outbound | None:
         """What goes out now (under the lock): nothing until the end when not streaming."""
-        if not self.ended and (not self.streaming or not self.ids and not self.pieces):
+        if not self.has_output:
             return None
         out = Outbound("".join(self.pieces), self.ids, self.finish, self.error)
         self.pieces, self.ids = [], []
         return out
 
     def has_news(self, now: float) -> bool:
-        return (self.ended or (self.streaming and bool(self.ids or self.pieces))
-                or now - self.checked >= CANCEL_CHECK_S)
+        return self.has_output or now - self.checked >= CANCEL_CHECK_S
 
 
 class StreamSenders:
@@ -153,7 +157,7 @@ class StreamSenders:
                 self.on_cancelled(stream)
         with stream.lock:
             stream.scheduled = False
-            again = stream.ended or (stream.streaming and bool(stream.ids or stream.pieces))
+            again = stream.has_output
         if again:
             self.schedule(stream)
 
