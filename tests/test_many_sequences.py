@@ -2,13 +2,16 @@
 64, its replies sent by the reply threads. Every sequence's greedy ids equal its solo run, and
 the decode calls really held many rows (a batch of 64 prompts runs as decode calls of more than
 32 rows), so the check cannot pass on small batches alone. The same for 64 streams of its
-generate model, whose loops run in the sequence model's process."""
+generate model, whose loops run in the sequence model's process. And four clients that pause
+between steps stay one cohort under the server's defaults (a cohort wait bounded by the step,
+the control, splits them)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from sequence_checks import assert_check, check_concurrent_solo, metrics_delta, solo_runs
+from sequence_checks import (assert_check, check_concurrent_solo, metrics_delta,
+                             paused_sequences, solo_runs)
 
 from triton_tlaloc.frontends.client import generate
 from triton_tlaloc.repository import RepositoryOptions, write_repository
@@ -22,9 +25,11 @@ def test_64_sequences_batched_equal_their_solo_runs(tiny, work):
     art = tiny.artifact("llama", False, batch_ladder=(1, 8, 64), context_ladder=(32,),
                         num_blocks=SEQUENCES * 32 // 8 + 1)
     repo = work / "repo-many"
-    # The tiny model's step is ~1 ms: cohorts bounded by the cohort wait alone (20 ms), so that
-    # 64 clients' requests meet in one call.
-    write_repository(art, repo, "many", RepositoryOptions(cohort_wait_steps=0))
+    # The server's defaults: a cohort waits for its members up to the cohort wait (20 ms), so
+    # 64 clients' requests meet in one call though the tiny model's step is ~1 ms. The control
+    # bounds the wait by one step.
+    write_repository(art, repo, "many", RepositoryOptions())
+    write_repository(art, repo, "many_split", RepositoryOptions(cohort_wait_steps=1))
     prompts = [[(i * 37 + 5 * j) % 250 + 3 for j in range(3 + i % 5)] for i in range(SEQUENCES)]
     with TritonServer(repo) as server:
         assert 'reply_threads' in (repo / "many" / "config.pbtxt").read_text()
@@ -55,3 +60,14 @@ def test_64_sequences_batched_equal_their_solo_runs(tiny, work):
         rows = delta("tlaloc_batch_size_sum", model="many")
         print(f"generate model: {calls:.0f} calls, {rows / calls:.1f} rows a call")
         assert rows / calls >= 3, "the streams decoded in shared calls (alone: 1 row a call)"
+
+        # Four clients pausing 0-5 ms before each of 15 steps: one call a step (15, and at most
+        # one more), each sequence its solo ids. Bounded by the step, the control's cohort splits
+        # (verify.sh saw 37 and 47 calls with that bound as the default).
+        for model in ("many", "many_split"):
+            solo_runs(server.grpc_url, "grpc", model, [[3, 4]], 2)  # warm: its entries compiled
+        calls, same = paused_sequences(server.metrics_url, server.grpc_url, "grpc", "many")
+        split, _ = paused_sequences(server.metrics_url, server.grpc_url, "grpc", "many_split")
+        print(f"4 pausing clients, 60 steps: {calls} decode calls; bounded by the step: {split}")
+        assert same and calls <= 16, f"{calls} decode calls for 15 steps of 4 sequences"
+        assert split > 20, f"the control's cohort did not split ({split} calls)"

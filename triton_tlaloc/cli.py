@@ -398,7 +398,7 @@ def _add_repository_parser(sub) -> None:
                    help="donate_kv_pools (a program: donate_state) false: pools or state "
                         "copied every run (a control)")
     p.add_argument("--cohort-wait-us", type=int, default=20_000)
-    p.add_argument("--cohort-wait-steps", type=float, default=1.0,
+    p.add_argument("--cohort-wait-steps", type=float, default=0.0,
                    help="a decode batch waits for its cohort at most this many of the "
                         "previous decode call's durations too (0: only --cohort-wait-us)")
     p.add_argument("--prefill-wait-us", type=int, default=2_000)

@@ -116,6 +116,10 @@ class Engine:
                          else "refusedTokens")
                         for t in self.art.model.refused_tokens}
         self._prefill = [e for e in self.art.entries.values() if e.kind == "prefill"]
+        self._decode = [e for e in self.art.entries.values() if e.kind == "decode"]
+        # Once no decode entry is left to compile none will be again (a compile that failed
+        # is not compiling): every decode row skips the search for one from then on.
+        self._decode_compiles_done = False
         self.last_entry = ""  # the entry of the latest call (logs and metrics)
         self.executions = 0  # entry executions so far (a chunked prompt makes several)
         self.build_seconds = 0.0  # building step inputs, summed (the step profile)
@@ -214,6 +218,11 @@ class Engine:
     def decode_waits_for(self, seq: Sequence) -> str | None:
         """The entry still compiling that `seq`'s decode step needs (no compiled entry stands
         in for it; it is asked for: compiled next), or None when the step can run now."""
+        if self._decode_compiles_done:
+            return None
+        if not any(self.rt.compiling(e.name) for e in self._decode):
+            self._decode_compiles_done = True
+            return None
         end = len(seq.token_ids)
         if self.art.smallest_entry("decode", 1, end, among=self.rt.executables) is not None:
             return None

@@ -44,7 +44,8 @@ DEFAULTS = {
     "serving_manifest": "artifact/tlaloc-serving.json",
     "donate_kv_pools": "true",
     "cohort_wait_microseconds": "20000",
-    "cohort_wait_steps": "1",  # and at most this many of the previous decode call's times
+    # > 0: and at most this many of the previous decode call's times (0: off; see policy.py)
+    "cohort_wait_steps": "0",
     "prefill_wait_microseconds": "2000",
     "backend_batching": "true",
     "reclaim_allowance_microseconds": "2000000",

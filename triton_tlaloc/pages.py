@@ -137,7 +137,9 @@ class BlockManager:
         """Take the pages `seq` needs to hold `length` positions, all or none: cached blocks
         are evicted, then ended sequences dropped (least recently ended first), before
         PagesExhausted names each pool still short."""
-        self._take(seq, self.need(seq, length))
+        need = self.need(seq, length)
+        if any(need.values()):  # most decode steps fill a page they hold already
+            self._take(seq, need)
         if seq.from_host:
             self._restore(seq)
 

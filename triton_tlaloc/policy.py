@@ -3,12 +3,12 @@ pending, the decode cohort, the policy's waits and the clock (docs/design.md#bat
 
 - Decode cohorts. The sequences of the previous decode batch (and those whose prompt ran since)
   form the cohort. The next decode batch runs once every cohort member still held has its next
-  request queued, or at the cohort's deadline (`cohort_wait_s` after the previous batch, and
-  with `cohort_wait_steps` at most that many of the previous batch's call times: a member
-  later than a step's time costs the others more than a step of its own would cost it, and
-  when replies take longer to reach the clients than a step, the calls keep running on
-  whoever is back). A lone sequence is its own cohort and never waits; sequences decoding
-  together stay together whatever the spread of their clients' replies.
+  request queued, or at the cohort's deadline (`cohort_wait_s` after the previous batch). A
+  lone sequence is its own cohort and never waits; sequences decoding together stay together
+  whatever the spread of their clients' replies. With `cohort_wait_steps` (off by default) the
+  deadline is also at most that many of the previous batch's call times: when the replies of a
+  large batch take longer to reach their clients than a step, the calls keep running on
+  whoever is back, at the price of splitting cohorts whose clients pause.
 - Merged prompts. A prompt waits up to `prefill_wait_s` for prompts sent with it, or runs at
   once when they fill the largest prefill batch. A later request of several tokens is a prefill
   continuation and waits like a prompt.
@@ -30,7 +30,7 @@ from typing import Callable, Container, Iterable, Protocol
 class BatchPolicy:
     cohort_wait_s: float = 0.020
     # > 0: the cohort wait is also at most this many of the previous decode call's durations
-    # (the server's default is 1; 0 here keeps the pure-policy tests' clocks simple)
+    # (0: off, the server's default too)
     cohort_wait_steps: float = 0.0
     prefill_wait_s: float = 0.002
     backend_batching: bool = True

@@ -26,7 +26,7 @@ class RepositoryOptions:
     max_sequence_idle_microseconds: int = 60_000_000
     donate_kv_pools: bool = True
     cohort_wait_microseconds: int = 20_000
-    cohort_wait_steps: float = 1.0  # the cohort wait is also at most this many decode calls
+    cohort_wait_steps: float = 0.0  # the cohort wait is also at most this many decode calls
     prefill_wait_microseconds: int = 2_000
     # backend_batching false and a queue delay: Triton forms the batches (a control)
     backend_batching: bool = True

@@ -8,6 +8,8 @@ import re
 import numpy as np
 import pytest
 
+from sampling_reference import logit_rows, reference_choice
+
 from triton_tlaloc.frontends.sampling import (MAX_STOP_CHARS, MAX_STOP_STRINGS, Sampler,
                                               SamplingError, SamplingParams, StopMatcher,
                                               TextStream)
@@ -42,6 +44,32 @@ def test_sampler_greedy_top_k_top_p_and_seed():
     a = Sampler(SamplingParams(temperature=1.0, seed=7))
     b = Sampler(SamplingParams(temperature=1.0, seed=7))
     assert [a.choose(logits) for _ in range(50)] == [b.choose(logits) for _ in range(50)]
+
+
+def agreement(params: SamplingParams, reference_params: SamplingParams, rows) -> float:
+    """The share of draws in which the sampler and the reference (the same seed, so the same
+    uniform number) choose the same token."""
+    same = total = 0
+    for seed, logits in enumerate(rows):
+        sampler = Sampler(SamplingParams(**{**params.__dict__, "seed": seed}))
+        rng = np.random.default_rng(seed)
+        for _ in range(4):
+            same += sampler.choose(logits) == reference_choice(logits, reference_params, rng)
+            total += 1
+    return same / total
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.8), dict(temperature=1.0, top_k=40),
+                                      dict(temperature=0.7, top_p=0.9),
+                                      dict(temperature=1.3, top_k=200, top_p=0.5),
+                                      dict(temperature=1.0, top_k=3)])
+def test_the_sampler_draws_what_sampling_by_the_book_draws(settings):
+    rows = logit_rows(40)
+    params = SamplingParams(**settings)
+    assert agreement(params, params, rows) >= 0.99  # equal but for rounding at a boundary
+    # The control: a temperature a quarter higher is told apart.
+    hotter = SamplingParams(**{**settings, "temperature": settings["temperature"] * 1.25})
+    assert agreement(params, hotter, rows) < 0.95
 
 
 def test_text_stream_holds_back_partial_characters_and_cuts_at_stop_strings():

@@ -157,7 +157,16 @@ class SamplingParams:
 
 
 class Sampler:
-    """Chooses each next token from a step's logits under one request's parameters."""
+    """Chooses each next token from a step's logits under one request's parameters.
+
+    The draw is what `Generator.choice(vocab, p=probs)` makes of the distribution left after
+    top-k and top-p (one uniform number; the first token whose cumulative probability passes
+    it), computed without touching the whole vocabulary more than a few vector passes: top-k
+    and top-p look only at the tokens within a margin of the most likely, widened until they
+    hold what is asked, and the cumulative sum is taken over blocks, then inside one. Done over
+    a 49k vocabulary the plain way (a full sort for top-p), a row took 1-6 ms; generations
+    sample on the batcher's thread, where a row's cost is paid by every sequence in the call.
+    """
 
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -167,21 +176,83 @@ class Sampler:
         p = self.params
         if p.greedy:
             return int(np.argmax(logits))
-        z = logits.astype(np.float64) / p.temperature
+        # float32, as the logits are (a float64 exp took ten times as long here)
+        z = np.asarray(logits, np.float32) / np.float32(p.temperature)
+        ids = None  # the candidates' token ids, ascending (None: the whole vocabulary)
         if p.top_k and p.top_k < z.size:
-            kth = np.partition(z, -p.top_k)[-p.top_k]
-            z = np.where(z >= kth, z, -np.inf)
-        z -= z.max()
-        probs = np.exp(z)
-        probs /= probs.sum()
-        if p.top_p < 1.0:  # the smallest set of most likely tokens whose mass reaches top_p
-            order = np.argsort(-probs, kind="stable")
-            mass = np.cumsum(probs[order])
-            keep = order[:int(np.searchsorted(mass, p.top_p)) + 1]
-            kept = np.zeros_like(probs)
-            kept[keep] = probs[keep]
-            probs = kept / kept.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+            ids = top_k_ids(z, p.top_k)
+            z = z[ids]
+        weights = np.exp(z - z.max())
+        if p.top_p < 1.0:
+            keep = nucleus(weights, p.top_p)
+            ids = keep if ids is None else ids[keep]
+            weights = weights[keep]
+        at = inverse_cdf(weights, self.rng.random())
+        return at if ids is None else int(ids[at])
+
+
+# How far below the largest logit (after temperature) top-k looks first, then wider; and the
+# weights (relative to the largest) top-p looks down to first, then lower.
+TOP_K_MARGINS = (8.0, 16.0, 32.0, 64.0)
+NUCLEUS_FLOORS = (1e-3, 1e-6, 1e-12)
+CDF_BLOCK = 1024
+
+
+def top_k_ids(z: np.ndarray, k: int) -> np.ndarray:
+    """The ids (ascending) of the k largest values, with every value tied with the k-th."""
+    top = z.max()
+    for margin in TOP_K_MARGINS:  # a partition of the few near the top, not of them all
+        near = np.flatnonzero(z >= top - margin)
+        if near.size >= k:
+            break
+    else:
+        near = np.arange(z.size)
+    kth = np.partition(z[near], -k)[-k]
+    return near[z[near] >= kth]
+
+
+def nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:
+    """The positions (ascending) of the smallest set of largest weights whose share of the
+    total reaches top_p; ties in position order, as a stable sort of them all would take them.
+    Only the weights above a floor are sorted, the floor lowered while they fall short."""
+    probs = weights.astype(np.float64)  # the mass of thousands of tokens, summed exactly
+    probs /= probs.sum()
+    for floor in NUCLEUS_FLOORS + (0.0,):
+        head = (np.flatnonzero(weights >= floor * weights.max()) if floor else
+                np.arange(weights.size))  # every weight above the floor: a head of the order
+        if floor and probs[head].sum() < top_p:
+            continue  # not enough: a lower floor, before sorting any
+        order = head[np.argsort(-probs[head], kind="stable")]
+        end = int(np.searchsorted(np.cumsum(probs[order]), top_p))
+        if end < order.size:
+            return np.sort(order[:end + 1])
+    return np.sort(order)  # rounding kept the whole mass just short of top_p: all of it
+
+
+def inverse_cdf(weights: np.ndarray, u: float) -> int:
+    """The first position whose cumulative weight exceeds u (in [0, 1)) times the total:
+    block sums first, then a cumulative sum inside one block (a cumulative sum of 49k values
+    alone took 0.2 ms). A position of zero weight is never returned."""
+    n = weights.size
+    if n <= 4 * CDF_BLOCK:
+        cdf = np.cumsum(weights, dtype=np.float64)
+        at = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    else:
+        full = n - n % CDF_BLOCK
+        sums = weights[:full].reshape(-1, CDF_BLOCK).sum(axis=1, dtype=np.float64)
+        if full < n:
+            sums = np.append(sums, weights[full:].sum(dtype=np.float64))
+        cum = np.cumsum(sums)
+        target = u * cum[-1]
+        b = min(int(np.searchsorted(cum, target, side="right")), sums.size - 1)
+        block = weights[b * CDF_BLOCK:(b + 1) * CDF_BLOCK]
+        inner = np.cumsum(block, dtype=np.float64)
+        at = b * CDF_BLOCK + int(np.searchsorted(inner, target - (cum[b - 1] if b else 0.0),
+                                                 side="right"))
+    at = min(at, n - 1)
+    while weights[at] == 0 and at > 0:  # rounding past the last weight: the one before it
+        at -= 1
+    return at
 
 
 def _borders(s: str) -> list[int]:

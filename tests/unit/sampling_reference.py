@@ -1,0 +1,42 @@
+"""Sampling by the book, the oracle of the sampler's draws (tests/unit/test_sampling.py) and
+its baseline in scripts/sampling_bench.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from triton_tlaloc.frontends.sampling import SamplingParams
+
+
+def reference_choice(logits: np.ndarray, params: SamplingParams,
+                     rng: np.random.Generator) -> int:
+    """Sampling by the book, over the whole vocabulary (the oracle): temperature, top-k (ties
+    kept), top-p over a stable sort of every probability, then Generator.choice."""
+    z = logits.astype(np.float64) / params.temperature
+    if params.top_k and params.top_k < z.size:
+        z = np.where(z >= np.partition(z, -params.top_k)[-params.top_k], z, -np.inf)
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        keep = order[:int(np.searchsorted(np.cumsum(probs[order]), params.top_p)) + 1]
+        kept = np.zeros_like(probs)
+        kept[keep] = probs[keep]
+        probs = kept / kept.sum()
+    return int(rng.choice(probs.size, p=probs))
+
+
+def logit_rows(n: int, vocab: int = 49_152, seed: int = 0) -> list[np.ndarray]:
+    """Rows of logits over a vocabulary of SmolLM2's size: peaked ones (a language model's
+    shape: a few likely tokens) and flat ones (a top-p nucleus of thousands) in turn, each with
+    a run of tied logits (a top-k or top-p boundary may fall inside it)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        scale = 3.0 if i % 2 else 0.5
+        row = (-np.log1p(rng.permutation(vocab)) * scale
+               + rng.standard_normal(vocab) * 0.5).astype(np.float32)
+        ties = rng.choice(vocab, 64, replace=False)
+        row[ties] = row[ties[0]]
+        rows.append(row)
+    return rows
