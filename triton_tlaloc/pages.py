@@ -137,13 +137,13 @@ class BlockManager:
         """Take the pages `seq` needs to hold `length` positions, all or none: cached blocks
         are evicted, then ended sequences dropped (least recently ended first), before
         PagesExhausted names each pool still short."""
-        need = self.need(seq, length)
-        if any(need.values()):  # most decode steps fill a page they hold already
-            self._take(seq, need)
+        self._take(seq, self.need(seq, length))
         if seq.from_host:
             self._restore(seq)
 
     def _take(self, seq: Sequence, need: dict[str, int]) -> None:
+        if not any(need.values()):  # most decode steps fill a page they hold already
+            return
         pools = self.pools()
         need = {name: n for name, n in need.items() if name in pools}
         short = {name: pools[name].shortage(n) for name, n in need.items()}

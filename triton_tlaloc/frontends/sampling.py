@@ -217,8 +217,9 @@ def nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:
     Only the weights above a floor are sorted, the floor lowered while they fall short."""
     probs = weights.astype(np.float64)  # the mass of thousands of tokens, summed exactly
     probs /= probs.sum()
+    largest = weights.max()
     for floor in NUCLEUS_FLOORS + (0.0,):
-        head = (np.flatnonzero(weights >= floor * weights.max()) if floor else
+        head = (np.flatnonzero(weights >= floor * largest) if floor else
                 np.arange(weights.size))  # every weight above the floor: a head of the order
         if floor and probs[head].sum() < top_p:
             continue  # not enough: a lower floor, before sorting any
