@@ -219,6 +219,8 @@ def oracles(arts: dict) -> tuple[dict, dict]:
     want = {}
     for family in ("llama", "qwen3"):
         want[family], _ = reference_greedy(load_reference(arts[family][0]), TINY_PROMPT, 16)
+    # speculation's: long enough for its output to repeat, so that drafts are accepted
+    want["llama_40"], _ = reference_greedy(load_reference(arts["llama"][0]), TINY_PROMPT, 40)
     for family in ("mistral", "gemma3_text"):
         ref = load_reference(arts[family][0])
         want[family] = [reference_greedy(ref, p, 16)[0] for p in WINDOW_PROMPTS]
@@ -300,6 +302,15 @@ def transformers_rows(table: Table, d: Deployment, protocol: str) -> None:
               "sequences' ids equal to transformers",
               d.on(protocol, "qwen3_5_one_slot", S.check_state_slot, protocol,
                    HYBRID_PROMPTS[1:3], want["qwen3_5"][1:3]))
+    table.run(f"{protocol}: speculation on tiny llama: prompt lookup at 1-8 drafts a step, "
+              f"drafts right twice a step, random drafts, beside 2 sequences decoding",
+              "40/40 equal to transformers; 3 ids a call when 2 drafts are right", lambda: S.check_speculation(
+                  url, protocol, "llama", TINY_PROMPT, want["llama_40"],
+                  others=(TINY_PROMPT[:7], TINY_PROMPT[5:17])))
+    table.run(f"{protocol}: drafts for qwen3_5 (linear attention)", "refused by name; the "
+              "sequence goes on", d.on(protocol, "qwen3_5", S.check_speculation_refusals,
+                                      HYBRID_PROMPTS[0], want["qwen3_5"][0],
+                                      "cannot be cut back"))
     table.run(f"{protocol}: negative control, llama with rope theta x4", "the 16-id check "
               "fails", d.on(protocol, "llama_wrong_theta", S.check_negative_control,
                             TINY_PROMPT, want["llama"]))

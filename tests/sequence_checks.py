@@ -194,6 +194,82 @@ def check_concurrent_solo(url, protocol, model, prompts, steps, solo=None):
     return f"{same}/{len(prompts)} equal to their solo runs", same == len(prompts)
 
 
+def random_drafter(seed: int, vocab: int = 256):
+    """A drafter that guesses at random: its drafts are almost all rejected."""
+    rng = random.Random(seed)
+    return lambda history, k: [rng.randrange(vocab) for _ in range(k)]
+
+
+def known_drafter(prompt, want, right: int):
+    """A drafter that knows the greedy ids `want` of `prompt`: its first `right` drafts of a
+    step are right, the rest wrong (a tiny random model never repeats itself, so prompt lookup
+    rarely guesses right there; this one is accepted as often as it says)."""
+    def draft(history, k):
+        true = want[len(history) - len(prompt):][:k]
+        return true[:right] + [(t + 1) % 256 for t in true[right:]]
+    return draft
+
+
+def check_speculation(url, protocol, model, prompt, want, lengths=range(1, 9), others=()):
+    """Greedy ids with drafts verified by the server equal `want` (greedy ids without): with
+    prompt lookup at each of `lengths` drafts a step, with drafts right twice then wrong (3 ids
+    a call: fewer calls, or the equality would prove nothing), with random drafts, and while
+    `others` (prompts) decode without drafts at the same time (each equal to its solo run)."""
+    cond = Conditions()
+    with TlalocClient(url, model, protocol) as c:
+        for k in lengths:
+            g = c.generate_greedy(prompt, len(want), speculate=k)
+            cond(g.generated_ids == want, f"{k} drafts a step: {g.generated_ids} != {want}")
+        g = c.generate_greedy(prompt, len(want), speculate=4,
+                              drafter=known_drafter(prompt, want, 2))
+        cond(g.generated_ids == want, "drafts right twice a step: the ids differ")
+        calls = len(g.step_ms) + 1
+        cond(calls <= 2 + (len(want) - 1) // 3, f"{calls} calls for {len(want)} ids")
+        g = c.generate_greedy(prompt, len(want), speculate=4, drafter=random_drafter(0))
+        cond(g.generated_ids == want, "random drafts: the ids differ")
+        solo = [c.generate_greedy(p, len(want)).generated_ids for p in others]
+    if others:
+        got = [None] * (1 + len(others))
+        barrier = threading.Barrier(len(got), timeout=120)
+
+        def run(i):
+            with TlalocClient(url, model, protocol) as c:
+                barrier.wait()
+                got[i] = c.generate_greedy(
+                    ([prompt] + list(others))[i], len(want), speculate=4 if i == 0 else 0,
+                    drafter=known_drafter(prompt, want, 2)).generated_ids
+        run_parallel(run, len(got))
+        cond(got[0] == want, "drafting beside other sequences: the ids differ")
+        cond(got[1:] == solo, "sequences decoding beside a drafting one differ from solo")
+    return cond.result(
+        f"{len(want)} ids equal with {min(lengths)}-{max(lengths)} drafts a step by prompt "
+        f"lookup, with drafts right twice a step ({calls} calls), with random drafts"
+        + (f", and beside {len(others)} sequences decoding" if others else ""))
+
+
+def check_speculation_refusals(client, prompt, want, why):
+    """On a model that cannot verify drafts (no verify entries, or linear-attention layers):
+    drafts refused by name (INVALID_ARG, the message holding `why`), and draft_tokens that is
+    not a count refused as malformed; the sequence then goes on with `want`."""
+    cond = Conditions()
+    sid = new_sequence_id()
+    out = client.request(sid, prompt, start=True, outputs=("ARGMAX",))
+    ids = [int(out["ARGMAX"][0])]
+    for tokens, drafts, message in (([ids[0], 5, 6], 2, why),
+                                    ([ids[0], 5], -1, "draft_tokens -1: expected an integer")):
+        try:
+            client.request(sid, tokens, outputs=("ACCEPTED_IDS",), draft_tokens=drafts)
+            cond(False, f"draft_tokens {drafts} accepted")
+        except InferError as e:
+            cond(message in str(e) and "INVALID_ARG" in str(e), f"{e.status} {e}")
+    for _ in range(len(want) - 1):
+        ids.append(int(client.request(sid, [ids[-1]], outputs=("ARGMAX",))["ARGMAX"][0]))
+    client.infer(sid, [], end=True)
+    cond(ids == want, "the sequence did not go on with its greedy ids")
+    return cond.result(f"refused by name ({why!r}; draft_tokens -1); the sequence went on "
+                       f"with its greedy ids")
+
+
 def check_windowed_vs_full(url, protocol, windowed, full, prompt, ring_pages, steps=20):
     """The windowed model against full-history pages, sent the same calls: the logits of every
     request within 1e-5 of the largest, and KV_PAGES as the sequence grows (the windowed pool

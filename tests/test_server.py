@@ -24,8 +24,9 @@ PROTOCOLS = ["http", "grpc"]
 
 @pytest.fixture(scope="module")
 def served(tiny, work):
-    """One server for the module: llama, qwen3, llama with donate_kv_pools false, and a small
-    model (a pool of 8 pages of 8 tokens, contexts 32 and 64, an image placeholder id)."""
+    """One server for the module: llama, qwen3, llama with donate_kv_pools false, a small
+    model (a pool of 8 pages of 8 tokens, contexts 32 and 64, an image placeholder id), and
+    llama with verify entries (speculation)."""
     ckpt = tiny.checkpoint("llama", False)
     small_ckpt = work / "ckpt-small"
     if not small_ckpt.exists():
@@ -39,7 +40,9 @@ def served(tiny, work):
                                           block_size=8, num_blocks=9))
     arts = {"llama": tiny.artifact("llama", False), "qwen3": tiny.artifact("qwen3", True),
             "small": small,
-            "llama_int8_fp8kv": tiny.artifact("llama", False, weight_quant="int8", kv_dtype="fp8")}
+            "llama_int8_fp8kv": tiny.artifact("llama", False, weight_quant="int8", kv_dtype="fp8"),
+            # verify entries for drafts of up to 4 and 8 tokens
+            "llama_spec": tiny.artifact("llama", False, verify_tokens=(5, 9))}
     repo = work / "repo"
     for name, art in arts.items():
         # The small pool's checks are of refusals: no host tier (it would swap instead).
@@ -142,3 +145,17 @@ def test_metrics_on_the_metrics_port(served):
     server, arts = served
     with use(client_for(served, "http"), "llama") as client:
         assert_check(S.check_metrics(server.metrics_url, client, arts["llama"], free_pages=32))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_drafts_verified_by_the_server_give_transformers_greedy_ids(served, tiny, protocol):
+    """Prompt lookup at 1-8 drafts a step, random drafts, and drafting beside two sequences
+    decoding plainly: transformers' greedy ids every time. A model without verify entries and
+    a bad draft_tokens are refused by name, and the sequence goes on."""
+    server, _ = served
+    want, _ = reference_greedy(load_reference(tiny.checkpoint("llama", False)), PROMPT, 40)
+    assert_check(S.check_speculation(S.url_of(server, protocol), protocol, "llama_spec", PROMPT,
+                                     want, others=(PROMPT[:7], PROMPT[5:17])))
+    with use(client_for(served, protocol), "llama") as client:
+        assert_check(S.check_speculation_refusals(client, PROMPT, want[:16],
+                                                  "no verify entries"))

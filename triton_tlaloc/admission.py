@@ -31,6 +31,9 @@ class Reply:
     kv_pages: tuple[int, int] | None = None  # pages held in the full and the windowed pool
     error: str | None = None
     code: str | None = None  # INVALID_ARG | UNAVAILABLE | INTERNAL when error is set
+    # A verify call's: the drafts accepted, then the model's own next token (logits, when
+    # asked for, are those after the last accepted position)
+    accepted_ids: list[int] | None = None
 
 
 @dataclass
@@ -47,6 +50,9 @@ class Request:
     refusal: tuple[str, str] | None = None
     cache_salt: str | None = None  # a START's tenant: prompts of different salts share no KV
     waiting_since: float | None = None  # when it first waited for pages (host tier on)
+    # Speculation: how many of `tokens` (the last ones) are drafts to verify in one call
+    draft_tokens: int = 0
+    want_logits: bool = True  # a verify call copies logits out only when some row wants them
     _answered: bool = field(default=False, repr=False)
 
     @property
@@ -56,7 +62,13 @@ class Request:
 
     @property
     def is_prompt(self) -> bool:
-        return self.start or len(self.tokens) > 1
+        """A START or a prefill continuation. A verify request is a step of a decoding
+        sequence: it goes with its cohort, not with prompts."""
+        return self.start or (len(self.tokens) > 1 and not self.draft_tokens)
+
+    @property
+    def is_verify(self) -> bool:
+        return self.draft_tokens > 0
 
     def reply(self, reply: Reply) -> None:
         assert not self._answered, f"sequence {self.seq_id}: a request answered twice"
@@ -144,6 +156,8 @@ class Admission:
             self._refuse(r, INVALID_ARG, "empty", f"sequence {r.seq_id}: TOKENS is empty")
             return None
         try:
+            if r.draft_tokens:
+                engine.check_verify(seq, r.tokens, r.draft_tokens)
             if seq.swapped is not None:
                 engine.check_request(seq, r.tokens)  # before its KV moves back
                 self._with_room(seq, len(r.tokens), jobs, lambda: self._swap_in(seq))

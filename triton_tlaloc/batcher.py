@@ -94,6 +94,7 @@ class Batcher(Admission, RoomMaking):
         entries = engine.art.entries.values()
         self.max_decode_batch = max((e.batch for e in entries if e.kind == "decode"), default=1)
         self.max_prefill_batch = max((e.batch for e in entries if e.kind == "prefill"), default=1)
+        self.max_verify_batch = max((e.batch for e in entries if e.kind == "verify"), default=1)
         self.context_ladder = sorted(engine.art.context_ladder)
         engine.waits_for_compiles = False  # this thread holds such a call back instead
 
@@ -243,14 +244,14 @@ class Batcher(Admission, RoomMaking):
             job = self._admit(r, jobs)
             if job is not None:
                 jobs.append(job)
-        decode = []
+        decode, verify = [], [j for j in jobs if j.request.is_verify]
         for j in (j for j in jobs if j.request.is_decode):
             compiling = self.engine.decode_waits_for(j.seq)
             if compiling is not None:
                 self._hold_back([j], "decode", compiling)
             else:
                 decode.append(j)
-        prefill = [j for j in jobs if not j.request.is_decode]
+        prefill = [j for j in jobs if not j.request.is_decode and not j.request.is_verify]
         self._admit_seconds = time.perf_counter() - t0  # charged to the round's first call
         if decode:
             t_decode = self.clock()
@@ -259,12 +260,14 @@ class Batcher(Admission, RoomMaking):
             self._decode_s = self.clock() - t_decode
             self.cohort = Cohort({j.seq.seq_id for j in decode if not j.request.end},
                                  self.clock() + self.policy.cohort_wait(self._decode_s))
+        for group in self._bucket_groups(verify, self.max_verify_batch):
+            self._run("verify", group)
         for group in self._prefill_groups(prefill):
             self._run("prefill", group)
-        if prefill:
-            # A sequence whose prompt just ran decodes next: it joins the cohort, so prompts
-            # sent together decode together from their first step.
-            self.cohort = Cohort(self.cohort.members | {j.seq.seq_id for j in prefill
+        if prefill or verify:
+            # A sequence whose prompt (or verify call) just ran decodes next: it joins the
+            # cohort, so prompts sent together decode together from their first step.
+            self.cohort = Cohort(self.cohort.members | {j.seq.seq_id for j in prefill + verify
                                                         if j.seq.seq_id in self.sequences},
                                  self.clock() + self.policy.cohort_wait(self._decode_s))
         self._observe("state", self.pool_state(), len(self.sequences))
@@ -283,22 +286,25 @@ class Batcher(Admission, RoomMaking):
     def _prefill_groups(self, jobs: list[Job]) -> list[list[Job]]:
         """Prompts of one context bucket run as one call, up to the largest prefill batch. A
         prompt longer than the largest prefill entry runs alone, in chunks."""
-        by_bucket: dict[int, list[Job]] = {}
-        alone = []
+        fits, alone = [], []
         for job in jobs:
             n = len(job.seq.token_ids) - job.seq.num_cached
-            if n > self.engine.max_call_tokens(job.seq):
-                alone.append([job])
-                continue
+            (alone if n > self.engine.max_call_tokens(job.seq) else fits).append(job)
+        return self._bucket_groups(fits, self.max_prefill_batch) + [[job] for job in alone]
+
+    def _bucket_groups(self, jobs: list[Job], max_batch: int) -> list[list[Job]]:
+        """Jobs of one context bucket run as one call of up to `max_batch` rows (a call
+        computes every row at its entry's context, so buckets are not merged)."""
+        by_bucket: dict[int, list[Job]] = {}
+        for job in jobs:
             end = len(job.seq.token_ids)
             bucket = next(c for c in self.context_ladder if c >= end)
             by_bucket.setdefault(bucket, []).append(job)
         groups = []
         for bucket in sorted(by_bucket):
             js = by_bucket[bucket]
-            groups += [js[i:i + self.max_prefill_batch]
-                       for i in range(0, len(js), self.max_prefill_batch)]
-        return groups + alone
+            groups += [js[i:i + max_batch] for i in range(0, len(js), max_batch)]
+        return groups
 
     def _run(self, kind: str, jobs: list[Job]) -> None:
         seqs = [j.seq for j in jobs]
@@ -311,6 +317,9 @@ class Batcher(Admission, RoomMaking):
         try:
             if kind == "decode":
                 logits = self.engine.decode(seqs)
+            elif kind == "verify":
+                logits = self.engine.verify(seqs, [j.request.draft_tokens for j in jobs],
+                                            any(j.request.want_logits for j in jobs))
             elif len(seqs) == 1 and len(seqs[0].token_ids) - seqs[0].num_cached > \
                     self.engine.max_call_tokens(seqs[0]):
                 logits = self.engine.prefill_chunked(seqs[0])
@@ -340,11 +349,15 @@ class Batcher(Admission, RoomMaking):
                      seconds * 1e3)
         self._observe("call", kind, self.engine.last_entry, len(jobs), tokens, waits, seconds,
                       self.engine.executions - executions_before)
+        if kind == "verify":
+            self._observe("speculation", sum(j.request.draft_tokens for j in jobs),
+                          sum(len(v.accepted) - 1 for v in logits))
         for j, row in zip(jobs, logits):
             pages = (len(j.seq.pages), len(j.seq.ring))
             if j.request.end:
                 self._release(j.seq, ended=True)
-            j.request.reply(Reply(logits=row, kv_pages=pages))
+            j.request.reply(Reply(logits=row.logits, accepted_ids=row.accepted, kv_pages=pages)
+                            if kind == "verify" else Reply(logits=row, kv_pages=pages))
         t_done = time.perf_counter()
         phases = {k: v - phases_before[k] for k, v in self.engine.phase_seconds().items()}
         admit, self._admit_seconds = self._admit_seconds, 0.0

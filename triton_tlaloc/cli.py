@@ -18,7 +18,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _ints_or_none(text: str) -> tuple[int, ...]:
-    return () if text.strip().lower() == "none" else _ints(text)
+    """Comma-separated integers; "none" (or an empty string) for none."""
+    return () if text.strip().lower() in ("none", "") else _ints(text)
 
 
 def _report(args, prompt_ids, generated_ids, text, finish_reason, prefill_ms, ms_per_token,
@@ -45,6 +46,7 @@ def _cmd_export(args) -> int:
                          kv_dtype=args.kv_dtype,
                          model_name=args.model_name, prefill_chunk=args.prefill_chunk or None,
                          attention_block=args.attention_block, prefill_tokens=args.prefill_tokens,
+                         verify_tokens=args.verify_tokens,
                          windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
                          ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks,
                          state_slots=args.state_slots, layer_loop=not args.no_layer_loop)
@@ -77,14 +79,17 @@ def _cmd_compile(args) -> int:
 
 def _cmd_run(args) -> int:
     from .engine import Engine
+    from .frontends.drafting import prompt_lookup
     from .runtime import Runtime
 
     from .manifest import load_artifact
 
     artifact = load_artifact(args.artifact)
-    # One sequence: only the smallest batch's entries are compiled.
+    # One sequence: only the smallest batch's entries are compiled (verify entries only to
+    # speculate).
     batch = min(artifact.batch_ladder)
-    entries = sorted(e.name for e in artifact.entries.values() if e.batch == batch)
+    entries = sorted(e.name for e in artifact.entries.values() if e.batch == batch
+                     and (args.speculate or e.kind != "verify"))
     rt = Runtime(artifact, platform=args.platform, donate=not args.no_donate, entries=entries)
     # KV reuse only to show it (--follow-up): warm-up runs must not make the timed one cached.
     engine = Engine(rt, prefix_reuse=bool(args.follow_up))
@@ -106,11 +111,18 @@ def _cmd_run(args) -> int:
         stop = set()
     for _ in range(args.warmup_runs):  # benchmarks: the timed run finds everything warm
         engine.generate_greedy(prompt_ids, min(args.max_new_tokens, 2), tuple(sorted(stop)))
-    result = engine.generate_greedy(prompt_ids, args.max_new_tokens, tuple(sorted(stop)))
+    executions = engine.executions
+    result = engine.generate_greedy(prompt_ids, args.max_new_tokens, tuple(sorted(stop)),
+                                    speculate=args.speculate, drafter=prompt_lookup)
     text = tok.decode(result.generated_ids) if tok is not None else None
+    # Speculating, a call yields several tokens: the time a token is the calls' over them.
+    per_token = (sum(result.decode_ms_per_token) / max(1, len(result.generated_ids) - 1)
+                 if args.speculate else result.median_ms_per_token)
     _report(args, result.prompt_ids, result.generated_ids, text, result.finish_reason,
-            result.prefill_ms, result.median_ms_per_token, "", {
+            result.prefill_ms, per_token,
+            f"{engine.executions - executions} calls, speculating: " if args.speculate else "", {
                 "decode_ms": [round(x, 3) for x in result.decode_ms_per_token],
+                "calls": engine.executions - executions,
                 "pools_in_place": rt.donation.in_place, "pools_copied": rt.donation.copied})
     if args.follow_up:
         _run_follow_up(args, engine, tok, prompt_ids, result, stop)
@@ -280,7 +292,8 @@ def _cmd_generate(args) -> int:
         stop = () if args.ignore_eos or tok is None or tok.eos_token_id is None \
             else (tok.eos_token_id,)
         try:
-            gen = client.generate_greedy(prompt_ids, args.max_new_tokens, stop)
+            gen = client.generate_greedy(prompt_ids, args.max_new_tokens, stop,
+                                         speculate=args.speculate)
         except InferError as e:
             print(f"tlaloc generate: the server refused: {e}", file=sys.stderr)
             return 1
@@ -323,6 +336,11 @@ def _add_export_parser(sub) -> None:
                    help="tokensPerSeq of smaller prefill entries below each context's largest, "
                         "so short prompts are not padded to the context (default: powers of two "
                         "from 32; 'none': only the largest)")
+    p.add_argument("--verify-tokens", type=_ints_or_none, default=(3, 5, 9),
+                   help="tokensPerSeq of the verify entries for speculative decoding: a "
+                        "sequence's next token and a draft of t - 1 tokens checked in one call, "
+                        "at every batch and context (default 3,5,9; 'none' or '': none; never "
+                        "for a model with linear-attention layers)")
     p.add_argument("--windowed-kv", choices=("true", "false"), default=None,
                    help="sliding layers in a windowed pool of rings (schema v3; default: true "
                         "when the model has sliding layers); false: full-history pages")
@@ -381,6 +399,10 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--follow-up", default=None,
                    help="a second turn after the first (text, or ids with --prompt-ids): run "
                         "with KV reuse, it computes only its new tokens; both turns reported")
+    p.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="verify up to K drafts a step, found by prompt lookup (the tokens that "
+                        "followed the text's last tokens where they occurred before): the same "
+                        "greedy ids in fewer calls when the text repeats itself")
     p.add_argument("--warmup-runs", type=int, default=0,
                    help="generate this many times first, untimed (benchmarks: a process's first "
                         "executions are slower)")
@@ -490,6 +512,10 @@ def _add_generate_parser(sub) -> None:
                    help="the artifact (or its tokenizer folder); default: the model's "
                         "tokenizer_dir parameter")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="verify up to K drafts a step, found by prompt lookup (the tokens that "
+                        "followed the text's last tokens where they occurred before): the same "
+                        "greedy ids in fewer calls when the text repeats itself")
     p.set_defaults(fn=_cmd_generate)
 
 

@@ -21,6 +21,16 @@ GRPC_STATUS = {"INVALID_ARG": "INVALID_ARGUMENT", "UNAVAILABLE": "UNAVAILABLE",
                "UNKNOWN": "UNKNOWN"}
 
 
+class RequestError(ValueError):
+    """A request the artifact cannot run (too long, a refused token, drafts it cannot verify);
+    names the problem. `reason` is a short label for counters (token, context, empty,
+    speculation)."""
+
+    def __init__(self, message: str, reason: str = "invalid"):
+        super().__init__(message)
+        self.reason = reason
+
+
 def coded_message(message: str, code: str) -> str:
     """`message` beginning with "[CODE] " (once)."""
     return message if message.startswith(f"[{code}] ") else f"[{code}] {message}"

@@ -4,7 +4,9 @@ threads that compile them in the background (docs/design.md#compiling-and-runnin
 A model is ready once the entries a first request needs are compiled (`first_entries`: the
 smallest context's single-row decode entry and its prefill entry for a whole context of
 tokens). The rest compile on worker threads in `compile_order`: decode before prefill at each
-context (a conversation makes one decode call per token), smaller contexts and batches first.
+context (a conversation makes one decode call per token), smaller contexts and batches first,
+and the verify entries of speculative decoding after all of them (a server serves plain
+decoding first; speculation is only faster).
 A call that needs an entry not compiled yet asks for it (`want`: it goes to the front of the
 queue) and runs on a compiled entry that holds it meanwhile, or waits for it (`wait_for`; the
 batcher's thread never waits: it holds the call back and serves others, batcher.py).
@@ -19,25 +21,26 @@ import threading
 import time
 from collections.abc import Callable
 
-from .manifest import Artifact, Entry
+from .manifest import DECODE, PREFILL, VERIFY, Artifact, Entry
 
 log = logging.getLogger("triton_tlaloc.compiling")
 
 
 def first_entries(art: Artifact) -> list[str]:
     """The entries a first request needs: a prompt within the smallest context and its decode
-    steps, one sequence at a time."""
+    steps, one sequence at a time (never a verify entry: a request can always decode plainly)."""
     c = min(art.context_ladder)
-    first = [art.smallest_entry("decode", 1, c), art.smallest_entry("prefill", 1, c, c)]
+    first = [art.smallest_entry(DECODE, 1, c), art.smallest_entry(PREFILL, 1, c, c)]
     return sorted({e.name for e in first if e is not None})
 
 
 def compile_order(art: Artifact, names) -> list[str]:
     """`names` in the order they are worth compiling: smaller contexts first (every request
     fits them while it is short), decode before prefill at each, then fewer rows, then fewer
-    tokens."""
+    tokens; every verify entry after all the decode and prefill entries, in the same order
+    among themselves."""
     def value(e: Entry):
-        return (e.context, e.kind != "decode", e.batch, e.tokens_per_seq)
+        return (e.kind == VERIFY, e.context, e.kind != DECODE, e.batch, e.tokens_per_seq)
     return [e.name for e in sorted((art.entries[n] for n in names), key=value)]
 
 

@@ -19,10 +19,12 @@ from .manifest import Artifact
 from .pages import (FULL, BlockManager, PagePool, PagesExhausted, PoolShape, Reuse,
                     SharedPagePool, pages_for, root_hash)
 from .sequence import Sequence
+from .codes import RequestError
+from .speculation import Verification, Verified, accepted_drafts
 from .steps import Row, build_step
 
 __all__ = ["Engine", "EntryCompiling", "GenerationResult", "RequestError", "Sequence",
-           "StepRuntime"]
+           "StepRuntime", "Verified", "accepted_drafts"]
 
 
 class StepRuntime(Protocol):
@@ -36,6 +38,12 @@ class StepRuntime(Protocol):
 
     def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
         """Run one entry: step inputs by role in, each row's last-token logits out."""
+        ...
+
+    def run_positions(self, entry_name: str, step: dict[str, np.ndarray],
+                      logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """Run a verify entry: the argmax after every position of every row [batch, tokens],
+        and with `logits` the logits after every position [batch, tokens, vocab]."""
         ...
 
     def want(self, entry_name: str) -> None:
@@ -60,15 +68,6 @@ class EntryCompiling(Exception):
     def __init__(self, entry_name: str):
         super().__init__(f"entry {entry_name} is compiling")
         self.entry_name = entry_name
-
-
-class RequestError(ValueError):
-    """A request the artifact cannot run (too long, a refused token); names the problem.
-    `reason` is a short label for counters (token, context, empty)."""
-
-    def __init__(self, message: str, reason: str = "invalid"):
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass
@@ -97,7 +96,7 @@ def pool_shape(art: Artifact) -> PoolShape:
         state_slots=ls.num_slots if ls is not None else 0, model_hash=art.model.model_hash)
 
 
-class Engine:
+class Engine(Verification):
     """Entry choice and calls over a runtime; every page is accounted for by `blocks`
     (pages.BlockManager). prefix_reuse: prompts reuse cached blocks and ended sequences are
     kept (up to `keep_ended`) for their next turn. Off unless asked for (the server asks, by
@@ -117,6 +116,10 @@ class Engine:
                         for t in self.art.model.refused_tokens}
         self._prefill = [e for e in self.art.entries.values() if e.kind == "prefill"]
         self._decode = [e for e in self.art.entries.values() if e.kind == "decode"]
+        self.max_verify_tokens = max((e.tokens_per_seq for e in self.art.entries.values()
+                                      if e.kind == "verify"), default=0)
+        # Which drafts a verify call keeps (a test swaps in a wrong rule as the control).
+        self.accept = accepted_drafts
         # Once no decode entry is left to compile none will be again (a compile that failed
         # is not compiling): every decode row skips the search for one from then on.
         self._decode_compiles_done = False
@@ -204,8 +207,7 @@ class Engine:
         docs/design.md#the-windowed-pool)."""
         cap = self.max_prefill_tokens
         if self.window is not None:
-            cap = min(cap, self.ring_pages * self.block_size - min(seq.num_cached,
-                                                                   self.window - 1))
+            cap = min(cap, self._ring_room(seq))
         return cap
 
     @property
@@ -253,11 +255,15 @@ class Engine:
         entry = self._entry(kind, len(seqs), end, n)
         if entry is not None:
             return self._call(entry, seqs, feeds)
-        rows = max(e.batch for e in self.art.entries.values()
-                   if e.name in self.rt.executables and e.kind == kind and e.batch < len(seqs)
-                   and e.context >= end and e.tokens_per_seq >= n)
+        rows = self._compiled_rows(kind, len(seqs), end, n)
         return np.concatenate([self._run(kind, seqs[i:i + rows], feeds[i:i + rows])
                                for i in range(0, len(seqs), rows)])
+
+    def _compiled_rows(self, kind: str, batch: int, end: int, tokens: int) -> int:
+        """The most rows (fewer than `batch`) a compiled entry of `kind` holds for a call."""
+        return max(e.batch for e in self.art.entries.values()
+                   if e.name in self.rt.executables and e.kind == kind and e.batch < batch
+                   and e.context >= end and e.tokens_per_seq >= tokens)
 
     def prefill_chunked(self, seq: Sequence) -> np.ndarray:
         """A prompt longer than the largest prefill entry's tokens goes in several calls, each
@@ -295,6 +301,15 @@ class Engine:
         return best
 
     def _call(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:
+        step = self._step(entry, seqs, feeds)
+        logits = self.rt.run(entry.name, step)
+        for s, feed in zip(seqs, feeds):
+            s.num_cached += len(feed)
+            self.blocks.register(s)
+        return logits[:len(seqs)]
+
+    def _step(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> dict:
+        """The step inputs of one call, after checking each row's pages."""
         for s, feed in zip(seqs, feeds):
             if s.num_cached + len(feed) > self.art.max_context:
                 raise RequestError(f"sequence {s.seq_id}: {s.num_cached + len(feed)} positions "
@@ -316,42 +331,47 @@ class Engine:
         step = build_step(entry, rows, self.block_size, self.ring_pages,
                           self.blocks.state_slots is not None)
         self.build_seconds += time.perf_counter() - t0
-        logits = self.rt.run(entry.name, step)
-        for s, feed in zip(seqs, feeds):
-            s.num_cached += len(feed)
-            self.blocks.register(s)
-        return logits[:len(seqs)]
+        return step
 
     # ------------------------------------------------------------ generation
 
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int,
-                        stop_ids: tuple[int, ...] = (),
-                        cache_salt: str | None = None) -> GenerationResult:
+                        stop_ids: tuple[int, ...] = (), cache_salt: str | None = None,
+                        speculate: int = 0, drafter=None) -> GenerationResult:
         """Greedy ids for a prompt. The prompt reuses what earlier ones left cached (when the
-        engine reuses prefixes) and the sequence is kept for a next turn afterwards."""
+        engine reuses prefixes) and the sequence is kept for a next turn afterwards. With
+        `speculate`, each step after the prompt also verifies up to that many drafts from
+        `drafter(history, k)`: the same ids, in fewer calls when drafts are accepted."""
         if len(prompt_ids) == 0:
             raise RequestError("an empty prompt", "empty")
         seq = Sequence([])
         t0 = time.perf_counter()
         reuse = self.admit(seq, list(prompt_ids), cache_salt)
         try:
+            if speculate:
+                self.check_speculation()
             logits = self.prefill_chunked(seq)
             prefill_ms = (time.perf_counter() - t0) * 1e3
-            generated, step_ms, reason = [], [], "length"
+            generated, step_ms, reason = [], [], None
+            new = [int(np.argmax(logits[0]))]
             while True:
-                token = int(np.argmax(logits[0]))
-                generated.append(token)
-                if token in stop_ids:
-                    reason = "stop"
-                    break
-                if len(generated) >= max_new_tokens:
+                for token in new:
+                    generated.append(token)
+                    if token in stop_ids:
+                        reason = "stop"
+                        break
+                    if len(generated) >= max_new_tokens:
+                        reason = "length"
+                        break
+                if reason is not None:
                     break
                 if len(seq.token_ids) + 1 > self.art.max_context:
                     reason = "context"
                     break
-                seq.token_ids.append(token)
                 t0 = time.perf_counter()
-                logits = self.decode([seq])
+                k = min(speculate, max_new_tokens - len(generated) - 1, self.verify_room(seq))
+                drafts = drafter(list(prompt_ids) + generated, k) if k > 0 else []
+                new = self._greedy_step(seq, generated[-1], drafts)
                 step_ms.append((time.perf_counter() - t0) * 1e3)
         except BaseException:
             self.free(seq)
@@ -359,3 +379,10 @@ class Engine:
         self.finish(seq)
         return GenerationResult(list(prompt_ids), generated, prefill_ms, step_ms, reason,
                                 reused_tokens=reuse.reused)
+
+    def _ring_room(self, seq: Sequence) -> int:
+        """The tokens one call may feed `seq` within its ring: a call of n tokens from p0 needs
+        min(p0, window - 1) + n positions of the ring at once (docs/design.md#the-windowed-pool);
+        the KV a verify call writes for drafts it rejects then overwrites nothing still in the
+        window."""
+        return self.ring_pages * self.block_size - min(seq.num_cached, self.window - 1)

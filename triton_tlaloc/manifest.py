@@ -49,7 +49,10 @@ WINDOW_SLOT_MAPPING = "WINDOW_SLOT_MAPPING"
 WINDOW_KV_POOL_IN = "WINDOW_KV_POOL_IN"
 WINDOW_KV_POOL_OUT = "WINDOW_KV_POOL_OUT"
 WEIGHT = "WEIGHT"
-LOGITS = "LOGITS"
+LOGITS = "LOGITS"  # decode and prefill entries: f32 [B, vocab], each row's last position
+# Verify entries (speculative decoding): the argmax and the logits after every position.
+POSITION_ARGMAX = "POSITION_ARGMAX"  # i32 [B, T]
+POSITION_LOGITS = "POSITION_LOGITS"  # f32 [B, T, vocab]
 KV_POOL_OUT = "KV_POOL_OUT"
 STATE_SLOTS = "STATE_SLOTS"  # [B]: each row's slot in the state pools, -1 for a padding row
 STATE_POOL_IN = "STATE_POOL_IN"
@@ -63,7 +66,13 @@ POOL_OUT_ROLES = (KV_POOL_OUT, WINDOW_KV_POOL_OUT, STATE_POOL_OUT)
 DONATION_ROLES = ((KV_POOL_OUT, KV_POOL_IN), (WINDOW_KV_POOL_OUT, WINDOW_KV_POOL_IN),
                   (STATE_POOL_OUT, STATE_POOL_IN))
 INPUT_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES + POOL_IN_ROLES + (WEIGHT,)
-OUTPUT_ROLES = (LOGITS,) + POOL_OUT_ROLES
+OUTPUT_ROLES = (LOGITS, POSITION_ARGMAX, POSITION_LOGITS) + POOL_OUT_ROLES
+
+# Entry kinds. A verify entry feeds a sequence its next token and draft tokens in one call and
+# returns what the model predicts after each of them (speculative decoding;
+# docs/artifact-format.md#verify-entries-speculative-decoding).
+DECODE, PREFILL, VERIFY = "decode", "prefill", "verify"
+ENTRY_KINDS = (DECODE, PREFILL, VERIFY)
 
 # Element types, spelled as StableHLO spells them, with their numpy dtypes.
 _NUMPY_DTYPES = {
@@ -144,6 +153,16 @@ class TensorSpec:
         )
 
 
+def leading_outputs(kind: str, batch: int, tokens: int, vocab: int) -> tuple[TensorSpec, ...]:
+    """The outputs an entry of a kind returns before its pools, in order: a decode or prefill
+    entry each row's last logits; a verify entry the argmax and the logits after each of the
+    row's positions."""
+    if kind == VERIFY:
+        return (TensorSpec("position_argmax", POSITION_ARGMAX, "i32", (batch, tokens)),
+                TensorSpec("position_logits", POSITION_LOGITS, "f32", (batch, tokens, vocab)))
+    return (TensorSpec("logits", LOGITS, "f32", (batch, vocab)),)
+
+
 @dataclass(frozen=True)
 class Program:
     """An entry's signature: inputs and outputs in @main's order, and the donation pairs."""
@@ -174,7 +193,7 @@ class Program:
 @dataclass(frozen=True)
 class Entry:
     name: str
-    kind: str  # "decode" | "prefill"
+    kind: str  # "decode" | "prefill" | "verify"
     batch: int
     context: int
     tokens_per_seq: int
@@ -420,6 +439,13 @@ class Artifact:
         return min(fits, key=lambda e: (e.context, e.batch, e.tokens_per_seq), default=None)
 
     @property
+    def verify_tokens(self) -> tuple[int, ...]:
+        """tokensPerSeq of the verify entries, ascending: the calls a speculative step can
+        make (a draft of t - 1 tokens after the sequence's next one); empty when none."""
+        return tuple(sorted({e.tokens_per_seq for e in self.entries.values()
+                             if e.kind == VERIFY}))
+
+    @property
     def max_context(self) -> int:
         return max(self.context_ladder)
 
@@ -575,7 +601,7 @@ def _read_entry(root: Path, mpath: Path, e) -> Entry:
     entry = Entry(name=name, kind=e["kind"], batch=int(e["batch"]), context=int(e["context"]),
                   tokens_per_seq=int(e["tokensPerSeq"]), body=e["body"], sha256=e["sha256"],
                   program_path=e["program"], program=program)
-    if entry.kind not in ("decode", "prefill"):
+    if entry.kind not in ENTRY_KINDS:
         raise _refuse(f"entry {name}: unknown kind {entry.kind!r}", mpath)
     return entry
 
@@ -627,6 +653,7 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
     for s in prog.outputs:
         if s.role not in OUTPUT_ROLES:
             raise _refuse(f"entry {entry.name}: output {s.name} has unknown role {s.role}", prog_path)
+    _check_leading_outputs(entry, model, prog_path)
     for out_i, in_i in prog.donation:
         if not (0 <= out_i < len(prog.outputs) and 0 <= in_i < len(prog.inputs)):
             raise _refuse(f"entry {entry.name}: donation pair ({out_i}, {in_i}) is out of range",
@@ -644,6 +671,31 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
         if s.role in POOL_IN_ROLES and idx not in donated_inputs:
             raise _refuse(f"entry {entry.name}: pool input {s.name} has no donation pair",
                           prog_path)
+
+
+def _check_leading_outputs(entry: Entry, model: ModelShape, prog_path: Path) -> None:
+    """The outputs before the pools are exactly the kind's (`leading_outputs`), in order and of
+    the entry's shape: a runtime reads them by role, and a verify entry without its argmaxes
+    could not check a draft."""
+    want = leading_outputs(entry.kind, entry.batch, entry.tokens_per_seq, model.vocab)
+    outputs = entry.program.outputs
+    for n, w in enumerate(want):
+        found = [i for i, s in enumerate(outputs) if s.role == w.role]
+        if not found:
+            raise _refuse(f"entry {entry.name}: a {entry.kind} entry needs a {w.role} output "
+                          f"({w.dtype} {list(w.shape)}); the program has none", prog_path)
+        s = outputs[found[0]]
+        if found != [n] or (s.dtype, s.shape) != (w.dtype, w.shape):
+            raise _refuse(f"entry {entry.name}: a {entry.kind} entry's output {n} must be its "
+                          f"only {w.role}, {w.dtype} {list(w.shape)}; the program has {s.name} "
+                          f"{s.dtype} {list(s.shape)} at output {found[0]}"
+                          + (f" and {len(found) - 1} more" if len(found) > 1 else ""),
+                          prog_path)
+    roles = {w.role for w in want}
+    for s in outputs:
+        if s.role not in POOL_OUT_ROLES and s.role not in roles:
+            raise _refuse(f"entry {entry.name}: output {s.name} has role {s.role}, which a "
+                          f"{entry.kind} entry does not return", prog_path)
 
 
 def _check_body(entry: Entry, body_path: Path) -> None:

@@ -137,7 +137,10 @@ class Observer:
         """A sequence with a request waiting was swapped out to make room."""
 
     def held_back(self, kind: str) -> None:
-        """A call (decode or prefill) held back until an entry it needs compiles."""
+        """A call (decode, prefill or verify) held back until an entry it needs compiles."""
+
+    def speculation(self, drafted: int, accepted: int) -> None:
+        """A verify call checked `drafted` draft tokens and accepted `accepted` of them."""
 
     def host(self, nbytes: int, sequences: int, cached_bytes: int = 0) -> None:
         """The host tier now: bytes held for swapped-out sequences, how many, and bytes of
@@ -166,9 +169,9 @@ class BatcherStats(Observer):
     """Counters kept by the batcher itself."""
 
     def __init__(self):
-        self.calls = {"decode": 0, "prefill": 0}
-        self.rows = {"decode": 0, "prefill": 0}
-        self.tokens = {"decode": 0, "prefill": 0}
+        self.calls = {"decode": 0, "prefill": 0, "verify": 0}
+        self.rows = {"decode": 0, "prefill": 0, "verify": 0}
+        self.tokens = {"decode": 0, "prefill": 0, "verify": 0}
         self.refusals: dict[str, int] = {}
         self.pages_reclaimed = 0
         self.sequences_reclaimed = 0
@@ -181,7 +184,9 @@ class BatcherStats(Observer):
         self.swaps = {"out": 0, "in": 0}
         self.swap_bytes = {"out": 0, "in": 0}
         self.preemptions = 0
-        self.held_for_compile = {"decode": 0, "prefill": 0}  # calls held back
+        self.held_for_compile = {"decode": 0, "prefill": 0, "verify": 0}  # calls held back
+        self.drafted = 0  # draft tokens checked by verify calls
+        self.accepted = 0  # of them, accepted
         self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
         self.call_sizes: list[tuple[str, int]] = []
 
@@ -220,3 +225,7 @@ class BatcherStats(Observer):
 
     def held_back(self, kind: str) -> None:
         self.held_for_compile[kind] += 1
+
+    def speculation(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted

@@ -31,7 +31,8 @@ from .manifest import load_artifact
 from .memory import resident_bytes
 from .metrics import TimingLog
 from .model_metrics import TritonMetrics
-from .outputs import TOP_K_DEFAULT, cache_salt_parameter, small_outputs, top_k_parameter
+from .outputs import (LOGIT_OUTPUTS, TOP_K_DEFAULT, cache_salt_parameter,
+                      draft_tokens_parameter, small_outputs, top_k_parameter)
 from .policy import BatchPolicy
 from .replies import ReplySenders
 from .runtime import Runtime
@@ -217,7 +218,9 @@ class TritonPythonModel:
                     seq_id=r.correlation_id(), tokens=[],
                     start=bool(start is not None and start.as_numpy().reshape(-1)[0]),
                     end=bool(end is not None and end.as_numpy().reshape(-1)[0]),
-                    reply_fn=reply_fn, cache_salt=cache_salt_parameter(parameters))
+                    reply_fn=reply_fn, cache_salt=cache_salt_parameter(parameters),
+                    draft_tokens=draft_tokens_parameter(parameters),
+                    want_logits=bool(wanted & LOGIT_OUTPUTS))
                 # Sizes first: ids past the largest context are not converted, only refused
                 # (by the batcher, so that a START still ends the sequence it replaces).
                 if tokens.size > self.max_context:
@@ -272,6 +275,13 @@ class _Reply:
                     reply.logits.reshape(1, -1), dtype=np.float32)))
             outputs += [pb_utils.Tensor(name, value) for name, value in
                         small_outputs(reply.logits, self.wanted, self.top_k).items()]
+        if reply.accepted_ids is not None:
+            if "ACCEPTED_IDS" in self.wanted:
+                outputs.append(pb_utils.Tensor("ACCEPTED_IDS",
+                                               np.array([reply.accepted_ids], np.int32)))
+            if reply.logits is None and "ARGMAX" in self.wanted:  # the model's own next token
+                outputs.append(pb_utils.Tensor("ARGMAX",
+                                               np.array([[reply.accepted_ids[-1]]], np.int32)))
         if "KV_PAGES" in self.wanted and reply.kv_pages is not None:
             outputs.append(pb_utils.Tensor("KV_PAGES", np.array([reply.kv_pages], np.int32)))
         return pb_utils.InferenceResponse(output_tensors=outputs)

@@ -62,7 +62,8 @@ class TritonMetrics(Observer):
             labels=self.labels)
         self._executions = family("tlaloc_executions_total", "Entry executions by kind",
                                   F.COUNTER)
-        self._tokens = family("tlaloc_tokens_total", "Tokens run, prefill and decode", F.COUNTER)
+        self._tokens = family("tlaloc_tokens_total", "Tokens run, by kind of call "
+                             "(prefill, decode, verify)", F.COUNTER)
         self._refusals = family("tlaloc_refusals_total", "Requests refused, by reason",
                                 F.COUNTER)
         self.reclaimed_pages = family("tlaloc_pages_reclaimed_total", "KV pages reclaimed from "
@@ -98,7 +99,12 @@ class TritonMetrics(Observer):
                                   F.COUNTER).Metric(labels=self.labels)
         self._held_back = family("tlaloc_held_for_compile_total", "Calls held back until an "
                                  "entry they need compiled (other sequences were served "
-                                 "meanwhile), by kind (decode, prefill)", F.COUNTER)
+                                 "meanwhile), by kind (decode, prefill, verify)", F.COUNTER)
+        self.drafted = family("tlaloc_draft_tokens_total", "Draft tokens checked by verify "
+                              "calls (speculative decoding)", F.COUNTER).Metric(labels=self.labels)
+        self.accepted = family("tlaloc_accepted_draft_tokens_total", "Draft tokens verify calls "
+                               "accepted (the acceptance rate: this over "
+                               "tlaloc_draft_tokens_total)", F.COUNTER).Metric(labels=self.labels)
         self._swap_bytes = family("tlaloc_swap_bytes_total", "KV bytes moved between the "
                                   "device and the host tier, by direction (out, in)", F.COUNTER)
         self._phases = family("tlaloc_call_phase_seconds_total", "Seconds spent in each phase "
@@ -201,6 +207,10 @@ class TritonMetrics(Observer):
 
     def held_back(self, kind):
         self.writer.increment(self._metric(self._held_back, kind=kind), 1)
+
+    def speculation(self, drafted, accepted):
+        self.writer.increment(self.drafted, drafted)
+        self.writer.increment(self.accepted, accepted)
 
     def host(self, nbytes, sequences, cached_bytes=0):
         self.writer.set(self.host_bytes, nbytes)

@@ -44,6 +44,20 @@ def checked_cache_salt(salt, what: str):
     return salt
 
 
+# The outputs computed from a reply's logits: a verify call copies them out only for these.
+LOGIT_OUTPUTS = frozenset({"LOGITS", "TOP_K_IDS", "TOP_K_LOGPROBS"})
+
+
+def draft_tokens_parameter(parameters: dict) -> int:
+    """A request's draft_tokens: how many of its last tokens are drafts to verify in one call
+    (0, the default: none). An integer >= 0; ValueError naming the problem otherwise (the
+    engine checks it against the request's tokens)."""
+    n = parameters.get("draft_tokens", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"parameter draft_tokens {n!r}: expected an integer >= 0")
+    return n
+
+
 def small_outputs(logits: np.ndarray, wanted: set, k: int) -> dict[str, np.ndarray]:
     """ARGMAX [1, 1] and TOP_K_IDS / TOP_K_LOGPROBS [1, K] of one row's logits, those named in
     `wanted`. The top K are in descending order of log-probability (log-softmax over the

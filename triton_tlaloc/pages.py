@@ -305,6 +305,25 @@ class BlockManager:
             self.rings.release(extra)
         return True
 
+    def truncate(self, seq: Sequence, length: int) -> None:
+        """Cut `seq` back to its first `length` tokens (drafts a verify call did not accept):
+        what was written past them is never read and will be written over; the pages and ring
+        pages it no longer needs are released. A state cannot be cut back (no state slots)."""
+        assert self.state_slots is None, "a linear-attention state cannot be cut back"
+        assert len(seq.block_hashes) <= length // self.block_size, \
+            f"sequence {seq.seq_id}: cut back into a registered block"
+        del seq.token_ids[length:]
+        seq.num_cached = min(seq.num_cached, length)
+        blocks = pages_for(length, self.block_size)
+        if self.holds_full_pages:
+            extra = seq.pages[blocks:]
+            del seq.pages[blocks:]
+            self.full.release(extra)
+        if self.rings is not None:
+            extra = seq.ring[min(blocks, self.ring_pages):]
+            del seq.ring[min(blocks, self.ring_pages):]
+            self.rings.release(extra)
+
     def free(self, seq: Sequence) -> None:
         """Release everything `seq` holds (its registered blocks stay cached)."""
         self.detach(seq)

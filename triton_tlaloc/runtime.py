@@ -6,9 +6,11 @@ pools on the device, and runs entries with the pools donated.
   its version, and the jax/jaxlib versions.
 - Weights are uploaded once. Pools are allocated on the device by a jitted zeros (pools built
   from host buffers were copied on their first execution; docs/design.md#donation).
-- `run` checks every step input's shape and dtype against the program (PJRT checks only byte
-  sizes), donates the pools, and replaces them with the outputs XLA wrote over them. It counts
-  the runs whose pools stayed at their addresses (in place) and those that moved (copied).
+- `run` (decode and prefill entries: the logits) and `run_positions` (verify entries: the
+  argmax after every position, the logits only when asked for) check every step input's shape
+  and dtype against the program (PJRT checks only byte sizes), donate the pools, and replace
+  them with the outputs XLA wrote over them. They count the runs whose pools stayed at their
+  addresses (in place) and those that moved (copied).
 - No host view of a pool is ever kept: a live numpy view of a CPU buffer silently disables
   donation. `pool_snapshot` copies.
 """
@@ -26,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifest import (LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, STATE_STEP_ROLES, STEP_ROLES,
-                       WEIGHT, WINDOW_STEP_ROLES, Artifact, Entry, load_artifact, numpy_dtype)
+from .manifest import (LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, POSITION_ARGMAX, POSITION_LOGITS,
+                       STATE_STEP_ROLES, STEP_ROLES, WEIGHT, WINDOW_STEP_ROLES, Artifact, Entry,
+                       load_artifact, numpy_dtype)
 from .compiling import BackgroundCompiler, compile_order, compile_workers, first_entries
 from .memory import MemoryLedger, release_freed
 from .stablehlo import strip_aliasing
@@ -193,6 +196,7 @@ class _CallPlan:
     step: list  # (position, TensorSpec, numpy dtype) of each step input
     pools: list  # (position, pool name) of each pool input
     outputs: list  # (role, pool name or None) of each output, in order
+    returns: frozenset  # the roles of the outputs that are not pools (LOGITS; verify's two)
 
 
 class Runtime:
@@ -351,7 +355,8 @@ class Runtime:
             else:
                 raise AssertionError(spec.role)
         outputs = [(spec.role, spec.pool) for spec in entry.program.outputs]
-        return _CallPlan(args, step, pools, outputs)
+        returns = frozenset(role for role, _ in outputs if role not in POOL_OUT_ROLES)
+        return _CallPlan(args, step, pools, outputs, returns)
 
     # ---------------------------------------------------------------- run
 
@@ -364,12 +369,34 @@ class Runtime:
                               f"{list(spec.shape)}, got {got}")
 
     def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
-        """Run an entry; returns the logits [batch, vocab] as a host copy. The pools are donated
-        and replaced by the entry's updated pools."""
+        """Run a decode or prefill entry; returns the logits [batch, vocab] as a host copy. The
+        pools are donated and replaced by the entry's updated pools."""
+        return self._execute(entry_name, step, (LOGITS,))[0]
+
+    def run_positions(self, entry_name: str, step: dict[str, np.ndarray],
+                      logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """Run a verify entry; returns host copies of the argmax after every position
+        [batch, tokens] (i32) and, only when `logits`, of the logits after every position
+        [batch, tokens, vocab] (otherwise None: that buffer is dropped on the device, never
+        copied). The pools are donated and replaced as by `run`."""
+        roles = (POSITION_ARGMAX, POSITION_LOGITS) if logits else (POSITION_ARGMAX,)
+        outs = self._execute(entry_name, step, roles)
+        return outs[0], (outs[1] if logits else None)
+
+    def _execute(self, entry_name: str, step: dict[str, np.ndarray],
+                 roles: tuple[str, ...]) -> list[np.ndarray]:
+        """Run an entry: the step inputs checked and put on the device, the pools donated and
+        replaced by its outputs; returns host copies of the outputs of `roles`, in that order
+        (every other output that is not a pool is dropped on the device)."""
         exe = self.executables.get(entry_name)
         if exe is None:
             raise StepInputError(f"entry {entry_name} was not compiled in this runtime")
         plan = self._plans[entry_name]
+        missing = [r for r in roles if r not in plan.returns]
+        if missing:
+            kind = self.artifact.entries[entry_name].kind
+            raise StepInputError(f"entry {entry_name} is a {kind} entry: it has no "
+                                 f"{', '.join(missing)} output")
         # The pools' addresses, for the donation check (not counted in the step's phases).
         check = (self.check_every_run or self.donation.runs < CHECKED_RUNS
                  or entry_name not in self.donation.entries_checked)
@@ -388,37 +415,45 @@ class Runtime:
         t_inputs = time.perf_counter()
         outs = self.device.execute(exe, args)
         del args
-        logits_buffer = None
+        wanted = {}
         for (role, pool), out in zip(plan.outputs, outs):
-            if role == LOGITS:
-                logits_buffer = out
-            elif role in POOL_OUT_ROLES:
+            if role in POOL_OUT_ROLES:
                 self.pools[pool] = out
-        logits_buffer.block_until_ready()  # execution is asynchronous: the executable ends here
+            elif role in roles:
+                wanted[role] = out
+        del outs  # outputs not asked for go with it, never copied to the host
+        buffers = [wanted[r] for r in roles]
+        buffers[0].block_until_ready()  # execution is asynchronous: the executable ends here
         t_executed = time.perf_counter()
-        logits = np.array(logits_buffer)  # a copy: no view of a device buffer is kept
-        del logits_buffer
+        host = [np.array(b) for b in buffers]  # copies: no view of a device buffer is kept
+        del buffers, wanted
         phases = self.phase_seconds
         phases["inputs"] += t_inputs - t_start
         phases["execute"] += t_executed - t_inputs
         phases["copy"] += time.perf_counter() - t_executed
+        self._count_donation(entry_name, before)
+        return host
+
+    def _count_donation(self, entry_name: str, before: dict[str, int] | None) -> None:
+        """One more run; with `before` (the pools' addresses when it was checked), whether its
+        pools stayed in place, logged over the first runs and at each entry's first run."""
         self.donation.runs += 1
-        if check:
-            moved = sum(before[p] != self.pools[p].unsafe_buffer_pointer() for p in before)
-            self.donation.checked_runs += 1
-            if moved:
-                self.donation.copied += 1
-            else:
-                self.donation.in_place += 1
-            if self.donation.checked_runs == CHECKED_RUNS:
-                d = self.donation
-                log.info("KV pools over the first %d runs: in place %d/%d, copied %d/%d",
-                         CHECKED_RUNS, d.in_place, d.checked_runs, d.copied, d.checked_runs)
-            if entry_name not in self.donation.entries_checked:
-                self.donation.entries_checked.add(entry_name)
-                log.info("entry %s first run: pools %s", entry_name,
-                         "in place" if not moved else f"copied ({moved} moved)")
-        return logits
+        if before is None:
+            return
+        moved = sum(before[p] != self.pools[p].unsafe_buffer_pointer() for p in before)
+        self.donation.checked_runs += 1
+        if moved:
+            self.donation.copied += 1
+        else:
+            self.donation.in_place += 1
+        if self.donation.checked_runs == CHECKED_RUNS:
+            d = self.donation
+            log.info("KV pools over the first %d runs: in place %d/%d, copied %d/%d",
+                     CHECKED_RUNS, d.in_place, d.checked_runs, d.copied, d.checked_runs)
+        if entry_name not in self.donation.entries_checked:
+            self.donation.entries_checked.add(entry_name)
+            log.info("entry %s first run: pools %s", entry_name,
+                     "in place" if not moved else f"copied ({moved} moved)")
 
     def pool_snapshot(self, name: str) -> np.ndarray:
         """A host copy of one pool (tests): never a view, which would stop donation."""

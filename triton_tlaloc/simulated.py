@@ -40,14 +40,22 @@ def simulated_step_s(value: str) -> float | None:
     return ms / 1e3
 
 
-def simulated_logits(tokens: np.ndarray, positions: np.ndarray, vocab: int) -> np.ndarray:
-    """Each row's logits: one-hot at a function of its last token and position, so a
-    sequence's ids depend on nothing but its own tokens (batched equals solo)."""
-    rows = tokens.shape[0]
-    logits = np.zeros((rows, vocab), np.float32)
-    hot = (tokens[:, -1].astype(np.int64) * 31 + positions[:, -1] + 7) % vocab
-    logits[np.arange(rows), hot] = 1
+def simulated_argmax(tokens: np.ndarray, positions: np.ndarray, vocab: int) -> np.ndarray:
+    """The simulated model's next token after each position: a function of the token and the
+    position only, so a sequence's ids depend on nothing but its own tokens (batched equals
+    solo)."""
+    return ((tokens.astype(np.int64) * 31 + positions + 7) % vocab).astype(np.int32)
+
+
+def one_hot(hot: np.ndarray, vocab: int) -> np.ndarray:
+    logits = np.zeros((*hot.shape, vocab), np.float32)
+    np.put_along_axis(logits, hot[..., None].astype(np.int64), 1.0, axis=-1)
     return logits
+
+
+def simulated_logits(tokens: np.ndarray, positions: np.ndarray, vocab: int) -> np.ndarray:
+    """Each row's logits after its last token: one-hot at `simulated_argmax`."""
+    return one_hot(simulated_argmax(tokens[:, -1], positions[:, -1], vocab), vocab)
 
 
 class SimulatedRuntime:
@@ -70,6 +78,16 @@ class SimulatedRuntime:
         self.phase_seconds["execute"] += time.perf_counter() - t0
         self.runs += 1
         return simulated_logits(step["TOKEN_IDS"], step["POSITIONS"], self.artifact.model.vocab)
+
+    def run_positions(self, entry_name: str, step: dict[str, np.ndarray],
+                      logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        assert entry_name in self.executables, entry_name
+        t0 = time.perf_counter()
+        time.sleep(self.step_s)
+        self.phase_seconds["execute"] += time.perf_counter() - t0
+        self.runs += 1
+        argmax = simulated_argmax(step["TOKEN_IDS"], step["POSITIONS"], self.artifact.model.vocab)
+        return argmax, one_hot(argmax, self.artifact.model.vocab) if logits else None
 
     def want(self, entry_name: str) -> None:
         pass

@@ -37,7 +37,8 @@ def _entry(kind: str, batch: int, context: int, tokens: int, suffix: str = "") -
 
 def fake_artifact(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, vocab=256,
                   num_blocks=None, prefill_tokens=(32, 64), window=None, ring_pages=0,
-                  window_blocks=0, state_slots=0, refused_tokens=()) -> Artifact:
+                  window_blocks=0, state_slots=0, refused_tokens=(),
+                  verify_tokens=(3, 5, 9)) -> Artifact:
     """The entries and pools an export of these ladders has (the tests' tiny llama by default:
     batches 1 and 2, contexts 32 and 128, pages of 8 tokens, 33 pages of which 32 usable), with
     no body, program or weight behind them. `window` adds a windowed pool of rings (schema v3),
@@ -49,7 +50,9 @@ def fake_artifact(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, v
         for b in sorted(batch_ladder):
             for e in [_entry("decode", b, c, 1)] + [
                     _entry("prefill", b, c, t, f"_t{t}") for t in prefill_tokens if t < c] + [
-                    _entry("prefill", b, c, c)]:
+                    _entry("prefill", b, c, c)] + [
+                    _entry("verify", b, c, t, f"_t{t}") for t in verify_tokens
+                    if t <= c and not state_slots]:
                 entries[e.name] = e
     model = ModelShape(family="llama", model_name="fake", model_hash="", layers=1, heads=1,
                        kv_heads=1, head_size=4, hidden_size=4, intermediate_size=4, vocab=vocab,
@@ -145,6 +148,23 @@ class FakeRuntime:
         self._write_kv(step)
         return logits
 
+    def run_positions(self, entry_name: str, step: dict[str, np.ndarray],
+                      logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """A verify entry: the same rule after every position."""
+        if self.fail_next is not None:
+            e, self.fail_next = self.fail_next, None
+            raise e
+        tokens, positions, lens = step["TOKEN_IDS"], step["POSITIONS"], step["SEQ_LENS"]
+        vocab = self.artifact.model.vocab
+        argmax = ((tokens + positions) % vocab).astype(np.int32)
+        self.calls.append((entry_name, int((lens > 0).sum())))
+        self._write_kv(step)
+        if not logits:
+            return argmax, None
+        out = np.zeros((*argmax.shape, vocab), np.float32)
+        np.put_along_axis(out, argmax[..., None].astype(np.int64), 1.0, axis=-1)
+        return argmax, out
+
 
 class FakeTransfer:
     """kv_transfer.PageTransfer over a FakeRuntime's `kv`: rows copied out and back."""
@@ -183,11 +203,11 @@ class Harness:
                                preempt_wait_s=preempt_wait_s)
         self.replies: dict = {}
 
-    def send(self, seq_id, tokens, start=False, end=False, refusal=None):
+    def send(self, seq_id, tokens, start=False, end=False, refusal=None, draft_tokens=0):
         def reply_fn(reply: Reply):
             self.replies.setdefault(seq_id, []).append(reply)
         self.batcher.submit(Request(seq_id, list(tokens), start, end, reply_fn,
-                                    refusal=refusal))
+                                    refusal=refusal, draft_tokens=draft_tokens))
 
     def run(self) -> list[tuple[str, int]]:
         """Rounds due now; returns the calls they made."""
@@ -204,10 +224,11 @@ class Harness:
     def last(self, seq_id) -> Reply:
         return self.replies[seq_id][-1]
 
-    def step(self, seq_id, tokens, start=False, end=False, refusal=None) -> Reply:
+    def step(self, seq_id, tokens, start=False, end=False, refusal=None,
+             draft_tokens=0) -> Reply:
         """Send one request, move the clock past every wait, run what is due, return the
         request's reply (each request in a round of its own)."""
-        self.send(seq_id, tokens, start, end, refusal)
+        self.send(seq_id, tokens, start, end, refusal, draft_tokens)
         self.clock.advance(1.0)
         self.run()
         return self.last(seq_id)

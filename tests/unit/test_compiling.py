@@ -21,8 +21,12 @@ def test_a_first_request_needs_two_entries_and_decode_comes_first_at_each_contex
     order = compile_order(ART, [n for n in ART.entries if n not in first_entries(ART)])
     assert len(order) == len(ART.entries) - 2
     assert order[:2] == ["decode_b2_c32", "decode_b4_c32"]
-    contexts = [ART.entries[n].context for n in order]
-    assert contexts == sorted(contexts)
+    kinds = [ART.entries[n].kind for n in order]
+    verify = kinds.index("verify")
+    assert set(kinds[verify:]) == {"verify"}  # speculation's entries after every other
+    for part in (order[:verify], order[verify:]):
+        contexts = [ART.entries[n].context for n in part]
+        assert contexts == sorted(contexts)
     at_128 = [ART.entries[n].kind for n in order if ART.entries[n].context == 128]
     assert at_128.index("prefill") == at_128.count("decode")  # every decode first
 

@@ -10,9 +10,11 @@ function per part; make_entry_fn strings them together.
 An entry's @main takes, in this order: the step inputs (TOKEN_IDS, POSITIONS, BLOCK_TABLES,
 SEQ_LENS, SLOT_MAPPING, [the windowed pool's two], [STATE_SLOTS]), the KV pools (K then V for
 each attention layer, donated), [the state pools: conv then recurrent for each linear layer,
-donated], and the weights in the order of `weight_slots`. It returns the logits of each row's
-last token and the updated pools. Rows are right-aligned: a row's last token is at index
-tokens_per_seq - 1, padding comes first with slot -1 and is never written.
+donated], and the weights in the order of `weight_slots`. A decode or prefill entry returns the
+logits of each row's last token, a verify entry the argmax and the logits after every position
+(speculative decoding checks each draft token against the prediction before it); then the
+updated pools. Rows are right-aligned: a row's last token is at index tokens_per_seq - 1,
+padding comes first with slot -1 and is never written.
 
 A hybrid model's linear layers (qwen3_5, schema v4) read and write their states at each row's
 state slot instead of KV pages (docs/design.md#state-slots); linear_attention.py has the ops.
@@ -29,10 +31,11 @@ import numpy as np
 
 from .checkpoint import DecoderConfig
 from .quant import code_dtype
-from ..manifest import (BLOCK_TABLES, KV_POOL_IN, KV_POOL_OUT, LOGITS, POSITIONS, SEQ_LENS,
-                       SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS, TOKEN_IDS,
+from ..manifest import (BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS, SEQ_LENS,
+                       SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS, TOKEN_IDS, VERIFY,
                        WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT,
-                       WINDOW_SLOT_MAPPING, KvPool, Program, StatePool, TensorSpec, WindowedKv)
+                       WINDOW_SLOT_MAPPING, KvPool, Program, StatePool, TensorSpec, WindowedKv,
+                       leading_outputs)
 
 
 @dataclass(frozen=True)
@@ -216,8 +219,10 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
                   block_size: int, num_blocks: int, weight_dtype: str,
                   kv_dtype: str, windowed: WindowedKv | None = None,
                   num_state_slots: int = 0, weight_quant: str | None = None,
-                  quant_head: bool = False, layer_loop: bool = False) -> Program:
-    """The signature of one entry, in @main's order."""
+                  quant_head: bool = False, layer_loop: bool = False,
+                  kind: str = DECODE) -> Program:
+    """The signature of one entry, in @main's order; the outputs before the pools are the
+    kind's (manifest.leading_outputs): one for decode and prefill, two for verify."""
     b, t, m = batch, tokens_per_seq, context // block_size
     inputs = [
         TensorSpec("token_ids", TOKEN_IDS, "i32", (b, t)),
@@ -246,12 +251,13 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
                                  p.dtype, p.shape, pool=p.name))
     for s in weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop):
         inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, s.dtype(weight_dtype), s.shape, slot=s.name))
-    outputs = [TensorSpec("logits", LOGITS, "f32", (b, cfg.vocab_size))]
+    outputs = list(leading_outputs(kind, b, t, cfg.vocab_size))
+    first_pool = len(outputs)
     for p in (*pools, *states):
         outputs.append(TensorSpec(f"{p.name}.out", role_of(p, WINDOW_KV_POOL_OUT, KV_POOL_OUT,
                                                             STATE_POOL_OUT),
                                   p.dtype, p.shape, pool=p.name))
-    donation = tuple((1 + i, pool_start + i) for i in range(len(pools) + len(states)))
+    donation = tuple((first_pool + i, pool_start + i) for i in range(len(pools) + len(states)))
     return Program(name, tuple(inputs), tuple(outputs), donation)
 
 
@@ -268,8 +274,9 @@ def layer_pools(cfg: DecoderConfig) -> dict[int, tuple[int, int]]:
 def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str,
                   attention_block: int = 2048, windowed: WindowedKv | None = None,
                   num_state_slots: int = 0, weight_quant: str | None = None,
-                  quant_head: bool = False, layer_loop: bool = False):
-    """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits, pools...).
+                  quant_head: bool = False, layer_loop: bool = False, kind: str = DECODE):
+    """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits,
+    pools...), for a verify entry (argmax [b, t], logits [b, t, vocab], pools...).
     layers.py has its parts. With `layer_loop` the layers run as a loop (`lax.scan`) over the
     stacked weights and pools, so the program holds one layer's kernels instead of one set per
     layer (docs/design.md#the-layer-loop)."""
@@ -286,6 +293,12 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     n_step = 5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
     n_pools = 2 if layer_loop else 2 * cfg.num_layers
 
+    def outputs(x, w):
+        if kind != VERIFY:
+            return (layers.head(g, w, x),)
+        logits = layers.head_all_positions(g, w, x)
+        return layers.argmax_ids(logits), logits
+
     def fn(*args):
         token_ids, positions, block_tables, seq_lens, slot_mapping = args[:5]
         window_tables, window_slots = args[5:7] if windowed is not None else (None, None)
@@ -298,13 +311,13 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                                 window_tables, window_slots, state_slots)
         if layer_loop:
             x, new_pools = layers.layer_loop(g, step, w, x, *pools)
-            return (layers.head(g, w, x), *new_pools)
+            return (*outputs(x, w), *new_pools)
         new_pools = list(pools)
         for i in range(cfg.num_layers):
             a, b = pool_of[i]
             x, new_pools[a], new_pools[b] = layers.decoder_layer(g, step, w, i, x, pools[a],
                                                                  pools[b])
-        return (layers.head(g, w, x), *new_pools)
+        return (*outputs(x, w), *new_pools)
 
     return fn
 
@@ -313,14 +326,14 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
                 weight_dtype: str, attention_block: int = 2048,
                 windowed: WindowedKv | None = None, num_state_slots: int = 0,
                 weight_quant: str | None = None, quant_head: bool = False,
-                layer_loop: bool = False) -> str:
+                layer_loop: bool = False, kind: str = DECODE) -> str:
     """StableHLO text of one entry; every pool parameter is donated (tf.aliasing_output)."""
     import jax
 
     from ..manifest import numpy_dtype
 
     fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block, windowed,
-                       num_state_slots, weight_quant, quant_head, layer_loop)
+                       num_state_slots, weight_quant, quant_head, layer_loop, kind)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)

@@ -7,7 +7,8 @@ together into the function an entry lowers.
     attention      q|k|v, [q/k RMSNorm], RoPE, the KV write, paged attention, [gate], o_proj
     linear_mixer   a Gated DeltaNet layer: its states gathered, conv, delta rule, states written
     mlp            RMSNorm, gate|up, activation, down, residual
-    head           the final norm and the logits of each row's last token
+    head           the final norm and the logits of each row's last token (head_all_positions:
+                   after every position, for verify entries)
 
 These functions only trace: they take one call's traced values and return new ones. The
 order in which they emit operations is the order of the lowered StableHLO, so moving an
@@ -228,14 +229,31 @@ def mlp(g: Graph, w: dict, i: int, x):
 
 
 def head(g: Graph, w: dict, x):
-    """The final norm and the logits of each row's last token (rows are right-aligned). A tied
+    """The final norm and the logits of each row's last token (rows are right-aligned), f32
+    [b, vocab]."""
+    return head_projection(g, w, rms_norm(x[:, -1, :], w["final_norm"], g.eps))
+
+
+def head_all_positions(g: Graph, w: dict, x):
+    """The final norm and the logits after every position of every row, f32 [b, t, vocab]: a
+    verify entry's, whose draft tokens are each checked against the prediction before them."""
+    return head_projection(g, w, rms_norm(x, w["final_norm"], g.eps))
+
+
+def argmax_ids(logits):
+    """The argmax over the vocabulary at each position, i32 (the first of equal maxima, as
+    numpy's and torch's argmax take)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def head_projection(g: Graph, w: dict, normed):
+    """The head's product on normed hidden states [..., hidden]: logits [..., vocab]. A tied
     model's head reads the embedding table, the same buffer as the gather."""
-    last = rms_norm(x[:, -1, :], w["final_norm"], g.eps)
     if g.transposed_table:
-        return matmul(last, w["embed_t"], False, g.bf16)
+        return matmul(normed, w["embed_t"], False, g.bf16)
     if g.cfg.tie_word_embeddings:  # [vocab, hidden] is the head's [out, in]
-        return project(g, last, w, "embed")  # (scaled per vocab row when quantized)
-    return project(g, last, w, "lm_head")
+        return project(g, normed, w, "embed")  # (scaled per vocab row when quantized)
+    return project(g, normed, w, "lm_head")
 
 
 # ------------------------------------------------------------------ attention layers

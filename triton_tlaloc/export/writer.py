@@ -26,8 +26,8 @@ from .checkpoint import Checkpoint, DecoderConfig, open_checkpoint
 from .decoder import (STACKED, WeightSlot, entry_program, kv_pools, loops_layers, lower_entry,
                       state_pools, unstacked_slot, weight_slots)
 from .quant import QUANT_FORMATS, quantize_rows
-from ..manifest import (MANIFEST_NAME, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Entry, LinearState,
-                       WeightFile, WindowedKv, load_artifact, numpy_dtype)
+from ..manifest import (DECODE, MANIFEST_NAME, PREFILL, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, VERIFY,
+                       Entry, LinearState, WeightFile, WindowedKv, load_artifact, numpy_dtype)
 
 WEIGHT_DTYPES = ("f32", "bf16")
 WEIGHT_QUANTS = tuple(QUANT_FORMATS)  # int8, fp8
@@ -57,6 +57,10 @@ class ExportOptions:
     # Smaller prefill entries below the largest, so a short prompt is not padded to a whole
     # context: tokensPerSeq values (None: powers of two from 32; () none).
     prefill_tokens: tuple[int, ...] | None = None
+    # tokensPerSeq of the verify entries (speculative decoding): a sequence's next token and a
+    # draft of 2, 4 or 8 tokens checked in one call; () none. Refused for linear-attention
+    # models (a state cannot be rewound to the accepted position).
+    verify_tokens: tuple[int, ...] = (3, 5, 9)
     attention_block: int = 2048  # key block of blockwise attention in prefill entries
     windowed_kv: bool | None = None  # None: a windowed pool when the model has sliding layers
     ring_spare_pages: int = 1  # pages a ring holds beyond one window
@@ -96,6 +100,9 @@ class ExportOptions:
             raise ExportError("--prefill-chunk must be >= 1")
         if self.prefill_tokens is not None and any(t < 1 for t in self.prefill_tokens):
             raise ExportError(f"--prefill-tokens {list(self.prefill_tokens)}: must be >= 1")
+        if any(t < 2 for t in self.verify_tokens):
+            raise ExportError(f"--verify-tokens {list(self.verify_tokens)}: each must be >= 2 "
+                              f"(the sequence's next token and at least one draft token)")
         if self.state_slots is not None and self.state_slots < 1:
             raise ExportError(f"--state-slots {self.state_slots}: must be >= 1")
         if self.attention_block < 1 or self.attention_block % self.block_size:
@@ -305,10 +312,11 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                                     else "unrolled, one set of kernels per layer"))
 
         linear_state = _linear_state(cfg, opts)
-        entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop)
+        verify_tokens = _verify_tokens(cfg, opts, windowed)
+        entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop, verify_tokens)
         _log_pools(cfg, windowed, linear_state)
         manifest = _manifest(cfg, opts, num_blocks, model_hash.hexdigest(), windowed,
-                             linear_state, entries, weights, layer_loop)
+                             linear_state, entries, weights, layer_loop, verify_tokens)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         load_artifact(tmp)  # every body against its signature, every file against the manifest
         if out.exists():
@@ -332,6 +340,32 @@ def _check_model(ckpt: Checkpoint, num_blocks: int) -> None:
         raise ExportError(f"--num-blocks {num_blocks}: need page 0 and at least one more")
 
 
+def _verify_tokens(cfg: DecoderConfig, opts: ExportOptions,
+                   windowed: WindowedKv | None) -> tuple[int, ...]:
+    """The verify entries' tokensPerSeq this model gets: none for a linear-attention model, and
+    with a windowed pool only those a ring holds past the window; each refusal logged."""
+    wanted = tuple(sorted(t for t in set(opts.verify_tokens) if t <= max(opts.context_ladder)))
+    if not wanted:
+        return ()
+    if cfg.linear is not None:
+        # A rejected draft token would stay folded into the conv and recurrent states: they
+        # cannot be rewound to the accepted position as a KV page's length can.
+        _log("[export] verify entries: none (speculative decoding is refused for a model with "
+             "linear-attention layers: their state cannot be rewound past a rejected draft)")
+        return ()
+    keep = wanted
+    if windowed is not None:
+        # A call of t tokens from position p0 needs min(p0, window - 1) + t positions of the
+        # ring at once, as a prefill chunk does (docs/design.md#the-windowed-pool).
+        room = windowed.ring_pages * opts.block_size - (windowed.window - 1)
+        keep = tuple(t for t in wanted if t <= room)
+        if keep != wanted:
+            _log(f"[export] verify entries: tokens {[t for t in wanted if t > room]} left out: a "
+                 f"ring of {windowed.ring_pages} pages holds {room} tokens past the window")
+    _log(f"[export] verify entries: tokens {list(keep)} at every batch")
+    return keep
+
+
 def _log_pools(cfg: DecoderConfig, windowed: WindowedKv | None,
                linear_state: LinearState | None) -> None:
     if linear_state is not None:
@@ -346,7 +380,8 @@ def _log_pools(cfg: DecoderConfig, windowed: WindowedKv | None,
 
 def _manifest(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_hash: str,
               windowed: WindowedKv | None, linear_state: LinearState | None,
-              entries: list[Entry], weights: list[WeightFile], layer_loop: bool) -> dict:
+              entries: list[Entry], weights: list[WeightFile], layer_loop: bool,
+              verify_tokens: tuple[int, ...] = ()) -> dict:
     """The artifact's manifest, as manifest.json holds it (its keys in this order)."""
     pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_type, windowed, layer_loop)
     return {
@@ -354,7 +389,7 @@ def _manifest(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_ha
                    SCHEMA_V3 if windowed is not None else SCHEMA_V2),
         "exporter": "triton-tlaloc",
         "model": _model_json(cfg, opts, num_blocks, model_hash, windowed, linear_state,
-                             layer_loop),
+                             layer_loop, verify_tokens),
         "buckets": {"batchLadder": sorted(opts.batch_ladder),
                     "contextLadder": sorted(opts.context_ladder)},
         "kvPool": {"numBlocks": num_blocks, "blockSize": opts.block_size,
@@ -369,7 +404,7 @@ def _manifest(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_ha
 
 def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_hash: str,
                 windowed: WindowedKv | None, linear_state: LinearState | None,
-                layer_loop: bool) -> dict:
+                layer_loop: bool, verify_tokens: tuple[int, ...] = ()) -> dict:
     """The manifest's "model": the model's shape and the export's choices."""
     return {
         "family": cfg.family,
@@ -390,6 +425,7 @@ def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_
         "kvDtype": opts.kv_type,
         "maxPositions": cfg.max_positions,
         "prefillChunk": opts.prefill_chunk,
+        "verifyTokens": list(verify_tokens),
         "attentionBlock": opts.attention_block,
         "layerLoop": layer_loop,
         "layerWindows": [cfg.window(i) for i in range(cfg.num_layers)],
@@ -414,30 +450,46 @@ def _linear_state(cfg: DecoderConfig, opts: ExportOptions) -> LinearState | None
                        la.key_head_dim, la.value_head_dim, tuple(state_pools(cfg, slots)))
 
 
-def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
-                   windowed: WindowedKv | None, out: Path, layer_loop: bool) -> list[Entry]:
-    (out / "bodies").mkdir()
-    (out / "programs").mkdir()
+def _entry_plan(opts: ExportOptions, verify_tokens: tuple[int, ...]) -> list[tuple]:
+    """(kind, batch, context, tokensPerSeq) of every entry, in the manifest's order: for each
+    context, the decode entries by batch, the prefill entries by batch and tokens, then the
+    verify entries by batch and tokens."""
     plan = []
     for c in sorted(opts.context_ladder):
         for b in sorted(opts.batch_ladder):
-            plan.append(("decode", b, c, 1))
+            plan.append((DECODE, b, c, 1))
         for b in sorted(opts.batch_ladder):
             if opts.prefill_max_batch is None or b <= opts.prefill_max_batch:
-                plan += [("prefill", b, c, t) for t in opts.prefill_token_ladder(c)]
+                plan += [(PREFILL, b, c, t) for t in opts.prefill_token_ladder(c)]
+        for b in sorted(opts.batch_ladder):
+            plan += [(VERIFY, b, c, t) for t in sorted(verify_tokens) if t <= c]
+    return plan
+
+
+def entry_name(opts: ExportOptions, kind: str, batch: int, context: int, tokens: int) -> str:
+    """decode_b{B}_c{C}; prefill_b{B}_c{C}, with _t{T} below the largest of its (batch,
+    context); verify_b{B}_c{C}_t{T} always (a context has several, none the plain one)."""
+    plain = kind == DECODE or (kind == PREFILL and tokens == opts.tokens_per_seq(context))
+    return f"{kind}_b{batch}_c{context}" if plain else f"{kind}_b{batch}_c{context}_t{tokens}"
+
+
+def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
+                   windowed: WindowedKv | None, out: Path, layer_loop: bool,
+                   verify_tokens: tuple[int, ...] = ()) -> list[Entry]:
+    (out / "bodies").mkdir()
+    (out / "programs").mkdir()
+    plan = _entry_plan(opts, verify_tokens)
     entries = []
     for n, (kind, b, c, tps) in enumerate(plan, 1):
         t0 = time.perf_counter()
-        # The largest prefill entry of a (batch, context) keeps the plain name.
-        name = (f"{kind}_b{b}_c{c}" if kind == "decode" or tps == opts.tokens_per_seq(c)
-                else f"{kind}_b{b}_c{c}_t{tps}")
+        name = entry_name(opts, kind, b, c, tps)
         slots = opts.resolved_state_slots() if cfg.linear is not None else 0
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
                                 opts.weight_dtype, opts.kv_type, windowed, slots,
-                                opts.weight_quant, opts.quant_head, layer_loop)
+                                opts.weight_quant, opts.quant_head, layer_loop, kind)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
                            opts.attention_block, windowed, slots, opts.weight_quant,
-                           opts.quant_head, layer_loop)
+                           opts.quant_head, layer_loop, kind)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
             # A custom call is a platform's library function (jax's triangular solve lowers to
@@ -454,4 +506,3 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
         _log(f"[export] entry {n}/{len(plan)} {name}: {len(text) / 1024:.0f} KiB of StableHLO, "
              f"{time.perf_counter() - t0:.1f} s")
     return entries
-

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codes import GRPC_STATUS, split_coded_message
+from .drafting import prompt_lookup
 
 
 class InferError(RuntimeError):
@@ -99,17 +100,20 @@ class TlalocClient:
 
     def request(self, seq_id, tokens, *, start: bool = False, end: bool = False,
                 outputs=("LOGITS",), top_k: int | None = None,
-                cache_salt: str | None = None) -> dict[str, np.ndarray]:
+                cache_salt: str | None = None, draft_tokens: int = 0) -> dict[str, np.ndarray]:
         """One request asking for `outputs` (LOGITS, KV_PAGES, ARGMAX, TOP_K_IDS,
-        TOP_K_LOGPROBS); returns those the response holds, each flattened. top_k: the request
-        parameter K of the TOP_K outputs (the server's default is 8)."""
+        TOP_K_LOGPROBS, ACCEPTED_IDS); returns those the response holds, each flattened. top_k:
+        the request parameter K of the TOP_K outputs (the server's default is 8). draft_tokens:
+        the last this many of `tokens` are drafts, verified in one call (ACCEPTED_IDS: those
+        accepted, then the model's own next token)."""
         mod = self._mod
         arr = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
         inp = mod.InferInput("TOKENS", list(arr.shape), "INT32")
         inp.set_data_from_numpy(arr)
         kw = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
         parameters = {**({"top_k": int(top_k)} if top_k is not None else {}),
-                      **({"cache_salt": cache_salt} if cache_salt is not None else {})}
+                      **({"cache_salt": cache_salt} if cache_salt is not None else {}),
+                      **({"draft_tokens": int(draft_tokens)} if draft_tokens else {})}
         if parameters:
             kw["parameters"] = parameters
         try:
@@ -133,10 +137,13 @@ class TlalocClient:
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int,
                         stop_ids: tuple[int, ...] = (), seq_id=None,
                         argmax_output: bool = False,
-                        cache_salt: str | None = None) -> Generation:
+                        cache_salt: str | None = None, speculate: int = 0,
+                        drafter=prompt_lookup) -> Generation:
         """Greedy ids chosen on the client from each step's LOGITS, or with argmax_output from
         the server's ARGMAX (4 bytes a step instead of the vocabulary's logits). cache_salt: the
-        START's (prompts of different salts share no cached KV)."""
+        START's (prompts of different salts share no cached KV). speculate: up to this many
+        drafts a step from `drafter(history, k)` (prompt lookup by default), verified by the
+        server in one call; the ids are the same, in fewer steps when drafts are accepted."""
         seq_id = seq_id if seq_id is not None else new_sequence_id()
         outputs = ("ARGMAX",) if argmax_output else ("LOGITS",)
 
@@ -149,17 +156,26 @@ class TlalocClient:
             out = self.request(seq_id, prompt_ids, start=True, outputs=outputs,
                                cache_salt=cache_salt)
             prefill_ms = (time.perf_counter() - t0) * 1e3
-            ids, step_ms, reason = [], [], "length"
+            ids, step_ms, reason = [next_token(out)], [], "length"
             while True:
-                token = next_token(out)
-                ids.append(token)
-                if token in stop_ids:
+                stopped = next((i for i, t in enumerate(ids) if t in stop_ids), None)
+                if stopped is not None:
+                    del ids[stopped + 1:]
                     reason = "stop"
                     break
                 if len(ids) >= max_new_tokens:
+                    del ids[max_new_tokens:]
                     break
+                k = min(speculate, max_new_tokens - len(ids) - 1)
+                drafts = drafter(list(prompt_ids) + ids, k) if k > 0 else []
                 t0 = time.perf_counter()
-                out = self.request(seq_id, [token], outputs=outputs)
+                if drafts:
+                    out = self.request(seq_id, [ids[-1]] + drafts, outputs=("ACCEPTED_IDS",),
+                                       draft_tokens=len(drafts))
+                    ids += out["ACCEPTED_IDS"].tolist()
+                else:
+                    out = self.request(seq_id, [ids[-1]], outputs=outputs)
+                    ids.append(next_token(out))
                 step_ms.append((time.perf_counter() - t0) * 1e3)
             self.infer(seq_id, [], end=True)
             ended = True

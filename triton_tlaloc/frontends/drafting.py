@@ -1,0 +1,36 @@
+"""Drafters for speculative decoding: cheap guesses at a sequence's next tokens, which the
+sequence model checks in one verify call (docs/design.md#speculative-decoding). Pure numpy.
+
+Prompt lookup (vLLM's n-gram speculation): much of what people generate repeats its input
+(editing code, quoting a passage, extraction), so the tokens that followed the latest earlier
+occurrence of the text's last few tokens are a guess that costs nothing to make.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+DEFAULT_MAX_NGRAM = 3
+DEFAULT_MIN_NGRAM = 1
+
+
+def prompt_lookup(history: list[int], k: int, max_ngram: int = DEFAULT_MAX_NGRAM,
+                  min_ngram: int = DEFAULT_MIN_NGRAM) -> list[int]:
+    """Up to `k` drafts: the tokens that followed the latest earlier occurrence of the last n
+    tokens of `history` (the prompt and what was generated so far), trying the longest n from
+    `max_ngram` down to `min_ngram`; [] when none of them occurs before."""
+    if k < 1 or len(history) < 2:
+        return []
+    ids = np.asarray(history, dtype=np.int64)
+    for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
+        # Windows that start early enough to be followed by at least one token.
+        windows = sliding_window_view(ids[:-1], n)
+        hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # the latest occurrence: the most recent context
+            return ids[start:start + k].tolist()
+    return []
+
+
+__all__ = ["DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "prompt_lookup"]

@@ -1,0 +1,123 @@
+"""Speculative decoding's half of the engine (docs/design.md#speculative-decoding): a verify
+call feeds a sequence its next token and a few drafts in one call on a verify entry, which
+gives the argmax after every position; the drafts the model agrees with are kept, and the
+sequence is cut back to them. Greedy ids are exactly those of decoding one token a call.
+
+`Verification` is a mixin of `engine.Engine`, which supplies `blocks`, `art`, `rt`, `window`,
+`max_verify_tokens`, `accept`, `_entry`, `_step`, `_compiled_rows`, `_ring_room`, `decode`.
+Pure Python and numpy: no JAX, no Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .codes import RequestError
+from .sequence import Sequence
+
+__all__ = ["Verification", "Verified", "accepted_drafts"]
+
+
+@dataclass
+class Verified:
+    """One row of a verify call: the drafts it accepted, then the model's own next token (the
+    argmax after the last accepted position), and with logits asked for, the logits there."""
+
+    accepted: list[int]
+    logits: np.ndarray | None = None
+
+
+def accepted_drafts(drafts: list[int], predicted) -> int:
+    """How many leading drafts the model agrees with: draft i stands when it is the argmax
+    after the position before it (`predicted[i]`), and every draft before it stood. Greedy
+    decoding with the drafts accepted is then exactly greedy decoding without them."""
+    n = 0
+    for draft, argmax in zip(drafts, predicted):
+        if draft != int(argmax):
+            break
+        n += 1
+    return n
+
+
+class Verification:
+    """Checks and runs verify calls (the engine inherits it)."""
+
+    def check_speculation(self) -> None:
+        """RequestError unless this model can verify drafts at all."""
+        if self.blocks.state_slots is not None:
+            raise RequestError("speculation is refused for a model with linear-attention "
+                               "layers: their state folds in every token fed to it and cannot "
+                               "be cut back to the accepted drafts", "speculation")
+        if not self.max_verify_tokens:
+            raise RequestError("the artifact has no verify entries, so drafts cannot be "
+                               "checked (export it with --verify-tokens)", "speculation")
+
+    def check_verify(self, seq: Sequence, tokens: list[int], drafts: int) -> None:
+        """RequestError unless `tokens`, of which the last `drafts` are drafts, can be verified
+        in one call on `seq`: a held sequence whose history can be cut back to what is
+        accepted, at most the largest verify entry's tokens, within a ring's spare positions."""
+        self.check_speculation()
+        if not seq.token_ids:
+            raise RequestError("a sequence's first request cannot carry drafts: the prompt "
+                               "runs first, drafts come with later requests", "speculation")
+        if not 1 <= drafts < len(tokens):
+            raise RequestError(f"draft_tokens {drafts}: expected 1 to {len(tokens) - 1} (the "
+                               f"request's tokens after its first)", "speculation")
+        n = len(seq.uncached) + len(tokens)
+        if n > self.max_verify_tokens:
+            raise RequestError(f"{n} tokens in one verify call; this artifact's verify entries "
+                               f"take at most {self.max_verify_tokens}", "speculation")
+        if self.window is not None and n > self._ring_room(seq):
+            raise RequestError(f"{drafts} drafts: a call of {n} tokens needs more positions "
+                               f"than its ring of {self.ring_pages * self.block_size} holds "
+                               f"past the window of {self.window} ({self._ring_room(seq)})",
+                               "speculation")
+
+    def verify(self, seqs: list[Sequence], drafts: list[int],
+               logits: bool = False) -> list[Verified]:
+        """One verify call: each sequence's uncached tokens, the last `drafts[i]` of them
+        drafts. Each row keeps the drafts the model agrees with (`accept`) and is cut back to
+        them: the KV written for the others lies past its length, is never read, and is written
+        over; pages it no longer needs are released. While the entry for all rows compiles,
+        one call per group of as many rows as a compiled entry holds."""
+        feeds = [s.uncached for s in seqs]
+        n = max(len(f) for f in feeds)
+        end = max(s.num_cached + len(f) for s, f in zip(seqs, feeds))
+        entry = self._entry("verify", len(seqs), end, n)
+        if entry is None:
+            rows = self._compiled_rows("verify", len(seqs), end, n)
+            return [v for i in range(0, len(seqs), rows)
+                    for v in self.verify(seqs[i:i + rows], drafts[i:i + rows], logits)]
+        step = self._step(entry, seqs, feeds)
+        argmax, position_logits = self.rt.run_positions(entry.name, step, logits)
+        out = []
+        for r, (s, feed, d) in enumerate(zip(seqs, feeds, drafts)):
+            # Rows are right-aligned, so the row's last token is in the last column, and the
+            # argmax in a column predicts the token in the next one.
+            before = argmax.shape[1] - d - 1  # the column of the token before the drafts
+            m = self.accept(feed[len(feed) - d:], argmax[r, before:before + d])
+            last = before + m
+            s.num_cached += len(feed) - d + m
+            self.blocks.truncate(s, s.num_cached)
+            self.blocks.register(s)
+            out.append(Verified(feed[len(feed) - d:len(feed) - d + m] + [int(argmax[r, last])],
+                                None if position_logits is None else
+                                np.array(position_logits[r, last])))
+        return out
+
+    def verify_room(self, seq: Sequence) -> int:
+        """How many drafts a verify call can check after `seq`'s next token: within the
+        largest verify entry, the largest context and a ring's spare positions."""
+        room = min(self.max_verify_tokens, self.art.max_context - len(seq.token_ids))
+        if self.window is not None:
+            room = min(room, self._ring_room(seq))
+        return max(0, room - 1)
+
+    def _greedy_step(self, seq: Sequence, token: int, drafts: list[int]) -> list[int]:
+        """Feed `token` (and verify `drafts` after it): the ids it yields."""
+        seq.token_ids += [token] + drafts
+        if drafts:
+            return self.verify([seq], [len(drafts)])[0].accepted
+        return [int(np.argmax(self.decode([seq])[0]))]
