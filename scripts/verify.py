@@ -107,8 +107,10 @@ def build_decoders(work: Path) -> dict:
         ckpt = work / f"ckpt-{family}"
         if not ckpt.exists():
             make_tiny_checkpoint(ckpt, family, tied=tied)
+        # verify entries (speculation's rows) as `tlaloc export` writes them by default
         arts[family] = (ckpt, export_once(ckpt, work / f"art-{family}", batch_ladder=(1, 2, 4),
-                                          context_ladder=(32, 128), block_size=8))
+                                          context_ladder=(32, 128), block_size=8,
+                                          verify_tokens=(3, 5, 9)))
     # Sliding-window families (windows as masks over full-history pages; pages of 4), and the
     # same gemma3_text weights with full-history pages: the windowed pool's reference.
     window_opts = dict(batch_ladder=(1, 2, 4), context_ladder=(32, 64), block_size=4,

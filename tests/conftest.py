@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 collect_ignore = ["unit"]
 
 # Small ladders keep compile time low; block size 8 makes pages matter for short prompts. No
-# verify entries unless a test asks for them (tests/test_verify_entries.py): at these ladders
-# they would double the entries a runtime compiles (tiny llama: 5.8 s -> 14.5 s uncached).
-TINY_OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, verify_tokens=())
+# verify entries (ExportOptions' default) unless a test asks for them: at these ladders they
+# would double the entries a runtime compiles (tiny llama: 5.8 s -> 14.5 s uncached).
+TINY_OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8)
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +91,5 @@ def smollm2(work):
 
     gguf = smollm2_gguf_path()
     art = export_artifact(gguf, work / "smollm2", ExportOptions(batch_ladder=(1,),
-                                                                context_ladder=(128,),
-                                                                verify_tokens=()))
+                                                                context_ladder=(128,)))
     return gguf, art

@@ -284,7 +284,7 @@ def test_a_prefill_entry_relabelled_verify_is_refused(verify_copy):
 def test_decode_and_prefill_bodies_are_unchanged_by_verify_entries(tiny, verify_art):
     """The verify option adds entries and nothing else: every decode and prefill entry's body
     and program, and every weight file, are the same bytes with and without it."""
-    plain_path = tiny.artifact("llama", False)  # TINY_OPTS: verify_tokens=()
+    plain_path = tiny.artifact("llama", False)  # no verify entries by default
     plain, verify = load_artifact(plain_path), load_artifact(verify_art)
     assert plain.verify_tokens == () and plain.manifest["model"]["verifyTokens"] == []
     assert set(plain.entries) == {n for n, e in verify.entries.items() if e.kind != "verify"}

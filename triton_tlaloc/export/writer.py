@@ -58,9 +58,10 @@ class ExportOptions:
     # context: tokensPerSeq values (None: powers of two from 32; () none).
     prefill_tokens: tuple[int, ...] | None = None
     # tokensPerSeq of the verify entries (speculative decoding): a sequence's next token and a
-    # draft of 2, 4 or 8 tokens checked in one call; () none. Refused for linear-attention
-    # models (a state cannot be rewound to the accepted position).
-    verify_tokens: tuple[int, ...] = (3, 5, 9)
+    # draft checked in one call; () none. `tlaloc export` asks for 3, 5 and 9 (drafts of 2, 4
+    # or 8) by default; here none, because they double a small model's entries and what a
+    # runtime compiles. Never for linear-attention models (a state cannot be rewound).
+    verify_tokens: tuple[int, ...] = ()
     attention_block: int = 2048  # key block of blockwise attention in prefill entries
     windowed_kv: bool | None = None  # None: a windowed pool when the model has sliding layers
     ring_spare_pages: int = 1  # pages a ring holds beyond one window
