@@ -18,8 +18,8 @@ import numpy as np
 from .manifest import Artifact
 from .pages import (FULL, BlockManager, PagePool, PagesExhausted, PoolShape, Reuse,
                     SharedPagePool, pages_for, root_hash)
-from .sequence import Sequence
 from .codes import RequestError
+from .sequence import Sequence
 from .speculation import Verification, Verified, accepted_drafts
 from .steps import Row, build_step
 
@@ -116,8 +116,7 @@ class Engine(Verification):
                         for t in self.art.model.refused_tokens}
         self._prefill = [e for e in self.art.entries.values() if e.kind == "prefill"]
         self._decode = [e for e in self.art.entries.values() if e.kind == "decode"]
-        self.max_verify_tokens = max((e.tokens_per_seq for e in self.art.entries.values()
-                                      if e.kind == "verify"), default=0)
+        self.max_verify_tokens = max(self.art.verify_tokens, default=0)
         # Which drafts a verify call keeps (a test swaps in a wrong rule as the control).
         self.accept = accepted_drafts
         # Once no decode entry is left to compile none will be again (a compile that failed

@@ -296,6 +296,12 @@ class BlockManager:
         for page in seq.pages[full_blocks:num_pages]:
             self.full.unregister(page)
         del seq.block_hashes[full_blocks:]
+        self._release_past(seq, num_pages, num_ring)
+        return True
+
+    def _release_past(self, seq: Sequence, num_pages: int, num_ring: int) -> None:
+        """Release the pages `seq` holds past its first `num_pages`, and its ring pages past
+        its first `num_ring`."""
         extra = seq.pages[num_pages:]
         del seq.pages[num_pages:]
         self.full.release(extra)
@@ -303,7 +309,6 @@ class BlockManager:
             extra = seq.ring[num_ring:]
             del seq.ring[num_ring:]
             self.rings.release(extra)
-        return True
 
     def truncate(self, seq: Sequence, length: int) -> None:
         """Cut `seq` back to its first `length` tokens (drafts a verify call did not accept):
@@ -315,14 +320,7 @@ class BlockManager:
         del seq.token_ids[length:]
         seq.num_cached = min(seq.num_cached, length)
         blocks = pages_for(length, self.block_size)
-        if self.holds_full_pages:
-            extra = seq.pages[blocks:]
-            del seq.pages[blocks:]
-            self.full.release(extra)
-        if self.rings is not None:
-            extra = seq.ring[min(blocks, self.ring_pages):]
-            del seq.ring[min(blocks, self.ring_pages):]
-            self.rings.release(extra)
+        self._release_past(seq, blocks, min(blocks, self.ring_pages))
 
     def free(self, seq: Sequence) -> None:
         """Release everything `seq` holds (its registered blocks stay cached)."""

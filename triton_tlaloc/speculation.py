@@ -97,12 +97,13 @@ class Verification:
             # Rows are right-aligned, so the row's last token is in the last column, and the
             # argmax in a column predicts the token in the next one.
             before = argmax.shape[1] - d - 1  # the column of the token before the drafts
-            m = self.accept(feed[len(feed) - d:], argmax[r, before:before + d])
+            row_drafts = feed[len(feed) - d:]
+            m = self.accept(row_drafts, argmax[r, before:before + d])
             last = before + m
             s.num_cached += len(feed) - d + m
             self.blocks.truncate(s, s.num_cached)
             self.blocks.register(s)
-            out.append(Verified(feed[len(feed) - d:len(feed) - d + m] + [int(argmax[r, last])],
+            out.append(Verified(row_drafts[:m] + [int(argmax[r, last])],
                                 None if position_logits is None else
                                 np.array(position_logits[r, last])))
         return out

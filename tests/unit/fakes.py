@@ -16,6 +16,7 @@ from triton_tlaloc.page_pools import FULL, STATE, WINDOWED
 from triton_tlaloc.manifest import (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Artifact, Entry, KvPool,
                                     LinearState, ModelShape, Program, WindowedKv)
 from triton_tlaloc.policy import BatchPolicy
+from triton_tlaloc.simulated import one_hot
 
 
 class Clock:
@@ -136,34 +137,24 @@ class FakeRuntime:
                     self.kv[STATE][slot, 0] = (h * 31 + int(t) + 1) % (1 << 40)
 
     def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
-        if self.fail_next is not None:
-            e, self.fail_next = self.fail_next, None
-            raise e
-        tokens, positions, lens = step["TOKEN_IDS"], step["POSITIONS"], step["SEQ_LENS"]
-        vocab = self.artifact.model.vocab
-        logits = np.zeros((tokens.shape[0], vocab), np.float32)
-        for r in range(tokens.shape[0]):
-            logits[r, (tokens[r, -1] + positions[r, -1]) % vocab] = 1.0
-        self.calls.append((entry_name, int((lens > 0).sum())))
-        self._write_kv(step)
-        return logits
+        argmax = self._execute(entry_name, step)
+        return one_hot(argmax[:, -1], self.artifact.model.vocab)
 
     def run_positions(self, entry_name: str, step: dict[str, np.ndarray],
                       logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
         """A verify entry: the same rule after every position."""
+        argmax = self._execute(entry_name, step)
+        return argmax, one_hot(argmax, self.artifact.model.vocab) if logits else None
+
+    def _execute(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
+        """One call: recorded, its KV written; the rule's next token after every position."""
         if self.fail_next is not None:
             e, self.fail_next = self.fail_next, None
             raise e
         tokens, positions, lens = step["TOKEN_IDS"], step["POSITIONS"], step["SEQ_LENS"]
-        vocab = self.artifact.model.vocab
-        argmax = ((tokens + positions) % vocab).astype(np.int32)
         self.calls.append((entry_name, int((lens > 0).sum())))
         self._write_kv(step)
-        if not logits:
-            return argmax, None
-        out = np.zeros((*argmax.shape, vocab), np.float32)
-        np.put_along_axis(out, argmax[..., None].astype(np.int64), 1.0, axis=-1)
-        return argmax, out
+        return ((tokens + positions) % self.artifact.model.vocab).astype(np.int32)
 
 
 class FakeTransfer:
