@@ -90,6 +90,8 @@ def smollm2(work):
     from triton_tlaloc.export.checkpoint import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
+    # One verify entry: drafts of up to 8 (speculation through the generate model).
     art = export_artifact(gguf, work / "smollm2", ExportOptions(batch_ladder=(1,),
-                                                                context_ladder=(128,)))
+                                                                context_ladder=(128,),
+                                                                verify_tokens=(9,)))
     return gguf, art

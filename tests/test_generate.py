@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, generate, metric,
-                                  scrape_metrics)
+from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, generate,
+                                           generate_http, metric, scrape_metrics)
 from triton_tlaloc.manifest import load_artifact
 from triton_tlaloc.repository import RepositoryOptions, write_generate_model, write_repository
 from triton_tlaloc.server import TritonServer
@@ -141,6 +141,80 @@ def test_bad_requests_get_one_error_naming_the_problem(served, loop):
         got = generate(server.grpc_url, f"llama_generate{loop}", **kwargs)
         assert got.error is not None and message in got.error, (kwargs, got)
         assert got.responses == 1
+
+
+# ------------------------------------------------------------------ speculation
+
+EDIT = ("Rename total to acc:\n"
+        "def add(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total")
+
+
+def speculative(k: int, **extra) -> dict:
+    return {"max_tokens": 40, "ignore_eos": True,
+            "speculative": {"num_draft_tokens": k, **extra}}
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_speculative_generation_gives_the_greedy_ids(served, protocol):
+    """SmolLM2 asked to edit code (its answer repeats the prompt, so prompt lookup drafts
+    well): with 1, 2, 4 and 8 drafts a step, fixed or adaptive, the generate model's ids equal
+    the sequence model's greedy ids without drafts, over gRPC and HTTP (Triton's generate
+    extension), and drafts were verified and accepted (the sequence model's counters)."""
+    server, tok = served
+    url, send = ((server.grpc_url, generate) if protocol == "grpc" else
+                 (server.http_url, generate_http))
+    prompt = tok.apply_chat_template([{"role": "user", "content": EDIT}])
+    assert len(prompt) + 40 <= 128, len(prompt)
+    with TlalocClient(server.grpc_url, "smollm2") as c:
+        want = c.generate_greedy(prompt, 40).generated_ids
+    before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+    for k, adaptive in ((1, False), (2, False), (4, True), (8, False), (8, True)):
+        got = send(url, "smollm2_generate", input_ids=prompt,
+                   sampling=speculative(k, adaptive=adaptive))
+        assert got.error is None and got.token_ids == want, (k, adaptive, got.error)
+        assert (got.finish_reason, got.completion_tokens) == ("length", 40)
+    after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+
+    def delta(name):
+        return metric(after, name, model="smollm2") - metric(before, name, model="smollm2")
+    drafted, accepted = delta("tlaloc_draft_tokens_total"), delta(
+        "tlaloc_accepted_draft_tokens_total")
+    assert drafted > 0 and 0.1 * drafted < accepted <= drafted, (drafted, accepted)
+
+
+def test_speculation_beside_plain_generations_and_in_every_loop(served):
+    """A speculating generation and two plain ones at once (their steps share calls): each
+    equals its greedy ids alone. The BLS loop decodes a token a step whatever `speculative`
+    says (the same ids); a sampled generation that speculates with top_k 1 is greedy too; a
+    model without verify entries refuses speculation by name in one response."""
+    server, tok = served
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}])
+               for c in (EDIT, "Tell me a joke.", "What is 2 + 2?")]
+    with TlalocClient(server.grpc_url, "smollm2") as c:
+        wants = [c.generate_greedy(p, 40).generated_ids for p in prompts]
+    got = [None] * 3
+
+    def run(i, sampling):
+        got[i] = generate(server.grpc_url, "smollm2_generate", input_ids=prompts[i],
+                          sampling=sampling)
+    threads = [threading.Thread(target=run, args=(i, speculative(6) if i == 0 else
+                                                  {"max_tokens": 40, "ignore_eos": True}))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [g.token_ids for g in got] == wants
+    bls = generate(server.grpc_url, "smollm2_generate_bls", input_ids=prompts[0],
+                   sampling=speculative(4))
+    assert bls.token_ids == wants[0]
+    sampled = generate(server.grpc_url, "smollm2_generate", input_ids=prompts[0],
+                       sampling={**speculative(4), "temperature": 0.9, "top_k": 1, "seed": 5})
+    assert sampled.error is None and sampled.token_ids == wants[0]
+    refused = generate(server.grpc_url, "llama_generate", input_ids=PROMPT,
+                       sampling=speculative(4))
+    assert refused.responses == 1 and refused.status == "INVALID_ARGUMENT"
+    assert "speculative: the artifact has no verify entries" in refused.error
 
 
 # ------------------------------------------------------------------ tlaloc openai

@@ -53,6 +53,8 @@ class Request:
     # Speculation: how many of `tokens` (the last ones) are drafts to verify in one call
     draft_tokens: int = 0
     want_logits: bool = True  # a verify call copies logits out only when some row wants them
+    # Sampled speculation (a generation in this process): which drafts stand (speculation.py)
+    acceptor: Callable[[np.ndarray, list[int]], tuple[int, int]] | None = None
     _answered: bool = field(default=False, repr=False)
 
     @property

@@ -319,7 +319,8 @@ class Batcher(Admission, RoomMaking):
                 logits = self.engine.decode(seqs)
             elif kind == "verify":
                 logits = self.engine.verify(seqs, [j.request.draft_tokens for j in jobs],
-                                            any(j.request.want_logits for j in jobs))
+                                            any(j.request.want_logits for j in jobs),
+                                            [j.request.acceptor for j in jobs])
             elif len(seqs) == 1 and len(seqs[0].token_ids) - seqs[0].num_cached > \
                     self.engine.max_call_tokens(seqs[0]):
                 logits = self.engine.prefill_chunked(seqs[0])

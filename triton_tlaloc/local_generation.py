@@ -20,16 +20,19 @@ fake batcher (tests/unit/test_local_generation.py).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from .admission import Reply, Request
-from .codes import INTERNAL, INVALID_ARG
+from .codes import INTERNAL, INVALID_ARG, RequestError
 from .frontends.sampling import Sampler, SamplingError, SamplingParams
+from .frontends.speculative import Speculator, sampled_acceptance
 from .generation_link import (LinkError, hang_up, knock, listen, receive_frame,
                               send_frame)
 
@@ -61,7 +64,8 @@ class Generation:
 
     def __init__(self, gen_id: int, prompt: list[int], params: SamplingParams, stops: set[int],
                  max_context: int, emit: Callable[[list], None],
-                 submit: Callable[[list[Request]], None]):
+                 submit: Callable[[list[Request]], None],
+                 speculation: "Speculation | None" = None):
         assert prompt, "a generation needs a prompt"
         self.gen_id, self.prompt, self.params = gen_id, prompt, params
         self.stops, self.max_context = stops, max_context
@@ -69,8 +73,15 @@ class Generation:
         self.sampler = Sampler(params)
         self.seq_id = LocalSequenceId(next(_numbers))
         self.generated = 0
+        self.length = len(prompt)  # the prompt and the tokens generated so far
         self.cancelled = False  # set by the link's reader thread, read by the batching thread
         self.finished = False
+        self.speculator = None
+        if params.speculative is not None:
+            speculation = speculation or Speculation()
+            if speculation.refused:
+                raise SamplingError(f"sampling parameter speculative: {speculation.refused}")
+            self.speculator = Speculator(params.speculative, prompt, speculation.most_drafts)
 
     def start_request(self) -> Request:
         return Request(seq_id=self.seq_id, tokens=list(self.prompt), start=True, end=False,
@@ -85,21 +96,41 @@ class Generation:
         if self.cancelled:
             self._finish(NO_TOKEN, "cancelled")
             return
-        if self.params.greedy:
-            token = int(np.argmax(reply.logits))
+        if reply.accepted_ids is not None:  # a verify call's: the drafts that stood, then one
+            tokens = reply.accepted_ids
+        elif self.params.greedy:
+            tokens = [int(np.argmax(reply.logits))]
         else:
-            token = self.sampler.choose(reply.logits)
-        if token in self.stops:  # not part of the text
-            self._finish(NO_TOKEN, "stop")
-            return
-        self.generated += 1
-        if (self.generated >= self.params.max_tokens
-                or len(self.prompt) + self.generated >= self.max_context):
-            self._finish(token, "length")  # the next token would pass a limit
-            return
-        self.emit([self.gen_id, token, None])
-        self.submit([Request(seq_id=self.seq_id, tokens=[token], start=False, end=False,
-                             reply_fn=self.on_reply)])
+            tokens = [self.sampler.choose(reply.logits)]
+        if self.speculator is not None:
+            self.speculator.took(tokens)
+        for token in tokens:
+            if token in self.stops:  # not part of the text
+                self._finish(NO_TOKEN, "stop")
+                return
+            self.generated += 1
+            self.length += 1
+            if self.generated >= self.params.max_tokens or self.length >= self.max_context:
+                self._finish(token, "length")  # the next token would pass a limit
+                return
+            self.emit([self.gen_id, token, None])
+        self.submit([self._next_step(tokens[-1])])
+
+    def _next_step(self, token: int) -> Request:
+        """The request that feeds `token`: with drafts after it when the generation
+        speculates and its drafter has some, a verify request."""
+        drafts = []
+        if self.speculator is not None:
+            # Room for the drafts and the token after them within both limits.
+            room = min(self.max_context - self.length, self.params.max_tokens - self.generated)
+            drafts = self.speculator.drafts(room - 1)
+        if not drafts:
+            return Request(seq_id=self.seq_id, tokens=[token], start=False, end=False,
+                           reply_fn=self.on_reply)
+        return Request(seq_id=self.seq_id, tokens=[token] + drafts, start=False, end=False,
+                       reply_fn=self.on_reply, draft_tokens=len(drafts), want_logits=False,
+                       acceptor=(None if self.params.greedy else
+                                 functools.partial(sampled_acceptance, self.sampler)))
 
     def _finish(self, token: int, reason: str, code: str | None = None,
                 message: str | None = None) -> None:
@@ -115,6 +146,23 @@ def _ignore(reply: Reply) -> None:
     pass
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """What the sequence model can verify: the most drafts a step can carry, or why it
+    verifies none (a generation asking for speculation is then refused with that reason)."""
+
+    most_drafts: int = 0
+    refused: str | None = "the sequence model verifies no drafts"
+
+    @staticmethod
+    def of(engine) -> "Speculation":
+        try:
+            engine.check_speculation()
+        except RequestError as e:
+            return Speculation(0, str(e))
+        return Speculation(engine.most_drafts(), None)
+
+
 class LinkConnection:
     """One generate model's connection: its generations, a reader thread taking commands
     (starts go to the batcher at once), and an outbox its writer thread sends as one frame when
@@ -122,9 +170,11 @@ class LinkConnection:
 
     def __init__(self, conn, submit: Callable[[list[Request]], None],
                  queue_next: Callable[[list[Request]], None], max_context: int,
-                 on_closed: Callable[["LinkConnection"], None]):
+                 on_closed: Callable[["LinkConnection"], None],
+                 speculation: Speculation | None = None):
         self.conn, self.submit, self.queue_next = conn, submit, queue_next
         self.max_context, self.on_closed = max_context, on_closed
+        self.speculation = speculation or Speculation()
         self.generations: dict[int, Generation] = {}
         self._outbox: list[list] = []
         self._cv = threading.Condition()
@@ -217,7 +267,7 @@ class LinkConnection:
         params = SamplingParams.from_dict(spec.get("sampling") or {})
         stops = {int(t) for t in spec.get("stops", ())}  # the generate model's end ids
         gen = Generation(gen_id, prompt, params, stops, self.max_context, self.emit,
-                         self.queue_next)
+                         self.queue_next, self.speculation)
         with self._cv:
             self.generations[gen_id] = gen
         return gen
@@ -243,8 +293,10 @@ class LocalGenerations:
     batcher together, and every connection's outbox is flushed."""
 
     def __init__(self, model_name: str, submit: Callable[[list[Request]], None],
-                 max_context: int, server_pid: int | None = None):
+                 max_context: int, server_pid: int | None = None,
+                 speculation: Speculation | None = None):
         self.model_name, self.submit, self.max_context = model_name, submit, max_context
+        self.speculation = speculation or Speculation()
         self.connections: list[LinkConnection] = []
         self._lock = threading.Lock()
         self._next: list[Request] = []  # steps queued by this round's replies
@@ -279,7 +331,7 @@ class LocalGenerations:
                 log.warning("local generation link: a connection refused: %s", e)
                 continue
             link = LinkConnection(conn, self.submit, self.queue_next, self.max_context,
-                                  self._closed)
+                                  self._closed, self.speculation)
             with self._lock:
                 self.connections.append(link)
             link.start()
@@ -320,4 +372,5 @@ class LocalGenerations:
                 pass
 
 
-__all__ = ["Generation", "LinkConnection", "LocalGenerations", "LocalSequenceId", "NO_TOKEN"]
+__all__ = ["Generation", "LinkConnection", "LocalGenerations", "LocalSequenceId", "NO_TOKEN",
+           "Speculation"]

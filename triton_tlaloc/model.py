@@ -26,7 +26,7 @@ from .codes import coded_message
 from .engine import Engine
 from .host_tier import HostTier
 from .kv_transfer import PageTransfer, transfer_buckets
-from .local_generation import LocalGenerations
+from .local_generation import LocalGenerations, Speculation
 from .manifest import load_artifact
 from .memory import resident_bytes
 from .metrics import TimingLog
@@ -133,7 +133,8 @@ class TritonPythonModel:
         self.local = None
         if parse_bool(params["local_generation"]):
             self.local = LocalGenerations.open(args["model_name"], self.batcher.submit_group,
-                                               artifact.max_context)
+                                               artifact.max_context,
+                                               speculation=Speculation.of(self.batcher.engine))
             if self.local is not None:
                 self.batcher.round_listeners.append(self.local.round_ended)
         self.batcher.start()

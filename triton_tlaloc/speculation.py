@@ -11,13 +11,19 @@ Pure Python and numpy: no JAX, no Triton.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from .codes import RequestError
 from .sequence import Sequence
 
-__all__ = ["Verification", "Verified", "accepted_drafts"]
+__all__ = ["Acceptor", "Verification", "Verified", "accepted_drafts"]
+
+# Sampled speculation's rule for one row: given the logits after the token before the drafts and
+# after each draft ([drafts + 1, vocab]) and the drafts, how many drafts stand and the token that
+# follows them.
+Acceptor = Callable[[np.ndarray, list[int]], tuple[int, int]]
 
 
 @dataclass
@@ -75,13 +81,16 @@ class Verification:
                                f"past the window of {self.window} ({self._ring_room(seq)})",
                                "speculation")
 
-    def verify(self, seqs: list[Sequence], drafts: list[int],
-               logits: bool = False) -> list[Verified]:
+    def verify(self, seqs: list[Sequence], drafts: list[int], logits: bool = False,
+               acceptors: list[Acceptor | None] | None = None) -> list[Verified]:
         """One verify call: each sequence's uncached tokens, the last `drafts[i]` of them
-        drafts. Each row keeps the drafts the model agrees with (`accept`) and is cut back to
-        them: the KV written for the others lies past its length, is never read, and is written
-        over; pages it no longer needs are released. While the entry for all rows compiles,
-        one call per group of as many rows as a compiled entry holds."""
+        drafts. Each row keeps the drafts the model agrees with (`accept`), or those its
+        acceptor keeps (sampled speculation: `acceptors[i]`, given the logits after the token
+        before the drafts and after each draft), and is cut back to them: the KV written for the
+        others lies past its length, is never read, and is written over; pages it no longer
+        needs are released. While the entry for all rows compiles, one call per group of as
+        many rows as a compiled entry holds."""
+        acceptors = acceptors or [None] * len(seqs)
         feeds = [s.uncached for s in seqs]
         n = max(len(f) for f in feeds)
         end = max(s.num_cached + len(f) for s, f in zip(seqs, feeds))
@@ -89,24 +98,38 @@ class Verification:
         if entry is None:
             rows = self._compiled_rows("verify", len(seqs), end, n)
             return [v for i in range(0, len(seqs), rows)
-                    for v in self.verify(seqs[i:i + rows], drafts[i:i + rows], logits)]
+                    for v in self.verify(seqs[i:i + rows], drafts[i:i + rows], logits,
+                                         acceptors[i:i + rows])]
         step = self._step(entry, seqs, feeds)
-        argmax, position_logits = self.rt.run_positions(entry.name, step, logits)
+        sampled = any(a is not None for a in acceptors)
+        argmax, position_logits = self.rt.run_positions(entry.name, step, logits or sampled)
         out = []
-        for r, (s, feed, d) in enumerate(zip(seqs, feeds, drafts)):
+        for r, (s, feed, d, acceptor) in enumerate(zip(seqs, feeds, drafts, acceptors)):
             # Rows are right-aligned, so the row's last token is in the last column, and the
             # argmax in a column predicts the token in the next one.
             before = argmax.shape[1] - d - 1  # the column of the token before the drafts
             row_drafts = feed[len(feed) - d:]
-            m = self.accept(row_drafts, argmax[r, before:before + d])
+            if acceptor is None:
+                m = self.accept(row_drafts, argmax[r, before:before + d])
+                following = int(argmax[r, before + m])
+            else:
+                m, following = acceptor(position_logits[r, before:], row_drafts)
+                assert 0 <= m <= d, f"an acceptor kept {m} of {d} drafts"
             last = before + m
             s.num_cached += len(feed) - d + m
             self.blocks.truncate(s, s.num_cached)
             self.blocks.register(s)
-            out.append(Verified(row_drafts[:m] + [int(argmax[r, last])],
-                                None if position_logits is None else
-                                np.array(position_logits[r, last])))
+            out.append(Verified(row_drafts[:m] + [following],
+                                np.array(position_logits[r, last]) if logits else None))
         return out
+
+    def most_drafts(self) -> int:
+        """The most drafts any verify call can check after a sequence's next token: within the
+        largest verify entry and, once a ring's window is full, its spare positions."""
+        room = self.max_verify_tokens
+        if self.window is not None:
+            room = min(room, self.ring_pages * self.block_size - (self.window - 1))
+        return max(0, room - 1)
 
     def verify_room(self, seq: Sequence) -> int:
         """How many drafts a verify call can check after `seq`'s next token: within the

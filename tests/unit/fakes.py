@@ -194,11 +194,12 @@ class Harness:
                                preempt_wait_s=preempt_wait_s)
         self.replies: dict = {}
 
-    def send(self, seq_id, tokens, start=False, end=False, refusal=None, draft_tokens=0):
+    def send(self, seq_id, tokens, start=False, end=False, refusal=None, draft_tokens=0,
+             **request):
         def reply_fn(reply: Reply):
             self.replies.setdefault(seq_id, []).append(reply)
         self.batcher.submit(Request(seq_id, list(tokens), start, end, reply_fn,
-                                    refusal=refusal, draft_tokens=draft_tokens))
+                                    refusal=refusal, draft_tokens=draft_tokens, **request))
 
     def run(self) -> list[tuple[str, int]]:
         """Rounds due now; returns the calls they made."""
@@ -216,10 +217,10 @@ class Harness:
         return self.replies[seq_id][-1]
 
     def step(self, seq_id, tokens, start=False, end=False, refusal=None,
-             draft_tokens=0) -> Reply:
+             draft_tokens=0, **request) -> Reply:
         """Send one request, move the clock past every wait, run what is due, return the
         request's reply (each request in a round of its own)."""
-        self.send(seq_id, tokens, start, end, refusal, draft_tokens)
+        self.send(seq_id, tokens, start, end, refusal, draft_tokens, **request)
         self.clock.advance(1.0)
         self.run()
         return self.last(seq_id)

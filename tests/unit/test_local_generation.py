@@ -21,7 +21,8 @@ from triton_tlaloc.frontends.local_streams import (LocalLoop, LocalStream, Outbo
                                                    StreamSenders)
 from triton_tlaloc.frontends.sampling import SamplingParams, TextStream
 from triton_tlaloc.generation_link import LinkError, connect, link_paths, listen
-from triton_tlaloc.local_generation import Generation, LocalGenerations
+from triton_tlaloc.frontends.speculative import SpeculativeParams
+from triton_tlaloc.local_generation import Generation, LocalGenerations, Speculation
 from triton_tlaloc.policy import BatchPolicy
 from triton_tlaloc.simulated import SimulatedRuntime
 
@@ -127,7 +128,7 @@ class Served:
         self.rt = SimulatedRuntime(ART, step_s)
         self.batcher = Batcher(Engine(self.rt), BatchPolicy(prefill_wait_s=0.001))
         self.local = LocalGenerations("tiny", self.batcher.submit_group, ART.max_context,
-                                      SERVER_PID)
+                                      SERVER_PID, Speculation.of(self.batcher.engine))
         self.batcher.round_listeners.append(self.local.round_ended)
         self.batcher.start()
         self.sent = Sent(send_delay_s)
@@ -180,6 +181,26 @@ def test_16_local_generations_get_the_ids_they_get_alone_in_shared_calls(private
     assert served.rt.runs <= 2 * 13  # at most two calls a step: the streams share them
     assert served.released  # every generation's sequence ENDed
     assert not served.local.socket_path.exists() and not served.local.key_path.exists()
+
+
+def test_speculating_streams_get_their_greedy_ids_beside_plain_ones(private_tmp):
+    """Streams that verify prompt-lookup drafts and a plain stream in the same rounds, through
+    the socket and a real batcher: each gets its greedy ids alone. The simulated model's next
+    token depends on the position, so lookups (found in the prompt's repeats) are wrong:
+    verify calls ran, and what they kept is exactly the model's own."""
+    served = Served(0.002)
+    prompts = [[5, 6, 7, 5, 6, 7], [9, 10, 11, 12] * 3, [1, 2, 3]]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, speculative=SpeculativeParams(
+        num_draft_tokens=k)) for k in (4, 8)] + [SamplingParams(max_tokens=16, ignore_eos=True)]
+    streams = [LocalStream(None, p, sp, True, TextStream(lambda ids: "", ()), set(),
+                           time.perf_counter()) for p, sp in zip(prompts, params)]
+    outs = served.run(streams)
+    for prompt, stream_outs in zip(prompts, outs):
+        assert [t for o in stream_outs for t in o.token_ids] == greedy_alone(prompt, 16)
+        assert stream_outs[-1].finish == "length"
+    assert served.released
+    stats = served.batcher.stats
+    assert stats.calls.get("verify", 0) > 0 and stats.drafted > 0
 
 
 def test_responses_carry_several_tokens_when_sends_fall_behind(private_tmp):

@@ -309,6 +309,53 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
                           count, first_ms, error, status)
 
 
+def generate_http(url: str, model: str, *, text: str | None = None, input_ids=None,
+                  sampling: dict | None = None, stream: bool = True,
+                  timeout_s: float = 120.0) -> GenerateResult:
+    """One request to a generate model over HTTP: Triton's generate extension
+    (POST /v2/models/MODEL/generate_stream, one server-sent event a response), as curl or any
+    HTTP client would send it. The inputs are JSON fields of the request's body."""
+    import urllib.error
+    import urllib.request
+
+    body = {"sampling_parameters": json.dumps(sampling or {}), "stream": stream}
+    if text is not None:
+        body["text_input"] = text
+    if input_ids is not None:
+        body["input_ids"] = [int(t) for t in np.asarray(input_ids).reshape(-1)]
+    request = urllib.request.Request(f"http://{url}/v2/models/{model}/generate_stream",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    pieces, ids, final, count, first_ms, error = [], [], {}, 0, None, None
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            for line in r:
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                count += 1
+                if "error" in event:
+                    error = event["error"]
+                    break
+                pieces.append(event.get("text_output", ""))
+                new_ids = event.get("token_ids", [])
+                ids += [int(t) for t in (new_ids if isinstance(new_ids, list) else [new_ids])]
+                if first_ms is None and (pieces[-1] or ids):
+                    first_ms = (time.perf_counter() - t0) * 1e3
+                if "finish_reason" in event:
+                    final = {k: event[k] for k in ("finish_reason", "prompt_tokens",
+                                                   "completion_tokens")}
+    except urllib.error.HTTPError as e:  # refused before any event
+        count += 1
+        error = json.loads(e.read() or b"{}").get("error", str(e))
+    code, _ = split_coded_message(error) if error else (None, None)
+    return GenerateResult("".join(pieces), ids, final.get("finish_reason", "error"),
+                          int(final.get("prompt_tokens", 0)),
+                          int(final.get("completion_tokens", 0)), count, first_ms, error,
+                          None if code is None else GRPC_STATUS[code])
+
+
 # The backend applies its metric updates every 250 ms (metrics_interval_microseconds, on a
 # thread of their own): a scrape that must see the requests just answered waits this long.
 METRICS_SETTLE_S = 0.6

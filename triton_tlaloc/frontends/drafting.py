@@ -33,4 +33,41 @@ def prompt_lookup(history: list[int], k: int, max_ngram: int = DEFAULT_MAX_NGRAM
     return []
 
 
-__all__ = ["DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "prompt_lookup"]
+class NgramIndex:
+    """`prompt_lookup` kept up to date as a generation grows: for each n from `min_ngram` to
+    `max_ngram`, where the latest occurrence of each n tokens (followed by at least one token)
+    ends. Adding a token costs `max_ngram` dictionary writes and a lookup as many reads, where
+    `prompt_lookup` scans the whole history: a generation looks up once a step, on the batching
+    thread, where its cost is paid by every sequence in the round."""
+
+    def __init__(self, history: list[int] = (), max_ngram: int = DEFAULT_MAX_NGRAM,
+                 min_ngram: int = DEFAULT_MIN_NGRAM):
+        assert 1 <= min_ngram <= max_ngram, (min_ngram, max_ngram)
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.history: list[int] = []
+        self.ends: dict[tuple[int, ...], int] = {}  # n tokens -> where what followed starts
+        self.extend(history)
+
+    def extend(self, tokens) -> None:
+        h = self.history
+        for t in tokens:
+            # The n tokens before t are now followed by one: t's position is where a draft
+            # after them would start.
+            at = len(h)
+            for n in range(self.min_ngram, min(self.max_ngram, at) + 1):
+                self.ends[tuple(h[at - n:at])] = at
+            h.append(int(t))
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to `k` drafts (what `prompt_lookup(history, k, ...)` returns)."""
+        h = self.history
+        if k < 1 or len(h) < 2:
+            return []
+        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
+            start = self.ends.get(tuple(h[len(h) - n:]))
+            if start is not None:
+                return h[start:start + k]
+        return []
+
+
+__all__ = ["DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "NgramIndex", "prompt_lookup"]

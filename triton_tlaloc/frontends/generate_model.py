@@ -14,6 +14,11 @@ concurrent generations decode in the same cohorts as every other sequence. Two l
   START / END flags), once per token. Greedy steps ask for ARGMAX alone (4 bytes); sampled
   steps for LOGITS, sampled here (sampling.Sampler: temperature, top-k, top-p, a seed).
 
+Speculation (the `speculative` sampling parameter: drafts found by prompt lookup, verified in
+one call) runs in the local loop, where each step's drafts and the rule that keeps them are on
+the batching thread (local_generation.py, speculative.py). The BLS loop decodes a token a step
+whatever `speculative` says: the same ids, or the same distribution when sampling, only slower.
+
 Each step's new text goes out as a response (text_output, token_ids); the last response, flagged
 final, carries finish_reason (stop, length, cancelled), prompt_tokens and completion_tokens. With
 stream false, one response holds the whole text. A cancelled request (the client closed its

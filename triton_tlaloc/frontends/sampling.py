@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..outputs import checked_cache_salt
+from .speculative import SpeculativeError, SpeculativeParams
 
 MAX_STOP_STRINGS = 16  # per request
 MAX_STOP_CHARS = 1024  # per stop string
@@ -80,9 +81,11 @@ class SamplingParams:
     # The tenant of the prompt's cached KV: prompts of different salts share none (a cache hit
     # is a timing signal that someone sent the same prefix).
     cache_salt: str | None = None
+    # Drafts verified in one call (speculative.py); None: one token a step.
+    speculative: SpeculativeParams | None = None
 
     KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
-            "ignore_eos", "cache_salt")
+            "ignore_eos", "cache_salt", "speculative")
 
     @staticmethod
     def from_dict(d: dict) -> "SamplingParams":
@@ -146,10 +149,15 @@ class SamplingParams:
         except ValueError as e:
             raise SamplingError(str(e)) from None
 
+        try:
+            speculative = SpeculativeParams.from_dict(given.get("speculative"))
+        except SpeculativeError as e:
+            raise SamplingError(f"sampling parameter {e}") from None
+
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=seed, stop=tuple(stop),
                               stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                              cache_salt=cache_salt)
+                              cache_salt=cache_salt, speculative=speculative)
 
     @property
     def greedy(self) -> bool:
@@ -173,12 +181,19 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def choose(self, logits: np.ndarray) -> int:
-        p = self.params
-        if p.greedy:
+        if self.params.greedy:
             return int(np.argmax(logits))
+        ids, weights = self.distribution(logits)
+        return self.draw(ids, weights)
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """What a draw chooses from (not greedy): the candidates' token ids, ascending (None:
+        the whole vocabulary), and their weights (not normalized) after temperature, top-k
+        and top-p."""
+        p = self.params
         # float32, as the logits are (a float64 exp took ten times as long here)
         z = np.asarray(logits, np.float32) / np.float32(p.temperature)
-        ids = None  # the candidates' token ids, ascending (None: the whole vocabulary)
+        ids = None
         if p.top_k and p.top_k < z.size:
             ids = top_k_ids(z, p.top_k)
             z = z[ids]
@@ -187,6 +202,10 @@ class Sampler:
             keep = nucleus(weights, p.top_p)
             ids = keep if ids is None else ids[keep]
             weights = weights[keep]
+        return ids, weights
+
+    def draw(self, ids: np.ndarray | None, weights: np.ndarray) -> int:
+        """One token from a distribution (`distribution`'s form)."""
         at = inverse_cdf(weights, self.rng.random())
         return at if ids is None else int(ids[at])
 

@@ -1,0 +1,193 @@
+"""Speculation in the generate model's loops (docs/design.md#speculative-decoding): a request's
+`speculative` sampling parameter, how many drafts each step carries, and, with temperature above
+0, which drafts stand. Pure Python and numpy: no Triton, no JAX.
+
+- `SpeculativeParams`: {"method": "prompt_lookup", "num_draft_tokens": k, ...}, checked when
+  the request arrives like every other sampling parameter.
+- `DraftLength`: the adaptive rule. Each draft position is accepted with some probability a,
+  estimated from what the generation saw (decayed, so it follows the text as it changes). The
+  i-th draft is worth a**i tokens and costs a share of a step (`DRAFT_COST`), so the length is
+  the largest k with a**k at least that share; at 0 the generation stops drafting but keeps
+  checking, for free, whether the drafts it would have sent were right, and starts again when
+  they are.
+- `sampled_acceptance`: speculative sampling (Leviathan et al., Chen et al.) for a drafter that
+  proposes one token with certainty (prompt lookup): a draft x stands with probability p(x) (the
+  target's probability after temperature, top-k and top-p; min(1, p/q) with q = 1); the first
+  that falls is replaced by a draw from p without x, renormalized (the residual max(0, p - q));
+  after every draft stood, one more token is drawn from p. Each token so chosen is distributed
+  exactly as a token sampled without speculation.
+- `Speculator`: one generation's drafting: the n-gram index, the draft length, the check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .drafting import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
+
+METHODS = ("prompt_lookup", "draft_model")
+MAX_DRAFT_TOKENS = 64
+MAX_NGRAM = 16
+# What one verified draft costs, as a share of a decode step. Measured on SmolLM2 f32 on 2 CPU
+# cores (docs/performance.md#speculative-decoding): a call of 9 tokens took about 3.2 steps'
+# time, about 0.27 a draft. Where drafts cost less (an accelerator), the rule only drafts a
+# little more than it could.
+DRAFT_COST = 0.3
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0  # a start of two draft positions, 60% accepted
+DECAY = 0.9  # per observation: the estimate follows the last ten or so
+
+
+class SpeculativeError(ValueError):
+    """A `speculative` parameter out of range; the message names it."""
+
+
+def _count(d: dict, key: str, default: int, low: int, high: int) -> int:
+    v = d.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            isinstance(v, float) and not v.is_integer()):
+        raise SpeculativeError(f"speculative.{key} {v!r}: expected an integer")
+    if not low <= int(v) <= high:
+        raise SpeculativeError(f"speculative.{key} {int(v)}: must be in [{low}, {high}]")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class SpeculativeParams:
+    method: str = "prompt_lookup"
+    num_draft_tokens: int = 4  # the most drafts a step carries
+    prompt_lookup_max: int = DEFAULT_MAX_NGRAM  # the longest n-gram looked up
+    prompt_lookup_min: int = DEFAULT_MIN_NGRAM
+    adaptive: bool = True  # draft less, or not at all, while drafts are rejected
+
+    KEYS = ("method", "num_draft_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive")
+
+    @staticmethod
+    def from_dict(d) -> "SpeculativeParams | None":
+        """The `speculative` sampling parameter: None (or absent) for none."""
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise SpeculativeError(f"speculative {d!r:.80}: expected a JSON object such as "
+                                   f'{{"method": "prompt_lookup", "num_draft_tokens": 4}}')
+        unknown = sorted(str(k) for k in set(d) - set(SpeculativeParams.KEYS))
+        if unknown:
+            raise SpeculativeError(f"unknown speculative parameter(s) {', '.join(unknown)} "
+                                   f"(known: {', '.join(SpeculativeParams.KEYS)})")
+        method = d.get("method") or "prompt_lookup"
+        if method not in METHODS:
+            raise SpeculativeError(f"speculative.method {method!r:.80}: expected one of "
+                                   f"{', '.join(METHODS)}")
+        if method == "draft_model":
+            raise SpeculativeError("speculative.method draft_model: drafting with a second "
+                                   "model is not built yet; use prompt_lookup")
+        most = _count(d, "num_draft_tokens", 4, 1, MAX_DRAFT_TOKENS)
+        high = _count(d, "prompt_lookup_max", DEFAULT_MAX_NGRAM, 1, MAX_NGRAM)
+        low = _count(d, "prompt_lookup_min", min(DEFAULT_MIN_NGRAM, high), 1, high)
+        adaptive = d.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise SpeculativeError(f"speculative.adaptive {adaptive!r:.80}: expected true or "
+                                   f"false")
+        return SpeculativeParams(method, most, high, low, adaptive)
+
+
+class DraftLength:
+    """How many drafts the next step carries (see the module's docstring). `observe(tried,
+    stood)`: of `tried` draft positions checked, the first `stood` were right."""
+
+    def __init__(self, most: int, adaptive: bool = True, cost: float = DRAFT_COST):
+        assert most >= 1 and 0 < cost < 1
+        self.most, self.adaptive, self.cost = most, adaptive, cost
+        self.stood = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+        self.tried = PRIOR_WEIGHT
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated probability that a draft position is right."""
+        return self.stood / self.tried
+
+    def __call__(self) -> int:
+        if not self.adaptive:
+            return self.most
+        a = self.acceptance
+        if a >= 1.0:
+            return self.most
+        if a <= 0.0:
+            return 0
+        # The largest k with a**k >= cost; a tiny epsilon so exact powers count.
+        return min(self.most, int(math.log(self.cost) / math.log(a) + 1e-9))
+
+    def observe(self, tried: int, stood: int) -> None:
+        assert 0 <= stood <= tried
+        if tried:
+            self.stood = DECAY * self.stood + stood
+            self.tried = DECAY * self.tried + tried
+
+
+def sampled_acceptance(sampler, position_logits: np.ndarray,
+                       drafts: list[int]) -> tuple[int, int]:
+    """Which drafts stand under speculative sampling, and the token that follows them.
+    `position_logits[i]` are the logits after the token before draft i (the last row: after
+    the last draft); `sampler` is the request's (`Sampler`: its parameters and generator)."""
+    for i, draft in enumerate(drafts):
+        ids, weights = sampler.distribution(position_logits[i])
+        at = _position(ids, draft, weights.size)
+        total = float(weights.sum(dtype=np.float64))
+        p = float(weights[at]) / total if at >= 0 else 0.0
+        if sampler.rng.random() < p:
+            continue  # the draft stands
+        if at >= 0:  # the residual: p without the draft
+            weights = weights.copy()
+            weights[at] = 0
+        return i, sampler.draw(ids, weights)
+    return len(drafts), sampler.choose(position_logits[len(drafts)])
+
+
+def _position(ids: np.ndarray | None, token: int, n: int) -> int:
+    """Where `token` is among the candidates (-1: not one of them)."""
+    if ids is None:
+        return token if 0 <= token < n else -1
+    at = int(np.searchsorted(ids, token))
+    return at if at < ids.size and int(ids[at]) == token else -1
+
+
+class Speculator:
+    """One generation's drafting: prompt lookup over everything so far (an `NgramIndex`), the
+    draft length, and the free check of the drafts it did not send."""
+
+    def __init__(self, params: SpeculativeParams, history: list[int], most: int):
+        self.params = params
+        self.index = NgramIndex(history, params.prompt_lookup_max, params.prompt_lookup_min)
+        self.length = DraftLength(max(1, min(params.num_draft_tokens, most)), params.adaptive)
+        self.sent: list[int] = []  # the drafts of the step in flight
+        self.unsent: list[int] = []  # what it would have sent, with none sent
+        self.drafted = self.accepted = self.calls = 0
+
+    def drafts(self, room: int) -> list[int]:
+        """The drafts the next step carries (at most `room`), or [] for a plain decode step."""
+        k = min(self.length(), room)
+        self.sent = self.index.lookup(k) if k > 0 else []
+        self.unsent = [] if self.sent or room < 1 else self.index.lookup(1)
+        return self.sent
+
+    def took(self, tokens: list[int]) -> None:
+        """The step's tokens: the drafts that stood and the one after them (or, with no drafts,
+        the one token)."""
+        if self.sent:
+            stood = len(tokens) - 1
+            self.length.observe(stood + (stood < len(self.sent)), stood)
+            self.drafted += len(self.sent)
+            self.accepted += stood
+        elif self.unsent:
+            self.length.observe(1, int(tokens[0] == self.unsent[0]))
+        self.calls += 1
+        self.sent, self.unsent = [], []
+        self.index.extend(tokens)
+
+
+__all__ = ["DRAFT_COST", "DraftLength", "SpeculativeError", "SpeculativeParams", "Speculator",
+           "sampled_acceptance"]
