@@ -259,3 +259,24 @@ def test_the_openai_client_gets_the_generate_models_text(served, openai_url):
     assert text.choices[0].text == plain.text
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.chat.completions.create(model="nope", messages=messages)
+
+
+def test_the_openai_extension_field_speculative(served, openai_url):
+    """`speculative` in an OpenAI body (the openai package's extra_body): the same text as
+    without it at temperature 0; a value of the wrong JSON type or range is a 400 naming it."""
+    import openai
+
+    server, tok = served
+    messages = [{"role": "user", "content": EDIT}]
+    client = openai.OpenAI(base_url=openai_url, api_key="unused")
+    plain = client.chat.completions.create(model="smollm2", messages=messages, temperature=0,
+                                           max_tokens=32)
+    fast = client.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, max_tokens=32,
+        extra_body={"speculative": {"method": "prompt_lookup", "num_draft_tokens": 6}})
+    assert fast.choices[0].message.content == plain.choices[0].message.content
+    for bad, says in ((4, "speculative: a JSON object"),
+                      ({"num_draft_tokens": 0}, "speculative.num_draft_tokens 0")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            client.chat.completions.create(model="smollm2", messages=messages,
+                                           extra_body={"speculative": bad})

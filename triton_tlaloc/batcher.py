@@ -352,7 +352,7 @@ class Batcher(Admission, RoomMaking):
                       self.engine.executions - executions_before)
         if kind == "verify":
             self._observe("speculation", sum(j.request.draft_tokens for j in jobs),
-                          sum(len(v.accepted) - 1 for v in logits))
+                          sum(len(v.accepted) - 1 for v in logits), len(jobs))
         for j, row in zip(jobs, logits):
             pages = (len(j.seq.pages), len(j.seq.ring))
             if j.request.end:

@@ -32,7 +32,7 @@ import numpy as np
 from .admission import Reply, Request
 from .codes import INTERNAL, INVALID_ARG, RequestError
 from .frontends.sampling import Sampler, SamplingError, SamplingParams
-from .frontends.speculative import Speculator, sampled_acceptance
+from .frontends.speculative import Speculator, StepCost, sampled_acceptance
 from .generation_link import (LinkError, hang_up, knock, listen, receive_frame,
                               send_frame)
 
@@ -81,7 +81,8 @@ class Generation:
             speculation = speculation or Speculation()
             if speculation.refused:
                 raise SamplingError(f"sampling parameter speculative: {speculation.refused}")
-            self.speculator = Speculator(params.speculative, prompt, speculation.most_drafts)
+            self.speculator = Speculator(params.speculative, prompt, speculation.most_drafts,
+                                         speculation.cost)
 
     def start_request(self) -> Request:
         return Request(seq_id=self.seq_id, tokens=list(self.prompt), start=True, end=False,
@@ -153,14 +154,24 @@ class Speculation:
 
     most_drafts: int = 0
     refused: str | None = "the sequence model verifies no drafts"
+    cost: StepCost | None = None
 
     @staticmethod
-    def of(engine) -> "Speculation":
+    def of(engine, entry_seconds: dict[str, float] | None = None) -> "Speculation":
+        """What `engine` can verify; `entry_seconds`, each entry's recent call time (the
+        batcher's stats), weighs a verify call against a decode call."""
         try:
             engine.check_speculation()
         except RequestError as e:
             return Speculation(0, str(e))
-        return Speculation(engine.most_drafts(), None)
+        entries = engine.art.entries
+
+        def seconds(kind: str, tokens: int) -> float | None:
+            times = [s for name, s in list((entry_seconds or {}).items())
+                     if entries[name].kind == kind and entries[name].tokens_per_seq == tokens]
+            return sum(times) / len(times) if times else None
+        return Speculation(engine.most_drafts(), None,
+                           StepCost(engine.art.verify_tokens, seconds))
 
 
 class LinkConnection:

@@ -139,8 +139,9 @@ class Observer:
     def held_back(self, kind: str) -> None:
         """A call (decode, prefill or verify) held back until an entry it needs compiles."""
 
-    def speculation(self, drafted: int, accepted: int) -> None:
-        """A verify call checked `drafted` draft tokens and accepted `accepted` of them."""
+    def speculation(self, drafted: int, accepted: int, steps: int) -> None:
+        """A verify call's `steps` rows checked `drafted` draft tokens and accepted `accepted`
+        of them (each row also yields the model's own next token)."""
 
     def host(self, nbytes: int, sequences: int, cached_bytes: int = 0) -> None:
         """The host tier now: bytes held for swapped-out sequences, how many, and bytes of
@@ -187,8 +188,12 @@ class BatcherStats(Observer):
         self.held_for_compile = {"decode": 0, "prefill": 0, "verify": 0}  # calls held back
         self.drafted = 0  # draft tokens checked by verify calls
         self.accepted = 0  # of them, accepted
+        self.verify_steps = 0  # verify rows: accepted + verify_steps tokens came of them
         self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
         self.call_sizes: list[tuple[str, int]] = []
+        # Each entry's recent call time (a moving average): what speculation weighs a verify
+        # call against a decode call by.
+        self.entry_seconds: dict[str, float] = {}
 
     def call(self, kind: str, entry: str, rows: int, tokens: int, waits_s: list[float],
              seconds: float, executions: int = 1) -> None:
@@ -198,6 +203,9 @@ class BatcherStats(Observer):
         self.waits_s.extend(waits_s)
         if len(self.call_sizes) < 100_000:
             self.call_sizes.append((kind, rows))
+        if executions == 1:  # a call split while entries compile says nothing of one entry's
+            old = self.entry_seconds.get(entry)
+            self.entry_seconds[entry] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def refusal(self, reason: str) -> None:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
@@ -226,6 +234,7 @@ class BatcherStats(Observer):
     def held_back(self, kind: str) -> None:
         self.held_for_compile[kind] += 1
 
-    def speculation(self, drafted: int, accepted: int) -> None:
+    def speculation(self, drafted: int, accepted: int, steps: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
+        self.verify_steps += steps

@@ -132,9 +132,9 @@ class TritonPythonModel:
                             self.runtime.state_pool_bytes)
         self.local = None
         if parse_bool(params["local_generation"]):
+            speculation = Speculation.of(self.batcher.engine, self.batcher.stats.entry_seconds)
             self.local = LocalGenerations.open(args["model_name"], self.batcher.submit_group,
-                                               artifact.max_context,
-                                               speculation=Speculation.of(self.batcher.engine))
+                                               artifact.max_context, speculation=speculation)
             if self.local is not None:
                 self.batcher.round_listeners.append(self.local.round_ended)
         self.batcher.start()

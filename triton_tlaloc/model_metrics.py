@@ -105,6 +105,9 @@ class TritonMetrics(Observer):
         self.accepted = family("tlaloc_accepted_draft_tokens_total", "Draft tokens verify calls "
                                "accepted (the acceptance rate: this over "
                                "tlaloc_draft_tokens_total)", F.COUNTER).Metric(labels=self.labels)
+        self.verify_steps = family("tlaloc_verify_steps_total", "Sequence steps that verified "
+                                   "drafts (tokens a step: accepted drafts over this, plus one)",
+                                   F.COUNTER).Metric(labels=self.labels)
         self._swap_bytes = family("tlaloc_swap_bytes_total", "KV bytes moved between the "
                                   "device and the host tier, by direction (out, in)", F.COUNTER)
         self._phases = family("tlaloc_call_phase_seconds_total", "Seconds spent in each phase "
@@ -208,9 +211,10 @@ class TritonMetrics(Observer):
     def held_back(self, kind):
         self.writer.increment(self._metric(self._held_back, kind=kind), 1)
 
-    def speculation(self, drafted, accepted):
+    def speculation(self, drafted, accepted, steps):
         self.writer.increment(self.drafted, drafted)
         self.writer.increment(self.accepted, accepted)
+        self.writer.increment(self.verify_steps, steps)
 
     def host(self, nbytes, sequences, cached_bytes=0):
         self.writer.set(self.host_bytes, nbytes)

@@ -117,6 +117,10 @@ def _sampling(body: dict) -> dict:
     # vLLM's extension: prompts of different salts never share cached KV.
     if (salt := typed(body, "cache_salt", (str,), "a string")) is not None:
         out["cache_salt"] = salt
+    # This server's extension: drafts verified in one call, e.g. {"method": "prompt_lookup",
+    # "num_draft_tokens": 6} (checked by the generate model).
+    if (speculative := typed(body, "speculative", (dict,), "a JSON object")) is not None:
+        out["speculative"] = speculative
     return out
 
 

@@ -5,9 +5,11 @@
 - `SpeculativeParams`: {"method": "prompt_lookup", "num_draft_tokens": k, ...}, checked when
   the request arrives like every other sampling parameter.
 - `DraftLength`: the adaptive rule. Each draft position is accepted with some probability a,
-  estimated from what the generation saw (decayed, so it follows the text as it changes). The
-  i-th draft is worth a**i tokens and costs a share of a step (`DRAFT_COST`), so the length is
-  the largest k with a**k at least that share; at 0 the generation stops drafting but keeps
+  estimated from what the generation saw (decayed, so it follows the text as it changes). A
+  step with k drafts then yields 1 + a + ... + a**k tokens on average, and costs what a call on
+  its verify entry costs against a decode call (`StepCost`: measured on this server when it
+  has run both, else `DRAFT_COST` a token); the length is the k that yields the most tokens for
+  the time, 0 when none beats a plain step. At 0 the generation stops drafting but keeps
   checking, for free, whether the drafts it would have sent were right, and starts again when
   they are.
 - `sampled_acceptance`: speculative sampling (Leviathan et al., Chen et al.) for a drafter that
@@ -21,8 +23,8 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -31,10 +33,9 @@ from .drafting import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
 METHODS = ("prompt_lookup", "draft_model")
 MAX_DRAFT_TOKENS = 64
 MAX_NGRAM = 16
-# What one verified draft costs, as a share of a decode step. Measured on SmolLM2 f32 on 2 CPU
-# cores (docs/performance.md#speculative-decoding): a call of 9 tokens took about 3.2 steps'
-# time, about 0.27 a draft. Where drafts cost less (an accelerator), the rule only drafts a
-# little more than it could.
+# What one verified token costs, as a share of a decode step, until calls on the entries were
+# timed. Measured on SmolLM2 f32 on 2 CPU cores (docs/performance.md#speculative-decoding): a
+# call of 5 or 7 tokens took 1.6-1.9 steps' time, about 0.15 a token; one of 9, 3.5.
 DRAFT_COST = 0.3
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0  # a start of two draft positions, 60% accepted
 DECAY = 0.9  # per observation: the estimate follows the last ten or so
@@ -95,13 +96,43 @@ class SpeculativeParams:
         return SpeculativeParams(method, most, high, low, adaptive)
 
 
+class StepCost:
+    """What a step carrying k drafts costs against a decode step: its call runs on the smallest
+    verify entry of at least k + 1 tokens, whose recent call time `seconds(kind, tokens)` gives
+    when both kinds were timed (None otherwise: `DRAFT_COST` a token)."""
+
+    REFRESH = 256  # costs looked up before the measurements are read again
+
+    def __init__(self, verify_tokens: tuple[int, ...] = (),
+                 seconds: Callable[[str, int], float | None] | None = None):
+        self.verify_tokens, self.seconds = sorted(verify_tokens), seconds
+        self._known: dict[int, float] = {}
+        self._uses = 0
+
+    def __call__(self, k: int) -> float:
+        self._uses += 1
+        if self._uses % self.REFRESH == 0:
+            self._known.clear()
+        if k not in self._known:
+            self._known[k] = self._measure(k)
+        return self._known[k]
+
+    def _measure(self, k: int) -> float:
+        tokens = next((t for t in self.verify_tokens if t >= k + 1), k + 1)
+        if self.seconds is not None:
+            decode, verify = self.seconds("decode", 1), self.seconds("verify", tokens)
+            if decode and verify:
+                return verify / decode
+        return 1.0 + DRAFT_COST * (tokens - 1)
+
+
 class DraftLength:
     """How many drafts the next step carries (see the module's docstring). `observe(tried,
     stood)`: of `tried` draft positions checked, the first `stood` were right."""
 
-    def __init__(self, most: int, adaptive: bool = True, cost: float = DRAFT_COST):
-        assert most >= 1 and 0 < cost < 1
-        self.most, self.adaptive, self.cost = most, adaptive, cost
+    def __init__(self, most: int, adaptive: bool = True, cost: StepCost | None = None):
+        assert most >= 1
+        self.most, self.adaptive, self.cost = most, adaptive, cost or StepCost()
         self.stood = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
         self.tried = PRIOR_WEIGHT
 
@@ -114,12 +145,14 @@ class DraftLength:
         if not self.adaptive:
             return self.most
         a = self.acceptance
-        if a >= 1.0:
-            return self.most
-        if a <= 0.0:
-            return 0
-        # The largest k with a**k >= cost; a tiny epsilon so exact powers count.
-        return min(self.most, int(math.log(self.cost) / math.log(a) + 1e-9))
+        best, best_rate = 0, 1.0  # a plain step: one token for one step's time
+        expected = 1.0
+        for k in range(1, self.most + 1):
+            expected += a ** k  # tokens a step with k drafts yields, on average
+            rate = expected / self.cost(k)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = k, rate
+        return best
 
     def observe(self, tried: int, stood: int) -> None:
         assert 0 <= stood <= tried
@@ -159,10 +192,12 @@ class Speculator:
     """One generation's drafting: prompt lookup over everything so far (an `NgramIndex`), the
     draft length, and the free check of the drafts it did not send."""
 
-    def __init__(self, params: SpeculativeParams, history: list[int], most: int):
+    def __init__(self, params: SpeculativeParams, history: list[int], most: int,
+                 cost: StepCost | None = None):
         self.params = params
         self.index = NgramIndex(history, params.prompt_lookup_max, params.prompt_lookup_min)
-        self.length = DraftLength(max(1, min(params.num_draft_tokens, most)), params.adaptive)
+        self.length = DraftLength(max(1, min(params.num_draft_tokens, most)), params.adaptive,
+                                  cost)
         self.sent: list[int] = []  # the drafts of the step in flight
         self.unsent: list[int] = []  # what it would have sent, with none sent
         self.drafted = self.accepted = self.calls = 0
@@ -190,4 +225,4 @@ class Speculator:
 
 
 __all__ = ["DRAFT_COST", "DraftLength", "SpeculativeError", "SpeculativeParams", "Speculator",
-           "sampled_acceptance"]
+           "StepCost", "sampled_acceptance"]
