@@ -168,7 +168,8 @@ class Speculation:
 
         def seconds(kind: str, tokens: int) -> float | None:
             times = [s for name, s in list((entry_seconds or {}).items())
-                     if entries[name].kind == kind and entries[name].tokens_per_seq == tokens]
+                     if (e := entries.get(name)) is not None and e.kind == kind
+                     and e.tokens_per_seq == tokens]
             return sum(times) / len(times) if times else None
         return Speculation(engine.most_drafts(), None,
                            StepCost(engine.art.verify_tokens, seconds))

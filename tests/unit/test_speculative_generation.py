@@ -287,3 +287,23 @@ def test_a_sampled_generation_hands_the_batcher_its_acceptor():
     m, following = step.acceptor(rows, step.tokens[1:])
     assert m == 2 and following == 40
     assert Speculator(params.speculative, prompt, 8).drafts(4) == [16, 10, 11, 12]
+
+
+def test_what_a_sequence_model_can_verify_and_what_its_calls_cost():
+    """Speculation.of an engine: the most drafts (its largest verify entry, 9 tokens), the cost
+    of a step from its entries' measured call times (a name that is no entry is passed over);
+    a linear-attention model and one without verify entries refuse, saying why."""
+    from fakes import FakeRuntime
+
+    from triton_tlaloc.engine import Engine
+
+    measured = {"decode_b1_c32": 0.01, "decode_b2_c32": 0.03, "verify_b1_c32_t5": 0.04,
+                "swap": 9.0}
+    spec = Speculation.of(Engine(FakeRuntime(fake_artifact())), measured)
+    assert (spec.most_drafts, spec.refused) == (8, None)
+    assert spec.cost(4) == pytest.approx(0.04 / 0.02) and spec.cost(3) == spec.cost(4)
+    assert spec.cost(8) == pytest.approx(1 + DRAFT_COST * 8)  # the 9-token entry: not timed
+    for art, why in ((fake_artifact(state_slots=4), "linear-attention"),
+                     (fake_artifact(verify_tokens=()), "no verify entries")):
+        spec = Speculation.of(Engine(FakeRuntime(art)), measured)
+        assert spec.most_drafts == 0 and why in spec.refused
