@@ -73,7 +73,6 @@ class Generation:
         self.sampler = Sampler(params)
         self.seq_id = LocalSequenceId(next(_numbers))
         self.generated = 0
-        self.length = len(prompt)  # the prompt and the tokens generated so far
         self.cancelled = False  # set by the link's reader thread, read by the batching thread
         self.finished = False
         self.speculator = None
@@ -83,6 +82,11 @@ class Generation:
                 raise SamplingError(f"sampling parameter speculative: {speculation.refused}")
             self.speculator = Speculator(params.speculative, prompt, speculation.most_drafts,
                                          speculation.cost)
+
+    @property
+    def length(self) -> int:
+        """The prompt and the tokens generated so far."""
+        return len(self.prompt) + self.generated
 
     def start_request(self) -> Request:
         return Request(seq_id=self.seq_id, tokens=list(self.prompt), start=True, end=False,
@@ -110,7 +114,6 @@ class Generation:
                 self._finish(NO_TOKEN, "stop")
                 return
             self.generated += 1
-            self.length += 1
             if self.generated >= self.params.max_tokens or self.length >= self.max_context:
                 self._finish(token, "length")  # the next token would pass a limit
                 return

@@ -349,11 +349,10 @@ def generate_http(url: str, model: str, *, text: str | None = None, input_ids=No
     except urllib.error.HTTPError as e:  # refused before any event
         count += 1
         error = json.loads(e.read() or b"{}").get("error", str(e))
-    code, _ = split_coded_message(error) if error else (None, None)
     return GenerateResult("".join(pieces), ids, final.get("finish_reason", "error"),
                           int(final.get("prompt_tokens", 0)),
                           int(final.get("completion_tokens", 0)), count, first_ms, error,
-                          None if code is None else GRPC_STATUS[code])
+                          _status_name(None, error) if error else None)
 
 
 # The backend applies its metric updates every 250 ms (metrics_interval_microseconds, on a

@@ -12,60 +12,19 @@ in time linear in the text (Knuth-Morris-Pratt) however long they are.
 
 from __future__ import annotations
 
-import math
-import reprlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..outputs import checked_cache_salt
-from .speculative import SpeculativeError, SpeculativeParams
+from .parameters import SamplingError, integer, real, refused, shown
+from .speculative import SpeculativeParams
 
 MAX_STOP_STRINGS = 16  # per request
 MAX_STOP_CHARS = 1024  # per stop string
 MAX_STOP_TOKEN_IDS = 1024  # per request
 MIN_TEMPERATURE = 1e-5  # a smaller positive one divides logits into inf and NaN
 INT64_MAX = 2**63 - 1
-
-
-class SamplingError(ValueError):
-    """A sampling parameter out of range; the message names it."""
-
-
-def _shown(value) -> str:
-    """`value` for a message, cut short: a request may send a megabyte where a number belongs."""
-    try:
-        return reprlib.repr(value)
-    except ValueError:  # an int with more digits than Python will print
-        return "<an integer too long to print>"
-
-
-def _refused(key: str, value, rule: str) -> SamplingError:
-    return SamplingError(f"sampling parameter {key} {_shown(value)}: {rule}")
-
-
-def _real(key: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _refused(key, value, "expected a number")
-    try:
-        x = float(value)
-    except OverflowError:  # an int beyond any float
-        x = math.inf
-    if not math.isfinite(x):
-        raise _refused(key, value, "must be a finite number")
-    return x
-
-
-def _integer(key: str, value, low: int, high: int, rule: str) -> int:
-    """`value` as an int in [low, high]; an integral float (5.0) counts, a bool does not."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _refused(key, value, "expected a number")
-    if isinstance(value, float) and not value.is_integer():  # also NaN and inf
-        raise _refused(key, value, "expected an integer")
-    n = int(value)
-    if not low <= n <= high:
-        raise _refused(key, n, rule)
-    return n
 
 
 @dataclass(frozen=True)
@@ -91,35 +50,35 @@ class SamplingParams:
     def from_dict(d: dict) -> "SamplingParams":
         """The parameters of a request's JSON object; absent or null ones take their defaults."""
         if not isinstance(d, dict):
-            raise SamplingError(f"sampling parameters {_shown(d)}: expected a JSON object")
+            raise SamplingError(f"sampling parameters {shown(d)}: expected a JSON object")
         unknown = sorted(str(k) for k in set(d) - set(SamplingParams.KEYS))
         if unknown:
             raise SamplingError(f"unknown sampling parameter(s) {', '.join(unknown)} (known: "
                                 f"{', '.join(SamplingParams.KEYS)})")
         given = {k: v for k, v in d.items() if v is not None}
 
-        max_tokens = _integer("max_tokens", given.get("max_tokens", 16), 1, INT64_MAX,
+        max_tokens = integer("max_tokens", given.get("max_tokens", 16), 1, INT64_MAX,
                               "must be >= 1 (and below 2**63)")
-        top_k = _integer("top_k", given.get("top_k", 0), 0, INT64_MAX,
+        top_k = integer("top_k", given.get("top_k", 0), 0, INT64_MAX,
                          "must be >= 0 (0: all) and below 2**63")
         seed = given.get("seed")
         if seed is not None:
-            seed = _integer("seed", seed, 0, 2**64 - 1, "must be an integer in [0, 2**64)")
-        temperature = _real("temperature", given.get("temperature", 0.0))
+            seed = integer("seed", seed, 0, 2**64 - 1, "must be an integer in [0, 2**64)")
+        temperature = real("temperature", given.get("temperature", 0.0))
         if temperature < 0:
-            raise _refused("temperature", temperature, "must be >= 0")
+            raise refused("temperature", temperature, "must be >= 0")
         if 0 < temperature < MIN_TEMPERATURE:
-            raise _refused("temperature", temperature,
+            raise refused("temperature", temperature,
                            f"must be 0 (greedy) or at least {MIN_TEMPERATURE!r}")
-        top_p = _real("top_p", given.get("top_p", 1.0))
+        top_p = real("top_p", given.get("top_p", 1.0))
         if not 0 < top_p <= 1:
-            raise _refused("top_p", top_p, "must be in (0, 1]")
+            raise refused("top_p", top_p, "must be in (0, 1]")
 
         stop = given.get("stop", ())
         if isinstance(stop, str):
             stop = (stop,) if stop else ()  # "": no stop string, as before
         elif not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise _refused("stop", stop, "expected a string or a list of strings")
+            raise refused("stop", stop, "expected a string or a list of strings")
         if len(stop) > MAX_STOP_STRINGS:
             raise SamplingError(f"sampling parameter stop: {len(stop)} stop strings: at most "
                                 f"{MAX_STOP_STRINGS}")
@@ -132,27 +91,24 @@ class SamplingParams:
 
         stop_token_ids = given.get("stop_token_ids", ())
         if not isinstance(stop_token_ids, (list, tuple)):
-            raise _refused("stop_token_ids", stop_token_ids, "expected a list of token ids")
+            raise refused("stop_token_ids", stop_token_ids, "expected a list of token ids")
         if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise SamplingError(f"sampling parameter stop_token_ids: {len(stop_token_ids)} "
                                 f"token ids: at most {MAX_STOP_TOKEN_IDS}")
         stop_token_ids = tuple(
-            _integer("stop_token_ids", t, 0, 2**31 - 1, "a token id must be in [0, 2**31)")
+            integer("stop_token_ids", t, 0, 2**31 - 1, "a token id must be in [0, 2**31)")
             for t in stop_token_ids)
 
         ignore_eos = given.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
-            raise _refused("ignore_eos", ignore_eos, "expected true or false")
+            raise refused("ignore_eos", ignore_eos, "expected true or false")
 
         try:
             cache_salt = checked_cache_salt(given.get("cache_salt"), "sampling parameter")
         except ValueError as e:
             raise SamplingError(str(e)) from None
 
-        try:
-            speculative = SpeculativeParams.from_dict(given.get("speculative"))
-        except SpeculativeError as e:
-            raise SamplingError(f"sampling parameter {e}") from None
+        speculative = SpeculativeParams.from_dict(given.get("speculative"))
 
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=seed, stop=tuple(stop),

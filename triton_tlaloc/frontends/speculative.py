@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from .drafting import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
+from .parameters import SamplingError, integer, refused
 
 METHODS = ("prompt_lookup", "draft_model")
 MAX_DRAFT_TOKENS = 64
@@ -39,22 +40,6 @@ MAX_NGRAM = 16
 DRAFT_COST = 0.3
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0  # a start of two draft positions, 60% accepted
 DECAY = 0.9  # per observation: the estimate follows the last ten or so
-
-
-class SpeculativeError(ValueError):
-    """A `speculative` parameter out of range; the message names it."""
-
-
-def _count(d: dict, key: str, default: int, low: int, high: int) -> int:
-    v = d.get(key, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-            isinstance(v, float) and not v.is_integer()):
-        raise SpeculativeError(f"speculative.{key} {v!r}: expected an integer")
-    if not low <= int(v) <= high:
-        raise SpeculativeError(f"speculative.{key} {int(v)}: must be in [{low}, {high}]")
-    return int(v)
 
 
 @dataclass(frozen=True)
@@ -73,26 +58,30 @@ class SpeculativeParams:
         if d is None:
             return None
         if not isinstance(d, dict):
-            raise SpeculativeError(f"speculative {d!r:.80}: expected a JSON object such as "
-                                   f'{{"method": "prompt_lookup", "num_draft_tokens": 4}}')
+            raise refused("speculative", d, 'expected a JSON object such as {"method": '
+                                            '"prompt_lookup", "num_draft_tokens": 4}')
         unknown = sorted(str(k) for k in set(d) - set(SpeculativeParams.KEYS))
         if unknown:
-            raise SpeculativeError(f"unknown speculative parameter(s) {', '.join(unknown)} "
-                                   f"(known: {', '.join(SpeculativeParams.KEYS)})")
-        method = d.get("method") or "prompt_lookup"
+            raise SamplingError(f"sampling parameter unknown speculative parameter(s) "
+                                f"{', '.join(unknown)} (known: "
+                                f"{', '.join(SpeculativeParams.KEYS)})")
+        given = {k: v for k, v in d.items() if v is not None}
+        method = given.get("method") or "prompt_lookup"
         if method not in METHODS:
-            raise SpeculativeError(f"speculative.method {method!r:.80}: expected one of "
-                                   f"{', '.join(METHODS)}")
+            raise refused("speculative.method", method, f"expected one of {', '.join(METHODS)}")
         if method == "draft_model":
-            raise SpeculativeError("speculative.method draft_model: drafting with a second "
-                                   "model is not built yet; use prompt_lookup")
-        most = _count(d, "num_draft_tokens", 4, 1, MAX_DRAFT_TOKENS)
-        high = _count(d, "prompt_lookup_max", DEFAULT_MAX_NGRAM, 1, MAX_NGRAM)
-        low = _count(d, "prompt_lookup_min", min(DEFAULT_MIN_NGRAM, high), 1, high)
-        adaptive = d.get("adaptive", True)
+            raise SamplingError("sampling parameter speculative.method draft_model: drafting "
+                                "with a second model is not built yet; use prompt_lookup")
+
+        def count(key: str, default: int, low: int, high: int) -> int:
+            return integer(f"speculative.{key}", given.get(key, default), low, high,
+                           f"must be in [{low}, {high}]")
+        most = count("num_draft_tokens", 4, 1, MAX_DRAFT_TOKENS)
+        high = count("prompt_lookup_max", DEFAULT_MAX_NGRAM, 1, MAX_NGRAM)
+        low = count("prompt_lookup_min", min(DEFAULT_MIN_NGRAM, high), 1, high)
+        adaptive = given.get("adaptive", True)
         if not isinstance(adaptive, bool):
-            raise SpeculativeError(f"speculative.adaptive {adaptive!r:.80}: expected true or "
-                                   f"false")
+            raise refused("speculative.adaptive", adaptive, "expected true or false")
         return SpeculativeParams(method, most, high, low, adaptive)
 
 
@@ -200,7 +189,6 @@ class Speculator:
                                   cost)
         self.sent: list[int] = []  # the drafts of the step in flight
         self.unsent: list[int] = []  # what it would have sent, with none sent
-        self.drafted = self.accepted = self.calls = 0
 
     def drafts(self, room: int) -> list[int]:
         """The drafts the next step carries (at most `room`), or [] for a plain decode step."""
@@ -215,14 +203,11 @@ class Speculator:
         if self.sent:
             stood = len(tokens) - 1
             self.length.observe(stood + (stood < len(self.sent)), stood)
-            self.drafted += len(self.sent)
-            self.accepted += stood
         elif self.unsent:
             self.length.observe(1, int(tokens[0] == self.unsent[0]))
-        self.calls += 1
         self.sent, self.unsent = [], []
         self.index.extend(tokens)
 
 
-__all__ = ["DRAFT_COST", "DraftLength", "SpeculativeError", "SpeculativeParams", "Speculator",
-           "StepCost", "sampled_acceptance"]
+__all__ = ["DRAFT_COST", "DraftLength", "SpeculativeParams", "Speculator", "StepCost",
+           "sampled_acceptance"]
