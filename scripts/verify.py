@@ -37,7 +37,8 @@ from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.frontends.client import TlalocClient  # noqa: E402
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.manifest import load_artifact  # noqa: E402
-from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
+from triton_tlaloc.repository import (RepositoryOptions, write_generate_model,  # noqa: E402
+                                      write_repository)
 from triton_tlaloc.server import TritonServer  # noqa: E402
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer  # noqa: E402
 
@@ -176,6 +177,9 @@ def write_models(arts: dict, repo: Path, work: Path) -> None:
         write_repository(art, repo, name, RepositoryOptions(
             generate_model=name in ("smollm2", "qwen3_5"),
             host_kv_bytes=0 if name in ("small", "qwen3_5_one_slot") else None))
+    # The tiny llama's generate model, speculating: prompt lookup, or qwen3 as its draft model
+    # (the same vocabulary; most of its drafts wrong, so its sequences are cut back)
+    write_generate_model(load_artifact(arts["llama"][1]), repo, "llama", draft_model="qwen3")
     write_repository(arts["llama"][1], repo, "llama_copied", RepositoryOptions(
         donate_kv_pools=False, generate_model=False))
     # The control for backend batching: Triton's sequence batcher forms the batches after a
@@ -274,6 +278,10 @@ def generate_rows(table: Table, d: Deployment) -> None:
                   f"streamed", f"{n}/{n} equal to transformers",
                   lambda model=model, prompt=prompt, want=want: S.check_generate_model(
                       url, model, prompt, want))
+    table.run("grpc, http: tiny llama generate model speculating: prompt lookup, and qwen3 as "
+              "its draft model", "40/40 equal to transformers", lambda: S.check_generate_speculation(
+                  url, d.url("http"), "llama_generate", TINY_PROMPT, d.want["llama_40"],
+                  ("prompt_lookup", "draft_model")))
     table.run("grpc: tlaloc openai, a chat completion with the openai package",
               "the generate model's text", lambda: S.check_openai_chat(
                   url, "smollm2", d.chat["messages"], d.chat["prompt"]))

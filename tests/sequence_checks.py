@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, InferError, TlalocClient,
-                                            generate, metric, new_sequence_id, scrape_metrics)
+                                            generate, generate_http, metric, new_sequence_id,
+                                            scrape_metrics)
 from triton_tlaloc.manifest import load_artifact
 
 PROTOCOLS = ("http", "grpc")
@@ -245,6 +246,24 @@ def check_speculation(url, protocol, model, prompt, want, lengths=range(1, 9), o
         f"{len(want)} ids equal with {min(lengths)}-{max(lengths)} drafts a step by prompt "
         f"lookup, with drafts right twice a step ({calls} calls), with random drafts"
         + (f", and beside {len(others)} sequences decoding" if others else ""))
+
+
+def check_generate_speculation(grpc_url, http_url, model, prompt, want, methods):
+    """Generate model `model` speculating by each of `methods` at 1, 2, 4 and 8 drafts a step
+    (fixed), over gRPC and HTTP (Triton's generate extension): len(want) ids equal `want`."""
+    cond = Conditions()
+    n = len(want)
+    for method in methods:
+        for k in (1, 2, 4, 8):
+            for name, send, url in (("grpc", generate, grpc_url),
+                                    ("http", generate_http, http_url)):
+                got = send(url, model, input_ids=prompt, sampling={
+                    "max_tokens": n, "ignore_eos": True, "speculative": {
+                        "method": method, "num_draft_tokens": k, "adaptive": False}})
+                cond(got.error is None and got.token_ids == want,
+                     f"{method} at {k} over {name}: {got.error or got.token_ids}")
+    return cond.result(f"{n}/{n} equal with {' and '.join(methods)} at 1, 2, 4 and 8 drafts "
+                       f"a step, over gRPC and HTTP")
 
 
 def check_speculation_refusals(client, prompt, want, why):

@@ -28,6 +28,16 @@ def served(tiny, smollm2, work):
     # call a token (NAME_generate_bls)
     for name, art in (("llama", tiny.artifact("llama", False)), ("smollm2", smollm2[1])):
         write_generate_model(load_artifact(art), repo, name, "bls", f"{name}_generate_bls")
+    # Draft models: llama with verify entries drafts with llama (its own weights: every draft
+    # right), with qwen3 (another model of the same vocabulary: most drafts wrong), and with
+    # SmolLM2 (another vocabulary: refused)
+    spec = tiny.artifact("llama", False, verify_tokens=(5, 9))
+    write_repository(spec, repo, "llama_spec", RepositoryOptions(draft_model="llama"))
+    write_repository(tiny.artifact("qwen3", True), repo, "qwen3",
+                     RepositoryOptions(generate_model=False))
+    for draft in ("qwen3", "smollm2"):
+        write_generate_model(load_artifact(spec), repo, "llama_spec", "local",
+                             f"llama_spec_generate_{draft}", draft_model=draft)
     server = TritonServer(repo, exit_timeout_s=3).start()
     yield server, ArtifactTokenizer(smollm2[1] / "tokenizer")
     server.stop()
@@ -217,6 +227,69 @@ def test_speculation_beside_plain_generations_and_in_every_loop(served):
     assert "speculative: the artifact has no verify entries" in refused.error
 
 
+def drafting(k: int, **extra) -> dict:
+    return {"max_tokens": 32, "ignore_eos": True,
+            "speculative": {"method": "draft_model", "num_draft_tokens": k, **extra}}
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_drafting_with_a_draft_model_gives_the_greedy_ids(served, protocol):
+    """The tiny llama with verify entries drafting with a draft model served beside it: with
+    its twin (the same weights, so every draft is right) and with qwen3 (most drafts wrong),
+    at 1, 2, 4 and 8 drafts a step, fixed and adaptive, the ids equal the sequence model's
+    greedy ids; the twin's drafts all stand, qwen3's mostly do not (the target's counters)."""
+    server, _ = served
+    url, send = ((server.grpc_url, generate) if protocol == "grpc" else
+                 (server.http_url, generate_http))
+    with TlalocClient(server.grpc_url, "llama_spec") as c:
+        want = c.generate_greedy(PROMPT, 32).generated_ids
+    for model, right in (("llama_spec_generate", True), ("llama_spec_generate_qwen3", False)):
+        before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+        for k, adaptive in ((1, False), (2, False), (4, True), (8, False)):
+            got = send(url, model, input_ids=PROMPT, sampling=drafting(k, adaptive=adaptive))
+            assert got.error is None and got.token_ids == want, (model, k, got.error)
+            assert (got.finish_reason, got.completion_tokens) == ("length", 32)
+        after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+        drafted, accepted = (metric(after, name, model="llama_spec")
+                             - metric(before, name, model="llama_spec")
+                             for name in ("tlaloc_draft_tokens_total",
+                                          "tlaloc_accepted_draft_tokens_total"))
+        assert drafted > 0, model
+        assert (accepted == drafted) if right else (accepted < 0.5 * drafted), (
+            model, drafted, accepted)
+
+
+def test_a_draft_model_beside_plain_generations_sampled_and_refused(served):
+    """Drafting generations and a plain one at once, each its greedy ids alone; sampled at
+    top_k 1, greedy; refused by name in one response where the generate model names no draft
+    model, and where the draft model has another vocabulary."""
+    server, _ = served
+    prompts = [PROMPT, PROMPT[2:], PROMPT[:5]]
+    with TlalocClient(server.grpc_url, "llama_spec") as c:
+        wants = [c.generate_greedy(p, 32).generated_ids for p in prompts]
+    got = [None] * 3
+
+    def run(i, model, sampling):
+        got[i] = generate(server.grpc_url, model, input_ids=prompts[i], sampling=sampling)
+    threads = [threading.Thread(target=run, args=args) for args in (
+        (0, "llama_spec_generate", drafting(4)), (1, "llama_spec_generate_qwen3", drafting(3)),
+        (2, "llama_spec_generate", {"max_tokens": 32, "ignore_eos": True}))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [g.token_ids for g in got] == wants
+    sampled = generate(server.grpc_url, "llama_spec_generate_qwen3", input_ids=PROMPT,
+                       sampling={**drafting(4), "temperature": 0.9, "top_k": 1, "seed": 5})
+    assert sampled.error is None and sampled.token_ids == wants[0]
+    for model, says in (("llama_generate", "llama_generate names no draft model"),
+                        ("llama_spec_generate_smollm2", "draft model smollm2 has a vocabulary "
+                                                        "of 49152 tokens, this model 256")):
+        refused = generate(server.grpc_url, model, input_ids=PROMPT, sampling=drafting(4))
+        assert refused.responses == 1 and refused.status == "INVALID_ARGUMENT", refused
+        assert says in refused.error and "speculative.method draft_model" in refused.error
+
+
 # ------------------------------------------------------------------ tlaloc openai
 
 @pytest.fixture(scope="module")
@@ -280,3 +353,16 @@ def test_the_openai_extension_field_speculative(served, openai_url):
         with pytest.raises(openai.BadRequestError, match=says):
             client.chat.completions.create(model="smollm2", messages=messages,
                                            extra_body={"speculative": bad})
+
+
+def test_the_repository_command_names_the_draft_model(tiny, tmp_path):
+    from triton_tlaloc.cli import main
+
+    art = tiny.artifact("llama", False)
+    assert main(["repository", str(art), str(tmp_path), "--name", "big",
+                 "--draft-model", "small"]) == 0
+    text = (tmp_path / "big_generate" / "config.pbtxt").read_text()
+    assert '{ key: "draft_model" value: { string_value: "small" } }' in text
+    assert main(["repository", str(art), str(tmp_path), "--name", "plain"]) == 0
+    text = (tmp_path / "plain_generate" / "config.pbtxt").read_text()
+    assert '{ key: "draft_model" value: { string_value: "" } }' in text

@@ -6,6 +6,7 @@ tokens. The control: accepting one draft more than matched changes the ids."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from oracle import load_reference, reference_greedy
 
@@ -15,6 +16,7 @@ from triton_tlaloc.engine import Engine, accepted_drafts
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.frontends.drafting import prompt_lookup
 from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.sequence import Sequence
 
 STEPS = 30
 # One row, one context: what a verify call needs, and little to compile.
@@ -73,3 +75,38 @@ def test_accepting_one_draft_more_than_matched_changes_the_ids(case):
     finally:
         engine.accept = accepted_drafts
     assert got.generated_ids != want
+
+
+def test_a_sequence_cut_back_after_wrong_tokens_goes_on_with_transformers_ids(case):
+    """A draft model's sequence: each step feeds the next true token, then three wrong ones one
+    call each, and is cut back to the true history (engine.rewind). The next token after every
+    cut is transformers' (a ring cut back within its spare positions; with blocks registered
+    for reuse, a cut into one computes its kept positions again in a prefill call). The
+    control: the first cut one token short (a wrong token kept) changes them."""
+    engine, prompt, want = case
+
+    def run(short: int) -> list[int]:
+        seq = Sequence([])
+        engine.admit(seq, list(prompt))
+        got = [int(np.argmax(engine.prefill_chunked(seq)[0]))]
+        while len(got) < STEPS:
+            engine.admit(seq, [got[-1]])
+            recompute = len(seq.uncached) > 1
+            logits = engine.prefill([seq]) if recompute else engine.decode([seq])
+            for wrong in (3, 5, 7):
+                engine.admit(seq, [wrong])
+                engine.decode([seq])
+            engine.rewind(seq, len(seq.token_ids) - 3 + (short if len(got) == 1 else 0))
+            got.append(int(np.argmax(logits[0])))
+            recomputed[0] += recompute
+        engine.free(seq)
+        return got
+    for reuse in (False, engine.blocks.rings is None):  # rings: no prefix reuse
+        engine.blocks.prefix_reuse = reuse
+        recomputed = [0]
+        try:
+            assert run(0) == want, f"prefix reuse {reuse}"
+            assert (recomputed[0] > 0) == reuse
+            assert run(1) != want
+        finally:
+            engine.blocks.prefix_reuse = False

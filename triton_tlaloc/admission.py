@@ -55,6 +55,9 @@ class Request:
     want_logits: bool = True  # a verify call copies logits out only when some row wants them
     # Sampled speculation (a generation in this process): which drafts stand (speculation.py)
     acceptor: Callable[[np.ndarray, list[int]], tuple[int, int]] | None = None
+    # A draft model's step: the sequence is first cut back to its first keep_tokens tokens
+    # (the drafts its target rejected dropped; engine.rewind)
+    keep_tokens: int | None = None
     _answered: bool = field(default=False, repr=False)
 
     @property
@@ -91,6 +94,13 @@ class Job:
     num_pages: int
     num_ring: int
     had_state_slot: bool
+
+    @property
+    def is_decode(self) -> bool:
+        """A decode step: one token for a sequence that has every earlier one computed (one
+        cut back into a registered block computes that block's kept positions again: a
+        prefill call)."""
+        return self.request.is_decode and len(self.seq.uncached) == 1
 
 
 class Admission:
@@ -163,6 +173,9 @@ class Admission:
             if seq.swapped is not None:
                 engine.check_request(seq, r.tokens)  # before its KV moves back
                 self._with_room(seq, len(r.tokens), jobs, lambda: self._swap_in(seq))
+            if r.keep_tokens is not None and not r.start:
+                # Kept even when what follows is refused: the drafts cut are rejected anyway.
+                engine.rewind(seq, r.keep_tokens)
             before = (len(seq.token_ids), len(seq.pages), len(seq.ring),
                       seq.state_slot is not None)
             reuse = self._with_room(seq, len(r.tokens), jobs,

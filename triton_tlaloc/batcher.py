@@ -245,13 +245,13 @@ class Batcher(Admission, RoomMaking):
             if job is not None:
                 jobs.append(job)
         decode, verify = [], [j for j in jobs if j.request.is_verify]
-        for j in (j for j in jobs if j.request.is_decode):
+        for j in (j for j in jobs if j.is_decode):
             compiling = self.engine.decode_waits_for(j.seq)
             if compiling is not None:
                 self._hold_back([j], "decode", compiling)
             else:
                 decode.append(j)
-        prefill = [j for j in jobs if not j.request.is_decode and not j.request.is_verify]
+        prefill = [j for j in jobs if not j.is_decode and not j.request.is_verify]
         self._admit_seconds = time.perf_counter() - t0  # charged to the round's first call
         if decode:
             t_decode = self.clock()

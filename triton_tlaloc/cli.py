@@ -189,6 +189,7 @@ def _cmd_repository(args) -> int:
                              instance_kind=args.instance_kind, copy=args.copy,
                              compile_cache_dir=args.compile_cache_dir or "",
                              generate_model=not args.no_generate_model,
+                             draft_model=args.draft_model,
                              sequence_slots=args.sequence_slots,
                              prefix_reuse=not args.no_prefix_reuse,
                              reply_threads=args.reply_threads,
@@ -443,6 +444,11 @@ def _add_repository_parser(sub) -> None:
     p.add_argument("--compile-cache-dir", default=None)
     p.add_argument("--no-generate-model", action="store_true",
                    help="do not write NAME_generate beside the sequence model")
+    p.add_argument("--draft-model", default="", metavar="NAME",
+                   help="the sequence model in this repository (written with its own tlaloc "
+                        "repository) that NAME_generate drafts with when a request asks for "
+                        "speculative.method draft_model: a smaller model with the same "
+                        "tokenizer")
     p.add_argument("--sequence-slots", type=int, default=0,
                    help="Triton's max_candidate_sequences (default: the larger of 1024 and the "
                         "sequences the KV pool holds)")

@@ -26,7 +26,8 @@ from .codes import coded_message
 from .engine import Engine
 from .host_tier import HostTier
 from .kv_transfer import PageTransfer, transfer_buckets
-from .local_generation import LocalGenerations, Speculation
+from .link_server import LocalGenerations
+from .local_generation import Speculation
 from .manifest import load_artifact
 from .memory import resident_bytes
 from .metrics import TimingLog

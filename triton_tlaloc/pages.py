@@ -311,16 +311,28 @@ class BlockManager:
             self.rings.release(extra)
 
     def truncate(self, seq: Sequence, length: int) -> None:
-        """Cut `seq` back to its first `length` tokens (drafts a verify call did not accept):
-        what was written past them is never read and will be written over; the pages and ring
-        pages it no longer needs are released. A state cannot be cut back (no state slots)."""
+        """Cut `seq` back to its first `length` tokens (drafts a verify call did not accept, or
+        a draft model's drafts its target rejected): what was written past them is never read
+        and will be written over; the pages and ring pages it no longer needs are released. A
+        registered block holding the cut or past it is released whole, never written over
+        (other sequences may share it; it stays cached): the next call computes again the
+        positions of it that stand. A state cannot be cut back (no state slots)."""
         assert self.state_slots is None, "a linear-attention state cannot be cut back"
-        assert len(seq.block_hashes) <= length // self.block_size, \
-            f"sequence {seq.seq_id}: cut back into a registered block"
+        blocks, seq.num_cached = self._cut(seq, length)
+        del seq.block_hashes[blocks:]
         del seq.token_ids[length:]
-        seq.num_cached = min(seq.num_cached, length)
-        blocks = pages_for(length, self.block_size)
         self._release_past(seq, blocks, min(blocks, self.ring_pages))
+
+    def cached_after_cut(self, seq: Sequence, length: int) -> int:
+        """The positions `seq` would still hold computed after `truncate(seq, length)`."""
+        return self._cut(seq, length)[1]
+
+    def _cut(self, seq: Sequence, length: int) -> tuple[int, int]:
+        """The pages `seq` keeps when cut back to `length` tokens, and its computed length."""
+        whole = length // self.block_size
+        if len(seq.block_hashes) > whole:  # a registered block holds the cut or lies past it
+            return whole, min(seq.num_cached, whole * self.block_size)
+        return pages_for(length, self.block_size), min(seq.num_cached, length)
 
     def free(self, seq: Sequence) -> None:
         """Release everything `seq` holds (its registered blocks stay cached)."""

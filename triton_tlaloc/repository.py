@@ -37,6 +37,7 @@ class RepositoryOptions:
     compile_cache_dir: str = ""
     extra_parameters: dict = field(default_factory=dict)
     generate_model: bool = True  # also write NAME_generate
+    draft_model: str = ""  # the sequence model NAME_generate drafts with (speculative decoding)
     sequence_slots: int = 0  # max_candidate_sequences (0: sequence_slots()'s default)
     prefix_reuse: bool = True  # cached prompt blocks and ended sequences reused (KV reuse)
     host_kv_bytes: int | None = None  # the host tier's budget (None: 4x the pools; 0: off)
@@ -132,7 +133,8 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
     )
     (model_dir / "config.pbtxt").write_text(text)
     if opts.generate_model:
-        write_generate_model(artifact, Path(repo), name, opts.generation_loop)
+        write_generate_model(artifact, Path(repo), name, opts.generation_loop,
+                             draft_model=opts.draft_model)
     return model_dir
 
 
@@ -145,8 +147,9 @@ def _tokenizer_dir(artifact) -> str:
 
 
 def write_generate_model(artifact, repo: Path, name: str, generation_loop: str = "local",
-                         model_name: str = "") -> Path:
-    """REPO/NAME_generate (or `model_name`), the generate model of sequence model NAME."""
+                         model_name: str = "", draft_model: str = "") -> Path:
+    """REPO/NAME_generate (or `model_name`), the generate model of sequence model NAME;
+    `draft_model`, the sequence model (in the same repository) it drafts with."""
     model_name = model_name or generate_model_name(name)
     model_dir = repo / model_name
     if model_dir.exists():
@@ -156,7 +159,7 @@ def write_generate_model(artifact, repo: Path, name: str, generation_loop: str =
     params = {"sequence_model": name, "tokenizer_dir": _tokenizer_dir(artifact),
               "max_context": artifact.max_context,
               "eos_token_ids": ",".join(str(t) for t in artifact.model.eos_token_ids),
-              "generation_loop": generation_loop}
+              "generation_loop": generation_loop, "draft_model": draft_model}
     text = Template((TEMPLATE_DIR / "generate" / "config.pbtxt.in").read_text()).substitute(
         name=model_name, sequence_model=name,
         parameters=",\n".join(_parameter(k, v) for k, v in params.items()))

@@ -81,6 +81,29 @@ class Verification:
                                f"past the window of {self.window} ({self._ring_room(seq)})",
                                "speculation")
 
+    def rewind(self, seq: Sequence, length: int) -> None:
+        """Cut `seq` back to its first `length` tokens before a request appends others (a
+        draft model's sequence, whose drafts its target rejected), or RequestError leaving it
+        as it was: a linear-attention state cannot be cut back, and a ring gives back only
+        positions that overwrote nothing its window still needs."""
+        if self.blocks.state_slots is not None:
+            raise RequestError("a sequence with linear-attention layers cannot be rewound: "
+                               "their state folds in every token fed to it", "rewind")
+        if not 1 <= length <= len(seq.token_ids):
+            raise RequestError(f"keep_tokens {length}: expected 1 to {len(seq.token_ids)} "
+                               f"(the sequence's tokens)", "rewind")
+        if self.window is not None:
+            # Positions below `lost` were written over by later ones in the ring; the next
+            # call needs the window before the cut.
+            lost = seq.num_cached - self.ring_pages * self.block_size
+            cached = self.blocks.cached_after_cut(seq, length)
+            if lost > max(0, cached - (self.window - 1)):
+                raise RequestError(f"keep_tokens {length}: the ring of "
+                                   f"{self.ring_pages * self.block_size} positions no longer "
+                                   f"holds the window of {self.window} before position "
+                                   f"{cached}", "rewind")
+        self.blocks.truncate(seq, length)
+
     def verify(self, seqs: list[Sequence], drafts: list[int], logits: bool = False,
                acceptors: list[Acceptor | None] | None = None) -> list[Verified]:
         """One verify call: each sequence's uncached tokens, the last `drafts[i]` of them

@@ -224,3 +224,31 @@ class Harness:
         self.clock.advance(1.0)
         self.run()
         return self.last(seq_id)
+
+
+class KnownModel:
+    """A model whose greedy continuation of the prompt is `text`, answering a generation's
+    requests as the batcher would (decode: logits; verify: the drafts that match, then the
+    next token), and counting its calls."""
+
+    def __init__(self, prompt: list[int], text: list[int], vocab: int = 64):
+        self.all, self.vocab = prompt + text, vocab
+        self.fed = 0  # tokens the sequence holds
+        self.calls = self.verify_calls = 0
+        self.drafted = self.accepted = 0
+
+    def answer(self, request) -> Reply:
+        self.calls += 1
+        self.fed += len(request.tokens)
+        if not request.draft_tokens:
+            return Reply(logits=one_hot(np.array(self.all[self.fed]), self.vocab))
+        self.verify_calls += 1
+        d = request.draft_tokens
+        drafts, at = request.tokens[-d:], self.fed - d
+        m = 0
+        while m < d and drafts[m] == self.all[at + m]:
+            m += 1
+        self.fed = at + m
+        self.drafted += d
+        self.accepted += m
+        return Reply(accepted_ids=drafts[:m] + [self.all[self.fed]])

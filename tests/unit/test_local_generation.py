@@ -22,7 +22,8 @@ from triton_tlaloc.frontends.local_streams import (LocalLoop, LocalStream, Outbo
 from triton_tlaloc.frontends.sampling import SamplingParams, TextStream
 from triton_tlaloc.generation_link import LinkError, connect, link_paths, listen
 from triton_tlaloc.frontends.speculative import SpeculativeParams
-from triton_tlaloc.local_generation import Generation, LocalGenerations, Speculation
+from triton_tlaloc.link_server import LocalGenerations
+from triton_tlaloc.local_generation import Generation, Speculation
 from triton_tlaloc.policy import BatchPolicy
 from triton_tlaloc.simulated import SimulatedRuntime
 

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from fakes import Harness, fake_artifact
+from fakes import Harness, KnownModel, fake_artifact
 from scipy.stats import chisquare
 
 from triton_tlaloc.admission import Reply
@@ -31,7 +31,6 @@ def test_the_speculative_parameter_is_checked_by_name_and_round_trips():
     assert SamplingParams.from_dict({}).speculative is None
     for bad, says in (({"speculative": 3}, "expected a JSON object"),
                       ({"speculative": {"method": "medusa"}}, "speculative.method 'medusa'"),
-                      ({"speculative": {"method": "draft_model"}}, "not built yet"),
                       ({"speculative": {"num_draft_tokens": 0}}, "num_draft_tokens 0"),
                       ({"speculative": {"num_draft_tokens": 65}}, "num_draft_tokens 65"),
                       ({"speculative": {"num_draft_tokens": 2.5}}, "expected an integer"),
@@ -170,34 +169,6 @@ def test_a_verify_call_keeps_what_its_acceptor_keeps():
 
 
 # ------------------------------------------------------------------ generations that speculate
-
-
-class KnownModel:
-    """A model whose greedy continuation of the prompt is `text`, answering a generation's
-    requests as the batcher would (decode: logits; verify: the drafts that match, then the
-    next token), and counting its calls."""
-
-    def __init__(self, prompt: list[int], text: list[int]):
-        self.all = prompt + text
-        self.fed = 0  # tokens the sequence holds
-        self.calls = self.verify_calls = 0
-        self.drafted = self.accepted = 0
-
-    def answer(self, request) -> Reply:
-        self.calls += 1
-        self.fed += len(request.tokens)
-        if not request.draft_tokens:
-            return Reply(logits=one_hot(np.array(self.all[self.fed]), VOCAB_BIG))
-        self.verify_calls += 1
-        d = request.draft_tokens
-        drafts, at = request.tokens[-d:], self.fed - d
-        m = 0
-        while m < d and drafts[m] == self.all[at + m]:
-            m += 1
-        self.fed = at + m
-        self.drafted += d
-        self.accepted += m
-        return Reply(accepted_ids=drafts[:m] + [self.all[self.fed]])
 
 
 VOCAB_BIG = 64

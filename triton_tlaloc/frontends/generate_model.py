@@ -14,9 +14,10 @@ concurrent generations decode in the same cohorts as every other sequence. Two l
   START / END flags), once per token. Greedy steps ask for ARGMAX alone (4 bytes); sampled
   steps for LOGITS, sampled here (sampling.Sampler: temperature, top-k, top-p, a seed).
 
-Speculation (the `speculative` sampling parameter: drafts found by prompt lookup, verified in
-one call) runs in the local loop, where each step's drafts and the rule that keeps them are on
-the batching thread (local_generation.py, speculative.py). The BLS loop decodes a token a step
+Speculation (the `speculative` sampling parameter: drafts found by prompt lookup, or decoded by
+the draft model this model's `draft_model` parameter names, verified in one call) runs in the
+local loop, where each step's drafts and the rule that keeps them are on the batching thread
+(local_generation.py, speculative.py, draft_model.py). The BLS loop decodes a token a step
 whatever `speculative` says: the same ids, or the same distribution when sampling, only slower.
 
 Each step's new text goes out as a response (text_output, token_ids); the last response, flagged
@@ -71,10 +72,12 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_settings(args, {"eos_token_ids": "", "tokenizer_dir": "",
                                        "max_prompt_characters": "",
-                                       "generation_loop": "local"}).params
+                                       "generation_loop": "local", "draft_model": ""}).params
         setup_logging(args["model_name"])
         self.model_name = args["model_name"]
         self.sequence_model = params["sequence_model"]
+        # The sequence model that drafts for speculative.method draft_model ("": none)
+        self.draft_model = params.get("draft_model", "")
         self.eos_ids = {int(t) for t in params.get("eos_token_ids", "").split(",") if t}
         self.max_context = int(params["max_context"])
         # A text prompt longer than this is refused before it is tokenized (a token is rarely
@@ -101,13 +104,14 @@ class TritonPythonModel:
             self.senders = StreamSenders(1, self._send_out, self._is_cancelled,
                                          lambda s: self.local.cancel(s))
             self.local = LocalLoop(self.sequence_model, self.senders, self._observe_token,
-                                   self._finished)
+                                   self._finished, draft_model=self.draft_model)
             self.intake: queue.SimpleQueue = queue.SimpleQueue()
             threading.Thread(target=self._take_in, name="tlaloc-generate-intake",
                              daemon=True).start()
         log.info("generate model %s: sequence model %s, generation loop %s, tokenizer %s, "
-                 "end-of-sequence ids %s", self.model_name, self.sequence_model, loop,
-                 "yes" if self.tokenizer else "none (input_ids only)", sorted(self.eos_ids))
+                 "end-of-sequence ids %s, draft model %s", self.model_name, self.sequence_model,
+                 loop, "yes" if self.tokenizer else "none (input_ids only)",
+                 sorted(self.eos_ids), self.draft_model or "none")
 
     def _metrics(self):
         """Updates are taken as plain Python by the generation threads and applied by the
@@ -258,6 +262,11 @@ class TritonPythonModel:
             params = SamplingParams.from_dict(json.loads(sampling))
         except (SamplingError, json.JSONDecodeError, TypeError, ValueError) as e:
             raise _GenerateError(f"sampling_parameters: {e}", bad) from None
+        if (params.speculative is not None and params.speculative.method == "draft_model"
+                and not self.draft_model):
+            raise _GenerateError(f"sampling_parameters: speculative.method draft_model: "
+                                 f"{self.model_name} names no draft model (tlaloc repository "
+                                 f"--draft-model)", bad)
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
         text = _string_input(request, "text_input")
         # Sizes first, then the work: no id list converted, no text tokenized, that must fail.

@@ -168,8 +168,10 @@ class LocalLoop:
     def __init__(self, sequence_model: str, senders: StreamSenders,
                  observe_token: Callable[[LocalStream, float], None],
                  on_finished: Callable[[LocalStream], None],
-                 server_pid: int | None = None, clock: Callable[[], float] = time.perf_counter):
+                 server_pid: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 draft_model: str = ""):
         self.sequence_model, self.senders, self.server_pid = sequence_model, senders, server_pid
+        self.draft_model = draft_model  # named to generations that draft with a model
         self.observe_token, self.on_finished, self.clock = observe_token, on_finished, clock
         self.streams: dict[int, LocalStream] = {}
         self._ids = itertools.count(1)
@@ -206,9 +208,11 @@ class LocalLoop:
             for s in streams:
                 s.gen_id = next(self._ids)
                 self.streams[s.gen_id] = s
-                commands.append(["start", s.gen_id, {"prompt": s.prompt,
-                                                     "sampling": dataclasses.asdict(s.params),
-                                                     "stops": sorted(s.stops)}])
+                spec = {"prompt": s.prompt, "sampling": dataclasses.asdict(s.params),
+                        "stops": sorted(s.stops)}
+                if s.params.speculative is not None and self.draft_model:
+                    spec["draft_model"] = self.draft_model
+                commands.append(["start", s.gen_id, spec])
         self._command(commands)
 
     def cancel(self, stream: LocalStream) -> None:

@@ -2,23 +2,26 @@
 `speculative` sampling parameter, how many drafts each step carries, and, with temperature above
 0, which drafts stand. Pure Python and numpy: no Triton, no JAX.
 
-- `SpeculativeParams`: {"method": "prompt_lookup", "num_draft_tokens": k, ...}, checked when
-  the request arrives like every other sampling parameter.
+- `SpeculativeParams`: {"method": "prompt_lookup" | "draft_model", "num_draft_tokens": k, ...},
+  checked when the request arrives like every other sampling parameter. A draft model is the
+  one the generate model's configuration names (draft_model.py).
 - `DraftLength`: the adaptive rule. Each draft position is accepted with some probability a,
   estimated from what the generation saw (decayed, so it follows the text as it changes). A
   step with k drafts then yields 1 + a + ... + a**k tokens on average, and costs what a call on
   its verify entry costs against a decode call (`StepCost`: measured on this server when it
-  has run both, else `DRAFT_COST` a token); the length is the k that yields the most tokens for
+  has run both, else `DRAFT_COST` a token), plus, with a draft model, the k tokens it drafts
+  (`DraftModelCost`); the length is the k that yields the most tokens for
   the time, 0 when none beats a plain step. At 0 the generation stops drafting but keeps
   checking, for free, whether the drafts it would have sent were right, and starts again when
-  they are.
+  they are (a draft model's drafts are not free: one is sent every PROBE_EVERY steps).
 - `sampled_acceptance`: speculative sampling (Leviathan et al., Chen et al.) for a drafter that
-  proposes one token with certainty (prompt lookup): a draft x stands with probability p(x) (the
+  proposes one token with certainty (prompt lookup, a draft model decoding greedily): a draft x stands with probability p(x) (the
   target's probability after temperature, top-k and top-p; min(1, p/q) with q = 1); the first
   that falls is replaced by a draw from p without x, renormalized (the residual max(0, p - q));
   after every draft stood, one more token is drawn from p. Each token so chosen is distributed
   exactly as a token sampled without speculation.
-- `Speculator`: one generation's drafting: the n-gram index, the draft length, the check.
+- `Speculator`: one generation's drafting: the n-gram index (or a draft model's drafts), the
+  draft length, the check.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ MAX_NGRAM = 16
 # timed. Measured on SmolLM2 f32 on 2 CPU cores (docs/performance.md#speculative-decoding): a
 # call of 5 or 7 tokens took 1.6-1.9 steps' time, about 0.15 a token; one of 9, 3.5.
 DRAFT_COST = 0.3
+# A token a draft model drafts, against a decode step of the target, until drafts were timed: a
+# draft model a tenth of the target's size, and the round trip to it.
+DRAFT_MODEL_COST = 0.2
+# A generation drafting with a model that drafts none checks it again with one draft this often
+# (a draft model's drafts cost a step each: there is no free check as prompt lookup's).
+PROBE_EVERY = 16
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0  # a start of two draft positions, 60% accepted
 DECAY = 0.9  # per observation: the estimate follows the last ten or so
 
@@ -69,9 +78,6 @@ class SpeculativeParams:
         method = given.get("method") or "prompt_lookup"
         if method not in METHODS:
             raise refused("speculative.method", method, f"expected one of {', '.join(METHODS)}")
-        if method == "draft_model":
-            raise SamplingError("sampling parameter speculative.method draft_model: drafting "
-                                "with a second model is not built yet; use prompt_lookup")
 
         def count(key: str, default: int, low: int, high: int) -> int:
             return integer(f"speculative.{key}", given.get(key, default), low, high,
@@ -115,11 +121,26 @@ class StepCost:
         return 1.0 + DRAFT_COST * (tokens - 1)
 
 
+class DraftModelCost:
+    """What a step with k drafts from a draft model costs against a decode step: its verify
+    call (`StepCost`) and the k tokens drafted, each `seconds_per_draft()` (as the generation
+    measured them, None until then) over the target's decode call time."""
+
+    def __init__(self, step: StepCost, seconds_per_draft: Callable[[], float | None]):
+        self.step, self.seconds_per_draft = step, seconds_per_draft
+
+    def __call__(self, k: int) -> float:
+        per = self.seconds_per_draft()
+        decode = self.step.seconds("decode", 1) if self.step.seconds is not None else None
+        return self.step(k) + k * (per / decode if per and decode else DRAFT_MODEL_COST)
+
+
 class DraftLength:
     """How many drafts the next step carries (see the module's docstring). `observe(tried,
     stood)`: of `tried` draft positions checked, the first `stood` were right."""
 
-    def __init__(self, most: int, adaptive: bool = True, cost: StepCost | None = None):
+    def __init__(self, most: int, adaptive: bool = True,
+                 cost: Callable[[int], float] | None = None):
         assert most >= 1
         self.most, self.adaptive, self.cost = most, adaptive, cost or StepCost()
         self.stood = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
@@ -178,23 +199,41 @@ def _position(ids: np.ndarray | None, token: int, n: int) -> int:
 
 
 class Speculator:
-    """One generation's drafting: prompt lookup over everything so far (an `NgramIndex`), the
-    draft length, and the free check of the drafts it did not send."""
+    """One generation's drafting: prompt lookup over everything so far (an `NgramIndex`), or
+    a draft model's drafts (handed to `sending`); the draft length, and the check of the drafts
+    it did not send."""
 
     def __init__(self, params: SpeculativeParams, history: list[int], most: int,
-                 cost: StepCost | None = None):
+                 cost: Callable[[int], float] | None = None):
         self.params = params
-        self.index = NgramIndex(history, params.prompt_lookup_max, params.prompt_lookup_min)
+        self.index = (NgramIndex(history, params.prompt_lookup_max, params.prompt_lookup_min)
+                      if params.method == "prompt_lookup" else None)
         self.length = DraftLength(max(1, min(params.num_draft_tokens, most)), params.adaptive,
                                   cost)
         self.sent: list[int] = []  # the drafts of the step in flight
         self.unsent: list[int] = []  # what it would have sent, with none sent
+        self.plain_steps = 0
+
+    def count(self, room: int) -> int:
+        """How many drafts the next step carries (at most `room`). A draft model drafting
+        none drafts one every PROBE_EVERY steps: its acceptance is known only by drafting."""
+        k = min(self.length(), room)
+        if k == 0 and self.index is None and room >= 1:
+            self.plain_steps += 1
+            k = int(self.plain_steps % PROBE_EVERY == 0)
+        return k
 
     def drafts(self, room: int) -> list[int]:
-        """The drafts the next step carries (at most `room`), or [] for a plain decode step."""
-        k = min(self.length(), room)
+        """Prompt lookup's drafts for the next step (at most `room`), or [] for a plain decode
+        step."""
+        k = self.count(room)
         self.sent = self.index.lookup(k) if k > 0 else []
         self.unsent = [] if self.sent or room < 1 else self.index.lookup(1)
+        return self.sent
+
+    def sending(self, drafts: list[int]) -> list[int]:
+        """A draft model's drafts for the next step."""
+        self.sent, self.unsent = list(drafts), []
         return self.sent
 
     def took(self, tokens: list[int]) -> None:
@@ -206,8 +245,9 @@ class Speculator:
         elif self.unsent:
             self.length.observe(1, int(tokens[0] == self.unsent[0]))
         self.sent, self.unsent = [], []
-        self.index.extend(tokens)
+        if self.index is not None:
+            self.index.extend(tokens)
 
 
-__all__ = ["DRAFT_COST", "DraftLength", "SpeculativeParams", "Speculator", "StepCost",
-           "sampled_acceptance"]
+__all__ = ["DRAFT_COST", "DRAFT_MODEL_COST", "DraftLength", "DraftModelCost",
+           "SpeculativeParams", "Speculator", "StepCost", "sampled_acceptance"]
