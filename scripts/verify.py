@@ -114,8 +114,9 @@ def build_decoders(work: Path) -> dict:
                                           verify_tokens=(3, 5, 9)))
     # Sliding-window families (windows as masks over full-history pages; pages of 4), and the
     # same gemma3_text weights with full-history pages: the windowed pool's reference.
+    # Verify entries too: speculation through their generate models (rings cut back).
     window_opts = dict(batch_ladder=(1, 2, 4), context_ladder=(32, 64), block_size=4,
-                       prefill_chunk=16, attention_block=16)
+                       prefill_chunk=16, attention_block=16, verify_tokens=(5, 9))
     for family in ("mistral", "gemma3_text"):
         ckpt = work / f"ckpt-{family}"
         if not ckpt.exists():
@@ -177,9 +178,13 @@ def write_models(arts: dict, repo: Path, work: Path) -> None:
         write_repository(art, repo, name, RepositoryOptions(
             generate_model=name in ("smollm2", "qwen3_5"),
             host_kv_bytes=0 if name in ("small", "qwen3_5_one_slot") else None))
-    # The tiny llama's generate model, speculating: prompt lookup, or qwen3 as its draft model
-    # (the same vocabulary; most of its drafts wrong, so its sequences are cut back)
-    write_generate_model(load_artifact(arts["llama"][1]), repo, "llama", draft_model="qwen3")
+    # The tiny llama's generate model drafting with its twin, llama_copied (every draft right);
+    # the windowed families draft with each other (most drafts wrong: rings cut back on the
+    # target's side and on the draft model's).
+    write_generate_model(load_artifact(arts["llama"][1]), repo, "llama",
+                         draft_model="llama_copied")
+    for family, draft in (("mistral", "gemma3_text"), ("gemma3_text", "mistral")):
+        write_generate_model(load_artifact(arts[family][1]), repo, family, draft_model=draft)
     write_repository(arts["llama"][1], repo, "llama_copied", RepositoryOptions(
         donate_kv_pools=False, generate_model=False))
     # The control for backend batching: Triton's sequence batcher forms the batches after a
@@ -278,10 +283,18 @@ def generate_rows(table: Table, d: Deployment) -> None:
                   f"streamed", f"{n}/{n} equal to transformers",
                   lambda model=model, prompt=prompt, want=want: S.check_generate_model(
                       url, model, prompt, want))
-    table.run("grpc, http: tiny llama generate model speculating: prompt lookup, and qwen3 as "
-              "its draft model", "40/40 equal to transformers", lambda: S.check_generate_speculation(
+    table.run("grpc, http: tiny llama generate model drafting with its twin (llama_copied) as "
+              "draft model", "40/40 equal to transformers; every draft accepted",
+              lambda: S.check_generate_speculation(
                   url, d.url("http"), "llama_generate", TINY_PROMPT, d.want["llama_40"],
-                  ("prompt_lookup", "draft_model")))
+                  ("draft_model",), d.server.metrics_url, "llama", every_draft_stands=True))
+    for family, draft in (("mistral", "gemma3_text"), ("gemma3_text", "mistral")):
+        table.run(f"grpc, http: tiny {family} generate model (rings) speculating: prompt lookup, "
+                  f"and {draft} as its draft model", "16/16 equal to transformers",
+                  lambda family=family: S.check_generate_speculation(
+                      url, d.url("http"), f"{family}_generate", WINDOW_PROMPTS[0],
+                      d.want[family][0], ("prompt_lookup", "draft_model"),
+                      d.server.metrics_url, family))
     table.run("grpc: tlaloc openai, a chat completion with the openai package",
               "the generate model's text", lambda: S.check_openai_chat(
                   url, "smollm2", d.chat["messages"], d.chat["prompt"]))

@@ -248,11 +248,15 @@ def check_speculation(url, protocol, model, prompt, want, lengths=range(1, 9), o
         + (f", and beside {len(others)} sequences decoding" if others else ""))
 
 
-def check_generate_speculation(grpc_url, http_url, model, prompt, want, methods):
+def check_generate_speculation(grpc_url, http_url, model, prompt, want, methods,
+                               metrics_url, sequence_model, every_draft_stands=False):
     """Generate model `model` speculating by each of `methods` at 1, 2, 4 and 8 drafts a step
-    (fixed), over gRPC and HTTP (Triton's generate extension): len(want) ids equal `want`."""
+    (fixed), over gRPC and HTTP (Triton's generate extension): len(want) ids equal `want`, and
+    `sequence_model` verified drafts (its counters), all of them accepted when
+    `every_draft_stands` (a draft model that is the target's twin)."""
     cond = Conditions()
     n = len(want)
+    before = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
     for method in methods:
         for k in (1, 2, 4, 8):
             for name, send, url in (("grpc", generate, grpc_url),
@@ -262,8 +266,16 @@ def check_generate_speculation(grpc_url, http_url, model, prompt, want, methods)
                         "method": method, "num_draft_tokens": k, "adaptive": False}})
                 cond(got.error is None and got.token_ids == want,
                      f"{method} at {k} over {name}: {got.error or got.token_ids}")
+    after = scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S)
+    drafted, accepted = (metric(after, name, model=sequence_model)
+                         - metric(before, name, model=sequence_model)
+                         for name in ("tlaloc_draft_tokens_total",
+                                      "tlaloc_accepted_draft_tokens_total"))
+    cond(drafted > 0, "no drafts were verified")
+    cond(accepted == drafted or not every_draft_stands, f"{accepted} of {drafted} accepted")
     return cond.result(f"{n}/{n} equal with {' and '.join(methods)} at 1, 2, 4 and 8 drafts "
-                       f"a step, over gRPC and HTTP")
+                       f"a step, over gRPC and HTTP; {accepted:.0f} of {drafted:.0f} drafts "
+                       f"accepted")
 
 
 def check_speculation_refusals(client, prompt, want, why):

@@ -294,6 +294,8 @@ class ModelDrafter:
         def drafted(drafts: list[int], error: str | None) -> None:
             if error is not None:
                 self.failed = error
+                log.info("a generation's draft model failed (it decodes plainly now): %s",
+                         error)
                 answer([])
                 return
             # The draft model fed every draft but the last.
