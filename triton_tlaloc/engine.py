@@ -379,9 +379,15 @@ class Engine(Verification):
         return GenerationResult(list(prompt_ids), generated, prefill_ms, step_ms, reason,
                                 reused_tokens=reuse.reused)
 
-    def _ring_room(self, seq: Sequence) -> int:
-        """The tokens one call may feed `seq` within its ring: a call of n tokens from p0 needs
-        min(p0, window - 1) + n positions of the ring at once (docs/design.md#the-windowed-pool);
-        the KV a verify call writes for drafts it rejects then overwrites nothing still in the
-        window."""
-        return self.ring_pages * self.block_size - min(seq.num_cached, self.window - 1)
+    @property
+    def ring_positions(self) -> int:
+        """The positions a sequence's ring holds."""
+        return self.ring_pages * self.block_size
+
+    def _ring_room(self, seq: Sequence | None) -> int:
+        """The tokens one call may feed `seq` (None: any sequence whose window is full) within
+        its ring: a call of n tokens from p0 needs min(p0, window - 1) + n positions of the ring
+        at once (docs/design.md#the-windowed-pool); the KV a verify call writes for drafts it
+        rejects then overwrites nothing still in the window."""
+        before = self.window - 1 if seq is None else min(seq.num_cached, self.window - 1)
+        return self.ring_positions - before

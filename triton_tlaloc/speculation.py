@@ -4,7 +4,8 @@ gives the argmax after every position; the drafts the model agrees with are kept
 sequence is cut back to them. Greedy ids are exactly those of decoding one token a call.
 
 `Verification` is a mixin of `engine.Engine`, which supplies `blocks`, `art`, `rt`, `window`,
-`max_verify_tokens`, `accept`, `_entry`, `_step`, `_compiled_rows`, `_ring_room`, `decode`.
+`max_verify_tokens`, `accept`, `_entry`, `_step`, `_compiled_rows`, `ring_positions`, `_ring_room`,
+`decode`.
 Pure Python and numpy: no JAX, no Triton.
 """
 
@@ -77,7 +78,7 @@ class Verification:
                                f"take at most {self.max_verify_tokens}", "speculation")
         if self.window is not None and n > self._ring_room(seq):
             raise RequestError(f"{drafts} drafts: a call of {n} tokens needs more positions "
-                               f"than its ring of {self.ring_pages * self.block_size} holds "
+                               f"than its ring of {self.ring_positions} holds "
                                f"past the window of {self.window} ({self._ring_room(seq)})",
                                "speculation")
 
@@ -95,11 +96,11 @@ class Verification:
         if self.window is not None:
             # Positions below `lost` were written over by later ones in the ring; the next
             # call needs the window before the cut.
-            lost = seq.num_cached - self.ring_pages * self.block_size
+            lost = seq.num_cached - self.ring_positions
             cached = self.blocks.cached_after_cut(seq, length)
             if lost > max(0, cached - (self.window - 1)):
                 raise RequestError(f"keep_tokens {length}: the ring of "
-                                   f"{self.ring_pages * self.block_size} positions no longer "
+                                   f"{self.ring_positions} positions no longer "
                                    f"holds the window of {self.window} before position "
                                    f"{cached}", "rewind")
         self.blocks.truncate(seq, length)
@@ -151,7 +152,7 @@ class Verification:
         largest verify entry and, once a ring's window is full, its spare positions."""
         room = self.max_verify_tokens
         if self.window is not None:
-            room = min(room, self.ring_pages * self.block_size - (self.window - 1))
+            room = min(room, self._ring_room(None))
         return max(0, room - 1)
 
     def verify_room(self, seq: Sequence) -> int:

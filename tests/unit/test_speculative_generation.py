@@ -71,6 +71,27 @@ def test_the_draft_length_falls_while_drafts_fail_and_comes_back():
     assert fixed() == 5
 
 
+def test_the_draft_length_follows_runs_of_right_drafts():
+    """Text in runs: six steps whose drafts all stand, then six that miss at once, over and
+    over. Inside a run the rule drafts the most, between runs none (a single estimate of the
+    acceptance, about one half, would draft a middling length in both); at 0 drafts a right
+    free check starts a run again."""
+    length = DraftLength(8)
+    for _ in range(10):
+        for _ in range(6):
+            k = max(length(), 1)
+            length.observe(k, k)
+        for _ in range(6):
+            length.observe(1, 0)
+    assert length() == 0  # after a miss
+    length.observe(1, 1)  # the free check was right
+    assert length() == 8
+    length.observe(8, 8)
+    assert length() == 8
+    length.observe(8, 2)  # the run ended
+    assert length() == 0
+
+
 def test_the_draft_length_weighs_what_each_verify_entry_costs():
     """Costs as measured on 2 cores (a call of 7 tokens 1.85 steps, of 9 tokens 3.5): at 90%
     acceptance 6 drafts (7 tokens) yield the most for the time, not 8; at 60%, 4 (on the entry
@@ -82,7 +103,7 @@ def test_the_draft_length_weighs_what_each_verify_entry_costs():
     assert cost(6) == pytest.approx(1.85) and cost(3) == cost(4)
     for a, want in ((0.9, 6), (0.6, 4), (0.05, 0)):
         length = DraftLength(8, cost=cost)
-        length.stood, length.tried = a * 1e6, 1e6
+        length.stood, length.tried = [a * 1e6] * 2, [1e6] * 2
         assert length() == want, a
     assert StepCost((3, 5, 7, 9))(6) == pytest.approx(1 + DRAFT_COST * 6)
     measured[("verify", 7)] = 0.3

@@ -6,7 +6,8 @@
   checked when the request arrives like every other sampling parameter. A draft model is the
   one the generate model's configuration names (draft_model.py).
 - `DraftLength`: the adaptive rule. Each draft position is accepted with some probability a,
-  estimated from what the generation saw (decayed, so it follows the text as it changes). A
+  estimated from what the generation saw (decayed, so it follows the text as it changes; one
+  estimate after a step whose drafts all stood, one after a miss: repeats come in runs). A
   step with k drafts then yields 1 + a + ... + a**k tokens on average, and costs what a call on
   its verify entry costs against a decode call (`StepCost`: measured on this server when it
   has run both, else `DRAFT_COST` a token), plus, with a draft model, the k tokens it drafts
@@ -48,6 +49,7 @@ DRAFT_MODEL_COST = 0.2
 # (a draft model's drafts cost a step each: there is no free check as prompt lookup's).
 PROBE_EVERY = 16
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.6, 2.0  # a start of two draft positions, 60% accepted
+PRIOR_RUN_ACCEPTANCE = 0.8  # after a step whose drafts all stood: likelier (repeats run on)
 DECAY = 0.9  # per observation: the estimate follows the last ten or so
 
 
@@ -137,19 +139,27 @@ class DraftModelCost:
 
 class DraftLength:
     """How many drafts the next step carries (see the module's docstring). `observe(tried,
-    stood)`: of `tried` draft positions checked, the first `stood` were right."""
+    stood)`: of `tried` draft positions checked, the first `stood` were right.
+
+    The acceptance is estimated twice: after a step whose drafts all stood, and after one where
+    one fell. Text that repeats its input comes in runs (a quoted sentence, an unchanged line of
+    code: every draft right until the run ends), so a draft right after a run of right ones is
+    likelier than the average says, and one after a miss less likely; a single estimate drafts
+    too little inside runs and too much between them."""
 
     def __init__(self, most: int, adaptive: bool = True,
                  cost: Callable[[int], float] | None = None):
         assert most >= 1
         self.most, self.adaptive, self.cost = most, adaptive, cost or StepCost()
-        self.stood = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
-        self.tried = PRIOR_WEIGHT
+        # [after a miss, after every draft stood]
+        self.stood = [PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_RUN_ACCEPTANCE * PRIOR_WEIGHT]
+        self.tried = [PRIOR_WEIGHT] * 2
+        self.in_run = 0  # whether the last step's drafts all stood
 
     @property
     def acceptance(self) -> float:
-        """The estimated probability that a draft position is right."""
-        return self.stood / self.tried
+        """The estimated probability that the next step's draft positions are right."""
+        return self.stood[self.in_run] / self.tried[self.in_run]
 
     def __call__(self) -> int:
         if not self.adaptive:
@@ -167,8 +177,10 @@ class DraftLength:
     def observe(self, tried: int, stood: int) -> None:
         assert 0 <= stood <= tried
         if tried:
-            self.stood = DECAY * self.stood + stood
-            self.tried = DECAY * self.tried + tried
+            state = self.in_run
+            self.stood[state] = DECAY * self.stood[state] + stood
+            self.tried[state] = DECAY * self.tried[state] + tried
+            self.in_run = int(stood == tried)
 
 
 def sampled_acceptance(sampler, position_logits: np.ndarray,
