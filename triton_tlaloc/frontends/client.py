@@ -42,6 +42,9 @@ class Generation:
 # Triton's integer correlation ids are uint64, but tritonclient's gRPC client sends them as an
 # int64 parameter: 2**63 - 1 is the largest id both protocols carry.
 MAX_SEQUENCE_ID = 2**63 - 1
+# Sent with every request of a sequence (its correlation id): behind replicas, a load balancer
+# hashing on it keeps the sequence on the replica holding its KV (docs/scaling.md).
+SESSION_HEADER = "x-tlaloc-session"
 
 
 def new_sequence_id() -> int:
@@ -120,7 +123,8 @@ class TlalocClient:
             res = self._client.infer(self.model, [inp],
                                      outputs=[mod.InferRequestedOutput(n) for n in outputs],
                                      sequence_id=seq_id, sequence_start=start,
-                                     sequence_end=end, **kw)
+                                     sequence_end=end, headers={SESSION_HEADER: str(seq_id)},
+                                     **kw)
         except self._exc as e:
             raise InferError(e.message() if hasattr(e, "message") else str(e),
                              e.status() if hasattr(e, "status") else None) from None
