@@ -39,12 +39,12 @@ import numpy as np
 
 from .admission import Reply, Request
 from .codes import INTERNAL
+from .frontends.speculative import MAX_DRAFT_TOKENS
 from .generation_link import LinkError, connect, hang_up, receive_frame, send_frame
 from .local_generation import LocalSequenceId, end_request
 
 log = logging.getLogger("triton_tlaloc.draft_model")
 
-MAX_DRAFTS = 64  # the most tokens one ask may draft (speculative.MAX_DRAFT_TOKENS)
 _session_numbers = itertools.count(1)
 
 
@@ -73,8 +73,8 @@ class DraftSession:
         DraftError naming what is wrong with it."""
         keep, k = int(spec["keep"]), int(spec["k"])
         tokens = [int(t) for t in spec["tokens"]]
-        if not 1 <= k <= MAX_DRAFTS:
-            raise DraftError(f"k {k}: expected 1 to {MAX_DRAFTS}")
+        if not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise DraftError(f"k {k}: expected 1 to {MAX_DRAFT_TOKENS}")
         if not tokens or not 0 <= keep <= self.length or (self.length == 0 and keep):
             raise DraftError(f"keep {keep} of {self.length} tokens and append {len(tokens)}: "
                              f"expected to keep at most what the sequence holds and append some")
@@ -235,7 +235,7 @@ class DraftClients:
         if not client.about.get("rewinds"):
             raise LinkError(f"draft model {model_name} cannot cut its sequences back (its "
                             f"linear-attention state folds in every token): it cannot draft")
-        return ModelDrafter(client, prompt, vocab, salt)
+        return ModelDrafter(client, prompt, salt)
 
     def client(self, model_name: str) -> DraftClient:
         """The client of `model_name`, or LinkError naming why it cannot be reached."""
@@ -262,9 +262,8 @@ class ModelDrafter:
     holds (`held`: the history when last asked, and the drafts fed after it), so an ask sends
     only what differs; and how long drafts take (`seconds_per_draft`, a moving average)."""
 
-    def __init__(self, client: DraftClient, prompt: list[int], vocab: int,
-                 salt: str | None = None):
-        self.client, self.vocab, self.salt = client, vocab, salt
+    def __init__(self, client: DraftClient, prompt: list[int], salt: str | None = None):
+        self.client, self.salt = client, salt
         self.draft_id = client.new_id()
         self.history = list(prompt)  # the generation's tokens: the prompt, then what it took
         self.held: list[int] = []

@@ -12,6 +12,7 @@ from triton_tlaloc.batcher import Batcher, Reply, Request
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.host_tier import HostTier
 from triton_tlaloc.kv_transfer import HostPages
+from triton_tlaloc.local_generation import Generation
 from triton_tlaloc.page_pools import FULL, STATE, WINDOWED
 from triton_tlaloc.manifest import (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Artifact, Entry, KvPool,
                                     LinearState, ModelShape, Program, WindowedKv)
@@ -252,3 +253,17 @@ class KnownModel:
         self.drafted += d
         self.accepted += m
         return Reply(accepted_ids=drafts[:m] + [self.all[self.fed]])
+
+
+def run_generation(model: KnownModel, prompt: list[int], params, speculation,
+                   draft_model: str = ""):
+    """A local generation answered by `model` until its END, its next steps (queued, or
+    submitted at once when a draft model's drafts arrive) run in order: (ids emitted, finish
+    reason, the generation)."""
+    events, queued = [], []
+    gen = Generation(1, prompt, params, set(), 4096, events.append, queued.extend, speculation,
+                     draft_model, queued.extend)
+    queued.append(gen.start_request())
+    while queued and not queued[0].end:
+        gen.on_reply(model.answer(queued.pop(0)))
+    return [e[1] for e in events if e[1] >= 0], events[-1][2], gen

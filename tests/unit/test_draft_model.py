@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from fakes import Harness, KnownModel, fake_artifact
+from fakes import Harness, KnownModel, fake_artifact, run_generation
 
 from triton_tlaloc.batcher import Batcher
 from triton_tlaloc.codes import INVALID_ARG
@@ -140,27 +140,25 @@ class FakeDrafters:
         self.client = client
 
     def drafter(self, name, prompt, vocab, salt):
-        assert name == "draft"
-        return ModelDrafter(self.client, prompt, vocab, salt)
+        assert name == "draft" and vocab == VOCAB
+        return ModelDrafter(self.client, prompt, salt)
+
+
+def drafting(client, k: int, max_tokens: int):
+    """A model that verifies up to 8 drafts, reaching `client` as draft model "draft"; the
+    parameters of a generation drafting k a step with it."""
+    speculation = Speculation(most_drafts=8, refused=None, vocab=VOCAB, rewinds=True,
+                              drafters=FakeDrafters(client))
+    return speculation, SamplingParams(max_tokens=max_tokens, speculative=SpeculativeParams(
+        method="draft_model", num_draft_tokens=k, adaptive=False))
 
 
 def generate_drafting(prompt, text, draft, k, max_tokens=40):
     target = KnownModel(prompt, text)
     client = FakeDraftClient(prompt + text, draft)
-    speculation = Speculation(most_drafts=8, refused=None, vocab=VOCAB, rewinds=True,
-                              drafters=FakeDrafters(client))
-    params = SamplingParams(max_tokens=max_tokens, speculative=SpeculativeParams(
-        method="draft_model", num_draft_tokens=k, adaptive=False))
-    events, queued = [], []
-    gen = Generation(1, prompt, params, set(), 4096, events.append, queued.extend, speculation,
-                     "draft", queued.extend)
-    queued.append(gen.start_request())
-    while queued:
-        request = queued.pop(0)
-        if request.end:
-            break
-        gen.on_reply(target.answer(request))
-    return [e[1] for e in events if e[1] >= 0], target, client
+    speculation, params = drafting(client, k, max_tokens)
+    ids, _, _ = run_generation(target, prompt, params, speculation, "draft")
+    return ids, target, client
 
 
 def _right(truth, wrong_every=0):
@@ -201,17 +199,9 @@ def test_a_draft_model_that_fails_leaves_the_generation_decoding_plainly():
     target = KnownModel(prompt, text)
     client = FakeDraftClient(prompt + text, failing)
     client.ask = lambda draft_id, spec, answer: answer([], "draft model draft: pool full")
-    speculation = Speculation(most_drafts=8, refused=None, vocab=VOCAB, rewinds=True,
-                              drafters=FakeDrafters(client))
-    params = SamplingParams(max_tokens=20, speculative=SpeculativeParams(
-        method="draft_model", num_draft_tokens=4, adaptive=False))
-    events, queued = [], []
-    gen = Generation(1, prompt, params, set(), 4096, events.append, queued.extend, speculation,
-                     "draft", queued.extend)
-    queued.append(gen.start_request())
-    while queued and not queued[0].end:
-        gen.on_reply(target.answer(queued.pop(0)))
-    assert [e[1] for e in events if e[1] >= 0] == text[:20]
+    speculation, params = drafting(client, 4, 20)
+    ids, _, gen = run_generation(target, prompt, params, speculation, "draft")
+    assert ids == text[:20]
     assert gen.drafter.failed == "draft model draft: pool full" and target.drafted == 0
 
 

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from fakes import Harness, KnownModel, fake_artifact
+from fakes import Harness, KnownModel, fake_artifact, run_generation
 from scipy.stats import chisquare
 
 from triton_tlaloc.admission import Reply
@@ -196,15 +196,7 @@ VOCAB_BIG = 64
 
 
 def generate(model: KnownModel, prompt, params, speculation=SPECULATE):
-    events, queued = [], []
-    gen = Generation(1, prompt, params, set(), 4096, events.append, queued.extend, speculation)
-    queued.append(gen.start_request())
-    while queued:
-        request = queued.pop(0)
-        if request.end:
-            break
-        gen.on_reply(model.answer(request))
-    return [e[1] for e in events if e[1] >= 0], events[-1][2], gen
+    return run_generation(model, prompt, params, speculation)
 
 
 def repeating(n: int, period: int = 7) -> list[int]:
