@@ -14,8 +14,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 # tests/unit runs in a process of its own (tests/test_unit_suite.py): here it would share this
-# process's JAX and torch, which its import guard refuses.
-collect_ignore = ["unit"]
+# process's JAX and torch, which its import guard refuses. tests/multi_device too
+# (tests/test_multi_device_suite.py): it needs four devices, this process has one.
+collect_ignore = ["unit", "multi_device"]
 
 # Small ladders keep compile time low; block size 8 makes pages matter for short prompts. No
 # verify entries (ExportOptions' default) unless a test asks for them: at these ladders they

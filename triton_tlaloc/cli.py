@@ -38,6 +38,10 @@ def _report(args, prompt_ids, generated_ids, text, finish_reason, prefill_ms, ms
 
 def _cmd_export(args) -> int:
     from .export.writer import ExportOptions, export_artifact
+    from .pjrt import cpu_devices
+
+    if args.precompile and args.platform == "cpu":
+        cpu_devices(args.tensor_parallel)  # before the export starts JAX
 
     opts = ExportOptions(batch_ladder=args.batch_ladder, context_ladder=args.context_ladder,
                          prefill_max_batch=args.prefill_max_batch or None, block_size=args.block_size,
@@ -49,7 +53,8 @@ def _cmd_export(args) -> int:
                          verify_tokens=args.verify_tokens,
                          windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
                          ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks,
-                         state_slots=args.state_slots, layer_loop=not args.no_layer_loop)
+                         state_slots=args.state_slots, layer_loop=not args.no_layer_loop,
+                         tensor_parallel=args.tensor_parallel)
     checkpoint = args.checkpoint
     if checkpoint == "smollm2":
         from .export.checkpoint import smollm2_gguf_path
@@ -63,9 +68,14 @@ def _cmd_export(args) -> int:
 
 def _precompile(artifact_dir, args) -> None:
     from .manifest import load_artifact
+    from .pjrt import cpu_devices
     from .precompile import precompile
 
-    stats = precompile(load_artifact(artifact_dir), platform=args.platform,
+    artifact = load_artifact(artifact_dir)
+    if args.platform == "cpu":
+        cpu_devices(artifact.devices)
+
+    stats = precompile(artifact, platform=args.platform,
                        cache_dir=Path(args.compile_cache_dir) if args.compile_cache_dir else None,
                        workers=args.workers)
     print(f"compile cache ready: {stats.compiled} programs compiled, {stats.cache_hits} were "
@@ -80,6 +90,7 @@ def _cmd_compile(args) -> int:
 def _cmd_run(args) -> int:
     from .engine import Engine
     from .frontends.drafting import prompt_lookup
+    from .pjrt import cpu_devices
     from .runtime import Runtime
 
     from .manifest import load_artifact
@@ -90,7 +101,11 @@ def _cmd_run(args) -> int:
     batch = min(artifact.batch_ladder)
     entries = sorted(e.name for e in artifact.entries.values() if e.batch == batch
                      and (args.speculate or e.kind != "verify"))
-    rt = Runtime(artifact, platform=args.platform, donate=not args.no_donate, entries=entries)
+    devices = args.devices or tuple(range(artifact.devices))
+    if args.platform == "cpu":
+        cpu_devices(max(devices) + 1)
+    rt = Runtime(artifact, platform=args.platform, donate=not args.no_donate, entries=entries,
+                 devices=devices)
     # KV reuse only to show it (--follow-up): warm-up runs must not make the timed one cached.
     engine = Engine(rt, prefix_reuse=bool(args.follow_up))
     tok = None
@@ -356,6 +371,9 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--attention-block", type=int, default=2048,
                    help="key block of blockwise attention in prefill entries whose context "
                         "spans several")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="lower the programs for N devices, each weight and KV pool split over "
+                        "them (heads, the MLP; embedding, head and norms replicated)")
     p.add_argument("--no-layer-loop", action="store_true",
                    help="unroll the layers (one set of kernels per layer) even where they are "
                         "alike; by default alike layers run as one loop over stacked weights "
@@ -397,6 +415,9 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--platform", default="cpu", help="PJRT platform (cpu, cuda)")
     p.add_argument("--no-donate", action="store_true",
                    help="strip the pools' aliasing (control: pools copied every run)")
+    p.add_argument("--devices", type=_ints, default=None,
+                   help="the devices of a tensor-parallel artifact, e.g. 0,1 (default: the first "
+                        "N; on CPU the process gets as many virtual devices)")
     p.add_argument("--follow-up", default=None,
                    help="a second turn after the first (text, or ids with --prompt-ids): run "
                         "with KV reuse, it computes only its new tokens; both turns reported")

@@ -5,7 +5,7 @@ sequence swapped out is its pages' bytes on the host, swapped in anywhere free.
 
 The programs are JAX functions lowered to StableHLO per pool class and page-count bucket (a
 power of two: a set of n pages runs in the smallest bucket that holds it, the rest padded) and
-compiled as the entries are, through the on-disk compile cache (runtime.compile_cached): reads
+compiled as the entries are, through the on-disk compile cache (pjrt.compile_cached): reads
 gather the pages of every pool of a class at once; writes scatter them back with the pools
 donated, padding indices pointing past the pool, which the scatter drops. Bytes are copied as
 they are: f32, bf16 and fp8 pools come back bit for bit.
@@ -22,7 +22,7 @@ import numpy as np
 
 from .page_pools import FULL, STATE, WINDOWED
 from .manifest import numpy_dtype
-from .runtime import CompileStats, compile_cached, x64_mode
+from .pjrt import CompileStats, compile_cached, x64_mode
 
 log = logging.getLogger("triton_tlaloc.kv_transfer")
 

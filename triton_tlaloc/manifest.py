@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .stablehlo import MainSignature, parse_main_signature
+from .sharding import TensorParallel
+from .stablehlo import MainSignature, num_partitions, parse_main_signature
 
 MANIFEST_NAME = "tlaloc-serving.json"
 SCHEMA_V2 = "tlaloc-serving-v2"
@@ -419,6 +420,12 @@ class Artifact:
     manifest: dict = field(repr=False, default_factory=dict)
     windowed: WindowedKv | None = None
     linear_state: LinearState | None = None
+    tensor_parallel: TensorParallel | None = None  # model.tensorParallel: programs for N devices
+
+    @property
+    def devices(self) -> int:
+        """The devices one instance runs the programs on."""
+        return self.tensor_parallel.devices if self.tensor_parallel is not None else 1
 
     @property
     def state_pools(self) -> tuple[StatePool, ...]:
@@ -488,11 +495,14 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     weights = {w.slot: w for w in art.weights}
     pools = {p.name: p for p in art.pools}
     state_pools = {p.name: p for p in art.state_pools}
+    _check_tensor_parallel(art.tensor_parallel, weights, {**pools, **state_pools}, mpath)
+    program_shapes = {w.slot: _program_shape(art.tensor_parallel, w) for w in art.weights}
     for raw in manifest["entries"]:
         entry = _read_entry(root, mpath, raw)
-        _check_program(entry, art.model, weights, pools, state_pools, root / entry.program_path)
+        _check_program(entry, art.model, weights, pools, state_pools, root / entry.program_path,
+                       program_shapes)
         if check_bodies:
-            _check_body(entry, root / entry.body)
+            _check_body(entry, root / entry.body, art.devices)
         art.entries[entry.name] = entry
     if not art.entries:
         raise _refuse("the manifest has no entries", mpath)
@@ -534,6 +544,8 @@ def _parse_manifest(root: Path, mpath: Path, manifest: dict) -> Artifact:
             int(wk["numBlocks"]))
         ls = manifest["model"].get("linearState")
         linear_state = None if ls is None else LinearState.from_json(ls)
+        tp = manifest["model"].get("tensorParallel")
+        tensor_parallel = None if tp is None else TensorParallel.from_json(tp)
         weights = tuple(WeightFile(w["slot"], w["dtype"], tuple(int(d) for d in w["shape"]),
                                    int(w["byteLength"]), w["file"]) for w in manifest["weights"])
         if not isinstance(manifest["entries"], list):
@@ -541,7 +553,7 @@ def _parse_manifest(root: Path, mpath: Path, manifest: dict) -> Artifact:
     except (KeyError, TypeError, ValueError) as e:
         raise _refuse(f"the manifest is missing or has a malformed field: {e!r}", mpath) from None
     return Artifact(root, manifest["schema"], model, batch_ladder, context_ladder, {}, weights,
-                    pools, manifest, windowed, linear_state)
+                    pools, manifest, windowed, linear_state, tensor_parallel)
 
 
 def _check_pool_layout(art: Artifact, mpath: Path) -> None:
@@ -564,6 +576,35 @@ def _check_pool_layout(art: Artifact, mpath: Path) -> None:
     if windowed is not None and not (1 <= windowed.ring_pages and windowed.num_blocks >= 2):
         raise _refuse(f"model.windowedKv: ringPages {windowed.ring_pages} and numBlocks "
                       f"{windowed.num_blocks} cannot hold a ring", mpath)
+
+
+def _check_tensor_parallel(tp: TensorParallel | None, weights: dict[str, WeightFile],
+                           pools: dict, mpath: Path) -> None:
+    """model.tensorParallel: at least 2 devices; every split names a weight slot or a pool and
+    cuts it into equal shards; every pool is split (each device holds its heads' pages)."""
+    if tp is None:
+        return
+    if tp.devices < 2:
+        raise _refuse(f"model.tensorParallel: devices {tp.devices}; a tensor-parallel "
+                      f"artifact runs on 2 or more", mpath)
+    for kind, splits, known in (("weight slot", tp.weights, weights), ("pool", tp.pools, pools)):
+        for name, split in splits.items():
+            if name not in known:
+                raise _refuse(f"model.tensorParallel: {kind} {name} is not in the artifact",
+                              mpath)
+            try:
+                split.check(known[name].shape, tp.devices, f"{kind} {name}")
+            except ValueError as e:
+                raise _refuse(f"model.tensorParallel: {e}", mpath) from None
+    unsplit = sorted(set(pools) - set(tp.pools))
+    if unsplit:
+        raise _refuse(f"model.tensorParallel: pools {unsplit} have no split", mpath)
+
+
+def _program_shape(tp: TensorParallel | None, w: WeightFile) -> tuple[int, ...]:
+    """A weight's shape as the programs see it: a split weight's segments with their copies."""
+    split = tp.weights.get(w.slot) if tp is not None else None
+    return w.shape if split is None else split.program_shape(w.shape)
 
 
 def _check_weight_files(root: Path, mpath: Path, weights: tuple[WeightFile, ...]) -> None:
@@ -625,7 +666,7 @@ def _check_linear_state(ls: LinearState, mpath: Path) -> None:
 
 def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFile],
                    pools: dict[str, KvPool], state_pools: dict[str, StatePool],
-                   prog_path: Path) -> None:
+                   prog_path: Path, program_shapes: dict[str, tuple[int, ...]]) -> None:
     prog = entry.program
     for s in prog.inputs:
         if s.role not in INPUT_ROLES:
@@ -635,10 +676,10 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
             if w is None:
                 raise _refuse(f"entry {entry.name}: input {s.name} names weight slot {s.slot}, "
                               f"which the weight table does not have", prog_path)
-            if (w.dtype, w.shape) != (s.dtype, s.shape):
+            if (w.dtype, program_shapes[s.slot]) != (s.dtype, s.shape):
                 raise _refuse(f"entry {entry.name}: weight slot {s.slot} is {w.dtype} "
-                              f"{list(w.shape)} in the weight table but {s.dtype} "
-                              f"{list(s.shape)} in the program", prog_path)
+                              f"{list(program_shapes[s.slot])} in the weight table but "
+                              f"{s.dtype} {list(s.shape)} in the program", prog_path)
         if s.role == STATE_POOL_IN:
             sp = state_pools.get(s.pool)
             if sp is None or (sp.dtype, sp.shape) != (s.dtype, s.shape):
@@ -698,12 +739,16 @@ def _check_leading_outputs(entry: Entry, model: ModelShape, prog_path: Path) -> 
                           f"{entry.kind} entry does not return", prog_path)
 
 
-def _check_body(entry: Entry, body_path: Path) -> None:
+def _check_body(entry: Entry, body_path: Path, devices: int) -> None:
     text = body_path.read_text()
     digest = hashlib.sha256(text.encode()).hexdigest()
     if digest != entry.sha256:
         raise _refuse(f"entry {entry.name}: body sha256 {digest} differs from the manifest's "
                       f"{entry.sha256}", body_path)
+    partitions = num_partitions(text)
+    if partitions != devices:
+        raise _refuse(f"entry {entry.name}: the body is lowered for {partitions} device(s), the "
+                      f"manifest's model.tensorParallel says {devices}", body_path)
     try:
         sig = parse_main_signature(text)
     except ValueError as e:

@@ -3,7 +3,7 @@ platform before any server starts (a container image's build step, or `tlaloc ex
 --precompile`), so a deployment pays compile time once, at build time.
 
 Every entry is compiled (in `compiling.compile_order`, on worker threads) and so are the host
-tier's page transfer programs, each through `runtime.compile_cached`: the key is the program's
+tier's page transfer programs, each through `pjrt.compile_cached`: the key is the program's
 text, the platform and its version, and the jax/jaxlib versions, so a server on the same
 machine and versions loads each from the cache instead of compiling it. Progress goes to a
 callback, one line per program with an estimate of the time left.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .compiling import compile_order, compile_workers
 from .manifest import Artifact
-from .runtime import CompileStats, PjrtDevice, compile_cached, default_cache_dir
+from .pjrt import CompileStats, PjrtDevice, compile_cached, default_cache_dir, open_devices
 
 
 @dataclass
@@ -60,7 +60,9 @@ def precompile(artifact: Artifact, *, platform: str = "cpu", cache_dir: Path | N
     from .kv_transfer import PageTransfer, transfer_buckets
 
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    device = PjrtDevice(platform)
+    device = open_devices(artifact, platform, 0, None)
+    # The host tier's page moves run on one device: a tensor-parallel artifact has none.
+    transfers = transfers and artifact.devices == 1
     stats = CompileStats()
     names = compile_order(artifact, artifact.entries)
     progress = Progress(len(names) + (1 if transfers else 0), say)

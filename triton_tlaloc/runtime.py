@@ -18,7 +18,6 @@ pools on the device, and runs entries with the pools donated.
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import os
 import threading
@@ -32,7 +31,8 @@ from .manifest import (LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, POSITION_ARGMAX, P
                        STATE_STEP_ROLES, STEP_ROLES, WEIGHT, WINDOW_STEP_ROLES, Artifact, Entry,
                        load_artifact, numpy_dtype)
 from .compiling import BackgroundCompiler, compile_order, compile_workers, first_entries
-from .memory import MemoryLedger, release_freed
+from .memory import MemoryLedger
+from .pjrt import CompileStats, compile_cached, default_cache_dir, open_devices
 from .stablehlo import strip_aliasing
 
 log = logging.getLogger("triton_tlaloc.runtime")
@@ -50,13 +50,6 @@ class StepInputError(ValueError):
     """A step input that does not match the entry's signature; names the input."""
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get("TLALOC_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triton-tlaloc" / "compile"
-
-
 @dataclass
 class DonationStats:
     in_place: int = 0
@@ -66,128 +59,22 @@ class DonationStats:
     entries_checked: set = field(default_factory=set)
 
 
-@dataclass
-class CompileStats:
-    compiled: int = 0
-    cache_hits: int = 0
-    seconds: float = 0.0
-    # Compile threads share one (the background compiles, `tlaloc compile`'s workers).
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, compiled: int = 0, cache_hits: int = 0, seconds: float = 0.0) -> None:
-        with self._lock:
-            self.compiled += compiled
-            self.cache_hits += cache_hits
-            self.seconds += seconds
+def _per_device(device, values) -> list[int]:
+    """Bytes the values hold on each device."""
+    total = [0] * device.size
+    for value in values:
+        for j, b in enumerate(device.nbytes(value)):
+            total[j] += b
+    return total
 
 
-def x64_mode(on: bool):
-    """A context with JAX's 64-bit types on (when `on`): jax.experimental.enable_x64 in jax
-    0.7, jax.enable_x64(True) in the releases that dropped it (0.10 and the GPU image's)."""
-    import contextlib
-
-    if not on:
-        return contextlib.nullcontext()
-    try:
-        from jax.experimental import enable_x64
-    except ImportError:
-        import jax
-
-        return jax.enable_x64(True)
-    return enable_x64()
-
-
-class PjrtDevice:
-    """One PJRT client and device, reached through JAX; hides the small API differences between
-    jax 0.7 and newer releases."""
-
-    def __init__(self, platform: str = "cpu", device_index: int = 0):
-        import jax
-        import jax.extend.backend as jeb
-        from jax._src.lib import xla_client as xc
-
-        self.jax = jax
-        self.xc = xc
-        self.backend = jeb.get_backend(platform)
-        self.device = self.backend.local_devices()[device_index]
-        self.platform = platform
-        self.device_list = xc.DeviceList((self.device,))
-        self._compile_options = jeb.get_compile_options(num_replicas=1, num_partitions=1)
-
-    @property
-    def cache_identity(self) -> str:
-        import jaxlib
-
-        version = getattr(self.backend, "platform_version", "")
-        return f"{self.platform}|{version}|jax {self.jax.__version__}|jaxlib {jaxlib.__version__}"
-
-    def compile(self, text: str):
-        return self.backend.compile_and_load(text, self.device_list, self._compile_options)
-
-    def serialize(self, executable) -> bytes:
-        return self.backend.serialize_executable(executable)
-
-    def deserialize(self, blob: bytes):
-        return self.backend.deserialize_executable(blob, self.device_list, None)
-
-    def put(self, array: np.ndarray):
-        # buffer_from_pyval (2.4 us) is gone from newer jaxlib; device_put (35 us) works in both.
-        if hasattr(self.backend, "buffer_from_pyval"):
-            return self.backend.buffer_from_pyval(array, self.device)
-        if array.dtype.itemsize == 8:  # device_put narrows 64-bit values unless x64 is on
-            with x64_mode(True):
-                return self.jax.device_put(array, self.device)
-        return self.jax.device_put(array, self.device)
-
-    def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list:
-        """Zeroed buffers made on the device by one jitted program (one compile for all)."""
-        import jax.numpy as jnp
-        from jax.sharding import SingleDeviceSharding
-
-        make = self.jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in specs),
-                            out_shardings=SingleDeviceSharding(self.device))
-        # 64-bit zeros (a program's int64 state) stay 64-bit only with x64 on
-        with x64_mode(any(np.dtype(dtype).itemsize == 8 for _, dtype in specs)):
-            return list(make())
-
-    @staticmethod
-    def execute(executable, args: list):
-        if hasattr(executable, "execute"):
-            return executable.execute(args)
-        results = executable.execute_sharded([[a] for a in args])  # newer jaxlib
-        return [arrs[0] for arrs in results.disassemble_into_single_device_arrays()]
-
-
-def compile_cached(device: PjrtDevice, text: str, what: str, cache_dir: Path,
-                   use_cache: bool = True, stats: CompileStats | None = None):
-    """An executable for StableHLO text: from the compile cache when it holds one for this text
-    and platform, else compiled (and stored, written to a temporary name then renamed so a
-    concurrent reader never sees half a file)."""
-    key = hashlib.sha256(f"{hashlib.sha256(text.encode()).hexdigest()}|"
-                         f"{device.cache_identity}".encode()).hexdigest()
-    cached = cache_dir / f"{key}.pjrt"
-    stats = stats if stats is not None else CompileStats()
-    t0 = time.perf_counter()
-    if use_cache and cached.is_file():
-        try:
-            exe = device.deserialize(cached.read_bytes())
-            stats.add(cache_hits=1, seconds=time.perf_counter() - t0)
-            release_freed()  # what deserializing allocated and freed
-            log.info("%s: loaded from the compile cache in %.2f s", what,
-                     time.perf_counter() - t0)
-            return exe
-        except Exception as e:  # a stale or torn cache file: compile again
-            log.warning("%s: compile cache file %s unusable (%s); compiling", what, cached, e)
-    exe = device.compile(text)
-    stats.add(compiled=1, seconds=time.perf_counter() - t0)
-    log.info("%s: compiled in %.2f s", what, time.perf_counter() - t0)
-    if use_cache:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(device.serialize(exe))
-        tmp.replace(cached)
-    release_freed()  # a compile frees most of what it allocates: give it back
-    return exe
+def _on_devices(per_device: list[int]) -> str:
+    """", each of 2 devices 1.2 MiB" for a log line (empty on one device)."""
+    if len(per_device) == 1:
+        return ""
+    sizes = sorted(set(per_device))
+    each = " to ".join(f"{b / 2**20:.1f}" for b in (sizes[0], sizes[-1])[:len(sizes)])
+    return f", {each} MiB on each of {len(per_device)} devices"
 
 
 @dataclass
@@ -200,15 +87,17 @@ class _CallPlan:
 
 
 class Runtime:
-    """An artifact on one device: compiled entries, weights, pools, and `run`."""
+    """An artifact on one device, or on the devices of a tensor-parallel artifact: compiled
+    entries, weights, pools, and `run`."""
 
     def __init__(self, artifact: Artifact | str | os.PathLike, *, platform: str = "cpu",
                  device_index: int = 0, donate: bool = True, cache_dir: Path | None = None,
                  entries: list[str] | None = None, use_cache: bool = True,
-                 check_every_run: bool = False, background: bool = False):
+                 check_every_run: bool = False, background: bool = False,
+                 devices: tuple[int, ...] | None = None):
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
         self.donate = donate
-        self.device = PjrtDevice(platform, device_index)
+        self.device = open_devices(self.artifact, platform, device_index, devices)
         # What the load adds to the process's resident memory, by phase (memory.py); JAX and
         # its client count as before the load.
         self.memory = MemoryLedger()
@@ -297,30 +186,44 @@ class Runtime:
         t0 = time.perf_counter()
         out = {}
         total = 0
+        tp = self.artifact.tensor_parallel
+        n = self.device.size
         for w in self.artifact.weights:
-            arr = np.fromfile(self.artifact.path / w.file, dtype=numpy_dtype(w.dtype))
-            out[w.slot] = self.device.put(arr.reshape(w.shape))
+            path, dtype = self.artifact.path / w.file, numpy_dtype(w.dtype)
+            split = tp.weights.get(w.slot) if tp is not None else None
+            if split is None:
+                out[w.slot] = self.device.put(np.fromfile(path, dtype=dtype).reshape(w.shape))
+            else:  # each device gets its slices of the file, never the whole tensor
+                mapped = np.memmap(path, dtype=dtype, mode="r", shape=w.shape)
+                out[w.slot] = self.device.put_shards([split.shard(mapped, j, n)
+                                                      for j in range(n)])
+                del mapped
             total += w.byte_length
         # A put copies on a thread of the client's, and the host arrays outlive it until a
         # collection: wait for the copies and collect, so the host copies are gone here and the
         # memory ledger counts the weights once, in this phase (they were 0.25 GB of "pools").
-        for buf in out.values():
-            buf.block_until_ready()
+        for value in out.values():
+            self.device.first(value).block_until_ready()
         gc.collect()
         self.weight_bytes = total
+        self.weight_device_bytes = _per_device(self.device, out.values())
         m = self.artifact.model
         quant = f", {m.quantized} with per-channel scales" if m.quantized else ""
-        log.info("weights: %d tensors, %.1f MiB (%s%s) uploaded in %.2f s", len(out),
-                 total / 2**20, m.weight_dtype, quant, time.perf_counter() - t0)
+        log.info("weights: %d tensors, %.1f MiB (%s%s) uploaded in %.2f s%s", len(out),
+                 total / 2**20, m.weight_dtype, quant, time.perf_counter() - t0,
+                 _on_devices(self.weight_device_bytes))
         return out
 
     def _allocate_pools(self) -> dict[str, object]:
         """The KV pools and the linear-attention state pools (schema v4), zeroed on the device."""
         every = (*self.artifact.pools, *self.artifact.state_pools)
-        specs = [(p.shape, numpy_dtype(p.dtype)) for p in every]
+        tp = self.artifact.tensor_parallel
+        specs = [(p.shape if tp is None else tp.pools[p.name].shard_shape(p.shape, tp.devices),
+                  numpy_dtype(p.dtype)) for p in every]
         pools = dict(zip((p.name for p in every), self.device.zeros(specs)))
-        for buf in pools.values():
-            buf.block_until_ready()
+        for value in pools.values():
+            self.device.first(value).block_until_ready()
+        self.pool_device_bytes = _per_device(self.device, pools.values())
 
         def nbytes(ps):
             return sum(int(np.prod(p.shape)) * numpy_dtype(p.dtype).itemsize for p in ps)
@@ -329,9 +232,9 @@ class Runtime:
         self.state_pool_bytes = nbytes(self.artifact.state_pools)
         self.pool_bytes = self.kv_pool_bytes + self.state_pool_bytes
         m = self.artifact.model
-        log.info("KV pools: %d pools of %d pages x %d tokens, %s, %.1f MiB",
+        log.info("KV pools: %d pools of %d pages x %d tokens, %s, %.1f MiB%s",
                  len(self.artifact.pools), m.num_blocks, m.block_size, m.kv_dtype,
-                 self.kv_pool_bytes / 2**20)
+                 self.kv_pool_bytes / 2**20, _on_devices(self.pool_device_bytes))
         ls = self.artifact.linear_state
         if ls is not None:
             log.info("state pools: %d pools of %d slots, %.1f KiB a sequence at any context, "
@@ -400,7 +303,7 @@ class Runtime:
         # The pools' addresses, for the donation check (not counted in the step's phases).
         check = (self.check_every_run or self.donation.runs < CHECKED_RUNS
                  or entry_name not in self.donation.entries_checked)
-        before = ({pool: self.pools[pool].unsafe_buffer_pointer() for _, pool in plan.pools}
+        before = ({pool: self.device.addresses(self.pools[pool]) for _, pool in plan.pools}
                   if check else None)
         t_start = time.perf_counter()
         args = list(plan.args)
@@ -422,7 +325,8 @@ class Runtime:
             elif role in roles:
                 wanted[role] = out
         del outs  # outputs not asked for go with it, never copied to the host
-        buffers = [wanted[r] for r in roles]
+        # (a tensor-parallel program's logits are replicated: device 0's copy is read)
+        buffers = [self.device.first(wanted[r]) for r in roles]
         buffers[0].block_until_ready()  # execution is asynchronous: the executable ends here
         t_executed = time.perf_counter()
         host = [np.array(b) for b in buffers]  # copies: no view of a device buffer is kept
@@ -440,7 +344,7 @@ class Runtime:
         self.donation.runs += 1
         if before is None:
             return
-        moved = sum(before[p] != self.pools[p].unsafe_buffer_pointer() for p in before)
+        moved = sum(before[p] != self.device.addresses(self.pools[p]) for p in before)
         self.donation.checked_runs += 1
         if moved:
             self.donation.copied += 1
@@ -456,8 +360,13 @@ class Runtime:
                      "in place" if not moved else f"copied ({moved} moved)")
 
     def pool_snapshot(self, name: str) -> np.ndarray:
-        """A host copy of one pool (tests): never a view, which would stop donation."""
-        return np.array(self.pools[name], copy=True)
+        """A host copy of one pool (tests): never a view, which would stop donation. A split
+        pool's shards are joined as the program sees it (device 0's heads first)."""
+        tp = self.artifact.tensor_parallel
+        if tp is None:
+            return np.array(self.pools[name], copy=True)
+        return np.concatenate([np.array(b, copy=True) for b in self.pools[name]],
+                              axis=tp.pools[name].axis)
 
     def layer_kv_snapshot(self, layer: int, kind: str) -> np.ndarray:
         """A host copy of one layer's K or V pages, [pages, block, heads, d] (tests), from its

@@ -120,6 +120,12 @@ def parse_main_signature(text: str) -> MainSignature:
     return MainSignature(tuple(inputs), tuple(outputs), tuple(sorted(aliases)))
 
 
+def num_partitions(text: str) -> int:
+    """The devices a body's module is lowered for (mhlo.num_partitions; 1 when absent)."""
+    m = re.search(r"mhlo\.num_partitions\s*=\s*(\d+)", text[:text.find("func.func")])
+    return int(m.group(1)) if m else 1
+
+
 def strip_aliasing(text: str) -> str:
     """The same body without its tf.aliasing_output attributes: the pools are then copied, not
     updated in place (the donate_kv_pools=false control)."""

@@ -36,6 +36,7 @@ from ..manifest import (BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS
                        WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT,
                        WINDOW_SLOT_MAPPING, KvPool, Program, StatePool, TensorSpec, WindowedKv,
                        leading_outputs)
+from ..sharding import AXIS_NAME, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -274,12 +275,14 @@ def layer_pools(cfg: DecoderConfig) -> dict[int, tuple[int, int]]:
 def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str,
                   attention_block: int = 2048, windowed: WindowedKv | None = None,
                   num_state_slots: int = 0, weight_quant: str | None = None,
-                  quant_head: bool = False, layer_loop: bool = False, kind: str = DECODE):
+                  quant_head: bool = False, layer_loop: bool = False, kind: str = DECODE,
+                  shards: int = 1):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits,
     pools...), for a verify entry (argmax [b, t], logits [b, t, vocab], pools...).
     layers.py has its parts. With `layer_loop` the layers run as a loop (`lax.scan`) over the
     stacked weights and pools, so the program holds one layer's kernels instead of one set per
-    layer (docs/design.md#the-layer-loop)."""
+    layer (docs/design.md#the-layer-loop). `shards`: the devices of a tensor-parallel program,
+    whose fused weights hold each device's part of every fused part (layers.split_fused)."""
     from . import layers
 
     slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop)
@@ -288,7 +291,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     layer0 = [unstacked_slot(s, 0) for s in slots if s.name.startswith(STACKED)]
     slot_of = {s.name: s for s in (*slots, *layer0)}
     g = layers.Graph(cfg, slot_of, weight_dtype == "bf16", block_size, num_blocks,
-                     attention_block, windowed, num_state_slots)
+                     attention_block, windowed, num_state_slots, shards)
     pool_of = layer_pools(cfg)
     n_step = 5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
     n_pools = 2 if layer_loop else 2 * cfg.num_layers
@@ -326,20 +329,45 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
                 weight_dtype: str, attention_block: int = 2048,
                 windowed: WindowedKv | None = None, num_state_slots: int = 0,
                 weight_quant: str | None = None, quant_head: bool = False,
-                layer_loop: bool = False, kind: str = DECODE) -> str:
-    """StableHLO text of one entry; every pool parameter is donated (tf.aliasing_output)."""
+                layer_loop: bool = False, kind: str = DECODE,
+                tp: TensorParallel | None = None) -> str:
+    """StableHLO text of one entry; every pool parameter is donated (tf.aliasing_output). With
+    `tp`, a program for its devices: each weight and pool annotated with its split (Shardy
+    shardings over a one-axis mesh), the step inputs and the logits replicated; XLA's SPMD
+    partitioner divides the work when the runtime compiles it for the devices."""
     import jax
 
     from ..manifest import numpy_dtype
 
+    shards = tp.devices if tp is not None else 1
     fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block, windowed,
-                       num_state_slots, weight_quant, quant_head, layer_loop, kind)
+                       num_state_slots, weight_quant, quant_head, layer_loop, kind, shards)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
-    lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)
-    return lowered.as_text()
+    if tp is None:
+        lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)
+        return lowered.as_text()
+    ins = tuple(partition(tp, s) for s in program.inputs)
+    outs = tuple(partition(tp, s) for s in program.outputs)
+    # An abstract mesh: the exporting process needs no devices of its own.
+    jitted = jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=donate,
+                     keep_unused=True)
+    return jitted.trace(*specs).lower(lowering_platforms=(jax.default_backend(),)).as_text()
+
+
+def partition(tp: TensorParallel, spec: TensorSpec):
+    """A program input's or output's sharding: along its split axis, or replicated."""
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+    axis = (tp.partition_axis(spec.slot) if spec.slot is not None
+            else tp.partition_axis(spec.pool, pool=True) if spec.pool is not None else None)
+    dims = [None] * len(spec.shape)
+    if axis is not None:
+        dims[axis] = AXIS_NAME
+    mesh = AbstractMesh((tp.devices,), (AXIS_NAME,))
+    return NamedSharding(mesh, PartitionSpec(*dims))
 
 
 __all__ = ["WeightSlot", "out_first_linears", "loops_layers", "weight_slots", "layer_slots",
            "stacked_slots", "unstacked_slot", "STACKED", "kv_pools", "state_pools",
-           "entry_program", "layer_pools", "make_entry_fn", "lower_entry"]
+           "entry_program", "layer_pools", "make_entry_fn", "lower_entry", "partition"]

@@ -28,7 +28,7 @@ from jax import lax
 
 from . import linear_attention as la_ops
 from .attention import LayerPool, blockwise, one_pass, ring
-from .checkpoint import DecoderConfig, LinearAttention
+from .checkpoint import DecoderConfig
 from ..manifest import WindowedKv
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -53,6 +53,9 @@ class Graph:
     attention_block: int  # the key block of blockwise attention
     windowed: WindowedKv | None
     num_state_slots: int
+    # Devices a tensor-parallel program runs on: its fused products hold each device's part
+    # of every fused part, one device after another (split_fused).
+    shards: int = 1
 
     @property
     def eps(self) -> np.float32:
@@ -159,6 +162,26 @@ def project(g: Graph, x, w: dict, name: str):
     return y
 
 
+def split_fused(g: Graph, x, widths):
+    """A fused product's parts along its last axis, `widths` wide each. In a tensor-parallel
+    program the product holds device 0's part of each, then device 1's ... (sharding.Split):
+    it is viewed per device, each part's columns taken from every device, so each part keeps
+    its devices' columns in order and the partitioner moves nothing between devices."""
+    if g.shards == 1:
+        parts, start = [], 0
+        for w in widths:
+            parts.append(x[..., start:start + w])
+            start += w
+        return parts
+    lead, n = x.shape[:-1], g.shards
+    per_device = x.reshape(*lead, n, x.shape[-1] // n)
+    parts, start = [], 0
+    for w in widths:
+        parts.append(per_device[..., start:start + w // n].reshape(*lead, w))
+        start += w // n
+    return parts
+
+
 def to_pool(x, dtype):
     """Keys and values as a pool stores them. An fp8 (e4m3fn) pool has no scale: a value is
     stored as itself, clamped to +-448 (e4m3fn has no infinity: a larger value would be NaN);
@@ -221,7 +244,7 @@ def mlp(g: Graph, w: dict, i: int, x):
     cfg = g.cfg
     hdn = rms_norm(x, w[f"l{i}.mlp_norm"], g.eps)
     gu = project(g, hdn, w, f"l{i}.gate_up")
-    gate, up = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+    gate, up = split_fused(g, gu, (cfg.intermediate_size,) * 2)
     out = project(g, ACTIVATIONS[cfg.activation](gate) * up, w, f"l{i}.down")
     if cfg.sandwich_norms:
         out = rms_norm(out, w[f"l{i}.post_mlp_norm"], g.eps)
@@ -285,14 +308,15 @@ def qkv_heads(g: Graph, w: dict, i: int, hdn):
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
     qkv = project(g, hdn, w, f"l{i}.qkv")
     q_width = 2 * heads * d if cfg.attn_output_gate else heads * d
+    q, k, v = split_fused(g, qkv, (q_width, kv_heads * d, kv_heads * d))
     gate = None
     if cfg.attn_output_gate:  # per head: [query (d), gate (d)]
-        qg = qkv[..., :q_width].reshape(b, t, heads, 2 * d)
+        qg = q.reshape(b, t, heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(b, t, heads * d)
     else:
-        q = qkv[..., :q_width].reshape(b, t, heads, d)
-    k = qkv[..., q_width:q_width + kv_heads * d].reshape(b, t, kv_heads, d)
-    v = qkv[..., q_width + kv_heads * d:].reshape(b, t, kv_heads, d)
+        q = q.reshape(b, t, heads, d)
+    k = k.reshape(b, t, kv_heads, d)
+    v = v.reshape(b, t, kv_heads, d)
     if cfg.qk_norm:
         q = rms_norm(q, w[f"l{i}.q_norm"], g.eps)
         k = rms_norm(k, w[f"l{i}.k_norm"], g.eps)
@@ -370,17 +394,17 @@ def linear_mixer(g: Graph, step: Step, w: dict, i: int, hdn, conv_pool, rec_pool
     b, t, _ = hdn.shape
     proj = project(g, hdn, w, f"l{i}.lin_in")
     channels, vdim, hv = la.conv_channels, la.value_dim, la.num_value_heads
-    mixed = proj[..., :channels]
-    z = proj[..., channels:channels + vdim].reshape(b, t, hv, la.value_head_dim)
-    b_in = proj[..., channels + vdim:channels + vdim + hv]
-    a_in = proj[..., channels + vdim + hv:]
+    # (tensor parallel: `mixed` keeps each device's q, k and v channels together, as the conv
+    # kernel and the conv states hold them)
+    mixed, z, b_in, a_in = split_fused(g, proj, (channels, vdim, hv, hv))
+    z = z.reshape(b, t, hv, la.value_head_dim)
     conv_state, rec_state = read_states(step, conv_pool, rec_pool)
     live_n = step.seq_lens - step.positions[:, 0]  # a row's live tokens (right-aligned)
     pad = (t - live_n)[:, None]
     if t > 1:
         conv_state, mixed = align_history(conv_state, mixed, pad, la.conv_kernel)
     mixed, conv_state = la_ops.causal_conv1d(mixed, conv_state, w[f"l{i}.conv"])
-    o, rec_state = delta_rule(la, w, i, mixed, b_in, a_in, pad, rec_state)
+    o, rec_state = delta_rule(g, w, i, mixed, b_in, a_in, pad, rec_state)
     o = la_ops.gated_rms_norm(o, z, w[f"l{i}.lin_norm"], g.cfg.rms_norm_eps).reshape(b, t, vdim)
     out = project(g, o, w, f"l{i}.lin_out")
     conv_pool, rec_pool = write_states(g, step, conv_pool, rec_pool, conv_state, rec_state)
@@ -409,14 +433,14 @@ def align_history(conv_state, mixed, pad, kernel: int):
     return arranged[:, :kernel - 1], arranged[:, kernel - 1:]
 
 
-def delta_rule(la: LinearAttention, w: dict, i: int, mixed, b_in, a_in, pad, rec_state):
+def delta_rule(g: Graph, w: dict, i: int, mixed, b_in, a_in, pad, rec_state):
     """GATED_DELTA_RULE over the conv's output: (o [b, t, hv, dv], the recurrent state).
     Prefill runs the chunked form, decode the recurrence."""
+    la = g.cfg.linear
     b, t, _ = mixed.shape
     hk, hv, dk, dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
-    q = mixed[..., :hk * dk].reshape(b, t, hk, dk)
-    k = mixed[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
-    v = mixed[..., 2 * hk * dk:].reshape(b, t, hv, dv)
+    q, k, v = split_fused(g, mixed, (hk * dk, hk * dk, hv * dv))
+    q, k, v = q.reshape(b, t, hk, dk), k.reshape(b, t, hk, dk), v.reshape(b, t, hv, dv)
     beta = jax.nn.sigmoid(b_in)
     # g: each token's decay, as a log
     decay = -jnp.exp(w[f"l{i}.A_log"]) * jax.nn.softplus(a_in + w[f"l{i}.dt_bias"])

@@ -25,9 +25,11 @@ import numpy as np
 from .checkpoint import Checkpoint, DecoderConfig, open_checkpoint
 from .decoder import (STACKED, WeightSlot, entry_program, kv_pools, loops_layers, lower_entry,
                       state_pools, unstacked_slot, weight_slots)
+from . import tensor_parallel
 from .quant import QUANT_FORMATS, quantize_rows
 from ..manifest import (DECODE, MANIFEST_NAME, PREFILL, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, VERIFY,
                        Entry, LinearState, WeightFile, WindowedKv, load_artifact, numpy_dtype)
+from ..sharding import TensorParallel
 
 WEIGHT_DTYPES = ("f32", "bf16")
 WEIGHT_QUANTS = tuple(QUANT_FORMATS)  # int8, fp8
@@ -73,6 +75,9 @@ class ExportOptions:
     # Layers run as one loop over weights and pools stacked over the layers, when the model's
     # layers are alike (decoder.loops_layers); False: unrolled, one set of kernels per layer.
     layer_loop: bool = True
+    # Devices one instance runs the programs on (docs/design.md#tensor-parallelism): 1, or
+    # the programs are lowered for that many, each weight and pool split Megatron style.
+    tensor_parallel: int = 1
 
     def validate(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -104,6 +109,8 @@ class ExportOptions:
         if any(t < 2 for t in self.verify_tokens):
             raise ExportError(f"--verify-tokens {list(self.verify_tokens)}: each must be >= 2 "
                               f"(the sequence's next token and at least one draft token)")
+        if self.tensor_parallel < 1:
+            raise ExportError(f"--tensor-parallel {self.tensor_parallel}: must be >= 1")
         if self.state_slots is not None and self.state_slots < 1:
             raise ExportError(f"--state-slots {self.state_slots}: must be >= 1")
         if self.attention_block < 1 or self.attention_block % self.block_size:
@@ -312,12 +319,14 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         _log("[export] layers: " + ("one loop over stacked weights and pools" if layer_loop
                                     else "unrolled, one set of kernels per layer"))
 
-        linear_state = _linear_state(cfg, opts)
+        tp = _tensor_parallel(cfg, opts, num_blocks, windowed, layer_loop)
+        linear_state = _linear_state(_program_config(cfg, tp), opts)
         verify_tokens = _verify_tokens(cfg, opts, windowed)
-        entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop, verify_tokens)
+        entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop, verify_tokens,
+                                 tp)
         _log_pools(cfg, windowed, linear_state)
         manifest = _manifest(cfg, opts, num_blocks, model_hash.hexdigest(), windowed,
-                             linear_state, entries, weights, layer_loop, verify_tokens)
+                             linear_state, entries, weights, layer_loop, verify_tokens, tp)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         load_artifact(tmp)  # every body against its signature, every file against the manifest
         if out.exists():
@@ -328,6 +337,30 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _tensor_parallel(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
+                     windowed: WindowedKv | None, layer_loop: bool) -> TensorParallel | None:
+    """The splits over opts.tensor_parallel devices (None for one device); a model whose heads
+    do not divide is refused by name."""
+    n = opts.tensor_parallel
+    if n == 1:
+        return None
+    try:
+        program_cfg = tensor_parallel.logical_config(cfg, n)
+        tp = tensor_parallel.plan(
+            cfg, n, weight_slots(cfg, opts.weight_dtype, opts.weight_quant, opts.quant_head,
+                                 layer_loop),
+            kv_pools(program_cfg, num_blocks, opts.block_size, opts.kv_type, windowed,
+                     layer_loop),
+            state_pools(program_cfg, opts.resolved_state_slots()))
+    except tensor_parallel.TensorParallelError as e:
+        raise ExportError(f"--tensor-parallel {n}: {e}") from None
+    copies = (f"; each of the {cfg.num_kv_heads} KV heads held by {tp.kv_head_copies} devices"
+              if tp.kv_head_copies > 1 else "")
+    _log(f"[export] tensor parallel over {n} devices: {len(tp.weights)} weights and "
+         f"{len(tp.pools)} pools split, the rest replicated{copies}")
+    return tp
 
 
 def _check_model(ckpt: Checkpoint, num_blocks: int) -> None:
@@ -382,15 +415,19 @@ def _log_pools(cfg: DecoderConfig, windowed: WindowedKv | None,
 def _manifest(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_hash: str,
               windowed: WindowedKv | None, linear_state: LinearState | None,
               entries: list[Entry], weights: list[WeightFile], layer_loop: bool,
-              verify_tokens: tuple[int, ...] = ()) -> dict:
+              verify_tokens: tuple[int, ...] = (), tp: TensorParallel | None = None) -> dict:
     """The artifact's manifest, as manifest.json holds it (its keys in this order)."""
-    pools = kv_pools(cfg, num_blocks, opts.block_size, opts.kv_type, windowed, layer_loop)
+    pools = kv_pools(_program_config(cfg, tp), num_blocks, opts.block_size, opts.kv_type,
+                     windowed, layer_loop)
+    model = _model_json(cfg, opts, num_blocks, model_hash, windowed, linear_state, layer_loop,
+                        verify_tokens)
+    if tp is not None:
+        model["tensorParallel"] = tp.to_json()
     return {
         "schema": (SCHEMA_V4 if linear_state is not None else
                    SCHEMA_V3 if windowed is not None else SCHEMA_V2),
         "exporter": "triton-tlaloc",
-        "model": _model_json(cfg, opts, num_blocks, model_hash, windowed, linear_state,
-                             layer_loop, verify_tokens),
+        "model": model,
         "buckets": {"batchLadder": sorted(opts.batch_ladder),
                     "contextLadder": sorted(opts.context_ladder)},
         "kvPool": {"numBlocks": num_blocks, "blockSize": opts.block_size,
@@ -442,6 +479,12 @@ def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_
     }
 
 
+def _program_config(cfg: DecoderConfig, tp: TensorParallel | None) -> DecoderConfig:
+    """The model the programs compute: with tensor parallelism, each KV head repeated for the
+    devices that share it (tensor_parallel.logical_config)."""
+    return cfg if tp is None else tensor_parallel.logical_config(cfg, tp.devices)
+
+
 def _linear_state(cfg: DecoderConfig, opts: ExportOptions) -> LinearState | None:
     la = cfg.linear
     if la is None:
@@ -476,21 +519,23 @@ def entry_name(opts: ExportOptions, kind: str, batch: int, context: int, tokens:
 
 def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
                    windowed: WindowedKv | None, out: Path, layer_loop: bool,
-                   verify_tokens: tuple[int, ...] = ()) -> list[Entry]:
+                   verify_tokens: tuple[int, ...] = (),
+                   tp: TensorParallel | None = None) -> list[Entry]:
     (out / "bodies").mkdir()
     (out / "programs").mkdir()
     plan = _entry_plan(opts, verify_tokens)
+    file_cfg, cfg = cfg, _program_config(cfg, tp)
     entries = []
     for n, (kind, b, c, tps) in enumerate(plan, 1):
         t0 = time.perf_counter()
         name = entry_name(opts, kind, b, c, tps)
-        slots = opts.resolved_state_slots() if cfg.linear is not None else 0
+        slots = opts.resolved_state_slots() if file_cfg.linear is not None else 0
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
                                 opts.weight_dtype, opts.kv_type, windowed, slots,
                                 opts.weight_quant, opts.quant_head, layer_loop, kind)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
                            opts.attention_block, windowed, slots, opts.weight_quant,
-                           opts.quant_head, layer_loop, kind)
+                           opts.quant_head, layer_loop, kind, tp)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
             # A custom call is a platform's library function (jax's triangular solve lowers to

@@ -89,7 +89,7 @@ def export_bounded(fn, inputs: list[TensorShape], bounds: dict[str, int], out: s
     sliced, the result the same inputs give at their exact size (within rtol of the largest
     value); a function that reads its padding is refused by name. 64-bit inputs are lowered
     with JAX's x64 mode on (it truncates them to 32 bits otherwise)."""
-    from ..runtime import x64_mode
+    from ..pjrt import x64_mode
 
     wide = any(numpy_dtype(s.dtype).itemsize == 8 for s in inputs)
     with x64_mode(wide):
@@ -263,7 +263,7 @@ class BoundedRuntime:
 
     def __init__(self, artifact: str | os.PathLike | BoundedArtifact, platform: str = "cpu",
                  cache_dir: Path | None = None, device_index: int = 0):
-        from ..runtime import PjrtDevice, compile_cached, default_cache_dir
+        from ..pjrt import PjrtDevice, compile_cached, default_cache_dir
 
         self.art = artifact if isinstance(artifact, BoundedArtifact) else load_bounded(artifact)
         self.device = PjrtDevice(platform, device_index)

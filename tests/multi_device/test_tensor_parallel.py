@@ -1,0 +1,293 @@
+"""Tensor parallelism on four CPU devices: artifacts exported for 2 and 4 devices give the
+one-device artifact's greedy ids and logits (1e-5 of the largest logit, f32) for every family,
+alone and batched, with prompts in chunks over several key blocks; the pools stay in place on
+every device; each device holds its part of every split weight and pool. Controls: a fused
+weight cut into contiguous shards fails the tolerance; a row-parallel weight split on the
+wrong axis keeps the values but the partitioner has to gather it (more collectives)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from oracle import logits_error
+
+from triton_tlaloc.export import ExportOptions, export_artifact
+from triton_tlaloc.export import tensor_parallel
+from triton_tlaloc.export.writer import ExportError
+from triton_tlaloc.engine import Engine
+from triton_tlaloc.manifest import ArtifactError, load_artifact, numpy_dtype
+from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.sharding import Segment, Split
+
+TOL = 1e-5  # of the largest logit, f32
+# Two contexts, the larger over two key blocks; prompts of 40 go in chunks of 16.
+OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=8, prefill_chunk=16,
+            attention_block=32)
+PROMPT_A = [(i * 53 + 7) % 240 + 10 for i in range(40)]
+PROMPT_B = [(i * 31 + 3) % 240 + 10 for i in range(23)]
+STEPS = 8
+
+
+def test_the_process_has_four_devices():
+    assert jax.device_count() == 4, "tests/multi_device needs XLA_FLAGS set before JAX starts"
+
+
+def checkpoint(tiny, family):
+    if family == "gemma3_text":
+        return tiny.window_checkpoint(family)  # rings, sliding and full layers, tied head
+    return tiny.checkpoint(family, tied=family == "qwen3")
+
+
+@pytest.fixture(scope="module")
+def arts(tiny, work):
+    """(family, devices, variant) -> artifact, exported once."""
+    made = {}
+
+    def get(family, n, **extra):
+        key = (family, n, tuple(sorted(extra.items())))
+        if key not in made:
+            out = work / f"tp-{family}-{n}-{len(made)}"
+            made[key] = export_artifact(checkpoint(tiny, family), out,
+                                        ExportOptions(**{**OPTS, **extra}, tensor_parallel=n))
+        return made[key]
+    return get
+
+
+def outcome(art, **runtime):
+    """What a runtime gives: A's first logits and greedy ids alone; A and B decoding together
+    (ids and the last step's logits); the runtime for its counters."""
+    rt = Runtime(art, **runtime)
+    engine = Engine(rt)
+    alone = engine.generate_greedy(PROMPT_A, STEPS).generated_ids
+    a, b = engine.new_sequence(PROMPT_A), engine.new_sequence(PROMPT_B)
+    first = engine.prefill_chunked(a)[0]
+    logits = np.stack([first, engine.prefill_chunked(b)[0]])
+    together = [[], []]
+    for _ in range(STEPS):
+        for i, seq in enumerate((a, b)):
+            t = int(np.argmax(logits[i]))
+            together[i].append(t)
+            seq.token_ids.append(t)
+        logits = engine.decode([a, b])
+    engine.free(a)
+    engine.free(b)
+    return {"first": first, "alone": alone, "together": together, "last": logits, "rt": rt}
+
+
+def assert_same(got, want):
+    assert got["alone"] == want["alone"]
+    assert got["together"] == want["together"]
+    for key in ("first", "last"):
+        err = logits_error(got[key], want[key])
+        assert err <= TOL, f"{key} logits off by {err:.2e} of the largest"
+
+
+def collectives(rt) -> dict[str, int]:
+    """The collectives in the compiled decode entry of batch 1 (its optimized HLO)."""
+    name = min(n for n in rt.executables if n.startswith("decode_b1"))
+    text = "".join(m.to_string() for m in rt.executables[name].hlo_modules())
+    return {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather",
+                                                  "collective-permute", "all-to-all")}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "qwen3_5_text"])
+def test_two_and_four_devices_give_the_one_device_ids_and_logits(arts, family):
+    one = outcome(arts(family, 1))
+    layers = load_artifact(arts(family, 1)).model.layers
+    loops = bool(load_artifact(arts(family, 1)).manifest["model"]["layerLoop"])
+    for n in (2, 4):
+        got = outcome(arts(family, n))
+        assert_same(got, one)
+        rt = got["rt"]
+        # Megatron: one all-reduce after o_proj (or out_proj) and one after down, per layer
+        # (the layer loop's body is one layer), nothing else moves between devices.
+        assert collectives(rt) == {"all-reduce": 2 * (1 if loops else layers),
+                                   "all-gather": 0, "collective-permute": 0, "all-to-all": 0}
+        d = rt.donation
+        assert d.checked_runs == d.runs > 10 and d.in_place == d.runs and d.copied == 0
+
+
+def test_each_device_holds_its_part_of_every_split_weight_and_pool(arts):
+    for n in (2, 4):
+        rt = Runtime(arts("llama", n))
+        art = rt.artifact
+        tp = art.tensor_parallel
+        for w in art.weights:
+            shards = rt.weights[w.slot]
+            assert len(shards) == n
+            split = tp.weights.get(w.slot)
+            want = w.shape if split is None else split.shard_shape(w.shape, n)
+            assert all(s.shape == want for s in shards), w.slot
+        assert {"layers.qkv", "layers.o", "layers.gate_up", "layers.down"} <= set(tp.weights)
+        assert not {"embed", "final_norm", "lm_head"} & set(tp.weights)
+        one = Runtime(arts("llama", 1), entries=[])
+        copies = tp.kv_head_copies  # 2 KV heads: 1 a device at 2, held twice at 4
+        assert copies == n // 2
+        for j in range(n):
+            assert rt.pool_device_bytes[j] * n == one.kv_pool_bytes * copies
+        split_bytes = sum(w.byte_length for w in art.weights if w.slot in tp.weights)
+        rest = sum(w.byte_length for w in art.weights if w.slot not in tp.weights)
+        kv_copied = sum(w.byte_length for w in art.weights if w.slot == "layers.qkv") // 2
+        for j in range(n):  # k and v are half of qkv here (4 heads, 2 KV heads)
+            assert rt.weight_device_bytes[j] == (rest + (split_bytes + (copies - 1) * kv_copied)
+                                                 // n)
+
+
+def test_the_pools_are_copied_without_donation(arts):
+    rt = outcome(arts("llama", 2), donate=False)["rt"]
+    assert rt.donation.copied == rt.donation.runs and rt.donation.in_place == 0
+
+
+def test_verify_entries_run_on_four_devices(arts):
+    """A speculative step's argmaxes and logits after every position, as on one device."""
+    runs = []
+    for n in (1, 4):
+        rt = Runtime(arts("llama", n, verify_tokens=(3,)))
+        engine = Engine(rt)
+        runs.append(engine.generate_greedy(PROMPT_A, STEPS, speculate=2,
+                                           drafter=lambda history, k: history[-k:]))
+    assert runs[0].generated_ids == runs[1].generated_ids
+
+
+def test_control_a_fused_weight_cut_into_contiguous_shards_fails(tiny, work, arts, monkeypatch):
+    """Cutting q|k|v into contiguous halves (as an unfused weight is) gives each device parts
+    of the wrong heads: the tolerance catches it."""
+    plan = tensor_parallel.plan
+
+    def contiguous_qkv(*a):
+        tp = plan(*a)
+        for name, split in tp.weights.items():
+            if name.endswith("qkv"):
+                tp.weights[name] = Split(split.axis, (Segment(sum(s.width * s.copies
+                                                                  for s in split.segments)),))
+        return tp
+    monkeypatch.setattr(tensor_parallel, "plan", contiguous_qkv)
+    art = export_artifact(checkpoint(tiny, "llama"), work / "tp-llama-contiguous",
+                          ExportOptions(**OPTS, tensor_parallel=2))
+    monkeypatch.undo()
+    got, want = outcome(art), outcome(arts("llama", 1))
+    assert logits_error(got["first"], want["first"]) > 100 * TOL
+
+
+def test_control_a_row_parallel_weight_split_on_the_wrong_axis_moves_data(tiny, work, arts,
+                                                                       monkeypatch):
+    """o_proj and down split along their outputs instead of their inputs: XLA keeps the values
+    (the program is the same) but must gather activations between the devices."""
+    plan = tensor_parallel.plan
+
+    def wrong_axis(cfg, devices, slots, *pools):
+        tp = plan(cfg, devices, slots, *pools)
+        shapes = {s.name: s.shape for s in slots}
+        for name in ("layers.o", "layers.down"):  # [layers, out, in]: split the outputs
+            tp.weights[name] = Split(1, (Segment(shapes[name][1]),))
+        return tp
+    monkeypatch.setattr(tensor_parallel, "plan", wrong_axis)
+    art = export_artifact(checkpoint(tiny, "llama"), work / "tp-llama-wrong-axis",
+                          ExportOptions(**OPTS, tensor_parallel=2))
+    monkeypatch.undo()
+    got = outcome(art)
+    assert_same(got, outcome(arts("llama", 1)))
+    moved = collectives(got["rt"])
+    assert moved["all-gather"] + moved["all-to-all"] + moved["collective-permute"] > 0, moved
+
+
+def test_heads_that_do_not_divide_are_refused_by_name(tiny, work):
+    with pytest.raises(ExportError, match=r"--tensor-parallel 3: .*4 attention heads do not "
+                                          r"divide over 3 devices"):
+        export_artifact(checkpoint(tiny, "llama"), work / "tp-3",
+                        ExportOptions(**OPTS, tensor_parallel=3))
+    assert not (work / "tp-3").exists()
+
+
+def test_a_runtime_refuses_devices_that_are_not_the_artifacts(arts, work):
+    art = arts("llama", 2)
+    with pytest.raises(ValueError, match=r"lowered for 2 device\(s\).*1 given"):
+        Runtime(art, devices=(0,))
+    with pytest.raises(ValueError, match=r"cpu has 4 device\(s\)"):
+        Runtime(art, devices=(0, 7))
+    broken = work / "tp-llama-says-4"
+    shutil.copytree(art, broken)
+    manifest = json.loads((broken / "tlaloc-serving.json").read_text())
+    manifest["model"]["tensorParallel"]["devices"] = 4  # 2 KV heads in pools of 2
+    for split in manifest["model"]["tensorParallel"]["pools"].values():
+        split["segments"] = [[4, 1]]
+    (broken / "tlaloc-serving.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="pool layers.k"):
+        load_artifact(broken)
+
+
+def test_devices_other_than_the_first(arts):
+    """Devices 2 and 3 serve a 2-device artifact as 0 and 1 do."""
+    got = outcome(arts("llama", 2), devices=(2, 3))
+    assert [b.device.id for b in got["rt"].pools["layers.k"]] == [2, 3]
+    assert_same(got, outcome(arts("llama", 1)))
+
+
+def test_tlaloc_run_on_two_devices(arts):
+    """`tlaloc run` gives its process the devices a tensor-parallel artifact needs."""
+    ids = {}
+    for n in (1, 2):
+        out = subprocess.run([sys.executable, "-m", "triton_tlaloc.cli", "run", str(arts("llama", n)),
+                              "--prompt-ids", ",".join(map(str, PROMPT_A)), "--max-new-tokens",
+                              str(STEPS), "--ignore-eos", "--json"],
+                             capture_output=True, text=True, timeout=300,
+                             env={k: v for k, v in __import__("os").environ.items()
+                                  if k != "XLA_FLAGS"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        result = json.loads(out.stdout)
+        ids[n] = result["generated_ids"]
+        assert result["pools_copied"] == 0
+    assert ids[1] == ids[2]
+
+
+def test_a_weight_shard_is_cut_from_the_file(arts):
+    """Device j's q|k|v rows are its heads' q, k and v rows of the file."""
+    art = load_artifact(arts("llama", 4))
+    w = next(w for w in art.weights if w.slot == "layers.qkv")
+    full = np.fromfile(art.path / w.file, numpy_dtype(w.dtype)).reshape(w.shape)
+    split = art.tensor_parallel.weights["layers.qkv"]
+    d = art.model.head_size
+    for j in range(4):
+        shard = split.shard(full, j, 4)  # [layers, out, in]: 1 q head, KV head j // 2
+        kv = 4 * d + (j // 2) * d
+        want = np.concatenate([full[:, j * d:(j + 1) * d], full[:, kv:kv + d],
+                               full[:, kv + 2 * d:kv + 3 * d]], axis=1)
+        np.testing.assert_array_equal(shard, want)
+
+
+def test_smollm2_on_three_devices(work):
+    """SmolLM2-135M (9 heads, 3 KV heads) splits over 3 devices, each holding one KV head and a
+    third of every split weight; over 2 or 4 its heads do not divide, refused by name."""
+    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    opts = dict(batch_ladder=(1,), context_ladder=(64,), prefill_chunk=32)
+    for n in (2, 4):
+        with pytest.raises(ExportError, match=f"9 attention heads do not divide over {n}"):
+            export_artifact(gguf, work / f"smollm2-tp{n}", ExportOptions(**opts,
+                                                                        tensor_parallel=n))
+    runs = {}
+    for n in (1, 3):
+        art = export_artifact(gguf, work / f"smollm2-tp{n}", ExportOptions(**opts,
+                                                                          tensor_parallel=n))
+        rt = Runtime(art)
+        engine = Engine(rt)
+        seq = engine.new_sequence(PROMPT_A)
+        first = engine.prefill_chunked(seq)[0]
+        engine.free(seq)
+        runs[n] = (rt, first, engine.generate_greedy(PROMPT_A, STEPS).generated_ids)
+    (one, first1, ids1), (three, first3, ids3) = runs[1], runs[3]
+    assert ids3 == ids1
+    assert logits_error(first3, first1) <= TOL
+    assert three.pool_device_bytes == [one.kv_pool_bytes // 3] * 3
+    split = sum(w.byte_length for w in three.artifact.weights
+                if w.slot in three.artifact.tensor_parallel.weights)
+    rest = one.weight_bytes - split
+    assert three.weight_device_bytes == [rest + split // 3] * 3
+    assert three.donation.copied == 0 and three.donation.in_place == three.donation.runs

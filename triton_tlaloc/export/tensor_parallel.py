@@ -1,0 +1,129 @@
+"""The exporter's tensor-parallel plan: which weights and pools split over N devices, Megatron
+style (docs/design.md#tensor-parallelism).
+
+- Column-parallel (split along their outputs): q|k|v, gate|up, a linear layer's fused input
+  projection, with their quantization scales; each device computes its heads and its part of
+  the MLP's intermediate.
+- Row-parallel (split along their inputs): o_proj, down, a linear layer's out_proj. Each
+  device's product is a partial sum; XLA's partitioner adds the all-reduce.
+- The KV pools split by KV head, a linear layer's conv states by channel and its recurrent
+  states by value head; the conv kernel, A_log and dt_bias go with their channels and heads.
+- Replicated: the embedding, the head, every norm.
+
+A model with fewer KV heads than devices holds each KV head on N / kv_heads devices (as vLLM
+does): the program is the model with each KV head repeated (`logical_config`), its k and v
+weights cut from the file with copies; a linear layer's key heads likewise. Heads that do not divide over the devices are refused
+by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .checkpoint import DecoderConfig
+from ..sharding import Segment, Split, TensorParallel, single_split
+
+
+class TensorParallelError(ValueError):
+    """A model that cannot be split over the devices asked for; names the numbers."""
+
+
+def head_copies(heads: int, devices: int, what: str, model: str) -> int:
+    """How many devices hold each of `heads` heads: 1 when they divide over the devices, else
+    devices / heads when that divides; refused by name otherwise."""
+    if heads % devices == 0:
+        return 1
+    if devices % heads == 0:
+        return devices // heads
+    raise TensorParallelError(f"{model}: {heads} {what} neither divide over {devices} devices "
+                              f"nor divide {devices} (each device holds whole heads, or each "
+                              f"head is held by several devices)")
+
+
+def kv_head_copies(cfg: DecoderConfig, devices: int) -> tuple[int, int]:
+    """How many devices hold each KV head and each linear layer's key head (1 when there are
+    none); refuses a model whose heads or MLP do not divide."""
+    name = cfg.model_name
+    if cfg.num_heads % devices:
+        raise TensorParallelError(
+            f"{name}: {cfg.num_heads} attention heads do not divide over {devices} devices "
+            f"(tensor parallelism gives each device whole heads)")
+    if cfg.intermediate_size % devices:
+        raise TensorParallelError(f"{name}: the MLP's {cfg.intermediate_size} channels do not "
+                                  f"divide over {devices} devices")
+    kv = head_copies(cfg.num_kv_heads, devices, "KV heads", name)
+    la = cfg.linear
+    if la is None:
+        return kv, 1
+    if la.num_value_heads % devices:
+        raise TensorParallelError(f"{name}: the linear layers' {la.num_value_heads} value "
+                                  f"heads do not divide over {devices} devices")
+    return kv, head_copies(la.num_key_heads, devices, "linear-layer key heads", name)
+
+
+def logical_config(cfg: DecoderConfig, devices: int) -> DecoderConfig:
+    """The model the programs compute: `cfg` with each KV head (and each linear layer's key
+    head) repeated for the devices that share it; itself when every device holds whole
+    heads."""
+    kv, keys = kv_head_copies(cfg, devices)
+    la = cfg.linear
+    if la is not None:
+        la = dataclasses.replace(la, num_key_heads=la.num_key_heads * keys)
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * kv, linear=la)
+
+
+def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools) -> TensorParallel:
+    """The splits of an artifact's weight slots (as the files hold them, decoder.WeightSlot),
+    its KV pools and its state pools (as the programs hold them)."""
+    copies, key_copies = kv_head_copies(cfg, devices)
+    d, kv = cfg.head_size, cfg.num_kv_heads
+    q_width = cfg.num_heads * d * (2 if cfg.attn_output_gate else 1)
+    la = cfg.linear
+    column = {  # segments along the output axis
+        "qkv": (Segment(q_width), Segment(kv * d, copies), Segment(kv * d, copies)),
+        "gate_up": (Segment(cfg.intermediate_size),) * 2,
+    }
+    row = {"o": cfg.num_heads * d, "down": cfg.intermediate_size}  # the input axis's width
+    params = {}
+    if la is not None:
+        qk, v = la.num_key_heads * la.key_head_dim, la.value_dim
+        channels = (Segment(qk, key_copies), Segment(qk, key_copies), Segment(v))
+        column["lin_in"] = (*channels, Segment(v), Segment(la.num_value_heads),
+                            Segment(la.num_value_heads))
+        row["lin_out"] = v
+        params = {"conv": channels, "A_log": (Segment(la.num_value_heads),),
+                  "dt_bias": (Segment(la.num_value_heads),)}
+    weights = {}
+    for s in slots:
+        stacked = s.name.startswith("layers.")
+        lead = 1 if stacked else 0  # a stacked slot's first axis is the layer
+        part = s.name.split(".", 1)[-1]
+        base, scale = (part[:-len(".scale")], True) if part.endswith(".scale") else (part, False)
+        out_axis = lead if (s.out_first or s.quant or scale) else lead + 1
+        if base in column:
+            weights[s.name] = Split(out_axis, column[base])
+        elif base in row and not scale:  # a row-parallel product's scales are per output
+            in_axis = lead + 1 if (s.out_first or s.quant) else lead
+            weights[s.name] = single_split(in_axis, row[base])
+        elif base in params:
+            weights[s.name] = Split(lead, params[base])
+    split_pools = {}
+    for p in pools:  # [pages, (layers,) block, heads, d]: by KV head
+        axis = len(p.shape) - 2
+        split_pools[p.name] = single_split(axis, p.shape[axis])
+    for p in state_pools:
+        if p.kind == "conv":  # [slots, kernel - 1, channels], the key heads' repeated
+            split_pools[p.name] = Split(2, tuple(Segment(s.width * s.copies)
+                                                 for s in params["conv"]))
+        else:  # [slots, value heads, dk, dv]
+            split_pools[p.name] = single_split(1, la.num_value_heads)
+    tp = TensorParallel(devices, copies, key_copies, weights, split_pools)
+    for s in slots:
+        if s.name in weights:
+            weights[s.name].check(s.shape, devices, f"weight {s.name}")
+    for p in (*pools, *state_pools):
+        split_pools[p.name].check(p.shape, devices, f"pool {p.name}")
+    return tp
+
+
+__all__ = ["TensorParallelError", "head_copies", "kv_head_copies", "logical_config", "plan"]

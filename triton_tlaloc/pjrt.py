@@ -1,0 +1,280 @@
+"""PJRT through JAX: a client's devices, compiling StableHLO text for them (with an on-disk
+cache), putting host arrays on them and executing with donated buffers.
+
+`PjrtDevice` is one device: its values are single buffers. `PjrtMesh` is the N devices of one
+tensor-parallel instance (docs/design.md#tensor-parallelism): a program lowered for N devices
+is compiled with N partitions (XLA's SPMD partitioner), and every value is a tuple of N
+per-device buffers, a weight's shards or a replicated input's copies. Both hide the small API
+differences between jax 0.7 and newer releases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .memory import release_freed
+
+log = logging.getLogger("triton_tlaloc.runtime")
+
+
+CPU_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def cpu_devices(n: int) -> None:
+    """Give this process's CPU client n devices (XLA_FLAGS), when JAX is not imported yet and
+    no count is set; a client already made keeps its devices (PjrtMesh then names the flag)."""
+    import sys
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "jax" not in sys.modules and CPU_DEVICE_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_DEVICE_FLAG}={n}".strip()
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("TLALOC_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triton-tlaloc" / "compile"
+
+
+@dataclass
+class CompileStats:
+    compiled: int = 0
+    cache_hits: int = 0
+    seconds: float = 0.0
+    # Compile threads share one (the background compiles, `tlaloc compile`'s workers).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, compiled: int = 0, cache_hits: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            self.compiled += compiled
+            self.cache_hits += cache_hits
+            self.seconds += seconds
+
+
+def x64_mode(on: bool):
+    """A context with JAX's 64-bit types on (when `on`): jax.experimental.enable_x64 in jax
+    0.7, jax.enable_x64(True) in the releases that dropped it (0.10 and the GPU image's)."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    try:
+        from jax.experimental import enable_x64
+    except ImportError:
+        import jax
+
+        return jax.enable_x64(True)
+    return enable_x64()
+
+
+class _Compiling:
+    """Compiling for a client's device list with the options its subclass set."""
+
+    backend: object
+    device_list: object
+    _compile_options: object
+
+    def compile(self, text: str):
+        return self.backend.compile_and_load(text, self.device_list, self._compile_options)
+
+    def serialize(self, executable) -> bytes:
+        return self.backend.serialize_executable(executable)
+
+    def deserialize(self, blob: bytes):
+        return self.backend.deserialize_executable(blob, self.device_list, None)
+
+
+class PjrtDevice(_Compiling):
+    """One PJRT client and device, reached through JAX; hides the small API differences between
+    jax 0.7 and newer releases."""
+
+    def __init__(self, platform: str = "cpu", device_index: int = 0):
+        import jax
+        import jax.extend.backend as jeb
+        from jax._src.lib import xla_client as xc
+
+        self.jax = jax
+        self.xc = xc
+        self.backend = jeb.get_backend(platform)
+        self.device = self.backend.local_devices()[device_index]
+        self.platform = platform
+        self.device_list = xc.DeviceList((self.device,))
+        self._compile_options = jeb.get_compile_options(num_replicas=1, num_partitions=1)
+
+    @property
+    def cache_identity(self) -> str:
+        import jaxlib
+
+        version = getattr(self.backend, "platform_version", "")
+        return f"{self.platform}|{version}|jax {self.jax.__version__}|jaxlib {jaxlib.__version__}"
+
+    def put(self, array: np.ndarray):
+        # buffer_from_pyval (2.4 us) is gone from newer jaxlib; device_put (35 us) works in both.
+        if hasattr(self.backend, "buffer_from_pyval"):
+            return self.backend.buffer_from_pyval(array, self.device)
+        if array.dtype.itemsize == 8:  # device_put narrows 64-bit values unless x64 is on
+            with x64_mode(True):
+                return self.jax.device_put(array, self.device)
+        return self.jax.device_put(array, self.device)
+
+    def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list:
+        """Zeroed buffers made on the device by one jitted program (one compile for all)."""
+        import jax.numpy as jnp
+        from jax.sharding import SingleDeviceSharding
+
+        make = self.jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype in specs),
+                            out_shardings=SingleDeviceSharding(self.device))
+        # 64-bit zeros (a program's int64 state) stay 64-bit only with x64 on
+        with x64_mode(any(np.dtype(dtype).itemsize == 8 for _, dtype in specs)):
+            return list(make())
+
+    @staticmethod
+    def execute(executable, args: list):
+        if hasattr(executable, "execute"):
+            return executable.execute(args)
+        results = executable.execute_sharded([[a] for a in args])  # newer jaxlib
+        return [arrs[0] for arrs in results.disassemble_into_single_device_arrays()]
+
+    # What a runtime asks of its devices whatever their number (PjrtMesh has the same).
+    size = 1
+
+    def put_shards(self, shards: list[np.ndarray]):
+        return self.put(shards[0])
+
+    @staticmethod
+    def addresses(value) -> tuple[int, ...]:
+        return (value.unsafe_buffer_pointer(),)
+
+    @staticmethod
+    def first(value):
+        return value
+
+    @staticmethod
+    def nbytes(value) -> list[int]:
+        return [value.nbytes]
+
+
+def compile_cached(device: PjrtDevice, text: str, what: str, cache_dir: Path,
+                   use_cache: bool = True, stats: CompileStats | None = None):
+    """An executable for StableHLO text: from the compile cache when it holds one for this text
+    and platform, else compiled (and stored, written to a temporary name then renamed so a
+    concurrent reader never sees half a file)."""
+    key = hashlib.sha256(f"{hashlib.sha256(text.encode()).hexdigest()}|"
+                         f"{device.cache_identity}".encode()).hexdigest()
+    cached = cache_dir / f"{key}.pjrt"
+    stats = stats if stats is not None else CompileStats()
+    t0 = time.perf_counter()
+    if use_cache and cached.is_file():
+        try:
+            exe = device.deserialize(cached.read_bytes())
+            stats.add(cache_hits=1, seconds=time.perf_counter() - t0)
+            release_freed()  # what deserializing allocated and freed
+            log.info("%s: loaded from the compile cache in %.2f s", what,
+                     time.perf_counter() - t0)
+            return exe
+        except Exception as e:  # a stale or torn cache file: compile again
+            log.warning("%s: compile cache file %s unusable (%s); compiling", what, cached, e)
+    exe = device.compile(text)
+    stats.add(compiled=1, seconds=time.perf_counter() - t0)
+    log.info("%s: compiled in %.2f s", what, time.perf_counter() - t0)
+    if use_cache:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(device.serialize(exe))
+        tmp.replace(cached)
+    release_freed()  # a compile frees most of what it allocates: give it back
+    return exe
+
+
+class PjrtMesh(_Compiling):
+    """The N devices of one tensor-parallel instance of a PJRT client: programs compiled with
+    N partitions, each value a tuple of per-device buffers (a shard or a copy on each)."""
+
+    def __init__(self, platform: str, device_indices: tuple[int, ...]):
+        import jax
+        import jax.extend.backend as jeb
+        from jax._src.lib import xla_client as xc
+
+        self.jax = jax
+        self.backend = jeb.get_backend(platform)
+        local = self.backend.local_devices()
+        missing = [i for i in device_indices if not 0 <= i < len(local)]
+        if missing or len(set(device_indices)) != len(device_indices):
+            raise ValueError(
+                f"devices {list(device_indices)}: {platform} has {len(local)} device(s) "
+                f"(0..{len(local) - 1}), each named once"
+                + (f"; on CPU, XLA_FLAGS={CPU_DEVICE_FLAG}=N before JAX starts gives N"
+                   if platform == "cpu" else ""))
+        self.devices = tuple(local[i] for i in device_indices)
+        self.platform = platform
+        self.device_list = xc.DeviceList(self.devices)
+        options = jeb.get_compile_options(num_replicas=1, num_partitions=len(self.devices))
+        options.executable_build_options.use_spmd_partitioning = True
+        options.device_assignment = xc.DeviceAssignment.create(
+            np.array([[d.id for d in self.devices]]))
+        self._compile_options = options
+        self._one = [PjrtDevice(platform, i) for i in device_indices]
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def cache_identity(self) -> str:
+        # A compiled SPMD program keeps its device assignment: the same text for other devices
+        # is another executable.
+        return f"{self._one[0].cache_identity}|devices {','.join(str(d.id) for d in self.devices)}"
+
+    def put(self, array: np.ndarray) -> tuple:
+        """A copy of `array` on every device (a replicated input)."""
+        return tuple(one.put(array) for one in self._one)
+
+    def put_shards(self, shards: list[np.ndarray]) -> tuple:
+        """Shard j on device j."""
+        assert len(shards) == self.size, (len(shards), self.size)
+        return tuple(one.put(a) for one, a in zip(self._one, shards))
+
+    def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[tuple]:
+        """Zeroed values of the shard shapes `specs`, one on each device."""
+        per_device = [one.zeros(specs) for one in self._one]
+        return [tuple(bufs) for bufs in zip(*per_device)]
+
+    @staticmethod
+    def execute(executable, args: list[tuple]) -> list[tuple]:
+        results = executable.execute_sharded([list(a) for a in args])
+        return [tuple(arrs) for arrs in results.disassemble_into_single_device_arrays()]
+
+    @staticmethod
+    def addresses(value: tuple) -> tuple[int, ...]:
+        return tuple(b.unsafe_buffer_pointer() for b in value)
+
+    @staticmethod
+    def first(value: tuple):
+        """Device 0's buffer of a value (a replicated output is the same on each)."""
+        return value[0]
+
+    @staticmethod
+    def nbytes(value: tuple) -> list[int]:
+        return [b.nbytes for b in value]
+
+
+def open_devices(artifact, platform: str, device_index: int,
+                 devices: tuple[int, ...] | None):
+    """The device, or the devices, an artifact's programs run on: `devices` (default 0..N-1)
+    for an artifact lowered for N devices, which must name exactly N."""
+    n = artifact.devices
+    if devices is None:
+        devices = (device_index,) if n == 1 else tuple(range(n))
+    if len(devices) != n:
+        raise ValueError(f"{artifact.path}: its programs are lowered for {n} device(s) "
+                         f"(model.tensorParallel); {len(devices)} given: {list(devices)}")
+    return PjrtDevice(platform, devices[0]) if n == 1 else PjrtMesh(platform, tuple(devices))
