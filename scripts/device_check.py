@@ -10,7 +10,10 @@ PASS/FAIL):
    f32 and bf16 weights, one sequence: prompt time and decode ms per token (median of 32)
    against the weight-bytes floor at the device's copy rate (--bandwidth-gbs, H200 ~4,300);
 3. programs: a generic program at two row widths batched by shape, nine dtypes plus one, a
-   running-sum state kept in place, and a bounded masked mean at every length 1-16.
+   running-sum state kept in place, and a bounded masked mean at every length 1-16;
+4. tensor parallel, when the machine has 2 or more devices: the tiny llama exported for 2 (and
+   4) devices gives the one-device artifact's ids and logits (1e-5 of the largest), with its
+   pools in place on every device. With one device the row is listed as not run.
 
 Runs on the CPU too (`--platform cpu`: how it is tested where there is no GPU).
 
@@ -78,6 +81,37 @@ def parity(work: Path, platform: str):
     same = sum(a == b for a, b in zip(ids, want_ids))
     return f"{same}/16 ids equal transformers', first logits {err:.1e} of the largest", \
         ids == want_ids and err <= 1e-3
+
+
+def tensor_parallel(work: Path, platform: str, devices: int):
+    from oracle import logits_error, make_tiny_checkpoint
+
+    from triton_tlaloc.engine import Engine
+    from triton_tlaloc.export import ExportOptions, export_artifact
+    from triton_tlaloc.runtime import Runtime
+
+    ckpt = work / "tiny-llama"
+    if not ckpt.exists():
+        make_tiny_checkpoint(ckpt, "llama")
+    runs, observed, ok = {}, [], True
+    for n in [1] + [n for n in (2, 4) if n <= devices]:
+        art = export_artifact(ckpt, work / f"art-tp{n}", ExportOptions(
+            batch_ladder=(1, 2), context_ladder=(64,), block_size=8, prefill_chunk=16,
+            tensor_parallel=n))
+        rt = Runtime(art, platform=platform)
+        engine = Engine(rt)
+        seq = engine.new_sequence(PROMPT)
+        first = engine.prefill_chunked(seq)[0]
+        engine.free(seq)
+        runs[n] = (first, engine.generate_greedy(PROMPT, 16).generated_ids, rt.donation)
+        if n > 1:
+            err = logits_error(first, runs[1][0])
+            d = rt.donation
+            same = runs[n][1] == runs[1][1]
+            ok = ok and same and err <= 1e-5 and d.copied == 0 and d.in_place == d.runs
+            observed.append(f"{n} devices: ids {'equal' if same else 'differ'}, logits "
+                            f"{err:.1e} of the largest, pools in place {d.in_place}/{d.runs}")
+    return "; ".join(observed), ok
 
 
 def speed(work: Path, platform: str, bandwidth_gbs: float) -> list:
@@ -183,6 +217,12 @@ def main() -> int:
     table.run(f"{args.platform}: programs", lambda: (
         results.extend(programs_on(work, args.platform)) or
         ("; ".join(f"{c}: {o}" for c, o, _ in results), all(ok for *_, ok in results))))
+    count = len(jax.devices(args.platform))
+    if count > 1:
+        table.run(f"{args.platform}: tensor parallel tiny llama",
+                  lambda: tensor_parallel(work, args.platform, count))
+    else:
+        print(f"NOT RUN  {args.platform}: tensor parallel (one device)", flush=True)
     if not args.skip_speed:
         speeds = []
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # noqa: E402
                     with_rope_theta)
 import programs  # noqa: E402
+import device_checks as D  # noqa: E402
 import reuse_checks as R  # noqa: E402
 import sequence_checks as S  # noqa: E402
 import swap_checks as W  # noqa: E402
@@ -160,6 +161,12 @@ def build_others(work: Path, llama_ckpt: Path) -> dict:
     gguf = smollm2_gguf_path()
     arts["smollm2"] = (gguf, export_once(gguf, work / "art-smollm2", batch_ladder=(1, 4),
                                          context_ladder=(128,)))
+    # The tiny llama on 2 devices (tensor parallel; each instance's process makes its own
+    # virtual CPU devices).
+    arts["llama_tp2"] = (llama_ckpt, export_once(llama_ckpt, work / "art-llama-tp2",
+                                                 batch_ladder=(1, 2, 4),
+                                                 context_ladder=(32, 128), block_size=8,
+                                                 tensor_parallel=2))
     # The soak: 64 pages for 16 sequences of up to 80 positions (10 pages), so pages run short.
     arts["soak"] = (llama_ckpt, export_once(llama_ckpt, work / "art-soak",
                                             batch_ladder=(1, 2, 4), context_ladder=(32, 128),
@@ -167,16 +174,31 @@ def build_others(work: Path, llama_ckpt: Path) -> dict:
     return arts
 
 
+def build_split(work: Path, arts: dict) -> dict:
+    """gemma3_text (rings) and qwen3_5 (state pools) on 2 devices, with their one-device
+    artifacts' options."""
+    split = {}
+    window_opts = dict(batch_ladder=(1, 2, 4), context_ladder=(32, 64), block_size=4,
+                       prefill_chunk=16, attention_block=16)
+    split["gemma3_text_tp2"] = (arts["gemma3_text"][0], export_once(
+        arts["gemma3_text"][0], work / "art-gemma3_text-tp2", **window_opts, tensor_parallel=2))
+    split["qwen3_5_tp2"] = (arts["qwen3_5"][0], export_once(
+        arts["qwen3_5"][0], work / "art-qwen3_5-tp2", batch_ladder=(1, 2, 4),
+        context_ladder=(64, 256), block_size=8, prefill_chunk=48, tensor_parallel=2))
+    return split
+
+
 def write_models(arts: dict, repo: Path, work: Path) -> None:
     """Every artifact under its name, and the models that share one with other options."""
     for name, (_, art) in arts.items():
         if name == "soak":
             continue
-        # Generate models (generation on the server) for SmolLM2 and the hybrid model only:
+        # Generate models (generation on the server) for SmolLM2, the hybrid model and the
+        # tensor-parallel llama only:
         # each is one more backend process to start on 2 cores.
         # The small pool and the one-slot model are for refusals: no host tier there.
         write_repository(art, repo, name, RepositoryOptions(
-            generate_model=name in ("smollm2", "qwen3_5"),
+            generate_model=name in ("smollm2", "qwen3_5", "llama_tp2"),
             host_kv_bytes=0 if name in ("small", "qwen3_5_one_slot") else None))
     # The tiny llama's generate model drafting with its twin, llama_copied (every draft right);
     # the windowed families draft with each other (most drafts wrong: rings cut back on the
@@ -187,6 +209,8 @@ def write_models(arts: dict, repo: Path, work: Path) -> None:
         write_generate_model(load_artifact(arts[family][1]), repo, family, draft_model=draft)
     write_repository(arts["llama"][1], repo, "llama_copied", RepositoryOptions(
         donate_kv_pools=False, generate_model=False))
+    # Two data-parallel instances of the tiny llama (two processes, their own pools).
+    write_repository(arts["llama"][1], repo, "llama_dp2", RepositoryOptions(instances=2))
     # The control for backend batching: Triton's sequence batcher forms the batches after a
     # 1 ms queue delay, and the backend runs each execute() call as it came.
     write_repository(arts["llama"][1], repo, "llama_triton_batching", RepositoryOptions(
@@ -219,6 +243,7 @@ def build(work: Path) -> dict:
     """Checkpoints, artifacts and the repository, exported afresh unless --reuse kept them."""
     arts = build_decoders(work)
     arts.update(build_others(work, arts["llama"][0]))
+    arts.update(build_split(work, arts))
     repo = work / "repo"
     write_models(arts, repo, work)
     return {"arts": arts, "repo": repo}
@@ -370,6 +395,42 @@ def batching_rows(table: Table, d: Deployment, protocol: str) -> None:
               "continuable", d.on(protocol, "small", S.check_second_start, protocol))
 
 
+DEVICE_PROMPTS = [TINY_PROMPT[k:] + TINY_PROMPT[:k] for k in range(0, 16, 2)]
+
+
+def device_rows(table: Table, d: Deployment, protocol: str) -> None:
+    """More than one device: the tiny llama on 2 devices, and as 2 data-parallel instances;
+    the ids are the one-device model's (itself checked against transformers above)."""
+    url, metrics_url = d.url(protocol), d.server.metrics_url
+    key = f"device_prompts_{protocol}"
+    if key not in d.want:
+        d.want[key] = S.solo_runs(url, protocol, "llama", DEVICE_PROMPTS, 12)
+    want = d.want[key]
+    table.run(f"{protocol}: tensor parallel 2, alone and 4 batched", "the one-device ids",
+              lambda: S.check_alone_and_batched(url, protocol, "llama_tp2", DEVICE_PROMPTS[:4],
+                                                want[:4], 12))
+    if protocol == "grpc":
+        table.run("grpc: tensor parallel 2 through its generate model", "transformers' ids",
+                  lambda: S.check_generate_model(url, "llama_tp2", TINY_PROMPT, d.want["llama"]))
+        table.run("tensor parallel 2: tlaloc_device_bytes by device", "each device half the KV",
+                  lambda: D.check_split_bytes(metrics_url, "llama_tp2", d.arts["llama_tp2"][1],
+                                              d.arts["llama"][1]))
+    for family, prompts, n in (("gemma3_text", WINDOW_PROMPTS, 16),
+                               ("qwen3_5", HYBRID_PROMPTS, 12)):
+        table.run(f"{protocol}: tiny {family} on 2 devices, alone and 4 batched",
+                  "equal to transformers", lambda family=family, prompts=prompts, n=n:
+                  S.check_alone_and_batched(url, protocol, f"{family}_tp2", prompts,
+                                            d.want[family], n))
+    if protocol == "grpc":
+        table.run("grpc: 2 instances, 8 generations through the generate model together",
+                  "each its solo ids; both instances run generations",
+                  lambda: D.check_generate_spread(url, "llama_dp2", DEVICE_PROMPTS, want,
+                                                  metrics_url, 2))
+    table.run(f"{protocol}: 2 instances, 8 sequences together", "each its solo ids; both "
+              "instances run prompts", lambda: D.check_data_parallel(
+                  url, protocol, "llama_dp2", DEVICE_PROMPTS, want, 12, metrics_url, 2))
+
+
 def program_rows(table: Table, d: Deployment, protocol: str) -> None:
     url = d.url(protocol)
     table.run(f"{protocol}: bounded program (masked mean), every length 1-{programs.BOUND}",
@@ -514,7 +575,9 @@ def main() -> int:
     server = TritonServer(built["repo"], log_path=args.work / "tritonserver.log",
                           exit_timeout_s=3)
     print(f"starting tritonserver (log {server.log_path}) ...", file=sys.stderr, flush=True)
-    server.start()
+    # Every model compiles all its entries before the checks: some 40 backend processes on 2
+    # cores take more than start()'s default 5 minutes.
+    server.start(timeout_s=1200)
     d = Deployment(server, built["arts"], want, chat, args.work)
     try:
         for protocol in PROTOCOLS:
@@ -524,6 +587,7 @@ def main() -> int:
             transformers_rows(table, d, protocol)
             pool_rows(table, d, protocol)
             batching_rows(table, d, protocol)
+            device_rows(table, d, protocol)
             program_rows(table, d, protocol)
             reclamation_rows(table, d, protocol)
             reuse_rows(table, d, protocol)

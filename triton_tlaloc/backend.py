@@ -56,6 +56,7 @@ class ModelSettings(NamedTuple):
     version_dir: Path  # REPO/NAME/VERSION: relative paths in parameters resolve here
     platform: str  # the PJRT platform: the parameter `platform`, else the instance group's kind
     device: int  # the device the instance group names (one PJRT client per device)
+    instance: int  # this instance's index in its group (Triton names it MODEL_GROUP_INDEX)
 
 
 def model_settings(args: dict, defaults: dict[str, str]) -> ModelSettings:
@@ -69,7 +70,9 @@ def model_settings(args: dict, defaults: dict[str, str]) -> ModelSettings:
     kind = args.get("model_instance_kind", "CPU")
     platform = params.get("platform") or ("cuda" if kind == "GPU" else "cpu")
     device = int(args.get("model_instance_device_id", 0)) if platform != "cpu" else 0
-    return ModelSettings(config, params, version_dir, platform, device)
+    index = args.get("model_instance_name", "").rsplit("_", 1)[-1]
+    return ModelSettings(config, params, version_dir, platform, device,
+                         int(index) if index.isdigit() else 0)
 
 
 def triton_error(message: str, code: str) -> "pb_utils.TritonError":

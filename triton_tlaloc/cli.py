@@ -202,6 +202,7 @@ def _cmd_repository(args) -> int:
                              triton_queue_delay_microseconds=args.triton_queue_delay_us,
                              reclaim_allowance_microseconds=args.reclaim_allowance_us,
                              instance_kind=args.instance_kind, copy=args.copy,
+                             instances=args.instances, devices=args.devices or (),
                              compile_cache_dir=args.compile_cache_dir or "",
                              generate_model=not args.no_generate_model,
                              draft_model=args.draft_model,
@@ -461,6 +462,11 @@ def _add_repository_parser(sub) -> None:
                    help="the sequence batcher's max_queue_delay_microseconds (with "
                         "--triton-batching)")
     p.add_argument("--instance-kind", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--instances", type=int, default=1, metavar="K",
+                   help="data-parallel instances, each on its own devices with its own pools")
+    p.add_argument("--devices", type=_ints, default=None,
+                   help="the instances' devices, the artifact's N each in instance order "
+                        "(default 0,1,2,...)")
     p.add_argument("--copy", action="store_true", help="copy the artifact instead of linking it")
     p.add_argument("--compile-cache-dir", default=None)
     p.add_argument("--no-generate-model", action="store_true",

@@ -47,6 +47,13 @@ def link_directory() -> Path:
     return d
 
 
+def instance_link(sequence_model: str, instance: int) -> str:
+    """The name instance `instance` of a sequence model listens under: the model's own name for
+    instance 0 (the only one of most models), "NAME#i" for the other data-parallel instances,
+    each a process with its own batcher."""
+    return sequence_model if instance == 0 else f"{sequence_model}#{instance}"
+
+
 def link_paths(sequence_model: str, server_pid: int | None = None) -> tuple[Path, Path]:
     """The socket and key file of `sequence_model` in the server whose process is
     `server_pid` (by default this process's parent: the stubs' server)."""

@@ -23,7 +23,8 @@ from .admission import Request
 from .codes import INVALID_ARG
 from .draft_model import DraftClients, DraftError, DraftSession
 from .frontends.sampling import SamplingError, SamplingParams
-from .generation_link import LinkError, hang_up, knock, listen, receive_frame, send_frame
+from .generation_link import (LinkError, hang_up, instance_link, knock, listen, receive_frame,
+                              send_frame)
 from .local_generation import NO_TOKEN, Generation, Speculation
 
 log = logging.getLogger("triton_tlaloc.local_generation")
@@ -189,7 +190,7 @@ class LocalGenerations:
 
     def __init__(self, model_name: str, submit: Callable[[list[Request]], None],
                  max_context: int, server_pid: int | None = None,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, instance: int = 0):
         self.model_name, self.submit, self.max_context = model_name, submit, max_context
         self.drafters = DraftClients(server_pid)  # the draft models its generations draft with
         self.speculation = dataclasses.replace(speculation or Speculation(),
@@ -198,7 +199,8 @@ class LocalGenerations:
         self._lock = threading.Lock()
         self._next: list[Request] = []  # steps queued by this round's replies
         self._stopping = False
-        self.listener, self.socket_path, self.key_path = listen(model_name, server_pid)
+        self.listener, self.socket_path, self.key_path = listen(
+            instance_link(model_name, instance), server_pid)
         self._acceptor = threading.Thread(target=self._accept, name="tlaloc-link-accept",
                                           daemon=True)
         self._acceptor.start()

@@ -32,6 +32,7 @@ from .manifest import load_artifact
 from .memory import resident_bytes
 from .metrics import TimingLog
 from .model_metrics import TritonMetrics
+from .pjrt import cpu_devices, instance_devices
 from .outputs import (LOGIT_OUTPUTS, TOP_K_DEFAULT, cache_salt_parameter,
                       draft_tokens_parameter, small_outputs, top_k_parameter)
 from .policy import BatchPolicy
@@ -67,6 +68,9 @@ DEFAULTS = {
     "reply_threads": "2",
     # Generate models may run their generation loops in this process (local_generation.py)
     "local_generation": "true",
+    # The devices of this model's instances, a group of the artifact's N per instance in
+    # instance order (empty: 0, 1, 2, ...; a one-device artifact: its instance group's device)
+    "devices": "",
 }
 
 # The host tier's budget by default, in device pools' worth (TensorRT-LLM sizes its host
@@ -92,7 +96,7 @@ class TritonPythonModel:
     def initialize(self, args):
         setup_logging(args["model_name"])
         t0 = time.perf_counter()
-        config, params, version_dir, platform, device = model_settings(args, DEFAULTS)
+        config, params, version_dir, platform, device, instance = model_settings(args, DEFAULTS)
         manifest = Path(params["serving_manifest"])
         if not manifest.is_absolute():
             manifest = version_dir / manifest
@@ -105,13 +109,18 @@ class TritonPythonModel:
                         params["simulate_step_ms"], step_s * 1e3)
             self.runtime = SimulatedRuntime(artifact, step_s)
         else:
-            self.runtime = Runtime(artifact, platform=platform, device_index=device,
+            devices = instance_devices(params["devices"], artifact.devices, instance, device,
+                                       own_client=platform == "cpu")
+            if platform == "cpu":  # this instance's process: as many CPU devices as it uses
+                cpu_devices(max(devices) + 1)
+            self.runtime = Runtime(artifact, platform=platform, devices=devices,
                                    donate=parse_bool(params["donate_kv_pools"]),
                                    cache_dir=Path(cache) if cache else None,
                                    background=parse_bool(params["background_compile"]))
         policy = batch_policy(config, params)
         self.metrics = TritonMetrics(args["model_name"],
-                                     int(params["metrics_interval_microseconds"]) / 1e6)
+                                     int(params["metrics_interval_microseconds"]) / 1e6,
+                                     args.get("model_instance_name", ""))
         self.senders = ReplySenders(int(params["reply_threads"]), self.metrics.reply_queued)
         observers = [self.metrics]
         self.timing_log = TimingLog(params["timing_log"]) if params["timing_log"] else None
@@ -129,13 +138,13 @@ class TritonPythonModel:
         self.max_context = artifact.max_context
         self.metrics.state(self.batcher.pool_state(), 0)
         self.metrics.host(0, 0)
-        self.metrics.memory(self.runtime.weight_bytes, self.runtime.kv_pool_bytes,
-                            self.runtime.state_pool_bytes)
+        self.metrics.memory(*self._device_bytes())
         self.local = None
         if parse_bool(params["local_generation"]):
             speculation = Speculation.of(self.batcher.engine, self.batcher.stats.entry_seconds)
             self.local = LocalGenerations.open(args["model_name"], self.batcher.submit_group,
-                                               artifact.max_context, speculation=speculation)
+                                               artifact.max_context, speculation=speculation,
+                                               instance=instance)
             if self.local is not None:
                 self.batcher.round_listeners.append(self.local.round_ended)
         self.batcher.start()
@@ -146,11 +155,24 @@ class TritonPythonModel:
         self.metrics.entries(compiled, total)
         self.metrics.resident_memory(resident_bytes())
 
+    def _device_bytes(self) -> tuple[dict, dict, dict]:
+        """Weights, KV pools and state pools: bytes on each of the runtime's devices."""
+        rt = self.runtime
+        if isinstance(rt, SimulatedRuntime):
+            return ({0: rt.weight_bytes}, {0: rt.kv_pool_bytes}, {0: rt.state_pool_bytes})
+        ids = [d.id for d in rt.device.devices]
+        return tuple(dict(zip(ids, per_device)) for per_device in (
+            rt.weight_device_bytes, rt.kv_device_bytes, rt.state_device_bytes))
+
     def _host_tier(self, engine: Engine, params: dict) -> HostTier | None:
         """The host tier of `host_kv_bytes` (its transfer programs compiled now), or None."""
         rt = self.runtime
         if isinstance(rt, SimulatedRuntime):
             log.info("host tier off: a simulated runtime has no pools to copy")
+            return None
+        if rt.artifact.devices > 1:
+            log.info("host tier off: its page moves run on one device, this artifact's "
+                     "pools are split over %d", rt.artifact.devices)
             return None
         asked = params["host_kv_bytes"].strip()
         budget = (int(asked) if asked else

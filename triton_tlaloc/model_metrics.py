@@ -16,9 +16,11 @@ class TritonMetrics(Observer):
     EXEC_BUCKETS = [1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
     SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 
-    def __init__(self, model_name: str, interval_s: float = 0.25):
+    def __init__(self, model_name: str, interval_s: float = 0.25, instance: str = ""):
         F = pb_utils.MetricFamily
-        self.labels = {"model": model_name}
+        # An instance's own series: each instance of a model runs in its own process, with its
+        # own pools and batcher.
+        self.labels = {"model": model_name, **({"instance": instance} if instance else {})}
         # Updates are applied on the writer's thread (metrics.py): each is an IPC round trip.
         self.writer = MetricsWriter(interval_s)
         self.has_histograms = hasattr(F, "HISTOGRAM")
@@ -49,8 +51,9 @@ class TritonMetrics(Observer):
             F.GAUGE).Metric(labels=self.labels)
         self.sequences = family("tlaloc_sequences_held", "Sequences holding state in the "
                                 "backend", F.GAUGE).Metric(labels=self.labels)
-        self._memory = family("tlaloc_device_bytes", "Bytes the model holds on its device, by "
-                              "what (weights, kv_pools, state_pools)", F.GAUGE)
+        self._memory = family("tlaloc_device_bytes", "Bytes the model holds on each of its "
+                              "devices, by what (weights, kv_pools, state_pools) and device",
+                              F.GAUGE)
         self.resident = family("tlaloc_resident_bytes", "Resident memory of the model's "
                                "process (its weights, pools and executables on a CPU device; "
                                "measured at load and as entries compile)", F.GAUGE).Metric(
@@ -135,10 +138,12 @@ class TritonMetrics(Observer):
         self.writer.set(self.entries_compiled, compiled)
         self.writer.set(self.entries_total, total)
 
-    def memory(self, weights: int, kv_pools: int, state_pools: int) -> None:
-        for what, n in (("weights", weights), ("kv_pools", kv_pools),
-                        ("state_pools", state_pools)):
-            self.writer.set(self._metric(self._memory, what=what), n)
+    def memory(self, weights: dict, kv_pools: dict, state_pools: dict) -> None:
+        """Bytes by device id, of each kind."""
+        for what, by_device in (("weights", weights), ("kv_pools", kv_pools),
+                                ("state_pools", state_pools)):
+            for device, n in by_device.items():
+                self.writer.set(self._metric(self._memory, what=what, device=str(device)), n)
 
     def resident_memory(self, nbytes: int | None) -> None:
         if nbytes is not None:

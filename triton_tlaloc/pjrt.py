@@ -115,7 +115,11 @@ class PjrtDevice(_Compiling):
         import jaxlib
 
         version = getattr(self.backend, "platform_version", "")
-        return f"{self.platform}|{version}|jax {self.jax.__version__}|jaxlib {jaxlib.__version__}"
+        # A compiled program keeps the device it was compiled for: another device's is another
+        # executable (device 0's key is the one caches made before held).
+        device = f"|device {self.device.id}" if self.device.id else ""
+        return (f"{self.platform}|{version}|jax {self.jax.__version__}|jaxlib "
+                f"{jaxlib.__version__}{device}")
 
     def put(self, array: np.ndarray):
         # buffer_from_pyval (2.4 us) is gone from newer jaxlib; device_put (35 us) works in both.
@@ -146,6 +150,10 @@ class PjrtDevice(_Compiling):
 
     # What a runtime asks of its devices whatever their number (PjrtMesh has the same).
     size = 1
+
+    @property
+    def devices(self) -> tuple:
+        return (self.device,)
 
     def put_shards(self, shards: list[np.ndarray]):
         return self.put(shards[0])
@@ -232,7 +240,8 @@ class PjrtMesh(_Compiling):
     def cache_identity(self) -> str:
         # A compiled SPMD program keeps its device assignment: the same text for other devices
         # is another executable.
-        return f"{self._one[0].cache_identity}|devices {','.join(str(d.id) for d in self.devices)}"
+        ids = ",".join(str(d.id) for d in self.devices)
+        return f"{self._one[0].cache_identity.split('|device ')[0]}|devices {ids}"
 
     def put(self, array: np.ndarray) -> tuple:
         """A copy of `array` on every device (a replicated input)."""
@@ -278,3 +287,28 @@ def open_devices(artifact, platform: str, device_index: int,
         raise ValueError(f"{artifact.path}: its programs are lowered for {n} device(s) "
                          f"(model.tensorParallel); {len(devices)} given: {list(devices)}")
     return PjrtDevice(platform, devices[0]) if n == 1 else PjrtMesh(platform, tuple(devices))
+
+
+def instance_devices(listed: str, per_instance: int, instance: int, device: int,
+                     own_client: bool = False) -> tuple:
+    """The devices of one instance of a model whose programs run on `per_instance` devices:
+    group `instance` of the `devices` parameter (comma-separated, per_instance a group), or of
+    0, 1, 2, ... when it is empty. With no list, an instance of a one-device artifact keeps the
+    device its instance group names, and an instance whose process has a client of its own
+    (`own_client`: the CPU, whose devices are the process's) takes the first devices."""
+    if not listed.strip():
+        if per_instance == 1:
+            return (device,)
+        first = 0 if own_client else instance * per_instance
+        return tuple(range(first, first + per_instance))
+    try:
+        ids = [int(x) for x in listed.split(",")]
+    except ValueError:
+        raise ValueError(f"devices {listed!r}: expected comma-separated device numbers") from None
+    group = ids[instance * per_instance:(instance + 1) * per_instance]
+    if len(group) != per_instance:
+        raise ValueError(f"devices {listed!r}: instance {instance} needs devices "
+                         f"{instance * per_instance}..{(instance + 1) * per_instance - 1} of the "
+                         f"list ({per_instance} for each instance), the list has {len(ids)}")
+    return tuple(group)
+

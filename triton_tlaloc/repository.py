@@ -33,6 +33,11 @@ class RepositoryOptions:
     triton_queue_delay_microseconds: int = 0
     reclaim_allowance_microseconds: int = 2_000_000
     instance_kind: str = "cpu"  # cpu | gpu
+    # Data-parallel instances, each with its own devices, pools and batcher; Triton's sequence
+    # batcher keeps every request of a sequence on one instance.
+    instances: int = 1
+    # The instances' devices, the artifact's N each in instance order (): 0, 1, 2, ...)
+    devices: tuple[int, ...] = ()
     copy: bool = False  # copy the artifact instead of linking it
     compile_cache_dir: str = ""
     extra_parameters: dict = field(default_factory=dict)
@@ -67,6 +72,27 @@ def sequence_slots(num_blocks: int, asked: int = 0) -> int:
     return asked or max(num_blocks - 1, MIN_SEQUENCE_SLOTS)
 
 
+def _instance_group(artifact, opts: RepositoryOptions) -> tuple[str, dict]:
+    """The instance group's kind and the parameters that place its instances. One device per
+    instance on a GPU is Triton's own placement (KIND_GPU); an instance over several GPUs, or
+    several instances, are KIND_MODEL and take their devices from the `devices` parameter
+    (as vllm_backend's tensor-parallel instances do). On the CPU each instance's process has
+    its own virtual devices."""
+    n, k = artifact.devices, opts.instances
+    if k < 1:
+        raise ValueError(f"instances {k}: expected 1 or more")
+    if n == 1 and k == 1 and not opts.devices:
+        return INSTANCE_KINDS[opts.instance_kind], {}
+    if opts.devices and (len(opts.devices) != n * k or len(set(opts.devices)) != n * k):
+        raise ValueError(f"devices {list(opts.devices)}: {k} instance(s) of an artifact lowered "
+                         f"for {n} device(s) need {n * k} distinct devices")
+    if opts.instance_kind == "cpu":  # each instance's process: its first N CPU devices
+        return INSTANCE_KINDS["cpu"], ({"devices": ",".join(map(str, opts.devices))}
+                                       if opts.devices else {})
+    devices = opts.devices or tuple(range(n * k))
+    return "KIND_MODEL", {"devices": ",".join(map(str, devices)), "platform": "cuda"}
+
+
 def _link_or_copy(src: Path, target: Path, copy: bool) -> None:
     """Put a file or directory into a model's version directory: a copy, or a symbolic link."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +118,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
     if opts.max_sequence_idle_microseconds <= 0:
         raise ValueError("max_sequence_idle_microseconds must be positive (Triton's default, "
                          "1 s, would end sequences between a user's turns)")
+    kind, placement = _instance_group(artifact, opts)
     model_dir = Path(repo) / name
     version = model_dir / "1"
     if model_dir.exists():
@@ -118,6 +145,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         # Where `tlaloc generate` finds the tokenizer when it runs on the serving machine.
         "tokenizer_dir": _tokenizer_dir(artifact),
         **({"compile_cache_dir": opts.compile_cache_dir} if opts.compile_cache_dir else {}),
+        **placement,
         **opts.extra_parameters,
     }
     text = Template((TEMPLATE_DIR / "config.pbtxt.in").read_text()).substitute(
@@ -128,7 +156,8 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         max_sequence_idle_microseconds=opts.max_sequence_idle_microseconds,
         max_candidate_sequences=sequence_slots(artifact.model.num_blocks, opts.sequence_slots),
         max_queue_delay_microseconds=opts.triton_queue_delay_microseconds,
-        instance_kind=INSTANCE_KINDS[opts.instance_kind],
+        instance_count=opts.instances,
+        instance_kind=kind,
         parameters=",\n".join(_parameter(k, v) for k, v in params.items()),
     )
     (model_dir / "config.pbtxt").write_text(text)

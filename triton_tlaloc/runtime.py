@@ -223,7 +223,12 @@ class Runtime:
         pools = dict(zip((p.name for p in every), self.device.zeros(specs)))
         for value in pools.values():
             self.device.first(value).block_until_ready()
-        self.pool_device_bytes = _per_device(self.device, pools.values())
+        self.kv_device_bytes = _per_device(self.device, [pools[p.name]
+                                                         for p in self.artifact.pools])
+        self.state_device_bytes = _per_device(self.device, [pools[p.name] for p in
+                                                            self.artifact.state_pools])
+        self.pool_device_bytes = [a + b for a, b in zip(self.kv_device_bytes,
+                                                        self.state_device_bytes)]
 
         def nbytes(ps):
             return sum(int(np.prod(p.shape)) * numpy_dtype(p.dtype).itemsize for p in ps)

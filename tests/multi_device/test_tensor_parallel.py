@@ -139,9 +139,20 @@ def test_each_device_holds_its_part_of_every_split_weight_and_pool(arts):
                                                  // n)
 
 
-def test_the_pools_are_copied_without_donation(arts):
-    rt = outcome(arts("llama", 2), donate=False)["rt"]
-    assert rt.donation.copied == rt.donation.runs and rt.donation.in_place == 0
+def test_pools_stay_in_place_on_every_device_and_the_control_copies(arts):
+    """Over the first 100 runs every shard of every pool keeps its address; with the aliasing
+    stripped (donate_kv_pools false) every run moves them."""
+    for donate in (True, False):
+        rt = Runtime(arts("llama", 4), donate=donate)
+        engine = Engine(rt)
+        for k in range(3):  # 3 x (1 prompt call + 40 decode calls)
+            engine.generate_greedy(PROMPT_A[k:k + 8], 41)
+        d = rt.donation
+        assert d.checked_runs >= 100
+        if donate:
+            assert (d.in_place, d.copied) == (d.checked_runs, 0)
+        else:
+            assert (d.in_place, d.copied) == (0, d.checked_runs)
 
 
 def test_verify_entries_run_on_four_devices(arts):

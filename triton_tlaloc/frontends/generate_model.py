@@ -43,7 +43,7 @@ from ..backend import error_response, model_settings, setup_logging
 from ..codes import CANCELLED, INTERNAL, INVALID_ARG, coded_message, split_coded_message
 from ..metrics import MetricsWriter
 from .client import new_sequence_id
-from .local_streams import LocalLoop, LocalStream, Outbound, StreamSenders
+from .local_streams import InstanceLoops, LocalStream, Outbound, StreamSenders
 from .sampling import Sampler, SamplingError, SamplingParams, TextStream
 
 log = logging.getLogger("triton_tlaloc.generate")
@@ -103,8 +103,8 @@ class TritonPythonModel:
         if loop == "local":
             self.senders = StreamSenders(1, self._send_out, self._is_cancelled,
                                          lambda s: self.local.cancel(s))
-            self.local = LocalLoop(self.sequence_model, self.senders, self._observe_token,
-                                   self._finished, draft_model=self.draft_model)
+            self.local = InstanceLoops(self.sequence_model, self.senders, self._observe_token,
+                                       self._finished, draft_model=self.draft_model)
             self.intake: queue.SimpleQueue = queue.SimpleQueue()
             threading.Thread(target=self._take_in, name="tlaloc-generate-intake",
                              daemon=True).start()

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..codes import CANCELLED, UNAVAILABLE
-from ..generation_link import LinkError, connect, hang_up, receive_frame, send_frame
+from ..generation_link import (LinkError, connect, hang_up, instance_link, receive_frame,
+                               send_frame)
 from .sampling import SamplingParams, TextStream
 
 log = logging.getLogger("triton_tlaloc.generate")
@@ -68,6 +69,7 @@ class LocalStream:
         self.checked = arrived  # when its request was last asked whether it was cancelled
         self.last_token: float | None = None
         self.gen_id = 0  # LocalLoop.start numbers it
+        self.loop = None  # the LocalLoop (the instance's link) it runs on
 
     @property
     def ended(self) -> bool:
@@ -169,8 +171,9 @@ class LocalLoop:
                  observe_token: Callable[[LocalStream, float], None],
                  on_finished: Callable[[LocalStream], None],
                  server_pid: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 draft_model: str = ""):
+                 draft_model: str = "", probe: bool = False):
         self.sequence_model, self.senders, self.server_pid = sequence_model, senders, server_pid
+        self.probe = probe  # looking for an instance that may not exist: failures are quiet
         self.draft_model = draft_model  # named to generations that draft with a model
         self.observe_token, self.on_finished, self.clock = observe_token, on_finished, clock
         self.streams: dict[int, LocalStream] = {}
@@ -178,6 +181,10 @@ class LocalLoop:
         self._lock = threading.Lock()  # the connection's sends, and the streams
         self._conn = None
         self._tried: float | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._conn is not None
 
     def connected(self) -> bool:
         """Whether the link is up; when it is not, tries to open it (at most every
@@ -192,7 +199,8 @@ class LocalLoop:
             try:
                 self._conn = connect(self.sequence_model, self.server_pid)
             except LinkError as e:
-                log.warning("generations go through BLS calls: %s", e)
+                if not self.probe:
+                    log.warning("generations go through BLS calls: %s", e)
                 return False
             conn = self._conn
         threading.Thread(target=self._receive, args=(conn,), name="tlaloc-link-receive",
@@ -207,6 +215,7 @@ class LocalLoop:
         with self._lock:
             for s in streams:
                 s.gen_id = next(self._ids)
+                s.loop = self
                 self.streams[s.gen_id] = s
                 spec = {"prompt": s.prompt, "sampling": dataclasses.asdict(s.params),
                         "stops": sorted(s.stops)}
@@ -314,3 +323,50 @@ class LocalLoop:
         if conn is not None:
             hang_up(conn)  # its receiver thread closes it
         self._end(streams, "the generate model is unloading")
+
+
+class InstanceLoops:
+    """The local links to every instance of a data-parallel sequence model: "NAME", then
+    "NAME#1", "NAME#2" ... (generation_link.instance_link), found by trying the next name while
+    the last one answers. A generation starts on the instance with the fewest generations, so
+    they spread as Triton spreads sequences; a model of one instance has one loop. Has
+    LocalLoop's interface."""
+
+    def __init__(self, sequence_model: str, *args, **kw):
+        self.sequence_model = sequence_model
+        self._make = lambda i: LocalLoop(instance_link(sequence_model, i), *args, **kw,
+                                         probe=i > 0)
+        self.loops = [self._make(0)]
+        self._lock = threading.Lock()
+
+    def connected(self) -> bool:
+        """Whether instance 0's link is up (tried as LocalLoop tries); while the last known
+        instance answers, the next one is looked for."""
+        if not self.loops[0].connected():
+            return False
+        with self._lock:
+            while self.loops[-1].connected():
+                self.loops.append(self._make(len(self.loops)))
+                if self.loops[-1].connected():
+                    log.info("generations spread over %s's instances: %d found",
+                             self.sequence_model, len(self.loops))
+        return True
+
+    def start(self, streams: list[LocalStream]) -> None:
+        up = [loop for loop in self.loops if loop.is_open] or self.loops[:1]
+        groups: dict[int, list[LocalStream]] = {}
+        live = {id(loop): len(loop.streams) for loop in up}
+        for s in streams:
+            loop = min(up, key=lambda lp: live[id(lp)])
+            live[id(loop)] += 1
+            groups.setdefault(id(loop), []).append(s)
+        for loop in up:
+            if id(loop) in groups:
+                loop.start(groups[id(loop)])
+
+    def cancel(self, stream: LocalStream) -> None:
+        (stream.loop or self.loops[0]).cancel(stream)
+
+    def close(self) -> None:
+        for loop in self.loops:
+            loop.close()

@@ -65,7 +65,7 @@ class TritonPythonModel:
     def initialize(self, args):
         setup_logging(args["model_name"])
         t0 = time.perf_counter()
-        config, params, version_dir, platform, device = model_settings(args, DEFAULTS)
+        config, params, version_dir, platform, device, _ = model_settings(args, DEFAULTS)
         cache = Path(params["compile_cache_dir"]) if params["compile_cache_dir"] else None
         self.input_types = {i["name"]: i["data_type"] for i in config.get("input", [])}
         self.max_batch = int(config.get("max_batch_size", 0))

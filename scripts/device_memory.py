@@ -1,0 +1,62 @@
+"""What each device holds when a model is split over N devices: SmolLM2-135M exported for
+1 and 3 devices (its 9 heads and 3 KV heads divide over 3; over 2 and 4 the export refuses by
+name), loaded by the runtime on virtual CPU devices, weights and KV pools read from the
+device buffers. Nothing is compiled (the bytes do not depend on it).
+
+    .venv/bin/python scripts/device_memory.py [--work artifacts/device-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from triton_tlaloc.pjrt import cpu_devices
+
+cpu_devices(4)  # before JAX starts
+
+from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
+from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
+from triton_tlaloc.export.writer import ExportError  # noqa: E402
+from triton_tlaloc.runtime import Runtime  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+OPTS = dict(batch_ladder=(1, 4), context_ladder=(512, 2048), verify_tokens=())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=ROOT / "artifacts" / "device-memory")
+    args = ap.parse_args()
+    gguf = smollm2_gguf_path()
+    rows = []
+    for n in (1, 2, 3, 4):
+        try:
+            art = export_artifact(gguf, args.work / f"smollm2-tp{n}",
+                                  ExportOptions(**OPTS, tensor_parallel=n))
+        except ExportError as e:
+            rows.append((n, None, str(e).split(": ", 2)[-1]))
+            continue
+        rt = Runtime(art, entries=[])
+        rows.append((n, rt, ""))
+    one = rows[0][1]
+    print(f"SmolLM2-135M f32, {one.artifact.model.num_blocks} pages of "
+          f"{one.artifact.model.block_size} tokens (batch 4 at context 2048)\n")
+    print("| devices | weights a device (MiB) | KV pools a device (MiB) | a device in all | "
+          "of one device |")
+    print("|---:|---:|---:|---:|---:|")
+    whole = one.weight_bytes + one.kv_pool_bytes
+    for n, rt, refused in rows:
+        if rt is None:
+            print(f"| {n} | refused: {refused} | | | |")
+            continue
+        w, kv = max(rt.weight_device_bytes), max(rt.kv_device_bytes)
+        print(f"| {n} | {w / 2**20:.1f} | {kv / 2**20:.1f} | {(w + kv) / 2**20:.1f} | "
+              f"{(w + kv) / whole:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
