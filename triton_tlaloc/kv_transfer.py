@@ -92,9 +92,10 @@ class PageTransfer:
         self.seconds = {"read": 0.0, "write": 0.0}
 
     def page_bytes(self, pool_class: str) -> int:
-        """Bytes of one page (row) of every pool of the class together."""
-        pools = [self.rt.pools[name] for name in self.classes.get(pool_class, ())]
-        return sum(p.nbytes // p.shape[0] for p in pools)
+        """Bytes of one page (row) of every pool of the class together (on every device)."""
+        specs = pool_specs(self.rt.artifact)
+        return sum(int(np.prod(specs[name][0][1:])) * specs[name][1].itemsize
+                   for name in self.classes.get(pool_class, ()))
 
     def warm(self, counts: dict[str, tuple[int, ...]]) -> None:
         """Compile (or load from the compile cache) the programs for these bucket sizes per
@@ -127,17 +128,62 @@ class PageTransfer:
             pools = [specs_by_name[name] for name in self.classes[pool_class]]
             specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in pools]
             idx = jax.ShapeDtypeStruct((n,), np.int32)
+            split, whole = self._shardings(pool_class)
             with x64_mode(any(np.dtype(dtype).itemsize == 8 for _, dtype in pools)):
                 if kind == "read":
-                    lowered = jax.jit(_gather).lower(specs, idx)
+                    jitted = (jax.jit(_gather) if split is None else
+                              jax.jit(_gather, in_shardings=(split, whole),
+                                      out_shardings=tuple(split)))
+                    args = (specs, idx)
                 else:
                     rows = [jax.ShapeDtypeStruct((n, *shape[1:]), dtype) for shape, dtype in pools]
-                    lowered = jax.jit(_scatter, donate_argnums=0).lower(specs, idx, rows)
+                    jitted = (jax.jit(_scatter, donate_argnums=0) if split is None else
+                              jax.jit(_scatter, donate_argnums=0,
+                                      in_shardings=(split, whole, split),
+                                      out_shardings=tuple(split)))
+                    args = (specs, idx, rows)
+                lowered = (jitted.lower(*args) if split is None else jitted.trace(*args).lower(
+                    lowering_platforms=(self.rt.device.platform,)))
             exe = compile_cached(self.rt.device, lowered.as_text(),
                                  f"page {kind} {pool_class} x{n}", self.rt.cache_dir,
                                  self.rt.use_cache, self.compile_stats)
             self._programs[key] = exe
         return exe
+
+    def _shardings(self, pool_class: str) -> tuple[list | None, object]:
+        """A tensor-parallel artifact's pools of the class as the programs see them, each
+        split along its axis over the devices' mesh, and the replicated page index ((None,
+        None) on one device). A write's rows are split as their pools are."""
+        tp = self.rt.artifact.tensor_parallel
+        if tp is None:
+            return None, None
+        from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+        from .sharding import AXIS_NAME
+
+        mesh = AbstractMesh((tp.devices,), (AXIS_NAME,))
+        specs = pool_specs(self.rt.artifact)
+        out = []
+        for name in self.classes[pool_class]:
+            dims = [None] * len(specs[name][0])
+            dims[tp.pools[name].axis] = AXIS_NAME
+            out.append(NamedSharding(mesh, PartitionSpec(*dims)))
+        return out, NamedSharding(mesh, PartitionSpec())
+
+    def _host(self, name: str, value) -> np.ndarray:
+        """A host copy of a program output: one device's buffer, or a split pool's shards
+        joined along its axis."""
+        tp = self.rt.artifact.tensor_parallel
+        if tp is None:
+            return np.array(value, copy=True)
+        return np.concatenate([np.asarray(b) for b in value], axis=tp.pools[name].axis)
+
+    def _put_rows(self, name: str, rows: np.ndarray):
+        """Rows to write, on the devices: a split pool's as its shards."""
+        tp = self.rt.artifact.tensor_parallel
+        if tp is None:
+            return self.rt.device.put(rows)
+        return self.rt.device.put_shards(np.split(rows, tp.devices, axis=tp.pools[name].axis))
 
     def read(self, pool_class: str, pages: list[int]) -> HostPages:
         """Host copies of these pages (rows) of every pool of the class, in the order given."""
@@ -149,7 +195,7 @@ class PageTransfer:
         t0 = time.perf_counter()
         device = self.rt.device
         outs = device.execute(exe, [*(self.rt.pools[name] for name in names), device.put(idx)])
-        arrays = {name: np.array(out, copy=True)[:n] for name, out in zip(names, outs)}
+        arrays = {name: self._host(name, out)[:n] for name, out in zip(names, outs)}
         self.seconds["read"] += time.perf_counter() - t0
         return HostPages(pool_class, arrays)
 
@@ -158,7 +204,7 @@ class PageTransfer:
         the pools are donated and replaced by the results."""
         assert len(pages) == host.count, f"{host.count} rows for {len(pages)} pages"
         names = self.classes[host.pool_class]
-        rows = len(self.rt.pools[names[0]])
+        rows = pool_specs(self.rt.artifact)[names[0]][0][0]
         n = bucket(len(pages))
         idx = np.full(n, rows, np.int32)  # past the pool: dropped
         idx[:len(pages)] = pages
@@ -170,16 +216,16 @@ class PageTransfer:
             padded.append(a)
         exe = self._program("write", host.pool_class, n)
         device = self.rt.device
-        before = [self.rt.pools[name].unsafe_buffer_pointer() for name in names]
+        before = [device.addresses(self.rt.pools[name]) for name in names]
         t0 = time.perf_counter()
         args = [*(self.rt.pools[name] for name in names), device.put(idx),
-                *(device.put(a) for a in padded)]
+                *(self._put_rows(name, a) for name, a in zip(names, padded))]
         outs = device.execute(exe, args)
         del args
         for name, out in zip(names, outs):
             self.rt.pools[name] = out
         self.seconds["write"] += time.perf_counter() - t0
-        moved = sum(b != self.rt.pools[name].unsafe_buffer_pointer()
+        moved = sum(b != device.addresses(self.rt.pools[name])
                     for b, name in zip(before, names))
         if moved:
             self.copied += 1

@@ -170,10 +170,6 @@ class TritonPythonModel:
         if isinstance(rt, SimulatedRuntime):
             log.info("host tier off: a simulated runtime has no pools to copy")
             return None
-        if rt.artifact.devices > 1:
-            log.info("host tier off: its page moves run on one device, this artifact's "
-                     "pools are split over %d", rt.artifact.devices)
-            return None
         asked = params["host_kv_bytes"].strip()
         budget = (int(asked) if asked else
                   HOST_KV_DEFAULT_POOLS * (rt.kv_pool_bytes + rt.state_pool_bytes))

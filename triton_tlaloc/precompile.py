@@ -61,8 +61,6 @@ def precompile(artifact: Artifact, *, platform: str = "cpu", cache_dir: Path | N
 
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     device = open_devices(artifact, platform, 0, None)
-    # The host tier's page moves run on one device: a tensor-parallel artifact has none.
-    transfers = transfers and artifact.devices == 1
     stats = CompileStats()
     names = compile_order(artifact, artifact.entries)
     progress = Progress(len(names) + (1 if transfers else 0), say)

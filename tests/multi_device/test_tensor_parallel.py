@@ -302,3 +302,14 @@ def test_smollm2_on_three_devices(work):
     rest = one.weight_bytes - split
     assert three.weight_device_bytes == [rest + split // 3] * 3
     assert three.donation.copied == 0 and three.donation.in_place == three.donation.runs
+
+
+@pytest.mark.parametrize("family, n", [("llama", 4), ("gemma3_text", 2), ("qwen3_5_text", 2)])
+def test_a_sequence_moved_through_the_host_tier_continues_on_the_devices(arts, family, n):
+    """The host tier's page moves on split pools: each device's shard of a page (its heads'
+    KV, ring, state channels) read to the host and written into other pages, in place on every
+    device; the sequence continues with the same ids and exactly the same logits. Control:
+    pages written back in the wrong order change the logits."""
+    from test_kv_transfer import check_moved_sequence
+
+    check_moved_sequence(Runtime(arts(family, n)), order_matters=family != "qwen3_5_text")
