@@ -1,7 +1,8 @@
 """What each device holds when a model is split over N devices: SmolLM2-135M exported for
 1 and 3 devices (its 9 heads and 3 KV heads divide over 3; over 2 and 4 the export refuses by
-name), loaded by the runtime on virtual CPU devices, weights and KV pools read from the
-device buffers. Nothing is compiled (the bytes do not depend on it).
+name), on 3 also with the embedding and head copied whole (--replicate-vocab), loaded by the
+runtime on virtual CPU devices, weights and KV pools read from the device buffers. Nothing is
+compiled (the bytes do not depend on it).
 
     .venv/bin/python scripts/device_memory.py [--work artifacts/device-memory]
 """
@@ -32,15 +33,16 @@ def main() -> int:
     args = ap.parse_args()
     gguf = smollm2_gguf_path()
     rows = []
-    for n in (1, 2, 3, 4):
+    for n, copied in ((1, False), (2, False), (3, False), (3, True), (4, False)):
+        label = f"{n}, the vocabulary copied" if copied else str(n)
         try:
-            art = export_artifact(gguf, args.work / f"smollm2-tp{n}",
-                                  ExportOptions(**OPTS, tensor_parallel=n))
+            art = export_artifact(gguf, args.work / f"smollm2-tp{n}{'-copied' if copied else ''}",
+                                  ExportOptions(**OPTS, tensor_parallel=n,
+                                                replicate_vocab=copied))
         except ExportError as e:
-            rows.append((n, None, str(e).split(": ", 2)[-1]))
+            rows.append((label, None, str(e).split(": ", 2)[-1]))
             continue
-        rt = Runtime(art, entries=[])
-        rows.append((n, rt, ""))
+        rows.append((label, Runtime(art, entries=[]), ""))
     one = rows[0][1]
     print(f"SmolLM2-135M f32, {one.artifact.model.num_blocks} pages of "
           f"{one.artifact.model.block_size} tokens (batch 4 at context 2048)\n")

@@ -54,7 +54,8 @@ def _cmd_export(args) -> int:
                          windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
                          ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks,
                          state_slots=args.state_slots, layer_loop=not args.no_layer_loop,
-                         tensor_parallel=args.tensor_parallel)
+                         tensor_parallel=args.tensor_parallel,
+                         replicate_vocab=args.replicate_vocab)
     checkpoint = args.checkpoint
     if checkpoint == "smollm2":
         from .export.checkpoint import smollm2_gguf_path
@@ -375,6 +376,9 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="lower the programs for N devices, each weight and KV pool split over "
                         "them (heads, the MLP; embedding, head and norms replicated)")
+    p.add_argument("--replicate-vocab", action="store_true",
+                   help="with --tensor-parallel: copy the embedding and the head whole on every "
+                        "device instead of splitting them by vocabulary")
     p.add_argument("--no-layer-loop", action="store_true",
                    help="unroll the layers (one set of kernels per layer) even where they are "
                         "alike; by default alike layers run as one loop over stacked weights "

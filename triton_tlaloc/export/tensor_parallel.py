@@ -8,7 +8,10 @@ style (docs/design.md#tensor-parallelism).
   device's product is a partial sum; XLA's partitioner adds the all-reduce.
 - The KV pools split by KV head, a linear layer's conv states by channel and its recurrent
   states by value head; the conv kernel, A_log and dt_bias go with their channels and heads.
-- Replicated: the embedding, the head, every norm.
+- The embedding and the head split by vocabulary (when it divides; `split_vocab`): each
+  device gathers its rows of the table (the partitioner sums the rows over the devices) and
+  computes its columns of the logits (gathered). Replicated: every norm, and the embedding and
+  the head when not split.
 
 A model with fewer KV heads than devices holds each KV head on N / kv_heads devices (as vLLM
 does): the program is the model with each KV head repeated (`logical_config`), its k and v
@@ -72,7 +75,8 @@ def logical_config(cfg: DecoderConfig, devices: int) -> DecoderConfig:
     return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * kv, linear=la)
 
 
-def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools) -> TensorParallel:
+def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
+         split_vocab: bool = False) -> TensorParallel:
     """The splits of an artifact's weight slots (as the files hold them, decoder.WeightSlot),
     its KV pools and its state pools (as the programs hold them)."""
     copies, key_copies = kv_head_copies(cfg, devices)
@@ -94,6 +98,14 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools) -> TensorP
         params = {"conv": channels, "A_log": (Segment(la.num_value_heads),),
                   "dt_bias": (Segment(la.num_value_heads),)}
     weights = {}
+    vocab = cfg.vocab_size
+    if split_vocab and vocab % devices == 0:  # the embedding and the head by vocabulary
+        for s in slots:  # [vocab, hidden] tables and scales; [hidden, vocab] ones on axis 1
+            if s.name in ("embed", "embed.scale", "lm_head.scale") or (
+                    s.name == "lm_head" and (s.out_first or s.quant)):
+                weights[s.name] = single_split(0, vocab)
+            elif s.name in ("embed_t", "lm_head"):
+                weights[s.name] = single_split(1, vocab)
     for s in slots:
         stacked = s.name.startswith("layers.")
         lead = 1 if stacked else 0  # a stacked slot's first axis is the layer

@@ -78,6 +78,10 @@ class ExportOptions:
     # Devices one instance runs the programs on (docs/design.md#tensor-parallelism): 1, or
     # the programs are lowered for that many, each weight and pool split Megatron style.
     tensor_parallel: int = 1
+    # With tensor_parallel: the embedding table and the head split by vocabulary (as vLLM's
+    # are; each device reads 1/N of the head a step, the logits are gathered), or copied
+    # whole on every device (a vocabulary that does not divide always is).
+    replicate_vocab: bool = False
 
     def validate(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -353,7 +357,8 @@ def _tensor_parallel(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
                                  layer_loop),
             kv_pools(program_cfg, num_blocks, opts.block_size, opts.kv_type, windowed,
                      layer_loop),
-            state_pools(program_cfg, opts.resolved_state_slots()))
+            state_pools(program_cfg, opts.resolved_state_slots()),
+            split_vocab=not opts.replicate_vocab)
     except tensor_parallel.TensorParallelError as e:
         raise ExportError(f"--tensor-parallel {n}: {e}") from None
     copies = (f"; each of the {cfg.num_kv_heads} KV heads held by {tp.kv_head_copies} devices"
