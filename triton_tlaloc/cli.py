@@ -228,6 +228,11 @@ def _cmd_serve(args) -> int:
     from .server import RESTRICTED_APIS, TritonServer
 
     admin_key = args.admin_key or os.environ.get("TLALOC_ADMIN_KEY") or None
+    if args.cpu_devices:  # every backend process inherits it (each instance its own devices)
+        from .pjrt import with_cpu_devices
+
+        os.environ["XLA_FLAGS"] = with_cpu_devices(os.environ.get("XLA_FLAGS", ""),
+                                                   args.cpu_devices)
     server = TritonServer(args.repo, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           log_path=args.log_file, exit_timeout_s=args.exit_timeout,
@@ -522,6 +527,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--log-file", default=None)
+    p.add_argument("--cpu-devices", type=int, default=0, metavar="N",
+                   help="virtual CPU devices in each model instance's process (default: as many "
+                        "as its artifact's programs need)")
     p.add_argument("--start-timeout", type=float, default=1800.0,
                    help="seconds to wait for every model to be ready")
     p.add_argument("--exit-timeout", type=int, default=5,

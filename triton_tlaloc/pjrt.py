@@ -35,7 +35,13 @@ def cpu_devices(n: int) -> None:
 
     flags = os.environ.get("XLA_FLAGS", "")
     if n > 1 and "jax" not in sys.modules and CPU_DEVICE_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_DEVICE_FLAG}={n}".strip()
+        os.environ["XLA_FLAGS"] = with_cpu_devices(flags, n)
+
+
+def with_cpu_devices(flags: str, n: int) -> str:
+    """XLA_FLAGS giving the CPU client n devices, any count in `flags` replaced."""
+    kept = [f for f in flags.split() if not f.startswith(CPU_DEVICE_FLAG)]
+    return " ".join([*kept, f"{CPU_DEVICE_FLAG}={n}"])
 
 
 def default_cache_dir() -> Path:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from triton_tlaloc.pjrt import instance_devices
+from triton_tlaloc.pjrt import instance_devices, with_cpu_devices
 from triton_tlaloc.sharding import Segment, Split, TensorParallel, single_split
 
 
@@ -66,3 +66,10 @@ def test_an_instance_takes_its_group_of_the_devices():
         instance_devices("0,1,2,3", 2, 2, device=0)
     with pytest.raises(ValueError, match="comma-separated device numbers"):
         instance_devices("0,gpu1", 2, 0, device=0)
+
+
+def test_the_cpu_device_count_replaces_any_other():
+    flag = "--xla_force_host_platform_device_count"
+    assert with_cpu_devices("", 4) == f"{flag}=4"
+    assert with_cpu_devices(f"--xla_dump_to=/tmp/x {flag}=2", 8) == (
+        f"--xla_dump_to=/tmp/x {flag}=8")
