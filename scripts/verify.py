@@ -182,6 +182,10 @@ def build_split(work: Path, arts: dict) -> dict:
                        prefill_chunk=16, attention_block=16)
     split["gemma3_text_tp2"] = (arts["gemma3_text"][0], export_once(
         arts["gemma3_text"][0], work / "art-gemma3_text-tp2", **window_opts, tensor_parallel=2))
+    # SmolLM2 (9 heads, 3 KV heads) on 3 devices, the one-device export's ladders.
+    gguf = arts["smollm2"][0]
+    split["smollm2_tp3"] = (gguf, export_once(gguf, work / "art-smollm2-tp3", batch_ladder=(1, 4),
+                                              context_ladder=(128,), tensor_parallel=3))
     split["qwen3_5_tp2"] = (arts["qwen3_5"][0], export_once(
         arts["qwen3_5"][0], work / "art-qwen3_5-tp2", batch_ladder=(1, 2, 4),
         context_ladder=(64, 256), block_size=8, prefill_chunk=48, tensor_parallel=2))
@@ -293,9 +297,11 @@ class Deployment:
 
 
 def smollm2_rows(table: Table, d: Deployment, protocol: str) -> None:
-    table.run(f"{protocol}: SmolLM2 chat prompt, 32 greedy ids", "32/32 equal to transformers",
-              d.on(protocol, "smollm2", S.check_greedy_ids, d.chat["prompt"], d.want["smollm2"],
-                   decode=d.chat["tokenizer"].decode))
+    for model, where in (("smollm2", ""), ("smollm2_tp3", " on 3 devices")):
+        table.run(f"{protocol}: SmolLM2{where} chat prompt, 32 greedy ids",
+                  "32/32 equal to transformers",
+                  d.on(protocol, model, S.check_greedy_ids, d.chat["prompt"], d.want["smollm2"],
+                       decode=d.chat["tokenizer"].decode))
 
 
 def generate_rows(table: Table, d: Deployment) -> None:
