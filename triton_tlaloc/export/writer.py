@@ -363,8 +363,11 @@ def _tensor_parallel(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
         raise ExportError(f"--tensor-parallel {n}: {e}") from None
     copies = (f"; each of the {cfg.num_kv_heads} KV heads held by {tp.kv_head_copies} devices"
               if tp.kv_head_copies > 1 else "")
+    vocab = ("split by vocabulary" if "embed" in tp.weights or "embed_t" in tp.weights else
+             "copied whole" + ("" if opts.replicate_vocab else
+                               f" (a vocabulary of {cfg.vocab_size} does not divide)"))
     _log(f"[export] tensor parallel over {n} devices: {len(tp.weights)} weights and "
-         f"{len(tp.pools)} pools split, the rest replicated{copies}")
+         f"{len(tp.pools)} pools split, the rest replicated; embedding and head {vocab}{copies}")
     return tp
 
 
