@@ -59,7 +59,10 @@ def test_64_sequences_batched_equal_their_solo_runs(tiny, work):
         calls = delta("tlaloc_batch_size_count", model="many")
         rows = delta("tlaloc_batch_size_sum", model="many")
         print(f"generate model: {calls:.0f} calls, {rows / calls:.1f} rows a call")
-        assert rows / calls >= 3, "the streams decoded in shared calls (alone: 1 row a call)"
+        # Alone a stream is 1 row a call. Shared calls measured 5.5 rows a call on an idle
+        # 2-core machine and 2.7 in a loaded CI run (the streams start on their own threads,
+        # so how many overlap depends on the load): 2 is the bound that tells them apart.
+        assert rows / calls >= 2, "the streams decoded in shared calls (alone: 1 row a call)"
 
         # Four clients pausing 0-5 ms before each of 15 steps: one call a step (15, and at most
         # one more), each sequence its solo ids. Bounded by the step, the control's cohort splits
