@@ -23,6 +23,7 @@ import numpy as np
 from .page_pools import FULL, STATE, WINDOWED
 from .manifest import numpy_dtype
 from .pjrt import CompileStats, compile_cached, x64_mode
+from .sharding import mesh_sharding
 
 log = logging.getLogger("triton_tlaloc.kv_transfer")
 
@@ -157,33 +158,14 @@ class PageTransfer:
         tp = self.rt.artifact.tensor_parallel
         if tp is None:
             return None, None
-        from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
-
-        from .sharding import AXIS_NAME
-
-        mesh = AbstractMesh((tp.devices,), (AXIS_NAME,))
         specs = pool_specs(self.rt.artifact)
-        out = []
-        for name in self.classes[pool_class]:
-            dims = [None] * len(specs[name][0])
-            dims[tp.pools[name].axis] = AXIS_NAME
-            out.append(NamedSharding(mesh, PartitionSpec(*dims)))
-        return out, NamedSharding(mesh, PartitionSpec())
+        return ([mesh_sharding(tp.devices, len(specs[name][0]), self._axis(name))
+                 for name in self.classes[pool_class]], mesh_sharding(tp.devices, 1))
 
-    def _host(self, name: str, value) -> np.ndarray:
-        """A host copy of a program output: one device's buffer, or a split pool's shards
-        joined along its axis."""
+    def _axis(self, name: str) -> int | None:
+        """The axis a pool is split along over the devices (None on one device)."""
         tp = self.rt.artifact.tensor_parallel
-        if tp is None:
-            return np.array(value, copy=True)
-        return np.concatenate([np.asarray(b) for b in value], axis=tp.pools[name].axis)
-
-    def _put_rows(self, name: str, rows: np.ndarray):
-        """Rows to write, on the devices: a split pool's as its shards."""
-        tp = self.rt.artifact.tensor_parallel
-        if tp is None:
-            return self.rt.device.put(rows)
-        return self.rt.device.put_shards(np.split(rows, tp.devices, axis=tp.pools[name].axis))
+        return tp.partition_axis(name, pool=True) if tp is not None else None
 
     def read(self, pool_class: str, pages: list[int]) -> HostPages:
         """Host copies of these pages (rows) of every pool of the class, in the order given."""
@@ -195,7 +177,8 @@ class PageTransfer:
         t0 = time.perf_counter()
         device = self.rt.device
         outs = device.execute(exe, [*(self.rt.pools[name] for name in names), device.put(idx)])
-        arrays = {name: self._host(name, out)[:n] for name, out in zip(names, outs)}
+        arrays = {name: device.host(out, self._axis(name))[:n]
+                  for name, out in zip(names, outs)}
         self.seconds["read"] += time.perf_counter() - t0
         return HostPages(pool_class, arrays)
 
@@ -219,7 +202,7 @@ class PageTransfer:
         before = [device.addresses(self.rt.pools[name]) for name in names]
         t0 = time.perf_counter()
         args = [*(self.rt.pools[name] for name in names), device.put(idx),
-                *(self._put_rows(name, a) for name, a in zip(names, padded))]
+                *(device.put_split(a, self._axis(name)) for name, a in zip(names, padded))]
         outs = device.execute(exe, args)
         del args
         for name, out in zip(names, outs):

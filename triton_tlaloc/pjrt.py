@@ -117,15 +117,20 @@ class PjrtDevice(_Compiling):
         self._compile_options = jeb.get_compile_options(num_replicas=1, num_partitions=1)
 
     @property
-    def cache_identity(self) -> str:
+    def client_identity(self) -> str:
+        """The platform, its version and the jax/jaxlib versions: what a compile depends on
+        besides the text and the devices."""
         import jaxlib
 
         version = getattr(self.backend, "platform_version", "")
+        return f"{self.platform}|{version}|jax {self.jax.__version__}|jaxlib {jaxlib.__version__}"
+
+    @property
+    def cache_identity(self) -> str:
         # A compiled program keeps the device it was compiled for: another device's is another
         # executable (device 0's key is the one caches made before held).
         device = f"|device {self.device.id}" if self.device.id else ""
-        return (f"{self.platform}|{version}|jax {self.jax.__version__}|jaxlib "
-                f"{jaxlib.__version__}{device}")
+        return f"{self.client_identity}{device}"
 
     def put(self, array: np.ndarray):
         # buffer_from_pyval (2.4 us) is gone from newer jaxlib; device_put (35 us) works in both.
@@ -163,6 +168,14 @@ class PjrtDevice(_Compiling):
 
     def put_shards(self, shards: list[np.ndarray]):
         return self.put(shards[0])
+
+    def put_split(self, array: np.ndarray, axis: int | None):
+        return self.put(array)
+
+    @staticmethod
+    def host(value, axis: int | None) -> np.ndarray:
+        """A host copy of a value (never a view: a live view of a CPU buffer stops donation)."""
+        return np.array(value, copy=True)
 
     @staticmethod
     def addresses(value) -> tuple[int, ...]:
@@ -247,7 +260,7 @@ class PjrtMesh(_Compiling):
         # A compiled SPMD program keeps its device assignment: the same text for other devices
         # is another executable.
         ids = ",".join(str(d.id) for d in self.devices)
-        return f"{self._one[0].cache_identity.split('|device ')[0]}|devices {ids}"
+        return f"{self._one[0].client_identity}|devices {ids}"
 
     def put(self, array: np.ndarray) -> tuple:
         """A copy of `array` on every device (a replicated input)."""
@@ -257,6 +270,21 @@ class PjrtMesh(_Compiling):
         """Shard j on device j."""
         assert len(shards) == self.size, (len(shards), self.size)
         return tuple(one.put(a) for one, a in zip(self._one, shards))
+
+    def put_split(self, array: np.ndarray, axis: int | None) -> tuple:
+        """`array` as the program sees it, split along `axis` into equal shards (device j's
+        the j-th), or copied on every device when `axis` is None."""
+        if axis is None:
+            return self.put(array)
+        return self.put_shards(np.split(array, self.size, axis=axis))
+
+    @staticmethod
+    def host(value: tuple, axis: int | None) -> np.ndarray:
+        """A host copy of a value as the program sees it: the shards joined along `axis`
+        (device 0's first), or device 0's copy of a replicated value when `axis` is None."""
+        if axis is None:
+            return np.array(value[0], copy=True)
+        return np.concatenate([np.asarray(b) for b in value], axis=axis)
 
     def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[tuple]:
         """Zeroed values of the shard shapes `specs`, one on each device."""

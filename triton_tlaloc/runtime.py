@@ -72,8 +72,8 @@ def _on_devices(per_device: list[int]) -> str:
     """", each of 2 devices 1.2 MiB" for a log line (empty on one device)."""
     if len(per_device) == 1:
         return ""
-    sizes = sorted(set(per_device))
-    each = " to ".join(f"{b / 2**20:.1f}" for b in (sizes[0], sizes[-1])[:len(sizes)])
+    low, high = min(per_device) / 2**20, max(per_device) / 2**20
+    each = f"{low:.1f}" if low == high else f"{low:.1f} to {high:.1f}"
     return f", {each} MiB on each of {len(per_device)} devices"
 
 
@@ -227,8 +227,6 @@ class Runtime:
                                                          for p in self.artifact.pools])
         self.state_device_bytes = _per_device(self.device, [pools[p.name] for p in
                                                             self.artifact.state_pools])
-        self.pool_device_bytes = [a + b for a, b in zip(self.kv_device_bytes,
-                                                        self.state_device_bytes)]
 
         def nbytes(ps):
             return sum(int(np.prod(p.shape)) * numpy_dtype(p.dtype).itemsize for p in ps)
@@ -239,13 +237,18 @@ class Runtime:
         m = self.artifact.model
         log.info("KV pools: %d pools of %d pages x %d tokens, %s, %.1f MiB%s",
                  len(self.artifact.pools), m.num_blocks, m.block_size, m.kv_dtype,
-                 self.kv_pool_bytes / 2**20, _on_devices(self.pool_device_bytes))
+                 self.kv_pool_bytes / 2**20, _on_devices(self.kv_device_bytes))
         ls = self.artifact.linear_state
         if ls is not None:
             log.info("state pools: %d pools of %d slots, %.1f KiB a sequence at any context, "
                      "%.1f MiB", len(ls.pools), ls.num_slots, ls.bytes_per_slot / 2**10,
                      self.state_pool_bytes / 2**20)
         return pools
+
+    @property
+    def pool_device_bytes(self) -> list[int]:
+        """KV and state pool bytes on each device."""
+        return [a + b for a, b in zip(self.kv_device_bytes, self.state_device_bytes)]
 
     def _plan(self, entry: Entry) -> "_CallPlan":
         """Where each argument of an entry comes from, worked out once: `run` fills a copy of
@@ -368,10 +371,8 @@ class Runtime:
         """A host copy of one pool (tests): never a view, which would stop donation. A split
         pool's shards are joined as the program sees it (device 0's heads first)."""
         tp = self.artifact.tensor_parallel
-        if tp is None:
-            return np.array(self.pools[name], copy=True)
-        return np.concatenate([np.array(b, copy=True) for b in self.pools[name]],
-                              axis=tp.pools[name].axis)
+        return self.device.host(self.pools[name], tp.partition_axis(name, pool=True)
+                                if tp is not None else None)
 
     def layer_kv_snapshot(self, layer: int, kind: str) -> np.ndarray:
         """A host copy of one layer's K or V pages, [pages, block, heads, d] (tests), from its

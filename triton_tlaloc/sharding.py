@@ -12,7 +12,7 @@ gives each piece to `copies` consecutive devices: the program then holds every p
 times, and its width along the axis is the segment's width times `copies`.
 
 Pure numpy: the loader checks a manifest's splits and the runtime cuts weight files with them,
-neither importing JAX.
+neither importing JAX (only `mesh_sharding`, which lowering calls, imports it).
 """
 
 from __future__ import annotations
@@ -115,9 +115,21 @@ class TensorParallel:
                               {k: Split.from_json(v) for k, v in obj.get("pools", {}).items()})
 
 
+def mesh_sharding(devices: int, ndim: int, axis: int | None = None):
+    """A tensor of `ndim` dimensions split along `axis` over the one-axis mesh of `devices`
+    devices (replicated when `axis` is None), for lowering: the mesh is abstract, so the
+    lowering process needs no devices."""
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+    dims = [None] * ndim
+    if axis is not None:
+        dims[axis] = AXIS_NAME
+    return NamedSharding(AbstractMesh((devices,), (AXIS_NAME,)), PartitionSpec(*dims))
+
+
 def single_split(axis: int, width: int) -> Split:
     """A split of one segment: the axis cut into equal, contiguous shards."""
     return Split(axis, (Segment(width),))
 
 
-__all__ = ["AXIS_NAME", "Segment", "Split", "TensorParallel", "single_split"]
+__all__ = ["AXIS_NAME", "Segment", "Split", "TensorParallel", "mesh_sharding", "single_split"]

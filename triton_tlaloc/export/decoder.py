@@ -36,7 +36,7 @@ from ..manifest import (BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS
                        WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT,
                        WINDOW_SLOT_MAPPING, KvPool, Program, StatePool, TensorSpec, WindowedKv,
                        leading_outputs)
-from ..sharding import AXIS_NAME, TensorParallel
+from ..sharding import TensorParallel, mesh_sharding
 
 
 @dataclass(frozen=True)
@@ -357,15 +357,9 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
 
 def partition(tp: TensorParallel, spec: TensorSpec):
     """A program input's or output's sharding: along its split axis, or replicated."""
-    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
-
     axis = (tp.partition_axis(spec.slot) if spec.slot is not None
             else tp.partition_axis(spec.pool, pool=True) if spec.pool is not None else None)
-    dims = [None] * len(spec.shape)
-    if axis is not None:
-        dims[axis] = AXIS_NAME
-    mesh = AbstractMesh((tp.devices,), (AXIS_NAME,))
-    return NamedSharding(mesh, PartitionSpec(*dims))
+    return mesh_sharding(tp.devices, len(spec.shape), axis)
 
 
 __all__ = ["WeightSlot", "out_first_linears", "loops_layers", "weight_slots", "layer_slots",

@@ -43,7 +43,7 @@ def head_copies(heads: int, devices: int, what: str, model: str) -> int:
                               f"head is held by several devices)")
 
 
-def kv_head_copies(cfg: DecoderConfig, devices: int) -> tuple[int, int]:
+def head_copies_of(cfg: DecoderConfig, devices: int) -> tuple[int, int]:
     """How many devices hold each KV head and each linear layer's key head (1 when there are
     none); refuses a model whose heads or MLP do not divide."""
     name = cfg.model_name
@@ -68,7 +68,7 @@ def logical_config(cfg: DecoderConfig, devices: int) -> DecoderConfig:
     """The model the programs compute: `cfg` with each KV head (and each linear layer's key
     head) repeated for the devices that share it; itself when every device holds whole
     heads."""
-    kv, keys = kv_head_copies(cfg, devices)
+    kv, keys = head_copies_of(cfg, devices)
     la = cfg.linear
     if la is not None:
         la = dataclasses.replace(la, num_key_heads=la.num_key_heads * keys)
@@ -79,7 +79,7 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
          split_vocab: bool = False) -> TensorParallel:
     """The splits of an artifact's weight slots (as the files hold them, decoder.WeightSlot),
     its KV pools and its state pools (as the programs hold them)."""
-    copies, key_copies = kv_head_copies(cfg, devices)
+    copies, key_copies = head_copies_of(cfg, devices)
     d, kv = cfg.head_size, cfg.num_kv_heads
     q_width = cfg.num_heads * d * (2 if cfg.attn_output_gate else 1)
     la = cfg.linear
@@ -138,4 +138,4 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
     return tp
 
 
-__all__ = ["TensorParallelError", "head_copies", "kv_head_copies", "logical_config", "plan"]
+__all__ = ["TensorParallelError", "head_copies", "head_copies_of", "logical_config", "plan"]
