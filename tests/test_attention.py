@@ -62,6 +62,36 @@ def test_blockwise_equals_one_pass(rows):
             assert not blk[r].any(), "a row that sees nothing comes out 0"
 
 
+DECODE_CASES = {
+    "at a block boundary": [(8, 7)],
+    "one past a block boundary": [(9, 8)],
+    "the whole context": [(32, 31)],
+    "length 1": [(1, 0)],
+    "rows in different blocks, and a padding row": [(32, 31), (3, 2), None, (17, 16)],
+}
+
+
+@pytest.mark.parametrize("rows", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+@pytest.mark.parametrize("window", [None, 8], ids=["causal", "window 8"])
+def test_one_token_a_row_blockwise_equals_one_pass(rows, window):
+    """Decode: one token a row, each at its row's last position."""
+    one, blk = both(setup(rows, t=1), window)
+    assert np.max(np.abs(one - blk)) <= TOL
+    for r, row in enumerate(rows):
+        if row is None:
+            assert not blk[r].any(), "a padding row comes out 0"
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_context_that_is_not_whole_key_blocks(t):
+    """Key blocks of 12 positions (3 pages) over a context of 32: the last block is 2 pages
+    short; its missing pages lie past the context and are masked."""
+    args = setup([(32, 32 - t), (25, 25 - t), (11, 11 - t)], t=t)
+    one = np.asarray(jax.jit(one_pass)(*args))
+    blk = np.asarray(jax.jit(blockwise, static_argnums=6)(*args, 12))
+    assert np.max(np.abs(one - blk)) <= TOL
+
+
 WINDOW_CASES = {
     "window starts crossing a block boundary inside one call": ([(18, 14)], 4),
     "window inside one block": ([(30, 27)], 3),

@@ -19,8 +19,10 @@ from triton_tlaloc.runtime import Runtime
 from triton_tlaloc.sequence import Sequence
 
 STEPS = 30
-# One row, one context: what a verify call needs, and little to compile.
-OPTS = dict(batch_ladder=(1,), context_ladder=(64,), block_size=8, verify_tokens=(5, 9))
+# One row, one context: what a verify call needs, and little to compile. Verify and decode
+# calls loop over key blocks of 16 positions (a cut back lands in any of four).
+OPTS = dict(batch_ladder=(1,), context_ladder=(64,), block_size=8, verify_tokens=(5, 9),
+            decode_attention_block=16)
 # Window 8 in pages of 4, prefill calls of 8: rings of 4 pages, room for a call of 9 tokens.
 WINDOW_OPTS = dict(OPTS, block_size=4, prefill_chunk=8, attention_block=16)
 WINDOW_PROMPT = [(i * 53 + 7) % 240 + 10 for i in range(30)]

@@ -49,13 +49,17 @@ def _cmd_export(args) -> int:
                          weight_quant=args.weight_quant, quant_head=args.quant_head,
                          kv_dtype=args.kv_dtype,
                          model_name=args.model_name, prefill_chunk=args.prefill_chunk or None,
-                         attention_block=args.attention_block, prefill_tokens=args.prefill_tokens,
+                         prefill_tokens=args.prefill_tokens,
                          verify_tokens=args.verify_tokens,
                          windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
                          ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks,
                          state_slots=args.state_slots, layer_loop=not args.no_layer_loop,
                          tensor_parallel=args.tensor_parallel,
-                         replicate_vocab=args.replicate_vocab)
+                         replicate_vocab=args.replicate_vocab,
+                         **{name: block for name, block in (
+                             ("attention_block", args.attention_block),
+                             ("decode_attention_block", args.decode_attention_block))
+                            if block is not None})
     checkpoint = args.checkpoint
     if checkpoint == "smollm2":
         from .export.checkpoint import smollm2_gguf_path
@@ -375,9 +379,14 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--state-slots", type=int, default=None,
                    help="linear-attention models (schema v4): sequences that can hold state at "
                         "once (default: four times the largest batch)")
-    p.add_argument("--attention-block", type=int, default=2048,
+    p.add_argument("--attention-block", type=int, default=None,
                    help="key block of blockwise attention in prefill entries whose context "
-                        "spans several")
+                        "spans several: such a call attends one block at a time up to its last "
+                        "live position (default: the exporter's, chosen by measurement; see "
+                        "docs/performance.md)")
+    p.add_argument("--decode-attention-block", type=int, default=None,
+                   help="the same for decode and verify entries: a step reads the key blocks "
+                        "its sequences hold, not its whole bucket")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="lower the programs for N devices, each weight and KV pool split over "
                         "them (heads, the MLP; embedding, head and norms replicated)")

@@ -5,12 +5,12 @@ each row's length; a token sees the keys at positions <= its own and < its row's
 softmax and P.V are f32. A token that sees no key (a row of length 0, a padding row) comes out 0.
 
 - `one_pass`: gather every page the block table names once per row, score all of them, mask,
-  normalize. Used by decode entries and by calls whose context is one key block.
+  normalize. Used by entries whose context is one key block.
 - `blockwise`: a while loop over key blocks of `key_block` positions, from block 0 to the block
   holding the call's last live position (a dynamic trip count: a call early in a large bucket
-  scores only the positions its rows have). Each iteration gathers one block's pages, scores
-  them, and folds them into a running max, sum and P.V (the online softmax), so no score tensor
-  as wide as the context is ever written.
+  gathers and scores only the blocks its rows have, decode and prefill alike). Each iteration
+  gathers one block's pages, scores them, and folds them into a running max, sum and P.V (the
+  online softmax), so no score tensor as wide as the context is ever written.
 """
 
 from __future__ import annotations
@@ -111,11 +111,15 @@ def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: i
     import jax.numpy as jnp
     from jax import lax
 
-    b, m = block_tables.shape
     _, block_size, kh, d = k_pool.shape
     assert key_block % block_size == 0, "a key block is whole pages"
     pages_per_block = key_block // block_size
-    assert m % pages_per_block == 0, "the context is whole key blocks"
+    short = -block_tables.shape[1] % pages_per_block
+    if short:
+        # A context that is not whole key blocks: the last block's missing pages name page 0;
+        # their positions lie past the context, past every row's length, so they are masked.
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, short)))
+    b, m = block_tables.shape
     t, g = q.shape[1], q.shape[3]
     scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
     neg = jnp.finfo(jnp.float32).min

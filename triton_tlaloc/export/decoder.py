@@ -281,8 +281,10 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     pools...), for a verify entry (argmax [b, t], logits [b, t, vocab], pools...).
     layers.py has its parts. With `layer_loop` the layers run as a loop (`lax.scan`) over the
     stacked weights and pools, so the program holds one layer's kernels instead of one set per
-    layer (docs/design.md#the-layer-loop). `shards`: the devices of a tensor-parallel program,
-    whose fused weights hold each device's part of every fused part (layers.split_fused)."""
+    layer (docs/design.md#the-layer-loop). `attention_block`: this entry's key block (a larger
+    context attends block by block; ExportOptions.key_block). `shards`: the devices of a
+    tensor-parallel program, whose fused weights hold each device's part of every fused part
+    (layers.split_fused)."""
     from . import layers
 
     slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop)

@@ -50,7 +50,7 @@ class Graph:
     bf16: bool  # bf16 weights: a linear's input is rounded to bf16
     block_size: int
     num_blocks: int  # pages of each full pool
-    attention_block: int  # the key block of blockwise attention
+    attention_block: int  # this entry's key block of blockwise attention
     windowed: WindowedKv | None
     num_state_slots: int
     # Devices a tensor-parallel program runs on: its fused products hold each device's part
@@ -363,10 +363,11 @@ def write_kv(g: Graph, step: Step, pool, new, on_ring: bool):
 
 
 def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):
-    """PAGED_ATTENTION, [b, t, heads * d]: a row's pages are gathered once and every token of
-    the row attends over them with its own causal length; a prefill call over several key
-    blocks attends one block at a time, and a sliding layer scores only its ring, masking each
-    slot by its age (attention.py)."""
+    """PAGED_ATTENTION, [b, t, heads * d]: a call whose context is one key block gathers a
+    row's pages once and every token of the row attends over them with its own causal length;
+    a call over several key blocks attends one block at a time, up to the block holding its
+    last live position; a sliding layer scores only its ring, masking each slot by its age
+    (attention.py)."""
     cfg = g.cfg
     b, t = q.shape[:2]
     qg = q.reshape(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_size)
@@ -374,7 +375,7 @@ def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):
     if g.on_ring(i):
         out = ring(qg, k_pool, v_pool, step.window_tables[:, :step.ring_width], step.positions,
                    step.seq_lens, window, g.windowed.ring_pages * g.block_size, scale)
-    elif t > 1 and step.block_tables.shape[1] * g.block_size > g.attention_block:
+    elif step.block_tables.shape[1] * g.block_size > g.attention_block:
         out = blockwise(qg, k_pool, v_pool, step.block_tables, step.positions, step.seq_lens,
                         g.attention_block, window, scale)
     else:

@@ -34,6 +34,11 @@ from ..sharding import TensorParallel
 WEIGHT_DTYPES = ("f32", "bf16")
 WEIGHT_QUANTS = tuple(QUANT_FORMATS)  # int8, fp8
 KV_DTYPES = {"f32": "f32", "fp8": "f8E4M3FN"}  # --kv-dtype -> the pools' element type
+# The key blocks of blockwise attention, in positions, chosen by scripts/bucket_bench.py on the
+# CPU (docs/performance.md#attention-that-follows-the-sequence): a smaller block reads less of
+# a large bucket the sequence has not filled; a larger one runs fewer loop iterations.
+PREFILL_KEY_BLOCK = 256
+DECODE_KEY_BLOCK = 256
 
 
 class ExportError(ValueError):
@@ -64,7 +69,12 @@ class ExportOptions:
     # or 8) by default; here none, because they double a small model's entries and what a
     # runtime compiles. Never for linear-attention models (a state cannot be rewound).
     verify_tokens: tuple[int, ...] = ()
-    attention_block: int = 2048  # key block of blockwise attention in prefill entries
+    # Key blocks of blockwise attention (docs/design.md#paged-attention): an entry whose
+    # context spans more than one attends a block at a time, up to the block holding its last
+    # live position, so its cost follows what the sequences hold, not the bucket. Prefill
+    # entries use `attention_block`; decode and verify entries `decode_attention_block`.
+    attention_block: int = PREFILL_KEY_BLOCK
+    decode_attention_block: int = DECODE_KEY_BLOCK
     windowed_kv: bool | None = None  # None: a windowed pool when the model has sliding layers
     ring_spare_pages: int = 1  # pages a ring holds beyond one window
     window_blocks: int | None = None  # pages per windowed pool (None: see `windowed`)
@@ -117,13 +127,11 @@ class ExportOptions:
             raise ExportError(f"--tensor-parallel {self.tensor_parallel}: must be >= 1")
         if self.state_slots is not None and self.state_slots < 1:
             raise ExportError(f"--state-slots {self.state_slots}: must be >= 1")
-        if self.attention_block < 1 or self.attention_block % self.block_size:
-            raise ExportError(f"--attention-block {self.attention_block}: not a positive "
-                              f"multiple of the block size {self.block_size}")
-        for c in self.context_ladder:
-            if c > self.attention_block and c % self.attention_block:
-                raise ExportError(f"--context-ladder: context {c} spans several key blocks of "
-                                  f"{self.attention_block} but is not a multiple of it")
+        for flag, block in (("--attention-block", self.attention_block),
+                            ("--decode-attention-block", self.decode_attention_block)):
+            if block < 1 or block % self.block_size:
+                raise ExportError(f"{flag} {block}: not a positive multiple of the block size "
+                                  f"{self.block_size}")
 
     def windowed(self, cfg: DecoderConfig, num_blocks: int) -> WindowedKv | None:
         """The windowed pool for a model with sliding layers (docs/design.md#windowed-kv-pool),
@@ -167,6 +175,11 @@ class ExportOptions:
     def kv_type(self) -> str:
         """The KV pools' element type, as StableHLO spells it."""
         return KV_DTYPES[self.kv_dtype]
+
+    def key_block(self, kind: str) -> int:
+        """The key block of an entry of this kind: a prefill call's tokens share each block's
+        gathered pages; a decode or verify call's few tokens do not."""
+        return self.attention_block if kind == PREFILL else self.decode_attention_block
 
     def resolved_state_slots(self) -> int:
         return self.state_slots if self.state_slots is not None else 4 * max(self.batch_ladder)
@@ -473,6 +486,7 @@ def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_
         "prefillChunk": opts.prefill_chunk,
         "verifyTokens": list(verify_tokens),
         "attentionBlock": opts.attention_block,
+        "decodeAttentionBlock": opts.decode_attention_block,
         "layerLoop": layer_loop,
         "layerWindows": [cfg.window(i) for i in range(cfg.num_layers)],
         **({"windowedKv": windowed.to_json()} if windowed is not None else {}),
@@ -542,7 +556,7 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
                                 opts.weight_dtype, opts.kv_type, windowed, slots,
                                 opts.weight_quant, opts.quant_head, layer_loop, kind)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
-                           opts.attention_block, windowed, slots, opts.weight_quant,
+                           opts.key_block(kind), windowed, slots, opts.weight_quant,
                            opts.quant_head, layer_loop, kind, tp)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
