@@ -15,8 +15,9 @@ seeded random prompt (no KV is reused: the engine's prefix reuse is off); the fi
 medians over --runs rounds, decode as the median step of each run. Nothing else should run on
 the machine.
 
-    .venv/bin/python scripts/bucket_bench.py [--runs 5] [--decode-block 256]
+    .venv/bin/python scripts/bucket_bench.py [--runs 5] [--decode-block 256,1024]
         [--attention-block 256] [--work artifacts/bucket-bench] [--keep]
+    (--decode-block 256,1024: blocks of 256, or of 1,024 once a call holds more than 2,048)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def export(work: Path, bucket: int, variant: str, args) -> Path:
                 decode_attention_block=options.decode_attention_block)
     out = work / f"smollm2-{bucket}-{'whole' if variant == WHOLE else 'follows'}"
     stamp = out / "bench-options.json"
+    opts = json.loads(json.dumps(opts))  # as the stamp holds them (lists)
     if not (args.keep and stamp.exists() and json.loads(stamp.read_text()) == opts):
         export_artifact(smollm2_gguf_path(), out, options)
         stamp.write_text(json.dumps(opts))
@@ -92,8 +94,10 @@ def timed(engine: Engine, rng: random.Random, n: int, steps: int) -> tuple[float
 
 
 def key_blocks(engine: Engine) -> str:
+    """The prefill and the decode key blocks, "/" between a call's choices."""
     model = engine.art.manifest["model"]
-    return f"{model['attentionBlock']}, {model['decodeAttentionBlock']}"
+    return ", ".join("/".join(map(str, model[k])) for k in ("attentionBlock",
+                                                             "decodeAttentionBlock"))
 
 
 def bucket_table(engines: dict, args, rng: random.Random) -> dict:
@@ -153,6 +157,10 @@ def grown_table(engines: dict, grown: list[int], args, rng: random.Random) -> li
     return rows
 
 
+def blocks(text: str) -> tuple[int, ...]:
+    return tuple(int(b) for b in text.split(","))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,10 +171,12 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--grown", default="2000,8000",
                     help="sequence lengths grown in the largest bucket ('' for none)")
-    ap.add_argument("--attention-block", type=int, default=None,
-                    help="prefill key block (the exporter's default when not given)")
-    ap.add_argument("--decode-block", type=int, default=None,
-                    help="decode key block (the exporter's default when not given)")
+    ap.add_argument("--attention-block", type=blocks, default=None,
+                    help="prefill key block(s), comma-separated (the exporter's default when "
+                         "not given)")
+    ap.add_argument("--decode-block", type=blocks, default=None,
+                    help="decode key block(s), comma-separated (the exporter's default when "
+                         "not given)")
     ap.add_argument("--no-whole", action="store_true",
                     help="only the exporter's key blocks (a sweep), not the whole-bucket export")
     ap.add_argument("--keep", action="store_true",

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from triton_tlaloc.export.attention import blockwise, one_pass
+from triton_tlaloc.export.attention import blockwise, by_length, one_pass, usable_key_blocks
 
 # Pages of 4 positions, key blocks of 8 (2 pages), a context of 32 (4 key blocks).
 BLOCK, KEY_BLOCK, PAGES_PER_ROW = 4, 8, 8
@@ -80,6 +80,47 @@ def test_one_token_a_row_blockwise_equals_one_pass(rows, window):
     for r, row in enumerate(rows):
         if row is None:
             assert not blk[r].any(), "a padding row comes out 0"
+
+
+def test_a_context_uses_the_blocks_it_holds_more_than_two_of():
+    assert usable_key_blocks((256, 1024), 512) == (256,)
+    assert usable_key_blocks((256, 1024), 2048) == (256,)
+    assert usable_key_blocks((256, 1024), 8192) == (256, 1024)
+    assert usable_key_blocks((4, 8, 16), 32) == (4, 8)
+
+
+# (rows, tokens a row): the three-token cases and the one-token (decode) cases
+ALL_CASES = {**{k: (v, 3) for k, v in CASES.items()},
+             **{f"one token, {k}": (v, 1) for k, v in DECODE_CASES.items()}}
+
+
+@pytest.mark.parametrize("rows,t", ALL_CASES.values(), ids=ALL_CASES.keys())
+@pytest.mark.parametrize("window", [None, 8], ids=["causal", "window 8"])
+def test_key_blocks_chosen_by_length_equal_one_pass(rows, t, window):
+    """Key blocks of 4, or of 8 when the call holds more than 16 positions: calls on either
+    side of the switch, with and without a window."""
+    args = setup(rows, t=t)
+    one = np.asarray(jax.jit(one_pass, static_argnums=6)(*args, window))
+    got = np.asarray(jax.jit(by_length, static_argnums=(6, 7))(*args, (4, 8), window))
+    assert np.max(np.abs(one - got)) <= TOL
+
+
+def test_the_block_follows_the_length():
+    """Which block a call ran, told by NaN keys a block of 8 reads and a block of 4 does not:
+    at positions 12..15, a call holding 10 positions (blocks of 4: it reads up to 11) comes
+    out finite; at positions 20..23, a call holding 17 (more than two blocks of 8: it reads up
+    to 23) comes out NaN, where blocks of 4 would stop at 19."""
+    def run(held, nan_page):
+        q, k, v, tables, positions, _ = setup([(held, held - 3)])
+        k, v = k.copy(), v.copy()
+        k[tables[0, nan_page]] = np.nan
+        v[tables[0, nan_page]] = np.nan
+        lens = np.array([held], np.int32)
+        return np.asarray(jax.jit(by_length, static_argnums=6)(q, k, v, tables, positions, lens,
+                                                               (4, 8)))
+
+    assert np.isfinite(run(10, 3)).all()
+    assert np.isnan(run(17, 5)).any()
 
 
 @pytest.mark.parametrize("t", [1, 3])

@@ -1,7 +1,8 @@
 """Attention that follows the sequence, per family: decode and prefill entries whose context
 spans several key blocks loop over the blocks their rows hold (export/attention.py
 `blockwise`) and give the one-pass form's greedy ids and logits, through the engine, with rows
-at and one past block boundaries and a padding row in every decode call. Negative control: the
+at and one past block boundaries and a padding row in every decode call, on both sides of
+the length at which decode calls switch to larger blocks. Negative control: the
 loop one block short fails the tolerance."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from oracle import logits_error
 
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.export import layers
+from triton_tlaloc.export import attention
 from triton_tlaloc.manifest import load_artifact
 from triton_tlaloc.runtime import Runtime
 
@@ -21,12 +22,14 @@ TOL = 1e-5  # of the largest logit, f32: the same products summed in another ord
 # prefill calls cross blocks too. Batch 4: three sequences decode with one padding row.
 OPTS = dict(batch_ladder=(1, 4), context_ladder=(64,), block_size=8, prefill_chunk=16)
 ONE_PASS = dict(attention_block=64, decode_attention_block=64)
-KEY_BLOCKS = dict(attention_block=8, decode_attention_block=8)
-# Prompts ending one before, at and past block boundaries; the decode steps carry the three
-# rows over several more (lengths 15..39, 16..40, 33..57).
+# Decode calls take blocks of 8, or of 16 once the call holds more than 32 positions.
+KEY_BLOCKS = dict(attention_block=8, decode_attention_block=(8, 16))
+# Prompts ending one before, at and past block boundaries. The first two decode together for
+# SHORT_STEPS steps (lengths up to 23 and 24: blocks of 8), then all three (33 and more: blocks
+# of 16) for the rest, carrying every row over several more boundaries.
 PROMPTS = [[(i * 37 + 11 + 5 * n) % 200 + 10 for i in range(length)]
            for n, length in enumerate((15, 16, 33))]
-STEPS = 24
+STEPS, SHORT_STEPS = 24, 8
 FAMILIES = {
     "llama": lambda tiny: tiny.checkpoint("llama", False),
     "qwen3": lambda tiny: tiny.checkpoint("qwen3", True),
@@ -45,21 +48,27 @@ def export(tiny, work, family: str, name: str, **blocks):
 
 
 def logits_of_every_call(art, forced: list[list[int]] | None = None):
-    """Each prompt prefilled alone, then the three decoded together for STEPS steps; the rows'
-    logits after every call, and the tokens fed (the greedy ones, or `forced`)."""
+    """Each prompt prefilled alone; the first two decoded together for SHORT_STEPS steps, then
+    the three for the rest of STEPS. Each call's logits (a row per sequence, in order) and the
+    tokens fed (the greedy ones, or `forced`)."""
     engine = Engine(Runtime(art))
     seqs = [engine.new_sequence(p) for p in PROMPTS]
-    logits = [np.stack([engine.prefill_chunked(s)[0] for s in seqs])]
+    logits = [[engine.prefill_chunked(s)[0] for s in seqs]]
+    last = list(logits[0])
     fed = [[] for _ in seqs]
     for step in range(STEPS):
-        for i, seq in enumerate(seqs):
-            token = forced[i][step] if forced else int(np.argmax(logits[-1][i]))
+        rows = [0, 1] if step < SHORT_STEPS else [0, 1, 2]
+        for i in rows:
+            token = (forced[i][len(fed[i])] if forced else int(np.argmax(last[i])))
             fed[i].append(token)
-            seq.token_ids.append(token)
-        logits.append(engine.decode(seqs))
+            seqs[i].token_ids.append(token)
+        out = engine.decode([seqs[i] for i in rows])
+        for i, row in zip(rows, out):
+            last[i] = row
+        logits.append(list(out))
     for seq in seqs:
         engine.free(seq)
-    return logits, fed
+    return [np.stack(call) for call in logits], fed
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +82,8 @@ def one_pass(tiny, work):
 def test_key_blocks_equal_one_pass(tiny, work, one_pass, family):
     art = export(tiny, work, family, "blocks", **KEY_BLOCKS)
     body = load_artifact(art).body_text(load_artifact(art).entries["decode_b4_c64"])
-    assert "stablehlo.while" in body and "dynamic_slice" in body, \
-        "the decode entry loops over key blocks"
+    assert "stablehlo.while" in body and "stablehlo.case" in body, \
+        "the decode entry loops over key blocks of the size it chooses"
     want, want_fed = one_pass[family]
     got, fed = logits_of_every_call(art, forced=want_fed)
     errors = [logits_error(g, w) for g, w in zip(got, want)]
@@ -91,14 +100,14 @@ def test_one_block_short_fails_the_tolerance(tiny, work, one_pass, monkeypatch):
     live position (its keys masked), for llama; the error is far above the tolerance."""
     import jax.numpy as jnp
 
-    blockwise = layers.blockwise
+    blockwise = attention.blockwise
 
     def one_block_short(q, k_pool, v_pool, tables, positions, seq_lens, key_block, *rest):
         last = jnp.max(seq_lens) - 1
         return blockwise(q, k_pool, v_pool, tables, positions,
                          jnp.minimum(seq_lens, last // key_block * key_block), key_block, *rest)
 
-    monkeypatch.setattr(layers, "blockwise", one_block_short)
+    monkeypatch.setattr(attention, "blockwise", one_block_short)
     art = export(tiny, work, "llama", "one-block-short", **KEY_BLOCKS)
     monkeypatch.undo()
     want, want_fed = one_pass["llama"]

@@ -57,7 +57,7 @@ def test_manifest_records_the_chunk_and_the_key_block(tiny):
     assert {e.name: e.tokens_per_seq for e in art.entries_of("prefill")} == {
         "prefill_b1_c32": 24, "prefill_b2_c32": 24, "prefill_b1_c128": 24, "prefill_b2_c128": 24}
     assert art.manifest["model"]["prefillChunk"] == 24
-    assert art.manifest["model"]["attentionBlock"] == 16
+    assert art.manifest["model"]["attentionBlock"] == [16]
     body = art.body_text(art.entries["prefill_b1_c128"])
     # blockwise attention is a while over key blocks, inside the layer loop's while
     decode = art.body_text(art.entries["decode_b1_c128"])

@@ -20,9 +20,9 @@ from triton_tlaloc.sequence import Sequence
 
 STEPS = 30
 # One row, one context: what a verify call needs, and little to compile. Verify and decode
-# calls loop over key blocks of 16 positions (a cut back lands in any of four).
+# calls loop over key blocks of 8 positions, of 16 past 32 (a cut back lands in any block).
 OPTS = dict(batch_ladder=(1,), context_ladder=(64,), block_size=8, verify_tokens=(5, 9),
-            decode_attention_block=16)
+            decode_attention_block=(8, 16))
 # Window 8 in pages of 4, prefill calls of 8: rings of 4 pages, room for a call of 9 tokens.
 WINDOW_OPTS = dict(OPTS, block_size=4, prefill_chunk=8, attention_block=16)
 WINDOW_PROMPT = [(i * 53 + 7) % 240 + 10 for i in range(30)]

@@ -379,12 +379,13 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--state-slots", type=int, default=None,
                    help="linear-attention models (schema v4): sequences that can hold state at "
                         "once (default: four times the largest batch)")
-    p.add_argument("--attention-block", type=int, default=None,
-                   help="key block of blockwise attention in prefill entries whose context "
+    p.add_argument("--attention-block", type=_ints, default=None, metavar="N[,N...]",
+                   help="key block(s) of blockwise attention in prefill entries whose context "
                         "spans several: such a call attends one block at a time up to its last "
-                        "live position (default: the exporter's, chosen by measurement; see "
+                        "live position; given several, a call takes the largest it holds more "
+                        "than two of (default: the exporter's, chosen by measurement; see "
                         "docs/performance.md)")
-    p.add_argument("--decode-attention-block", type=int, default=None,
+    p.add_argument("--decode-attention-block", type=_ints, default=None, metavar="N[,N...]",
                    help="the same for decode and verify entries: a step reads the key blocks "
                         "its sequences hold, not its whole bucket")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",

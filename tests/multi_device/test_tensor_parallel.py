@@ -27,9 +27,9 @@ from triton_tlaloc.sharding import Segment, Split
 
 TOL = 1e-5  # of the largest logit, f32
 # Two contexts, the larger over two key blocks (prefill and decode loop over them); prompts of
-# 40 go in chunks of 16.
+# 40 go in chunks of 16. Decode calls take key blocks of 8, or of 16 past 32 positions.
 OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=8, prefill_chunk=16,
-            attention_block=32, decode_attention_block=32)
+            attention_block=32, decode_attention_block=(8, 16))
 PROMPT_A = [(i * 53 + 7) % 240 + 10 for i in range(40)]
 PROMPT_B = [(i * 31 + 3) % 240 + 10 for i in range(23)]
 STEPS = 8

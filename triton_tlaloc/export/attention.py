@@ -11,6 +11,8 @@ softmax and P.V are f32. A token that sees no key (a row of length 0, a padding 
   gathers and scores only the blocks its rows have, decode and prefill alike). Each iteration
   gathers one block's pages, scores them, and folds them into a running max, sum and P.V (the
   online softmax), so no score tensor as wide as the context is ever written.
+- `by_length`: `blockwise` with its key block chosen, in the program, by the positions the
+  call holds (small blocks for a short sequence, large ones for a long one).
 """
 
 from __future__ import annotations
@@ -154,6 +156,33 @@ def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: i
     _, run_sum, acc = lax.fori_loop(first_block, n_blocks, body, init)
     out = acc / jnp.where(run_sum > 0, run_sum, 1.0)[..., None]
     return jnp.transpose(out, (0, 3, 1, 2, 4))  # [b, t, kh, g, d]
+
+
+def usable_key_blocks(key_blocks: tuple[int, ...], context: int) -> tuple[int, ...]:
+    """The key blocks a context can use: the smallest, and each larger one the context holds
+    more than two of (a call holds more than two only then)."""
+    return (key_blocks[0], *(kb for kb in key_blocks[1:] if 2 * kb < context))
+
+
+def by_length(q, k_pool, v_pool, block_tables, positions, seq_lens, key_blocks, window=None,
+              scale=None):
+    """`blockwise` with the key block chosen by the positions the call holds: the largest of
+    `key_blocks` (ascending; usable_key_blocks) that the call holds more than two of, else the
+    smallest. A short sequence reads little past its last position; a long one loops over few
+    large blocks, since every iteration of every layer costs a loop step (on the CPU a
+    7,600-position SmolLM2 step took 52 ms in blocks of 256 and 43 ms in blocks of 1,024)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    if len(key_blocks) == 1:
+        return blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_blocks[0],
+                         window, scale)
+    held = jnp.max(seq_lens)
+    choice = sum((held > 2 * kb).astype(jnp.int32) for kb in key_blocks[1:])
+    return lax.switch(choice, [
+        lambda kb=kb: blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, kb, window,
+                                scale)
+        for kb in key_blocks])
 
 
 def ring(q, k_pool, v_pool, ring_tables, positions, seq_lens, window: int, period: int,

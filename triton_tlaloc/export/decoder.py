@@ -273,7 +273,7 @@ def layer_pools(cfg: DecoderConfig) -> dict[int, tuple[int, int]]:
 
 
 def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_dtype: str,
-                  attention_block: int = 2048, windowed: WindowedKv | None = None,
+                  key_blocks: tuple[int, ...] = (2048,), windowed: WindowedKv | None = None,
                   num_state_slots: int = 0, weight_quant: str | None = None,
                   quant_head: bool = False, layer_loop: bool = False, kind: str = DECODE,
                   shards: int = 1):
@@ -281,8 +281,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     pools...), for a verify entry (argmax [b, t], logits [b, t, vocab], pools...).
     layers.py has its parts. With `layer_loop` the layers run as a loop (`lax.scan`) over the
     stacked weights and pools, so the program holds one layer's kernels instead of one set per
-    layer (docs/design.md#the-layer-loop). `attention_block`: this entry's key block (a larger
-    context attends block by block; ExportOptions.key_block). `shards`: the devices of a
+    layer (docs/design.md#the-layer-loop). `key_blocks`: this entry's key blocks, ascending (a
+    larger context attends block by block; ExportOptions.key_blocks). `shards`: the devices of a
     tensor-parallel program, whose fused weights hold each device's part of every fused part
     (layers.split_fused)."""
     from . import layers
@@ -293,7 +293,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     layer0 = [unstacked_slot(s, 0) for s in slots if s.name.startswith(STACKED)]
     slot_of = {s.name: s for s in (*slots, *layer0)}
     g = layers.Graph(cfg, slot_of, weight_dtype == "bf16", block_size, num_blocks,
-                     attention_block, windowed, num_state_slots, shards)
+                     tuple(key_blocks), windowed, num_state_slots, shards)
     pool_of = layer_pools(cfg)
     n_step = 5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
     n_pools = 2 if layer_loop else 2 * cfg.num_layers
@@ -328,7 +328,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
 
 def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_blocks: int,
-                weight_dtype: str, attention_block: int = 2048,
+                weight_dtype: str, key_blocks: tuple[int, ...] = (2048,),
                 windowed: WindowedKv | None = None, num_state_slots: int = 0,
                 weight_quant: str | None = None, quant_head: bool = False,
                 layer_loop: bool = False, kind: str = DECODE,
@@ -342,7 +342,7 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
     from ..manifest import numpy_dtype
 
     shards = tp.devices if tp is not None else 1
-    fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, attention_block, windowed,
+    fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, key_blocks, windowed,
                        num_state_slots, weight_quant, quant_head, layer_loop, kind, shards)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)

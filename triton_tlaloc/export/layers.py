@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from . import linear_attention as la_ops
-from .attention import LayerPool, blockwise, one_pass, ring
+from .attention import LayerPool, by_length, one_pass, ring, usable_key_blocks
 from .checkpoint import DecoderConfig
 from ..manifest import WindowedKv
 
@@ -50,7 +50,7 @@ class Graph:
     bf16: bool  # bf16 weights: a linear's input is rounded to bf16
     block_size: int
     num_blocks: int  # pages of each full pool
-    attention_block: int  # this entry's key block of blockwise attention
+    key_blocks: tuple[int, ...]  # this entry's key blocks of blockwise attention, ascending
     windowed: WindowedKv | None
     num_state_slots: int
     # Devices a tensor-parallel program runs on: its fused products hold each device's part
@@ -366,8 +366,8 @@ def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):
     """PAGED_ATTENTION, [b, t, heads * d]: a call whose context is one key block gathers a
     row's pages once and every token of the row attends over them with its own causal length;
     a call over several key blocks attends one block at a time, up to the block holding its
-    last live position; a sliding layer scores only its ring, masking each slot by its age
-    (attention.py)."""
+    last live position, in blocks chosen by how many positions the call holds; a sliding layer
+    scores only its ring, masking each slot by its age (attention.py)."""
     cfg = g.cfg
     b, t = q.shape[:2]
     qg = q.reshape(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_size)
@@ -375,9 +375,10 @@ def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):
     if g.on_ring(i):
         out = ring(qg, k_pool, v_pool, step.window_tables[:, :step.ring_width], step.positions,
                    step.seq_lens, window, g.windowed.ring_pages * g.block_size, scale)
-    elif step.block_tables.shape[1] * g.block_size > g.attention_block:
-        out = blockwise(qg, k_pool, v_pool, step.block_tables, step.positions, step.seq_lens,
-                        g.attention_block, window, scale)
+    elif step.block_tables.shape[1] * g.block_size > g.key_blocks[0]:
+        blocks = usable_key_blocks(g.key_blocks, step.block_tables.shape[1] * g.block_size)
+        out = by_length(qg, k_pool, v_pool, step.block_tables, step.positions, step.seq_lens,
+                        blocks, window, scale)
     else:
         out = one_pass(qg, k_pool, v_pool, step.block_tables, step.positions, step.seq_lens,
                        window, scale)

@@ -36,9 +36,11 @@ WEIGHT_QUANTS = tuple(QUANT_FORMATS)  # int8, fp8
 KV_DTYPES = {"f32": "f32", "fp8": "f8E4M3FN"}  # --kv-dtype -> the pools' element type
 # The key blocks of blockwise attention, in positions, chosen by scripts/bucket_bench.py on the
 # CPU (docs/performance.md#attention-that-follows-the-sequence): a smaller block reads less of
-# a large bucket the sequence has not filled; a larger one runs fewer loop iterations.
-PREFILL_KEY_BLOCK = 256
-DECODE_KEY_BLOCK = 256
+# a large bucket the sequence has not filled; a larger one runs fewer loop iterations, which
+# a long sequence's decode step gains from (a call takes the largest block it holds more than
+# two of) and a prefill call did not (a 7,600-token prompt: 53 s with 1,024 against 39 s).
+PREFILL_KEY_BLOCKS = (256,)
+DECODE_KEY_BLOCKS = (256, 1024)
 
 
 class ExportError(ValueError):
@@ -72,9 +74,10 @@ class ExportOptions:
     # Key blocks of blockwise attention (docs/design.md#paged-attention): an entry whose
     # context spans more than one attends a block at a time, up to the block holding its last
     # live position, so its cost follows what the sequences hold, not the bucket. Prefill
-    # entries use `attention_block`; decode and verify entries `decode_attention_block`.
-    attention_block: int = PREFILL_KEY_BLOCK
-    decode_attention_block: int = DECODE_KEY_BLOCK
+    # entries use `attention_block`; decode and verify entries `decode_attention_block`: a
+    # block, or several from which each call takes one by the positions it holds.
+    attention_block: int | tuple[int, ...] = PREFILL_KEY_BLOCKS
+    decode_attention_block: int | tuple[int, ...] = DECODE_KEY_BLOCKS
     windowed_kv: bool | None = None  # None: a windowed pool when the model has sliding layers
     ring_spare_pages: int = 1  # pages a ring holds beyond one window
     window_blocks: int | None = None  # pages per windowed pool (None: see `windowed`)
@@ -127,11 +130,11 @@ class ExportOptions:
             raise ExportError(f"--tensor-parallel {self.tensor_parallel}: must be >= 1")
         if self.state_slots is not None and self.state_slots < 1:
             raise ExportError(f"--state-slots {self.state_slots}: must be >= 1")
-        for flag, block in (("--attention-block", self.attention_block),
-                            ("--decode-attention-block", self.decode_attention_block)):
-            if block < 1 or block % self.block_size:
-                raise ExportError(f"{flag} {block}: not a positive multiple of the block size "
-                                  f"{self.block_size}")
+        for flag, kind in (("--attention-block", PREFILL), ("--decode-attention-block", DECODE)):
+            blocks = self.key_blocks(kind)
+            if not blocks or any(b < 1 or b % self.block_size for b in blocks):
+                raise ExportError(f"{flag} {','.join(map(str, blocks))}: key blocks must be "
+                                  f"positive multiples of the block size {self.block_size}")
 
     def windowed(self, cfg: DecoderConfig, num_blocks: int) -> WindowedKv | None:
         """The windowed pool for a model with sliding layers (docs/design.md#windowed-kv-pool),
@@ -176,10 +179,11 @@ class ExportOptions:
         """The KV pools' element type, as StableHLO spells it."""
         return KV_DTYPES[self.kv_dtype]
 
-    def key_block(self, kind: str) -> int:
-        """The key block of an entry of this kind: a prefill call's tokens share each block's
-        gathered pages; a decode or verify call's few tokens do not."""
-        return self.attention_block if kind == PREFILL else self.decode_attention_block
+    def key_blocks(self, kind: str) -> tuple[int, ...]:
+        """The key blocks of an entry of this kind, ascending: a prefill call's tokens share
+        each block's gathered pages; a decode or verify call's few tokens do not."""
+        blocks = self.attention_block if kind == PREFILL else self.decode_attention_block
+        return tuple(sorted(set(blocks))) if isinstance(blocks, (tuple, list)) else (blocks,)
 
     def resolved_state_slots(self) -> int:
         return self.state_slots if self.state_slots is not None else 4 * max(self.batch_ladder)
@@ -485,8 +489,8 @@ def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_
         "maxPositions": cfg.max_positions,
         "prefillChunk": opts.prefill_chunk,
         "verifyTokens": list(verify_tokens),
-        "attentionBlock": opts.attention_block,
-        "decodeAttentionBlock": opts.decode_attention_block,
+        "attentionBlock": list(opts.key_blocks(PREFILL)),
+        "decodeAttentionBlock": list(opts.key_blocks(DECODE)),
         "layerLoop": layer_loop,
         "layerWindows": [cfg.window(i) for i in range(cfg.num_layers)],
         **({"windowedKv": windowed.to_json()} if windowed is not None else {}),
@@ -556,7 +560,7 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
                                 opts.weight_dtype, opts.kv_type, windowed, slots,
                                 opts.weight_quant, opts.quant_head, layer_loop, kind)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
-                           opts.key_block(kind), windowed, slots, opts.weight_quant,
+                           opts.key_blocks(kind), windowed, slots, opts.weight_quant,
                            opts.quant_head, layer_loop, kind, tp)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
