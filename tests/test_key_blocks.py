@@ -81,7 +81,8 @@ def one_pass(tiny, work):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_key_blocks_equal_one_pass(tiny, work, one_pass, family):
     art = export(tiny, work, family, "blocks", **KEY_BLOCKS)
-    body = load_artifact(art).body_text(load_artifact(art).entries["decode_b4_c64"])
+    loaded = load_artifact(art)
+    body = loaded.body_text(loaded.entries["decode_b4_c64"])
     assert "stablehlo.while" in body and "stablehlo.case" in body, \
         "the decode entry loops over key blocks of the size it chooses"
     want, want_fed = one_pass[family]

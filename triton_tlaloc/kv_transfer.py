@@ -158,14 +158,10 @@ class PageTransfer:
         tp = self.rt.artifact.tensor_parallel
         if tp is None:
             return None, None
-        specs = pool_specs(self.rt.artifact)
-        return ([mesh_sharding(tp.devices, len(specs[name][0]), self._axis(name))
+        art = self.rt.artifact
+        specs = pool_specs(art)
+        return ([mesh_sharding(tp.devices, len(specs[name][0]), art.pool_axis(name))
                  for name in self.classes[pool_class]], mesh_sharding(tp.devices, 1))
-
-    def _axis(self, name: str) -> int | None:
-        """The axis a pool is split along over the devices (None on one device)."""
-        tp = self.rt.artifact.tensor_parallel
-        return tp.partition_axis(name, pool=True) if tp is not None else None
 
     def read(self, pool_class: str, pages: list[int]) -> HostPages:
         """Host copies of these pages (rows) of every pool of the class, in the order given."""
@@ -177,7 +173,7 @@ class PageTransfer:
         t0 = time.perf_counter()
         device = self.rt.device
         outs = device.execute(exe, [*(self.rt.pools[name] for name in names), device.put(idx)])
-        arrays = {name: device.host(out, self._axis(name))[:n]
+        arrays = {name: device.host(out, self.rt.artifact.pool_axis(name))[:n]
                   for name, out in zip(names, outs)}
         self.seconds["read"] += time.perf_counter() - t0
         return HostPages(pool_class, arrays)
@@ -201,8 +197,9 @@ class PageTransfer:
         device = self.rt.device
         before = [device.addresses(self.rt.pools[name]) for name in names]
         t0 = time.perf_counter()
+        axis = self.rt.artifact.pool_axis
         args = [*(self.rt.pools[name] for name in names), device.put(idx),
-                *(device.put_split(a, self._axis(name)) for name, a in zip(names, padded))]
+                *(device.put_split(a, axis(name)) for name, a in zip(names, padded))]
         outs = device.execute(exe, args)
         del args
         for name, out in zip(names, outs):

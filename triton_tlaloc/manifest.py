@@ -427,6 +427,11 @@ class Artifact:
         """The devices one instance runs the programs on."""
         return self.tensor_parallel.devices if self.tensor_parallel is not None else 1
 
+    def pool_axis(self, name: str) -> int | None:
+        """The axis a pool is split along over the devices (None on one device)."""
+        tp = self.tensor_parallel
+        return tp.partition_axis(name, pool=True) if tp is not None else None
+
     @property
     def state_pools(self) -> tuple[StatePool, ...]:
         return self.linear_state.pools if self.linear_state is not None else ()

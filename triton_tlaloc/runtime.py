@@ -370,9 +370,7 @@ class Runtime:
     def pool_snapshot(self, name: str) -> np.ndarray:
         """A host copy of one pool (tests): never a view, which would stop donation. A split
         pool's shards are joined as the program sees it (device 0's heads first)."""
-        tp = self.artifact.tensor_parallel
-        return self.device.host(self.pools[name], tp.partition_axis(name, pool=True)
-                                if tp is not None else None)
+        return self.device.host(self.pools[name], self.artifact.pool_axis(name))
 
     def layer_kv_snapshot(self, layer: int, kind: str) -> np.ndarray:
         """A host copy of one layer's K or V pages, [pages, block, heads, d] (tests), from its

@@ -167,13 +167,15 @@ def usable_key_blocks(key_blocks: tuple[int, ...], context: int) -> tuple[int, .
 def by_length(q, k_pool, v_pool, block_tables, positions, seq_lens, key_blocks, window=None,
               scale=None):
     """`blockwise` with the key block chosen by the positions the call holds: the largest of
-    `key_blocks` (ascending; usable_key_blocks) that the call holds more than two of, else the
-    smallest. A short sequence reads little past its last position; a long one loops over few
-    large blocks, since every iteration of every layer costs a loop step (on the CPU a
-    7,600-position SmolLM2 step took 52 ms in blocks of 256 and 43 ms in blocks of 1,024)."""
+    `key_blocks` (ascending) that the call holds more than two of, else the smallest; a block
+    the context cannot hold more than two of is left out of the program (usable_key_blocks).
+    A short sequence reads little past its last position; a long one loops over few large
+    blocks, since every iteration of every layer costs a loop step (on the CPU a 7,600-position
+    SmolLM2 step took 52 ms in blocks of 256 and 43 ms in blocks of 1,024)."""
     import jax.numpy as jnp
     from jax import lax
 
+    key_blocks = usable_key_blocks(key_blocks, block_tables.shape[1] * k_pool.shape[1])
     if len(key_blocks) == 1:
         return blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_blocks[0],
                          window, scale)

@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from . import linear_attention as la_ops
-from .attention import LayerPool, by_length, one_pass, ring, usable_key_blocks
+from .attention import LayerPool, by_length, one_pass, ring
 from .checkpoint import DecoderConfig
 from ..manifest import WindowedKv
 
@@ -376,9 +376,8 @@ def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):
         out = ring(qg, k_pool, v_pool, step.window_tables[:, :step.ring_width], step.positions,
                    step.seq_lens, window, g.windowed.ring_pages * g.block_size, scale)
     elif step.block_tables.shape[1] * g.block_size > g.key_blocks[0]:
-        blocks = usable_key_blocks(g.key_blocks, step.block_tables.shape[1] * g.block_size)
         out = by_length(qg, k_pool, v_pool, step.block_tables, step.positions, step.seq_lens,
-                        blocks, window, scale)
+                        g.key_blocks, window, scale)
     else:
         out = one_pass(qg, k_pool, v_pool, step.block_tables, step.positions, step.seq_lens,
                        window, scale)
