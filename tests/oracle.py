@@ -155,25 +155,27 @@ def quantized_reference(model, quant: str, wrong_axis: bool = False, head: bool 
 @contextlib.contextmanager
 def fp8_kv_reference(model):
     """The model, while the context is open, with its keys (after RoPE) and values rounded
-    through e4m3fn, clamped to +-448, as an fp8 KV pool stores them (llama family: its
-    apply_rotary_pos_emb is patched and each v_proj's output is rounded)."""
-    from transformers.models.llama import modeling_llama
+    through e4m3fn, clamped to +-448, as an fp8 KV pool stores them: the
+    apply_rotary_pos_emb of the model's own modeling module (llama, mistral, gemma3 ...) is
+    patched and each v_proj's output is rounded."""
+    import sys
 
     def fp8(x):
         return x.clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
 
-    original = modeling_llama.apply_rotary_pos_emb
+    module = sys.modules[type(model).__module__]
+    original = module.apply_rotary_pos_emb
 
-    def rounded(q, k, cos, sin, *a, **kw):
-        q, k = original(q, k, cos, sin, *a, **kw)
+    def rounded(q, k, *a, **kw):
+        q, k = original(q, k, *a, **kw)
         return q, fp8(k)
 
     hooks = [m.v_proj.register_forward_hook(lambda _m, _a, out: fp8(out))
              for m in model.modules() if hasattr(m, "v_proj")]
-    modeling_llama.apply_rotary_pos_emb = rounded
+    module.apply_rotary_pos_emb = rounded
     try:
         yield model
     finally:
-        modeling_llama.apply_rotary_pos_emb = original
+        module.apply_rotary_pos_emb = original
         for h in hooks:
             h.remove()

@@ -68,6 +68,28 @@ def check_cache_salts(url, protocol, metrics_url, model, seed, block_size=8):
     return f"tokens reused under A, B, A: {hits}", ok
 
 
+def check_control_character_salts(url, protocol, model):
+    """Salts that differ only after a NUL ('g\\0one', 'g\\0two') would reach the sequence model
+    as one salt (Triton's string parameters end at a NUL) and share cached KV: TlalocClient
+    refuses them by name before sending, and the generate model, which sees its JSON whole,
+    refuses them INVALID_ARGUMENT."""
+    said = []
+    with TlalocClient(url, model, protocol) as c:
+        for salt in ("g\0one", "g\0two"):
+            try:
+                c.generate_greedy([5, 6, 7], 1, cache_salt=salt)
+            except ValueError as e:
+                said.append(str(e))
+    got = None  # the generate model is a gRPC stream
+    if protocol == "grpc":
+        got = generate(url, f"{model}_generate", input_ids=[5, 6, 7],
+                       sampling={"max_tokens": 1, "cache_salt": "g\0one"})
+    client_ok = len(said) == 2 and all("U+0000" in s for s in said)
+    generate_ok = got is None or (got.status == "INVALID_ARGUMENT" and "U+0000" in got.error)
+    return (f"client: {said}; generate model: "
+            f"{None if got is None else (got.status, got.error)}"), client_ok and generate_ok
+
+
 def check_sequence_chat(url, protocol, metrics_url, model, cold, seed, turns=3, new_tokens=7,
                         answer=6, first=13):
     """A chat on the sequence models: each turn STARTs with the whole history (earlier prompts

@@ -831,3 +831,46 @@ def soak(server, model, artifact, seconds, block_size=8):
     yield "runs", (f"{same}/{len(done)} equal; {len(errors)} errors; {r['retries'][0]} "
                    f"full-pool retries, {r['gave_up'][0]} given up",
                    same == len(done) and not errors and len(done) > 0)
+
+
+def first_requests_at_ready(server, prompts: dict[str, dict[str, list[int]]], steps: int,
+                            generate_models=True) -> tuple[dict, bool]:
+    """Start `server` without waiting for its background compiles and, the moment it reports
+    ready, send every model's prompts (`prompts[model][key]`) all at once: greedy over gRPC and
+    HTTP, and through MODEL_generate. Returns ({(model, key, via): ids, or the error's text},
+    whether compiles were still running when they were sent)."""
+    from triton_tlaloc.frontends.client import generate
+
+    server.start(wait_compiled=False)
+    compiling = not server.compiled()
+    vias = ("grpc", "http") + (("generate",) if generate_models else ())
+    jobs = [(m, k, via) for m, ps in prompts.items() for k in ps for via in vias]
+    got, lock = {}, threading.Lock()
+
+    def send(i):
+        model, key, via = jobs[i]
+        prompt = prompts[model][key]
+        if via == "generate":
+            r = generate(server.grpc_url, f"{model}_generate", input_ids=prompt,
+                         sampling={"max_tokens": steps, "ignore_eos": True})
+            ids = r.token_ids if r.error is None else r.error
+        else:
+            with TlalocClient(url_of(server, via), model, via) as c:
+                try:
+                    ids = c.generate_greedy(prompt, steps).generated_ids
+                except Exception as e:  # recorded: the caller compares and names it
+                    ids = f"{type(e).__name__}: {e}"
+        with lock:
+            got[jobs[i]] = ids
+    run_parallel(send, len(jobs))
+    return got, compiling
+
+
+def check_first_requests(got: dict, want: dict, log: str):
+    """Every first request got transformers' ids (`want[model][key]`) and the log holds no
+    INTERNAL error."""
+    wrong = {job: ids for job, ids in got.items() if ids != want[job[0]][job[1]]}
+    internal = "INTERNAL" in log or "AssertionError" in log
+    return (f"{len(got) - len(wrong)} of {len(got)} first requests with transformers' ids"
+            f"{'; INTERNAL in the log' if internal else ''}"
+            f"{f'; wrong: {wrong}' if wrong else ''}"), not wrong and not internal

@@ -46,6 +46,11 @@ def test_different_cache_salts_share_no_block(served, protocol):
                                      "llama", seed=10 + PROTOCOLS.index(protocol)))
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_salts_with_a_nul_are_refused_before_they_reach_triton(served, protocol):
+    assert_check(R.check_control_character_salts(url_of(served, protocol), protocol, "llama"))
+
+
 def test_a_chat_through_the_generate_model_continues_each_turn(served):
     assert_check(R.check_generate_chat(url_of(served, "grpc"), served.metrics_url, "llama",
                                        "llama_cold", seed=3))

@@ -39,6 +39,35 @@ def test_second_load_comes_from_the_compile_cache(tiny, tmp_path):
     assert control.compile_stats.compiled == n
 
 
+def test_a_damaged_compile_cache_file_is_a_logged_miss_never_a_load(tiny, tmp_path, caplog):
+    """4 KiB flipped in the middle of every cached executable: PJRT deserializes such bytes
+    without complaint, and the first batched call on one killed the serving process. Each is
+    refused by its checksum, compiled again and rewritten; results are as before."""
+    from triton_tlaloc.pjrt import unframed
+
+    art = tiny.artifact("qwen3", True)
+    first = Runtime(art, cache_dir=tmp_path)
+    n = len(first.artifact.entries)
+    files = sorted(tmp_path.glob("*.pjrt"))
+    assert len(files) == n
+    for f in files:
+        data = bytearray(f.read_bytes())
+        mid = len(data) // 2
+        data[mid:mid + 4096] = bytes(b ^ 0xFF for b in data[mid:mid + 4096])
+        f.write_bytes(bytes(data))
+        with pytest.raises(ValueError, match="checksum mismatch"):
+            unframed(bytes(data))
+    with caplog.at_level("WARNING", logger="triton_tlaloc.runtime"):
+        second = Runtime(art, cache_dir=tmp_path)
+    assert (second.compile_stats.compiled, second.compile_stats.cache_hits,
+            second.compile_stats.refused) == (n, 0, n)
+    assert sum("checksum mismatch" in r.getMessage() for r in caplog.records) == n
+    step = build_step(first.artifact.entries["prefill_b1_c32"], [Row((1, 2, 3), 0, (1,))], 8)
+    assert np.array_equal(first.run("prefill_b1_c32", step), second.run("prefill_b1_c32", step))
+    third = Runtime(art, cache_dir=tmp_path)  # the rewritten files load
+    assert (third.compile_stats.cache_hits, third.compile_stats.refused) == (n, 0)
+
+
 def test_no_entry_copies_its_pools(tiny):
     """An entry's temporary memory must not grow with the pools: a pool copied inside the
     program (XLA turns a one-index scatter into a dynamic-update-slice on a copy) would add a

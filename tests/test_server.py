@@ -159,3 +159,22 @@ def test_drafts_verified_by_the_server_give_transformers_greedy_ids(served, tiny
     with use(client_for(served, protocol), "llama") as client:
         assert_check(S.check_speculation_refusals(client, PROMPT, want[:16],
                                                   "no verify entries"))
+
+
+def test_a_model_that_fails_to_load_is_named_with_its_own_error(tiny, tmp_path):
+    """tritonserver's last line says only "failed to load all models": the error names the
+    model and its own first error line (what `tlaloc serve` prints)."""
+    from triton_tlaloc.server import ServerError
+
+    repo = tmp_path / "repo"
+    write_repository(tiny.artifact("llama", False), repo, "broken",
+                     RepositoryOptions(copy=True, generate_model=False))
+    weight = sorted((repo / "broken" / "1" / "artifact" / "weights").iterdir())[0]
+    weight.write_bytes(b"\0" * 100)
+    server = TritonServer(repo, exit_timeout_s=3)
+    with pytest.raises(ServerError) as e:
+        server.start(timeout_s=120)
+    first = str(e.value).splitlines()[:2]
+    assert first[0] == "tritonserver exited with 1", first
+    assert first[1].startswith("  model broken failed to load: ") and \
+        "ArtifactError: weight slot" in first[1] and "file holds 100 bytes" in first[1], first

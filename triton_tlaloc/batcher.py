@@ -37,6 +37,8 @@ import time
 from collections import deque
 from typing import Callable
 
+import numpy as np
+
 from .codes import INTERNAL, INVALID_ARG, UNAVAILABLE
 from .engine import Engine, EntryCompiling, Sequence
 from .host_tier import HostTier
@@ -353,10 +355,16 @@ class Batcher(Admission, RoomMaking):
         if kind == "verify":
             self._observe("speculation", sum(j.request.draft_tokens for j in jobs),
                           sum(len(v.accepted) - 1 for v in logits), len(jobs))
-        for j, row in zip(jobs, logits):
+        broken = self._nonfinite_rows(kind, jobs, logits)
+        for j, row, bad in zip(jobs, logits, broken):
             pages = (len(j.seq.pages), len(j.seq.ring))
             if j.request.end:
                 self._release(j.seq, ended=True)
+            if bad:
+                j.request.reply(Reply(error=f"sequence {j.seq.seq_id}: the model's logits hold "
+                                            f"NaN or infinity (its weights or its KV are not "
+                                            f"finite)", code=INTERNAL))
+                continue
             j.request.reply(Reply(logits=row.logits, accepted_ids=row.accepted, kv_pages=pages)
                             if kind == "verify" else Reply(logits=row, kv_pages=pages))
         t_done = time.perf_counter()
@@ -367,6 +375,19 @@ class Batcher(Admission, RoomMaking):
             **phases, respond=t_done - t_called,
             other=(t_called - t_call) - sum(phases.values()),
             total=admit + (t_done - t_call)))
+
+    def _nonfinite_rows(self, kind: str, jobs: list[Job], logits) -> list[bool]:
+        """Which rows' logits hold NaN or infinity: those are answered with an error (a
+        sampler or an argmax would turn them into a token silently), counted and logged."""
+        rows = [row.logits for row in logits] if kind == "verify" else list(logits)
+        bad = [row is not None and not np.isfinite(row).all() for row in rows]
+        if any(bad):
+            self._observe("nonfinite", kind, sum(bad))
+            if self.stats.nonfinite_rows[kind] <= LOGGED_CALLS:
+                log.warning("%s call %s: logits of sequences %s hold NaN or infinity",
+                            kind, self.engine.last_entry,
+                            [j.seq.seq_id for j, b in zip(jobs, bad) if b])
+        return bad
 
     def held_back_ids(self) -> set:
         """The sequences whose request is held back until an entry compiles."""

@@ -225,11 +225,16 @@ def _cmd_repository(args) -> int:
     return 0
 
 
+# Seconds past its exit timeout a tritonserver with a dead model process is given to exit
+# before it is killed: it hangs after saying it exits, and its clients' streams with it.
+RESTART_GRACE_S = 2.0
+
+
 def _cmd_serve(args) -> int:
     import signal
     import time
 
-    from .server import RESTRICTED_APIS, TritonServer
+    from .server import RESTRICTED_APIS, TritonServer, dead_stubs, stub_processes
 
     admin_key = args.admin_key or os.environ.get("TLALOC_ADMIN_KEY") or None
     if args.cpu_devices:  # every backend process inherits it (each instance its own devices)
@@ -237,17 +242,22 @@ def _cmd_serve(args) -> int:
 
         os.environ["XLA_FLAGS"] = with_cpu_devices(os.environ.get("XLA_FLAGS", ""),
                                                    args.cpu_devices)
-    server = TritonServer(args.repo, host=args.host, http_port=args.http_port,
-                          grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                          log_path=args.log_file, exit_timeout_s=args.exit_timeout,
-                          restrict_admin=not args.open_admin_api, admin_key=admin_key)
-    print(f"starting tritonserver (log: {server.log_path}) ...", file=sys.stderr, flush=True)
 
     def progress(line):
         print(f"  {line}", file=sys.stderr, flush=True)
-    server.start(timeout_s=args.start_timeout, wait_compiled=False, progress=progress)
-    print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}",
-          flush=True)
+
+    def start() -> TritonServer:
+        server = TritonServer(args.repo, host=args.host, http_port=args.http_port,
+                              grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                              log_path=args.log_file, exit_timeout_s=args.exit_timeout,
+                              restrict_admin=not args.open_admin_api, admin_key=admin_key)
+        print(f"starting tritonserver (log: {server.log_path}) ...", file=sys.stderr, flush=True)
+        server.start(timeout_s=args.start_timeout, wait_compiled=False, progress=progress)
+        print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics "
+              f"{server.metrics_url}", flush=True)
+        return server
+
+    server = start()
     if args.open_admin_api:
         print("warning: Triton's admin APIs (model repository, shared memory, trace, logging) "
               "are open to every client", file=sys.stderr)
@@ -258,9 +268,28 @@ def _cmd_serve(args) -> int:
     # Explicit handlers: a shell starting us in the background may have SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(1))
+    stubs, restarts = stub_processes(server.proc.pid), 0
     while not stop and server.proc.poll() is None:
         for line in server.progress_lines():  # the entries still compiling in the background
             progress(line)
+        if dead := dead_stubs(stubs):
+            # Triton keeps a model whose process died "ready" and never answers its requests:
+            # stop the server (its other models' requests finish, the dead one's fail at the
+            # exit timeout) and start it again, every model in a process of its own.
+            died = ", ".join(f"{s.model} (pid {s.pid})" for s in dead)
+            if restarts >= args.max_restarts:
+                print(f"model process of {died} died, and tritonserver was restarted "
+                      f"{restarts} times already: stopping (exit 3)", file=sys.stderr,
+                      flush=True)
+                server.stop(grace_s=RESTART_GRACE_S)
+                return 3
+            restarts += 1
+            print(f"model process of {died} died: restarting tritonserver ({restarts} of at "
+                  f"most {args.max_restarts})", file=sys.stderr, flush=True)
+            server.stop(grace_s=RESTART_GRACE_S)
+            server = start()
+            stubs = stub_processes(server.proc.pid)
+            continue
         time.sleep(0.2)
     if not stop:  # it exited on its own: that is a failure
         print(f"tritonserver exited with {server.proc.returncode}:\n{server.log_tail()}",
@@ -272,6 +301,40 @@ def _cmd_serve(args) -> int:
     # stop we asked for, not a failure (their pages go with the process).
     how = "clean" if rc == 0 else "open sequences were dropped at the exit timeout"
     print(f"tritonserver stopped ({how})", file=sys.stderr)
+    return 0
+
+
+def _cmd_check_stubs(args) -> int:
+    """A liveness probe for a tritonserver not started by `tlaloc serve` (a container's): exit 1
+    when a model process seen by an earlier run has died, or the server's live endpoint fails.
+    The first run after the server is ready records its model processes in `--state`."""
+    import urllib.request
+
+    from .server import StubProcess, dead_stubs, processes_named, stub_processes
+
+    try:
+        with urllib.request.urlopen(f"http://{args.url}/v2/health/live", timeout=5) as r:
+            live = r.status == 200
+    except OSError as e:
+        live, why = False, str(e)
+    else:
+        why = "not live"
+    if not live:
+        print(f"tritonserver at {args.url}: {why}", file=sys.stderr)
+        return 1
+    state = Path(args.state)
+    if state.is_file():
+        known = [StubProcess(**s) for s in json.loads(state.read_text())]
+        if dead := dead_stubs(known):
+            print("model process died: " + ", ".join(f"{s.model} (pid {s.pid})" for s in dead),
+                  file=sys.stderr)
+            return 1
+        return 0
+    # In a container tritonserver is pid 1: the lowest pid of that name
+    pid = args.pid or next(iter(processes_named("tritonserver")), None)
+    stubs = stub_processes(pid) if pid else []
+    if stubs:  # none yet: the models are still loading, look again next time
+        state.write_text(json.dumps([{"pid": s.pid, "model": s.model} for s in stubs]))
     return 0
 
 
@@ -549,7 +612,20 @@ def _add_serve_parser(sub) -> None:
                         "APIs (or TLALOC_ADMIN_KEY; default: none, they stay closed)")
     p.add_argument("--open-admin-api", action="store_true",
                    help="leave Triton's admin APIs open to every client (not recommended)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="times tritonserver is restarted after a model's process died "
+                        "(Triton would keep the model ready and never answer it); past them "
+                        "`tlaloc serve` exits 3 for a supervisor to act")
     p.set_defaults(fn=_cmd_serve)
+
+    p = sub.add_parser("check-stubs", help="a liveness probe: exit 1 when a model process of "
+                                           "the local tritonserver has died")
+    p.add_argument("--url", default="127.0.0.1:8000", help="tritonserver's HTTP address")
+    p.add_argument("--pid", type=int, default=0,
+                   help="tritonserver's pid (default: the process named tritonserver)")
+    p.add_argument("--state", default="/tmp/tlaloc-model-processes.json",
+                   help="where the first run records the model processes")
+    p.set_defaults(fn=_cmd_check_stubs)
 
 
 def _add_generate_parser(sub) -> None:

@@ -2,8 +2,8 @@
 threads that compile them in the background (docs/design.md#compiling-and-running).
 
 A model is ready once the entries a first request needs are compiled (`first_entries`: the
-smallest context's single-row decode entry and its prefill entry for a whole context of
-tokens). The rest compile on worker threads in `compile_order`: decode before prefill at each
+smallest context's single-row decode entry and its single-row prefill entry taking the most
+tokens a call there takes: the whole context, or a chunk of it when the export chunks prompts). The rest compile on worker threads in `compile_order`: decode before prefill at each
 context (a conversation makes one decode call per token), smaller contexts and batches first,
 and the verify entries of speculative decoding after all of them (a server serves plain
 decoding first; speculation is only faster).
@@ -30,7 +30,13 @@ def first_entries(art: Artifact) -> list[str]:
     """The entries a first request needs: a prompt within the smallest context and its decode
     steps, one sequence at a time (never a verify entry: a request can always decode plainly)."""
     c = min(art.context_ladder)
-    first = [art.smallest_entry(DECODE, 1, c), art.smallest_entry(PREFILL, 1, c, c)]
+    # A prompt runs in calls of at most this many tokens at the smallest context: the context
+    # itself, or the export's prefill chunk when that is smaller (asking for a whole context's
+    # tokens there would find no prefill entry, and a server ready with none could not take a
+    # prompt).
+    most = max((e.tokens_per_seq for e in art.entries.values()
+                if e.kind == PREFILL and e.context == c), default=c)
+    first = [art.smallest_entry(DECODE, 1, c), art.smallest_entry(PREFILL, 1, c, most)]
     return sorted({e.name for e in first if e is not None})
 
 

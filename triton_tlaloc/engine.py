@@ -212,9 +212,11 @@ class Engine(Verification):
     @property
     def max_prefill_tokens(self) -> int:
         """The most tokens of the prefill entries compiled so far (entries may still be
-        compiling in the background)."""
+        compiling in the background); while none is, of all of them: the call then waits for
+        its entry, or is held back (EntryCompiling), like any call whose entry is compiling."""
         compiled = self.rt.executables
-        return max((e.tokens_per_seq for e in self._prefill if e.name in compiled), default=0)
+        most = max((e.tokens_per_seq for e in self._prefill if e.name in compiled), default=0)
+        return most or max((e.tokens_per_seq for e in self._prefill), default=0)
 
     def decode_waits_for(self, seq: Sequence) -> str | None:
         """The entry still compiling that `seq`'s decode step needs (no compiled entry stands
@@ -270,7 +272,9 @@ class Engine(Verification):
         logits = None
         while seq.uncached:
             chunk = min(len(seq.uncached), self.max_call_tokens(seq))
-            assert chunk > 0, "no prefill entry is compiled"
+            if chunk <= 0:
+                raise RequestError(f"sequence {seq.seq_id}: the artifact has no prefill entry "
+                                   f"that can take its prompt")
             logits = self._run("prefill", [seq], [seq.uncached[:chunk]])
         return logits
 

@@ -215,10 +215,29 @@ class PageTransfer:
             self.in_place += 1
 
 
+def _bytes(x):
+    """An fp8 array as its bytes, any other as itself. XLA's CPU backend gathers and scatters f8
+    in f16, converting the whole pool there and back on every call; on the bytes it moves
+    integers (the entries hold fp8 pools the same way: export/attention.as_bits)."""
+    from jax import lax
+
+    if "float8" in str(x.dtype):
+        return lax.bitcast_convert_type(x, np.uint8)
+    return x
+
+
+def _as(x, dtype):
+    """`_bytes` undone."""
+    from jax import lax
+
+    return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
 def _gather(pools, idx):
-    return tuple(p[idx] for p in pools)
+    return tuple(_as(_bytes(p)[idx], p.dtype) for p in pools)
 
 
 def _scatter(pools, idx, rows):
     # Out-of-range rows (the padding) are dropped.
-    return tuple(p.at[idx].set(r, mode="drop") for p, r in zip(pools, rows))
+    return tuple(_as(_bytes(p).at[idx].set(_bytes(r), mode="drop"), p.dtype)
+                 for p, r in zip(pools, rows))

@@ -102,8 +102,21 @@ class Generation:
                        reply_fn=self.on_reply, cache_salt=self.params.cache_salt)
 
     def on_reply(self, reply: Reply) -> None:
-        """The batcher answered a step (on its thread): choose, emit, queue the next step."""
-        assert not self.finished, f"{self.seq_id}: a reply after the generation ended"
+        """The batcher answered a step (on its thread): choose, emit, queue the next step. Any
+        failure on the way ends the generation with one error event and ENDs its sequence:
+        a generation never goes unanswered, nor its sequence held."""
+        if self.finished:  # a reply after the end (its END is queued): nothing to answer
+            log.warning("%s: a reply after the generation ended", self.seq_id)
+            return
+        try:
+            self._on_reply(reply)
+        except Exception as e:
+            log.exception("%s: choosing its next token failed", self.seq_id)
+            if not self.finished:
+                self._finish(NO_TOKEN, "error", INTERNAL,
+                             f"generation {self.gen_id}: {type(e).__name__}: {e}")
+
+    def _on_reply(self, reply: Reply) -> None:
         if reply.error is not None:
             self._finish(NO_TOKEN, "error", reply.code or INTERNAL, reply.error)
             return

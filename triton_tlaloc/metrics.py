@@ -143,6 +143,10 @@ class Observer:
         """A verify call's `steps` rows checked `drafted` draft tokens and accepted `accepted`
         of them (each row also yields the model's own next token)."""
 
+    def nonfinite(self, kind: str, rows: int) -> None:
+        """A call of `kind` gave `rows` rows whose logits hold NaN or infinity (answered with
+        an error, not the logits)."""
+
     def host(self, nbytes: int, sequences: int, cached_bytes: int = 0) -> None:
         """The host tier now: bytes held for swapped-out sequences, how many, and bytes of
         evicted blocks kept."""
@@ -189,6 +193,7 @@ class BatcherStats(Observer):
         self.drafted = 0  # draft tokens checked by verify calls
         self.accepted = 0  # of them, accepted
         self.verify_steps = 0  # verify rows: accepted + verify_steps tokens came of them
+        self.nonfinite_rows = {"decode": 0, "prefill": 0, "verify": 0}  # NaN or inf logits
         self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
         self.call_sizes: list[tuple[str, int]] = []
         # Each entry's recent call time (a moving average): what speculation weighs a verify
@@ -233,6 +238,9 @@ class BatcherStats(Observer):
 
     def held_back(self, kind: str) -> None:
         self.held_for_compile[kind] += 1
+
+    def nonfinite(self, kind: str, rows: int) -> None:
+        self.nonfinite_rows[kind] += rows
 
     def speculation(self, drafted: int, accepted: int, steps: int) -> None:
         self.drafted += drafted

@@ -103,6 +103,9 @@ class TritonMetrics(Observer):
         self._held_back = family("tlaloc_held_for_compile_total", "Calls held back until an "
                                  "entry they need compiled (other sequences were served "
                                  "meanwhile), by kind (decode, prefill, verify)", F.COUNTER)
+        self._nonfinite = family("tlaloc_nonfinite_logits_total", "Rows whose logits held NaN "
+                                 "or infinity, answered with an error instead, by kind of call",
+                                 F.COUNTER)
         self.drafted = family("tlaloc_draft_tokens_total", "Draft tokens checked by verify "
                               "calls (speculative decoding)", F.COUNTER).Metric(labels=self.labels)
         self.accepted = family("tlaloc_accepted_draft_tokens_total", "Draft tokens verify calls "
@@ -215,6 +218,9 @@ class TritonMetrics(Observer):
 
     def held_back(self, kind):
         self.writer.increment(self._metric(self._held_back, kind=kind), 1)
+
+    def nonfinite(self, kind, rows):
+        self.writer.increment(self._metric(self._nonfinite, kind=kind), rows)
 
     def speculation(self, drafted, accepted, steps):
         self.writer.increment(self.drafted, drafted)

@@ -56,14 +56,17 @@ class CompileStats:
     compiled: int = 0
     cache_hits: int = 0
     seconds: float = 0.0
+    refused: int = 0  # cache files found but not loaded (damaged, stale): compiled instead
     # Compile threads share one (the background compiles, `tlaloc compile`'s workers).
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, compiled: int = 0, cache_hits: int = 0, seconds: float = 0.0) -> None:
+    def add(self, compiled: int = 0, cache_hits: int = 0, seconds: float = 0.0,
+            refused: int = 0) -> None:
         with self._lock:
             self.compiled += compiled
             self.cache_hits += cache_hits
             self.seconds += seconds
+            self.refused += refused
 
 
 def x64_mode(on: bool):
@@ -190,11 +193,35 @@ class PjrtDevice(_Compiling):
         return [value.nbytes]
 
 
+# A cache file is this header, the sha256 of the serialized executable, then the executable.
+# PJRT deserializes damaged bytes without complaint, and an executable loaded from them can
+# crash the process on its first call: only bytes whose digest matches are ever loaded.
+CACHE_MAGIC = b"tlaloc-pjrt-1\n"
+
+
+def framed(blob: bytes) -> bytes:
+    """A serialized executable as the compile cache stores it: header, digest, bytes."""
+    return CACHE_MAGIC + hashlib.sha256(blob).digest() + blob
+
+
+def unframed(data: bytes) -> bytes:
+    """The serialized executable a cache file holds; ValueError naming what is wrong when the
+    header is missing (a file of an older release) or the digest does not match."""
+    if not data.startswith(CACHE_MAGIC):
+        raise ValueError("no checksum header (written by an older release, or not a cache file)")
+    start = len(CACHE_MAGIC) + 32
+    digest, blob = data[len(CACHE_MAGIC):start], data[start:]
+    if hashlib.sha256(blob).digest() != digest:
+        raise ValueError("checksum mismatch: the file is damaged")
+    return blob
+
+
 def compile_cached(device: PjrtDevice, text: str, what: str, cache_dir: Path,
                    use_cache: bool = True, stats: CompileStats | None = None):
     """An executable for StableHLO text: from the compile cache when it holds one for this text
-    and platform, else compiled (and stored, written to a temporary name then renamed so a
-    concurrent reader never sees half a file)."""
+    and platform whose checksum matches, else compiled (and stored, written to a temporary name
+    then renamed so a concurrent reader never sees half a file). A file that fails its checksum
+    or does not load is a logged cache miss, replaced by the new compile."""
     key = hashlib.sha256(f"{hashlib.sha256(text.encode()).hexdigest()}|"
                          f"{device.cache_identity}".encode()).hexdigest()
     cached = cache_dir / f"{key}.pjrt"
@@ -202,21 +229,22 @@ def compile_cached(device: PjrtDevice, text: str, what: str, cache_dir: Path,
     t0 = time.perf_counter()
     if use_cache and cached.is_file():
         try:
-            exe = device.deserialize(cached.read_bytes())
+            exe = device.deserialize(unframed(cached.read_bytes()))
             stats.add(cache_hits=1, seconds=time.perf_counter() - t0)
             release_freed()  # what deserializing allocated and freed
             log.info("%s: loaded from the compile cache in %.2f s", what,
                      time.perf_counter() - t0)
             return exe
-        except Exception as e:  # a stale or torn cache file: compile again
-            log.warning("%s: compile cache file %s unusable (%s); compiling", what, cached, e)
+        except Exception as e:  # a damaged, stale or torn cache file: compile again
+            stats.add(refused=1)
+            log.warning("%s: compile cache file %s refused (%s); compiling", what, cached, e)
     exe = device.compile(text)
     stats.add(compiled=1, seconds=time.perf_counter() - t0)
     log.info("%s: compiled in %.2f s", what, time.perf_counter() - t0)
     if use_cache:
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(device.serialize(exe))
+        tmp.write_bytes(framed(device.serialize(exe)))
         tmp.replace(cached)
     release_freed()  # a compile frees most of what it allocates: give it back
     return exe

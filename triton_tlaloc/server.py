@@ -16,6 +16,10 @@
 - The Python backend's shared-memory regions get a prefix of this server's own, so that what a
   server stopped at its exit timeout leaves in /dev/shm (its stubs are killed, not unloaded)
   is removed once it has exited.
+- Each model instance runs in a process of its own (the Python backend's stub, a child of
+  tritonserver). Triton 2.51 never notices a stub that died: the model stays ready, its
+  in-flight requests are never answered and new ones fail. `stub_processes` and `dead_stubs`
+  let a supervisor (`tlaloc serve`) see it from /proc.
 """
 
 from __future__ import annotations
@@ -32,11 +36,65 @@ import sysconfig
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 
 class ServerError(RuntimeError):
     pass
+
+
+STUB_NAME = "triton_python_backend_stub"
+
+
+@dataclass(frozen=True)
+class StubProcess:
+    """One model instance's process: its pid and the model it serves (the stub's first
+    argument is REPO/MODEL/VERSION/model.py)."""
+
+    pid: int
+    model: str
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def _processes():
+    """(pid, parent pid, argv) of every process /proc shows, ascending by pid."""
+    for pid in sorted(int(e) for e in os.listdir("/proc") if e.isdigit()):
+        stat = _proc_stat(pid)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            continue
+        if stat is not None and argv:
+            yield pid, stat[1], argv
+
+
+def processes_named(name: str, parent: int | None = None) -> list[int]:
+    """The pids whose command is `name` (children of `parent` when given), ascending."""
+    return [pid for pid, ppid, argv in _processes()
+            if Path(argv[0]).name == name and parent in (None, ppid)]
+
+
+def stub_processes(parent: int) -> list[StubProcess]:
+    """The Python-backend stubs whose parent is `parent` (a tritonserver), read from /proc."""
+    return [StubProcess(pid, Path(argv[1]).parent.parent.name)
+            for pid, ppid, argv in _processes()
+            if ppid == parent and Path(argv[0]).name == STUB_NAME and len(argv) > 1]
+
+
+def dead_stubs(stubs: list[StubProcess]) -> list[StubProcess]:
+    """Those of `stubs` that have exited (gone, or a zombie its parent has not reaped)."""
+    return [s for s in stubs if (stat := _proc_stat(s.pid)) is None or stat[0] in "ZX"]
 
 
 # The APIs a client needs no key for are the rest: health, metadata, inference, model-config,
@@ -149,8 +207,12 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(f"tritonserver exited with {self.proc.returncode}:\n"
-                                  f"{self.log_tail()}")
+                failed = "".join(f"\n  model {name} failed to load: {why}"
+                                 for name, why in self.load_failures())
+                message = (f"tritonserver exited with {self.proc.returncode}{failed}\n"
+                           f"its log's last lines:\n{self.log_tail()}")
+                self.stop()  # its log closed, its backend folder and shared memory removed
+                raise ServerError(message)
             if progress is not None:
                 for line in self.progress_lines():
                     progress(line)
@@ -213,16 +275,31 @@ class TritonServer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*?)(?:\\n|\"?$)")
+
+    def load_failures(self) -> list[tuple[str, str]]:
+        """(model, its error's first line) for each model this run's log says failed to load:
+        what a user needs of a log whose last line says only "failed to load all models"."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            text = f.read().decode(errors="replace")
+        return [(m.group(1), m.group(2).strip()) for line in text.splitlines()
+                if (m := self.LOAD_FAILURE.search(line))]
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
-    def stop(self) -> int | None:
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGINT, then SIGKILL to its process group (its stubs too) when it has not exited
+        `grace_s` past its exit timeout. (With a model's process dead, tritonserver logs
+        "Exiting immediately" at its exit timeout and then hangs: a supervisor replacing it
+        passes a short grace.)"""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
-                self.proc.wait(self.exit_timeout_s + 30)
+                self.proc.wait(self.exit_timeout_s + grace_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()

@@ -40,19 +40,21 @@ def _entry(kind: str, batch: int, context: int, tokens: int, suffix: str = "") -
 def fake_artifact(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, vocab=256,
                   num_blocks=None, prefill_tokens=(32, 64), window=None, ring_pages=0,
                   window_blocks=0, state_slots=0, refused_tokens=(),
-                  verify_tokens=(3, 5, 9)) -> Artifact:
+                  verify_tokens=(3, 5, 9), prefill_chunk=None) -> Artifact:
     """The entries and pools an export of these ladders has (the tests' tiny llama by default:
     batches 1 and 2, contexts 32 and 128, pages of 8 tokens, 33 pages of which 32 usable), with
     no body, program or weight behind them. `window` adds a windowed pool of rings (schema v3),
-    `state_slots` linear-attention state slots (schema v4)."""
+    `state_slots` linear-attention state slots (schema v4). `prefill_chunk`: the most tokens a
+    prefill entry takes (an export's --prefill-chunk; None: the whole context)."""
     if num_blocks is None:
         num_blocks = max(batch_ladder) * max(context_ladder) // block_size + 1
     entries = {}
     for c in sorted(context_ladder):
         for b in sorted(batch_ladder):
+            most = min(c, prefill_chunk or c)
             for e in [_entry("decode", b, c, 1)] + [
-                    _entry("prefill", b, c, t, f"_t{t}") for t in prefill_tokens if t < c] + [
-                    _entry("prefill", b, c, c)] + [
+                    _entry("prefill", b, c, t, f"_t{t}") for t in prefill_tokens if t < most] + [
+                    _entry("prefill", b, c, most)] + [
                     _entry("verify", b, c, t, f"_t{t}") for t in verify_tokens
                     if t <= c and not state_slots]:
                 entries[e.name] = e

@@ -209,3 +209,48 @@ def test_a_resumed_call_is_busy_so_a_prompt_short_of_pages_does_not_swap_its_seq
     h.run()  # B runs in the round that admits C
     assert h.batcher.sequences["B"].swapped is None
     assert h.last("B").error is None and h.batcher.sequences["B"].num_cached == 70
+
+
+# An export whose smallest context is larger than its prefill chunk (tlaloc export
+# --context-ladder 1024 with chunks of 512): no prefill entry takes a whole context's tokens.
+CHUNKED = fake_artifact(batch_ladder=(1, 2), context_ladder=(64, 128), prefill_chunk=16,
+                        prefill_tokens=(8,))
+
+
+def test_the_first_entries_hold_a_prefill_entry_when_prompts_are_chunked():
+    assert first_entries(CHUNKED) == ["decode_b1_c64", "prefill_b1_c64"]
+    assert CHUNKED.entries["prefill_b1_c64"].tokens_per_seq == 16
+    # Control: the rule that asked for a whole context's tokens in one call finds none here.
+    assert CHUNKED.smallest_entry("prefill", 1, 64, 64) is None
+
+
+def test_a_prompt_with_no_prefill_entry_compiled_is_held_back_then_served():
+    everything = Harness(CHUNKED)
+    everything.step("A", range(10, 50), start=True)  # 40 tokens: three chunks of 16
+    everything.step("A", [tokens_of(everything.replies["A"])[-1]])
+    want = tokens_of(everything.replies["A"])
+    # Nothing compiled but the decode entry: the prompt is held, not failed, and the thread
+    # never waits.
+    h = Harness(CHUNKED, compiling=[n for n in CHUNKED.entries if n != "decode_b1_c64"])
+    h.send("A", range(10, 50), start=True)
+    h.send("B", range(60, 70), start=True)
+    h.clock.advance(1.0)
+    h.run()
+    assert "A" not in h.replies and "B" not in h.replies
+    assert h.batcher.held_back_ids() == {"A", "B"} and not h.rt.waited
+    assert h.batcher.stats.held_for_compile["prefill"] >= 2
+    assert h.rt.wanted[0].startswith("prefill_b1_c64")
+    h.compile(h.rt.wanted[0])
+    h.run()
+    assert len(h.replies["A"]) == 1 and h.last("A").error is None
+    assert len(h.replies["B"]) == 1 and h.last("B").error is None
+    h.step("A", [tokens_of(h.replies["A"])[-1]])
+    assert tokens_of(h.replies["A"]) == want
+
+
+def test_an_engine_that_waits_runs_a_prompt_once_its_prefill_entry_compiles():
+    prompt = list(range(10, 50))
+    everything = replies(FakeRuntime(CHUNKED), [prompt])
+    rt = FakeRuntime(CHUNKED, compiling=[n for n in CHUNKED.entries if n != "decode_b1_c64"])
+    assert replies(rt, [prompt]) == everything
+    assert rt.waited and rt.waited[0].startswith("prefill_b1_c64")

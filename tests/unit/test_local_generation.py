@@ -56,8 +56,9 @@ def test_a_generation_chooses_emits_queues_its_next_step_and_ends_once():
     assert [r.tokens for r in queued] == [[5], [6]] and not any(r.end for r in queued)
     gen.on_reply(logits_at(4))  # the third token: max_tokens reached
     assert events[-1] == [7, 4, "length"] and queued[-1].end and queued[-1].tokens == []
-    with pytest.raises(AssertionError, match="after the generation ended"):
-        gen.on_reply(logits_at(4))
+    before = (len(events), len(queued))
+    gen.on_reply(logits_at(4))  # a reply after the end: nothing more is emitted or queued
+    assert (len(events), len(queued)) == before
 
     for reply, want in ((logits_at(9), [8, -1, "stop"]),  # a stop id is not emitted
                         (Reply(error="KV pool full", code="UNAVAILABLE"),
@@ -81,6 +82,45 @@ def test_a_generation_chooses_emits_queues_its_next_step_and_ends_once():
     gen.on_reply(logits_at(3))
     gen.on_reply(logits_at(3))
     assert [e[2] for e in events] == [None, "length"]
+
+
+def test_a_failure_while_choosing_ends_the_generation_with_one_error_and_its_end():
+    """NaN logits under top-k / top-p sampling used to raise in the sampler on the batching
+    thread: the reply was lost, the client waited forever and the sequence stayed held."""
+    events, queued = [], []
+    gen = Generation(3, [1, 2], SamplingParams(max_tokens=5, temperature=0.8, top_k=4,
+                                                top_p=0.9, seed=1),
+                     set(), 64, events.append, queued.extend)
+    gen.on_reply(Reply(logits=np.full(16, np.nan, np.float32)))
+    assert len(events) == 1 and events[0][:4] == [3, -1, "error", "INTERNAL"]
+    assert "generation 3" in events[0][4]
+    assert [r.end for r in queued] == [True] and gen.finished
+    gen.on_reply(logits_at(4))  # nothing after the end
+    assert len(events) == 1 and len(queued) == 1
+
+
+def test_nonfinite_logits_are_answered_with_an_error_and_counted():
+    """A call whose row's logits hold NaN or infinity: that row's request gets an error naming
+    it (not logits a sampler would turn into a token), the other rows their logits."""
+    from fakes import Harness
+
+    h = Harness(fake_artifact())
+    real_run = h.rt.run
+
+    def run(entry_name, step):
+        out = real_run(entry_name, step).astype(np.float32)
+        for r, row in enumerate(step["TOKEN_IDS"]):
+            if 66 in row:  # the poisoned prompt's row
+                out[r, 3] = np.nan
+        return out
+    h.rt.run = run
+    h.send("A", [66, 5, 6], start=True)
+    h.send("B", [10, 11, 12], start=True)
+    h.clock.advance(1.0)
+    h.run()
+    assert h.last("A").code == "INTERNAL" and "NaN or infinity" in h.last("A").error
+    assert h.last("B").error is None and np.isfinite(h.last("B").logits).all()
+    assert h.batcher.stats.nonfinite_rows["prefill"] == 1
 
 
 def test_local_sequence_ids_equal_no_client_id():

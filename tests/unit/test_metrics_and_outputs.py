@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -73,3 +74,9 @@ def test_small_outputs_argmax_and_top_k():
     for bad in ('{"cache_salt": ""}', '{"cache_salt": 7}', '{"cache_salt": "%s"}' % ("x" * 257)):
         with pytest.raises(ValueError, match="parameter cache_salt: expected a string of 1 to 256"):
             cache_salt_parameter(bad)
+    # A NUL would end the salt inside Triton: 'g\0one' and 'g\0two' would share cached KV.
+    for bad, code in (("g\0one", "U+0000"), ("tenant\n", "U+000A"), ("a\x7fb", "U+007F")):
+        with pytest.raises(ValueError, match=re.escape(f"parameter cache_salt: holds the "
+                                                       f"control character {code}")):
+            cache_salt_parameter({"cache_salt": bad})
+    assert cache_salt_parameter({"cache_salt": "tenant é 7"}) == "tenant é 7"

@@ -1,7 +1,7 @@
 """The doors of `tlaloc openai` (an API key, the body's size and type, malformed bodies, the Host
-header, CORS, the generations in flight), the generate model's refusals as HTTP statuses, and
-cancellation when the client goes: a real uvicorn server on a loopback port, spoken to in raw
-HTTP, in front of a fake `generate` and a fake tokenizer (no Triton)."""
+header, CORS, the generations in flight, slow clients), the generate model's refusals as HTTP
+statuses, and cancellation when the client goes: a real uvicorn server on a loopback port,
+spoken to in raw HTTP, in front of a fake `generate` and a fake tokenizer (no Triton)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ ERRORS = {901: "UNAVAILABLE", 902: "INVALID_ARGUMENT", 903: "DEADLINE_EXCEEDED",
 RAISES = 906  # generate raises
 ERROR_AFTER_A_PIECE = 907  # streams "partial", then fails UNAVAILABLE
 TIMES_OUT = 908  # generate's own wait for a response runs out
+LINGERS = 909  # streams "first" if streamed, then ends only once `wound_down`, cancelled or not
 
 
 def result(text: str, finish: str = "stop", error: str | None = None,
@@ -43,11 +44,19 @@ class FakeGenerate:
     def __init__(self):
         self.calls: list[SimpleNamespace] = []
         self.release = threading.Event()
+        self.wound_down = threading.Event()
 
     def __call__(self, url, model, *, input_ids, sampling, stream, on_text, cancel):
         call = SimpleNamespace(input_ids=input_ids, sampling=sampling, stream=stream,
-                               cancel=cancel)
+                               cancel=cancel, ended=threading.Event())
         self.calls.append(call)
+        try:
+            return self._play(call, on_text)
+        finally:
+            call.ended.set()
+
+    def _play(self, call, on_text):
+        input_ids, stream, cancel = call.input_ids, call.stream, call.cancel
         first = input_ids[0] if input_ids else None
         if first == BLOCKS:
             if stream:
@@ -61,6 +70,11 @@ class FakeGenerate:
             raise RuntimeError("the stream broke")
         if first == TIMES_OUT:
             raise TimeoutError("m_generate: no response in 120 s")
+        if first == LINGERS:  # a generate model a while ending a cancelled sequence
+            if stream:
+                on_text("first")
+            self.wound_down.wait(10)
+            return result("first", "cancelled" if cancel.is_set() else "stop")
         if first == ERROR_AFTER_A_PIECE:
             on_text("partial")
             return result("partial", "error", "the server is unloading", "UNAVAILABLE")
@@ -111,6 +125,7 @@ class Server:
 
     def stop(self):
         self.generate.release.set()
+        self.generate.wound_down.set()
         self.tokenizer.release.set()
         self._stop()
 
@@ -314,6 +329,13 @@ def test_a_generation_route_takes_json_only(plain, content_type, status):
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": 5}]},
      "messages[0].content"),
     ("/v1/chat/completions", {**CHAT, "temperature": {}}, "temperature"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[1]: part type image_url is not supported: text only"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "narrator", "content": "x"}]},
+     'messages[0].role: "narrator" is not supported'),
+    ("/v1/completions", {**COMPLETION, "stop": ""}, "stop: an empty stop string"),
+    ("/v1/completions", {**COMPLETION, "stop": ["a", ""]}, "stop: an empty stop string"),
 ])
 def test_a_malformed_body_is_a_400_naming_the_problem(plain, path, body, named):
     raw = body if isinstance(body, bytes) else None
@@ -477,6 +499,35 @@ def test_a_client_gone_before_its_whole_completion_cancels_its_generation(start)
     assert s.post("/v1/completions", COMPLETION)[0] == 200
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_gives_its_slot_back_before_its_generation_winds_down(start, stream):
+    s = start(max_concurrent=1)
+    with s.connect() as sock:
+        sock.sendall(request_bytes("/v1/completions", {"model": "m", "prompt": [LINGERS],
+                                                       "stream": stream}))
+        if stream:
+            assert b'"first"' in read_until(sock, b'"first"')
+        else:
+            s.generate.wait_for_calls(1)
+    lingering = s.generate.calls[0]
+    assert lingering.cancel.wait(1), "not cancelled within 1 s of the disconnect"
+    deadline = time.monotonic() + 1  # its slot comes back now, not when generate returns
+    while s.post("/v1/completions", COMPLETION)[0] == 429 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s.post("/v1/completions", COMPLETION)[0] == 200
+    assert not lingering.ended.is_set()
+    s.generate.wound_down.set()
+    assert lingering.ended.wait(2)
+    # its end gave nothing back a second time: one generation in flight still fills the limit
+    holder = threading.Thread(target=s.post, args=("/v1/completions",
+                                                   {"model": "m", "prompt": [BLOCKS]}))
+    holder.start()
+    s.generate.wait_for_calls(len(s.generate.calls) + 1)
+    assert s.post("/v1/completions", COMPLETION)[0] == 429
+    s.generate.release.set()
+    holder.join(5)
+
+
 def test_a_client_that_stays_is_not_cancelled(plain):
     calls = len(plain.generate.calls)
     with plain.connect() as sock:
@@ -486,6 +537,83 @@ def test_a_client_that_stays_is_not_cancelled(plain):
         plain.generate.release.set()
         assert status_of(read_until(sock, b"\r\n")) == 200
     plain.generate.release.clear()
+
+
+# ------------------------------------------------------------------ slow clients
+
+def dribble(sock: socket.socket, data: bytes, seconds: float) -> tuple[float | None, bytes]:
+    """Sends `data` a byte a second until the server closes the connection: (the seconds that
+    took, or None if it was still open after `seconds`; what the server answered meanwhile)."""
+    t0, got = time.monotonic(), b""
+    sock.settimeout(1.0)
+    for byte in data:
+        try:
+            sock.sendall(bytes([byte]))
+            while piece := sock.recv(65536):
+                got += piece
+            return time.monotonic() - t0, got
+        except socket.timeout:  # a second without the connection closing: the next byte
+            pass
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - t0, got
+        if time.monotonic() - t0 > seconds:
+            break
+    return None, got
+
+
+def test_connections_sending_their_headers_a_byte_a_second_are_closed(start):
+    s = start(header_timeout_s=1.5)
+    head = request_bytes("/v1/completions", COMPLETION)
+    socks = [s.connect() for _ in range(4)]
+    took = []
+    threads = [threading.Thread(target=lambda c=c: took.append(dribble(c, head, 4)[0]))
+               for c in socks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    for c in socks:
+        c.close()
+    assert len(took) == 4 and all(t is not None and t < 3.5 for t in took), took
+    assert s.post("/v1/completions", COMPLETION)[0] == 200  # the server still answers
+
+
+def test_the_next_request_on_a_kept_alive_connection_has_the_same_deadline(start):
+    s = start(header_timeout_s=1.5)
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=5)
+    conn.request("POST", "/v1/completions", body=json.dumps(COMPLETION).encode(),
+                 headers={"Content-Type": "application/json"})
+    assert conn.getresponse().read() and conn.sock is not None  # kept alive
+    took, _ = dribble(conn.sock, request_bytes("/v1/completions", COMPLETION), 4)
+    conn.close()
+    assert took is not None and took < 3.5, took
+
+
+def test_a_body_sent_a_byte_a_second_is_refused_at_its_deadline(start):
+    s = start(body_timeout_s=1.5)
+    body = json.dumps(COMPLETION).encode()
+    with s.connect() as sock:
+        sock.sendall(request_bytes("/v1/completions", COMPLETION)[:-len(body)])  # the headers
+        took, got = dribble(sock, body, 4)
+    assert took is not None and took < 3.5, took
+    assert status_of(got) == 408 and b"1.5 s" in got
+    assert s.generate.calls == []
+
+
+def test_the_deadlines_do_not_cut_a_long_answer_short(start):
+    s = start(header_timeout_s=0.5, body_timeout_s=0.5)
+    with s.connect() as sock:
+        sock.sendall(request_bytes("/v1/completions", {"model": "m", "prompt": [BLOCKS]}))
+        s.generate.wait_for_calls(1)
+        time.sleep(1.5)
+        s.generate.release.set()
+        assert status_of(read_until(sock, b"\r\n")) == 200
+
+
+def test_the_server_options_refuse_no_deadline():
+    for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+        with pytest.raises(ValueError, match=f"{name} 0: must be above 0"):
+            ServerOptions(**{name: 0})
 
 
 # ------------------------------------------------------------------ the command line

@@ -87,6 +87,26 @@ def test_text_stream_holds_back_partial_characters_and_cuts_at_stop_strings():
     assert stream.flush() == ""
 
 
+def utf8_bytes(ids: list[int]) -> str:
+    """A byte-level tokenizer's decode: each id one byte, an incomplete character U+FFFD."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("char", ["é", "€", "😀"])
+def test_a_character_cut_by_the_end_of_the_generation_is_dropped_not_replaced(char):
+    ids = list(("ok " + char).encode())
+    for cut in range(len(ids) - len(char.encode()) + 1, len(ids)):  # inside the character
+        stream = TextStream(utf8_bytes)
+        text = "".join(stream.push(i) for i in ids[:cut]) + stream.flush()
+        assert text == "ok ", (char, cut)
+    stream = TextStream(utf8_bytes)  # the whole character: kept
+    assert "".join(stream.push(i) for i in ids) + stream.flush() == "ok " + char
+    # a held back stop string's start is still given at the end, without the cut character
+    stream = TextStream(utf8_bytes, stop=("k!",))
+    pieces = [stream.push(i) for i in list("ok".encode()) + list(char.encode())[:-1]]
+    assert "".join(pieces) + stream.flush() == "ok"
+
+
 NAN, INF = float("nan"), float("inf")
 
 
@@ -123,6 +143,8 @@ NAN, INF = float("nan"), float("inf")
     ({"stop": ["a", "x" * (MAX_STOP_CHARS + 1)]},
      "stop: a stop string of 1025 characters: at most 1024"),
     ({"stop": ["a", ""]}, "stop: an empty stop string"),
+    ({"stop": [""]}, "stop: an empty stop string"),
+    ({"stop": ""}, "stop: an empty stop string"),  # as [""]: the same request, the same answer
     ({"stop_token_ids": [True]}, "stop_token_ids True: expected a number"),
     ({"stop_token_ids": [1.5]}, "stop_token_ids 1.5: expected an integer"),
     ({"stop_token_ids": ["1"]}, "stop_token_ids '1': expected a number"),
@@ -137,6 +159,8 @@ NAN, INF = float("nan"), float("inf")
     ({"cache_salt": ""}, "sampling parameter cache_salt: expected a string of 1 to 256"),
     ({"cache_salt": "x" * 257}, "sampling parameter cache_salt: expected a string of 1 to 256"),
     ({"cache_salt": 5}, "sampling parameter cache_salt: expected a string of 1 to 256"),
+    ({"cache_salt": "g\0one"}, "sampling parameter cache_salt: holds the control character "
+                                "U+0000"),
     (["temperature", 1], "sampling parameters ['temperature', 1]: expected a JSON object"),
     ("{}", "sampling parameters '{}': expected a JSON object"),
 ], ids=repr)
@@ -157,7 +181,7 @@ def test_bad_sampling_parameters_are_refused_by_name_and_value(bad, message):
     ({"stop": ["a", "b"]}, "stop", ("a", "b")),
     ({"stop": ["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS}, "stop",
      ("x" * MAX_STOP_CHARS,) * MAX_STOP_STRINGS),
-    ({"stop": ""}, "stop", ()),
+    ({"stop": []}, "stop", ()),
     ({"stop_token_ids": [0, 2**31 - 1]}, "stop_token_ids", (0, 2**31 - 1)),
     ({"ignore_eos": False}, "ignore_eos", False),
 ], ids=repr)

@@ -286,6 +286,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     tensor-parallel program, whose fused weights hold each device's part of every fused part
     (layers.split_fused)."""
     from . import layers
+    from .attention import as_bits, as_stored
 
     slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop)
     names = [s.name for s in slots]
@@ -308,7 +309,9 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         token_ids, positions, block_tables, seq_lens, slot_mapping = args[:5]
         window_tables, window_slots = args[5:7] if windowed is not None else (None, None)
         state_slots = args[n_step - 1] if cfg.linear is not None else None
-        pools = args[n_step:n_step + n_pools]
+        # An fp8 pool is moved as its bytes (attention.as_bits), its dtype again on the way out.
+        dtypes = [p.dtype for p in args[n_step:n_step + n_pools]]
+        pools = [as_bits(p) for p in args[n_step:n_step + n_pools]]
         w = dict(zip(names, args[n_step + n_pools:]))
         # The embedding, then the step's scatter indices: the order of the lowered text.
         x = layers.embed(g, w, token_ids)
@@ -316,13 +319,13 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                                 window_tables, window_slots, state_slots)
         if layer_loop:
             x, new_pools = layers.layer_loop(g, step, w, x, *pools)
-            return (*outputs(x, w), *new_pools)
-        new_pools = list(pools)
-        for i in range(cfg.num_layers):
-            a, b = pool_of[i]
-            x, new_pools[a], new_pools[b] = layers.decoder_layer(g, step, w, i, x, pools[a],
-                                                                 pools[b])
-        return (*outputs(x, w), *new_pools)
+        else:
+            new_pools = list(pools)
+            for i in range(cfg.num_layers):
+                a, b = pool_of[i]
+                x, new_pools[a], new_pools[b] = layers.decoder_layer(g, step, w, i, x, pools[a],
+                                                                     pools[b])
+        return (*outputs(x, w), *(as_stored(p, d) for p, d in zip(new_pools, dtypes)))
 
     return fn
 

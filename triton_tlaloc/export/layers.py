@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from . import linear_attention as la_ops
-from .attention import LayerPool, by_length, one_pass, ring
+from .attention import FP8, FP8_BITS, LayerPool, by_length, one_pass, ring, to_bits
 from .checkpoint import DecoderConfig
 from ..manifest import WindowedKv
 
@@ -184,10 +184,12 @@ def split_fused(g: Graph, x, widths):
 
 def to_pool(x, dtype):
     """Keys and values as a pool stores them. An fp8 (e4m3fn) pool has no scale: a value is
-    stored as itself, clamped to +-448 (e4m3fn has no infinity: a larger value would be NaN);
-    attention widens the codes to f32 as it reads them."""
-    if dtype == jnp.float8_e4m3fn:
-        x = jnp.clip(x, -448.0, 448.0)
+    stored as itself, clamped to +-448 (e4m3fn has no infinity: a larger value would be NaN),
+    and written as its code's byte: the program holds the pool as bytes (attention.as_bits;
+    `dtype` is then uint8). Attention widens the codes to f32 as it reads them."""
+    if dtype in (FP8, FP8_BITS):
+        codes = jnp.clip(x, -448.0, 448.0).astype(FP8)
+        return to_bits(codes) if dtype == FP8_BITS else codes
     return x.astype(dtype)
 
 

@@ -6,7 +6,12 @@
     CORS            CORSMiddleware, only when origins are configured: none by default
     API key         ApiKeyDoor: `Authorization: Bearer KEY` or 401, on every route
     body            BodyDoor: 413 for a body over the limit (by Content-Length before reading,
-                    or while reading a chunked one), 415 unless it is JSON
+                    or while reading a chunked one), 415 unless it is JSON, 408 for a body not
+                    all come within its deadline
+
+and below them all, in uvicorn's HTTP protocol (guarded_h11_protocol), a deadline for a
+request's headers: a client that sends them a byte at a time (slowloris) is cut off, where
+uvicorn alone would wait for ever.
 
 and, inside the generation routes, GenerationSlots: 429 for a generation over the most in
 flight, and parse_body with its typed fields: 400 naming what is wrong with a body that is not
@@ -16,11 +21,13 @@ with OpenAI's error object.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
 import math
 import threading
+from typing import Callable
 
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
@@ -118,18 +125,21 @@ class _ClientGone(Exception):
 class BodyDoor:
     """For a request with a body (every method but GET, HEAD and OPTIONS): 413 when its
     Content-Length is over `max_bytes`, before reading it, or as soon as a chunked body read
-    passes it; 415 unless its Content-Type is application/json (with any parameters). A JSON
-    Content-Type is what a web page cannot send another origin without a CORS preflight: a
-    "simple" text/plain form post from a page in a local browser starts no generation.
+    passes it; 415 unless its Content-Type is application/json (with any parameters); 408 when
+    it has not all come `timeout_s` after its headers (a client dribbling its body a byte at a
+    time would otherwise hold its connection for ever). A JSON Content-Type is what a web page
+    cannot send another origin without a CORS preflight: a "simple" text/plain form post from a
+    page in a local browser starts no generation.
 
     The body is read here, whole, and handed to the app as one message; later calls to
     `receive` go to the server's, so the app still sees the client disconnect."""
 
     BODILESS = ("GET", "HEAD", "OPTIONS")
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 60.0):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     def _refusal_by_headers(self, headers: Headers) -> APIError | None:
         length = headers.get("content-length")
@@ -172,11 +182,15 @@ class BodyDoor:
         refusal = self._refusal_by_headers(Headers(scope=scope))
         if refusal is None:
             try:
-                body = await self._read(receive)
+                async with asyncio.timeout(self.timeout_s):
+                    body = await self._read(receive)
             except _ClientGone:
                 return  # no one to answer
             except _TooLarge:
                 refusal = self._too_large()
+            except TimeoutError:
+                refusal = APIError(408, f"the body did not come within {self.timeout_s:g} s",
+                                   headers={"Connection": "close"})
         if refusal is not None:
             await refusal.response()(scope, receive, send)
             return
@@ -243,8 +257,10 @@ def number(body: dict, key: str, default=None):
 
 class GenerationSlots:
     """The generations in flight, at most `limit`: take() refuses the one over with 429 (and
-    Retry-After) at once, rather than queueing it behind the others; release() is called,
-    from whichever thread, when a generation taken for ends, however it ends."""
+    Retry-After) at once, rather than queueing it behind the others. It returns the slot's
+    release, to call from whichever thread when the generation ends or its client goes,
+    whichever comes first: a release after the first does nothing, so a generation still
+    winding down after its client left does not hold a slot another client could use."""
 
     RETRY_AFTER_S = 1
 
@@ -253,25 +269,81 @@ class GenerationSlots:
         self.in_flight = 0
         self._lock = threading.Lock()
 
-    def take(self) -> None:
+    def take(self) -> Callable[[], None]:
         with self._lock:
             if self.in_flight >= self.limit:
                 raise APIError(429, f"{self.limit} generations are in flight, the most this "
                                     f"server runs at once: retry later", "rate_limit_error",
                                {"Retry-After": str(self.RETRY_AFTER_S)})
             self.in_flight += 1
+        released = False
 
-    def release(self) -> None:
-        with self._lock:
-            self.in_flight -= 1
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    self.in_flight -= 1
+        return release
+
+
+# ------------------------------------------------------------------ slow clients
+
+def guarded_h11_protocol(header_timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline for each request's headers: the connection is
+    closed when they are not all in `header_timeout_s` after it opened, or after the response
+    before (uvicorn's keep-alive timeout closes a connection that sends nothing then, but its
+    first byte stops that timer, and nothing bounds the wait for the first request at all). A
+    deadline, not an idle timeout: a slowloris client keeps an idle timer from running out."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request's headers have all come
+                self._disarm_header_deadline()
+
+        def on_response_complete(self) -> None:
+            # before the base's, which reads a pipelined request's headers at once
+            if not self.transport.is_closing():
+                self._arm_header_deadline()
+            super().on_response_complete()
+
+        def _arm_header_deadline(self) -> None:
+            self._disarm_header_deadline()
+            self._header_deadline = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+
+        def _headers_late(self) -> None:
+            # Armed only between requests (disarmed once headers come): no answer is cut short.
+            self._header_deadline = None
+            self.transport.close()
+
+    return GuardedH11Protocol
 
 
 def add_doors(app, *, api_key: str | None, max_body_bytes: int,
-              cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...]) -> None:
+              cors_origins: tuple[str, ...], allowed_hosts: tuple[str, ...],
+              body_timeout_s: float = 60.0) -> None:
     """The doors above on `app` (a Starlette or FastAPI app). The last middleware added is
     the outermost: the Host header is checked first; CORS answers a preflight (which carries
     no Authorization) before the key is asked for, and puts its headers on a 401 too."""
-    app.add_middleware(BodyDoor, max_bytes=max_body_bytes)
+    app.add_middleware(BodyDoor, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     if api_key:
         app.add_middleware(ApiKeyDoor, api_key=api_key)
     if cors_origins:

@@ -86,26 +86,23 @@ def sse(payload: dict) -> str:
 async def events(reply: Reply, generation: Generation, item):
     """The stream's events from its first item on: a chunk per piece of text, a last chunk
     with the finish reason (and the usage if stream_options.include_usage), or an error event
-    (its code the HTTP status the error would have had); then [DONE]. An async generator:
-    when the client disconnects starlette cancels it where it awaits, and `finally` cancels
-    the generation."""
+    (its code the HTTP status the error would have had); then [DONE]. When the client
+    disconnects, the response sending these (openai_server.GenerationStream) abandons the
+    generation."""
     chat = reply.call.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
     first = True
-    try:
-        while isinstance(item, str):
-            if item or first:
-                yield sse(reply.body(obj, choice(chat, item, None, True, first)))
-                first = False
-            item = await generation.items.get()
-        error = refusal(item)
-        if error is not None:
-            yield sse(error.payload())
-        else:
-            chunk = reply.body(obj, choice(chat, None, item.finish_reason, True, first))
-            if reply.call.include_usage:
-                chunk["usage"] = usage(item)
-            yield sse(chunk)
-        yield "data: [DONE]\n\n"
-    finally:
-        generation.cancel.set()  # a client gone mid-stream: the generation is cancelled
+    while isinstance(item, str):
+        if item or first:
+            yield sse(reply.body(obj, choice(chat, item, None, True, first)))
+            first = False
+        item = await generation.items.get()
+    error = refusal(item)
+    if error is not None:
+        yield sse(error.payload())
+    else:
+        chunk = reply.body(obj, choice(chat, None, item.finish_reason, True, first))
+        if reply.call.include_usage:
+            chunk["usage"] = usage(item)
+        yield sse(chunk)
+    yield "data: [DONE]\n\n"

@@ -13,16 +13,20 @@ max_tokens says otherwise).
 
 The doors (http_doors.py; ServerOptions sets them): the Host header (bound to a loopback
 address, only the loopback names), CORS for configured origins only, an optional API key, the
-body's size and JSON Content-Type, and the generations in flight (429 over the limit). A
-malformed body is a 400 naming the field; the body is parsed and the prompt tokenized off the
-event loop. The generate model's refusals keep their meaning: INVALID_ARGUMENT is 400,
-UNAVAILABLE 503, DEADLINE_EXCEEDED 504. A stream is answered only once its first piece has
+body's size, JSON Content-Type and deadline, the generations in flight (429 over the limit),
+and a deadline for each request's headers (a client sending them a byte at a time is cut off).
+A malformed body is a 400 naming the field; the body is parsed and the prompt tokenized off the
+event loop. Chat messages are text: content parts other than text, and roles other than
+system, developer, user, assistant and tool, are refused by name; special-token text in content
+is tokenized as plain text (tokenizer.py), so a message cannot forge the template's turns. The
+generate model's refusals keep their meaning: INVALID_ARGUMENT is 400, UNAVAILABLE 503,
+DEADLINE_EXCEEDED 504. A stream is answered only once its first piece has
 come, so a refusal at the start gets its status rather than 200 and an error event.
 
 Cancellation: each generation runs on a worker thread of its own, handing its pieces to the
 event loop. A client that disconnects, mid-stream or while waiting for a whole completion,
-sets the generation's cancel event within a fraction of a second; the generate model then ends
-the sequence, which frees its pages.
+sets the generation's cancel event within a fraction of a second and gives its slot back at
+once; the generate model then ends the sequence, which frees its pages.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ from starlette.concurrency import run_in_threadpool
 
 from .client import generate as grpc_generate
 from .openai_responses import Reply, completion_body, events, refusal
-from .http_doors import (APIError, GenerationSlots, add_doors, default_allowed_hosts, number,
-                         parse_body, shown, typed)
-from .tokenizer import ArtifactTokenizer
+from .http_doors import (APIError, GenerationSlots, add_doors, default_allowed_hosts,
+                         guarded_h11_protocol, number, parse_body, shown, typed)
+from .tokenizer import ArtifactTokenizer, LiteralContentError
 
 
 @dataclass
@@ -80,11 +84,21 @@ class ServerOptions:
     # None: derived from the bind host (for_host), loopback names if never bound
     allowed_hosts: tuple[str, ...] | None = None
     max_prompt_chars: int = 1_000_000  # a prompt, or the messages' content, over it is a 400
+    # Slow clients: a request's headers must all come within header_timeout_s of the
+    # connection opening (or of the answer before), its body within body_timeout_s of its
+    # headers (408 otherwise); a connection idle keep_alive_s after an answer is closed.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0
+    max_header_bytes: int = 16 * 1024  # a request line and headers over it are a 400 (h11)
 
     def __post_init__(self):
-        for name in ("max_body_bytes", "max_concurrent", "max_prompt_chars"):
+        for name in ("max_body_bytes", "max_concurrent", "max_prompt_chars", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)}: must be at least 1")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} {getattr(self, name)}: must be above 0")
 
     def for_host(self, bind_host: str) -> "ServerOptions":
         """These options for a server bound to `bind_host`: allowed_hosts, if not given,
@@ -112,6 +126,10 @@ def _sampling(body: dict) -> dict:
     stop = typed(body, "stop", (str, list), "a string or a list of strings")
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise APIError(400, f"stop: a string or a list of strings, not {shown(stop)}")
+    # Refused in both forms, as vLLM refuses them: an empty stop string would match at once,
+    # which no client means (to stop at nothing, leave stop out).
+    if stop == "" or (isinstance(stop, list) and "" in stop):
+        raise APIError(400, "stop: an empty stop string (leave stop out for none)")
     if stop:
         out["stop"] = stop
     # vLLM's extension: prompts of different salts never share cached KV.
@@ -188,23 +206,57 @@ def completion_call(models: dict[str, ServedModel], body: dict,
     return GenerateCall(model, ids, sampling, stream, False, include_usage)
 
 
-def _content_chars(messages: list) -> int:
-    """The characters of the messages' content: its text, or its text parts'."""
-    total = 0
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise APIError(400, f"messages[{i}]: an object with role and content, not "
-                                f"{shown(message)}")
-        content = message.get("content")
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(part["text"]) for part in content
-                         if isinstance(part, dict) and isinstance(part.get("text"), str))
-        elif content is not None:
-            raise APIError(400, f"messages[{i}].content: a string or a list of parts, not "
-                                f"{shown(content)}")
-    return total
+# The roles a chat template is given; any other would be rendered into it verbatim, a turn
+# of the client's own naming.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_messages(messages) -> list[dict]:
+    """The request's messages as the chat template takes them: each an object with one of
+    CHAT_ROLES, its content a string (its text parts joined with newlines, as vLLM joins them)
+    or null. Anything else is a 400 naming the message."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, f"messages: a non-empty list, not {shown(messages)}")
+    return [_chat_message(i, m) for i, m in enumerate(messages)]
+
+
+def _chat_message(i: int, message) -> dict:
+    if not isinstance(message, dict):
+        raise APIError(400, f"messages[{i}]: an object with role and content, not "
+                            f"{shown(message)}")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise APIError(400, f"messages[{i}].role: {shown(role)} is not supported: one of "
+                            f"{', '.join(CHAT_ROLES)}")
+    content = message.get("content")
+    if isinstance(content, list):
+        return {**message, "content": _text_of_parts(i, content)}
+    if content is not None and not isinstance(content, str):
+        raise APIError(400, f"messages[{i}].content: a string or a list of parts, not "
+                            f"{shown(content)}")
+    return message
+
+
+def _text_of_parts(i: int, parts: list) -> str:
+    """A message's content parts, text only, as one text."""
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict):
+            raise APIError(400, f"{where}: a part object, not {shown(part)}")
+        kind = part.get("type")
+        if kind != "text":
+            name = kind if isinstance(kind, str) else shown(kind)
+            raise APIError(400, f"{where}: part type {name} is not supported: text only")
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}.text: a string, not {shown(part.get('text'))}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _content_chars(messages: list[dict]) -> int:
+    """The characters of the messages' content (chat_messages': strings or null)."""
+    return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
 
 
 def chat_call(models: dict[str, ServedModel], body: dict,
@@ -214,14 +266,14 @@ def chat_call(models: dict[str, ServedModel], body: dict,
     model = _served_model(models, body)
     stream, include_usage = _streaming(body)
     sampling = _sampling(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, f"messages: a non-empty list, not {shown(messages)}")
+    messages = chat_messages(body.get("messages"))
     chars = _content_chars(messages)
     if chars > max_prompt_chars:
         raise _too_long("messages' content", chars, max_prompt_chars)
     try:
         ids = model.tokenizer.apply_chat_template(messages)
+    except LiteralContentError as e:  # names the message itself
+        raise APIError(400, str(e))
     except Exception as e:
         raise APIError(400, f"messages: the chat template failed: {e}")
     sampling.setdefault("max_tokens", max(1, model.max_context - len(ids)))
@@ -242,14 +294,23 @@ class Generation:
     """One generation on a worker thread of its own (generate blocks on its gRPC stream): its
     pieces of text (when streamed), then its GenerateResult or the exception generate raised,
     come in order on `items`, an asyncio queue of the event loop that started it. Setting
-    `cancel` stops it; `on_end` is called when it ends, however it ends."""
+    `cancel` stops it; `release` (its slot's, idempotent) is called when it ends, however it
+    ends, or when abandoned, whichever comes first."""
 
-    def __init__(self, generate, url: str, call: GenerateCall, on_end):
+    def __init__(self, generate, url: str, call: GenerateCall, release):
         self.items: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
+        self.release = release
         self._loop = asyncio.get_running_loop()
-        self._args = (generate, url, call, on_end)
+        self._args = (generate, url, call, release)
         threading.Thread(target=self._run, daemon=True, name="tlaloc-generation").start()
+
+    def abandon(self) -> None:
+        """Its client is gone (or the server stops): cancelled, and its slot given back now
+        rather than when generate returns, which takes a step of the generate model or more
+        (a slot held meanwhile refused other clients 429 under load)."""
+        self.cancel.set()
+        self.release()
 
     def _put(self, item) -> None:
         try:
@@ -283,10 +344,27 @@ class Generation:
                 if await request.is_disconnected():
                     raise ClientGone
         except BaseException:  # the client gone, or this task cancelled (the server stops)
-            self.cancel.set()
+            self.abandon()
             raise
         finally:
             getter.cancel()
+
+
+class GenerationStream(StreamingResponse):
+    """A stream's response: its generation is abandoned however the response ends. The events'
+    generator cannot see to it alone: starlette cancels the task sending the stream when the
+    client goes, and a generator cancelled before it first ran, or while the chunk it yielded
+    was being sent, does not run its `finally` then."""
+
+    def __init__(self, content, generation: Generation):
+        super().__init__(content, media_type="text/event-stream")
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # after a whole stream: the generation has ended and released already
+            self.generation.abandon()
 
 
 # ------------------------------------------------------------------ routes
@@ -300,14 +378,14 @@ async def _generation(request: Request, parse) -> Response:
     generation started; then answered once it ends (a JSON body) or its first piece comes (a
     stream), so that an error at the start is answered with its HTTP status."""
     state = request.app.state
-    state.slots.take()
+    release = state.slots.take()
     try:
         raw = await request.body()
         call = await run_in_threadpool(
             lambda: parse(state.models, parse_body(raw), state.options.max_prompt_chars))
-        generation = Generation(state.generate, state.url, call, state.slots.release)
+        generation = Generation(state.generate, state.url, call, release)
     except BaseException:
-        state.slots.release()  # no generation started to release it
+        release()  # no generation started to release it
         raise
     try:
         first = await generation.next_item(request)
@@ -317,8 +395,7 @@ async def _generation(request: Request, parse) -> Response:
         raise error
     reply = Reply.to(call)
     if call.stream:
-        return StreamingResponse(events(reply, generation, first),
-                                 media_type="text/event-stream")
+        return GenerationStream(events(reply, generation, first), generation)
     return JSONResponse(completion_body(reply, first))
 
 
@@ -359,8 +436,18 @@ def make_app(url: str, models: dict[str, ServedModel], *,
     app.include_router(router)
     add_doors(app, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
               cors_origins=options.cors_origins,
-              allowed_hosts=options.for_host("127.0.0.1").allowed_hosts)
+              allowed_hosts=options.for_host("127.0.0.1").allowed_hosts,
+              body_timeout_s=options.body_timeout_s)
     return app
+
+
+def uvicorn_settings(options: ServerOptions) -> dict:
+    """uvicorn's settings for slow clients: h11 (the protocol whose headers get a deadline,
+    http_doors.guarded_h11_protocol) whether or not httptools is installed, its keep-alive
+    timeout and largest request head."""
+    return dict(http=guarded_h11_protocol(options.header_timeout_s),
+                timeout_keep_alive=options.keep_alive_s,
+                h11_max_incomplete_event_size=options.max_header_bytes)
 
 
 def serve_in_thread(url: str, models: dict[str, ServedModel], *,
@@ -375,7 +462,8 @@ def serve_in_thread(url: str, models: dict[str, ServedModel], *,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     app = make_app(url, models, options=options.for_host("127.0.0.1"), generate=generate)
-    front = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    front = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                          **uvicorn_settings(options)))
     thread = threading.Thread(target=front.run, daemon=True)
     thread.start()
     while not front.started:
@@ -395,4 +483,4 @@ def serve(url: str, models: dict[str, ServedModel], host: str = "127.0.0.1",
     import uvicorn
 
     app = make_app(url, models, options=options.for_host(host), generate=generate)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info", **uvicorn_settings(options))

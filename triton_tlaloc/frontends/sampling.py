@@ -76,7 +76,10 @@ class SamplingParams:
 
         stop = given.get("stop", ())
         if isinstance(stop, str):
-            stop = (stop,) if stop else ()  # "": no stop string, as before
+            # "" is refused below as [""] is, as vLLM refuses both: a stop string that matches
+            # everywhere is never what a client means, and "" standing for "no stop" while
+            # [""] was refused made the same request mean two things.
+            stop = (stop,)
         elif not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise refused("stop", stop, "expected a string or a list of strings")
         if len(stop) > MAX_STOP_STRINGS:
@@ -311,7 +314,10 @@ class StopMatcher:
 class TextStream:
     """The text a growing list of token ids adds at each step, decoded as a whole each time so
     multi-token characters come out right (an incomplete one, U+FFFD at the end, is held back),
-    cut before the first stop string."""
+    cut before the first stop string. A character still incomplete when the generation ends
+    (cut by max_tokens or a stop token) is dropped, as vLLM's incremental detokenizer drops it:
+    its U+FFFD stands for bytes that never came, not for text the model wrote. (Like vLLM, a
+    U+FFFD at the very end is always taken for one.)"""
 
     def __init__(self, decode, stop: tuple[str, ...] = ()):
         self.decode = decode  # ids -> text
@@ -341,7 +347,7 @@ class TextStream:
         """What was held back, at the end of the generation (no stop string came)."""
         if self.stopped:
             return ""
-        text = self.decode(self.ids)
+        text = self.decode(self.ids).rstrip("\ufffd")
         new = text[self.sent:]
-        self.sent = len(text)
+        self.sent = max(self.sent, len(text))
         return new

@@ -1,0 +1,97 @@
+"""Ready early, as a user meets it: a repository on a cold compile cache, tritonserver started
+without waiting for the background compiles, and every first request sent the moment the
+server reports ready. Each export shape the README documents (the default ladders, one large
+context bucket with a small prefill chunk, int8 weights with fp8 KV, rings, state slots) gets
+transformers' greedy ids over gRPC, HTTP and its generate model, and SmolLM2's chat through
+`tlaloc openai`; none is answered INTERNAL. (The held-back path itself, with nothing compiled
+but a decode entry: tests/unit/test_compiling.py.)"""
+
+from __future__ import annotations
+
+import pytest
+from oracle import fp8_kv_reference, load_reference, quantized_reference, reference_greedy
+from sequence_checks import assert_check, check_first_requests, first_requests_at_ready
+
+from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
+from triton_tlaloc.repository import RepositoryOptions, write_repository
+from triton_tlaloc.server import TritonServer
+
+STEPS = 8
+# A short prompt (one prefill call) and a long one (several chunks, several key blocks)
+PROMPTS = {"short": [1, 17, 99, 3, 200, 41, 7, 88, 5, 60],
+           "long": [(i * 37 + 11) % 250 + 3 for i in range(70)]}
+# Key blocks of 32 positions, so a context of 64 or 128 attends in several blocks
+BLOCKS = dict(attention_block=32, decode_attention_block=32)
+# name: (checkpoint, export options beside the tests' tiny ladders, reference)
+SHAPES = {
+    "default": ("llama", {}, "plain"),
+    "one_bucket": ("llama", dict(context_ladder=(128,), prefill_chunk=32, **BLOCKS), "plain"),
+    "int8_fp8": ("llama", dict(context_ladder=(128,), prefill_chunk=32, weight_quant="int8",
+                               kv_dtype="fp8", **BLOCKS), "int8_fp8"),
+    "rings": ("gemma3_text", dict(context_ladder=(128,), prefill_chunk=16, block_size=4),
+              "plain"),
+    "state": ("qwen3_5_text", dict(context_ladder=(128,), prefill_chunk=32), "plain"),
+}
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def checkpoint(tiny, family):
+    return tiny.checkpoint(family, family == "gemma3_text")  # gemma3's head is tied
+
+
+def artifact(tiny, family, opts):
+    return tiny.artifact(family, family == "gemma3_text", **opts)
+
+
+def transformers_ids(tiny, family, reference) -> dict[str, list[int]]:
+    model = load_reference(checkpoint(tiny, family))
+    if reference == "int8_fp8":
+        with fp8_kv_reference(quantized_reference(model, "int8")):
+            return {k: reference_greedy(model, p, STEPS)[0] for k, p in PROMPTS.items()}
+    return {k: reference_greedy(model, p, STEPS)[0] for k, p in PROMPTS.items()}
+
+
+@pytest.fixture(scope="module")
+def cold_repository(tiny, smollm2, work):
+    """Every shape's repository on one compile cache nobody has filled, and what transformers
+    answers each prompt."""
+    repo, cache = work / "repo-ready-early", work / "ready-early-compile-cache"
+    want = {}
+    for name, (family, opts, reference) in SHAPES.items():
+        write_repository(artifact(tiny, family, opts), repo, name,
+                         RepositoryOptions(compile_cache_dir=str(cache)))
+        want[name] = transformers_ids(tiny, family, reference)
+    gguf, art = smollm2
+    write_repository(art, repo, "smollm2", RepositoryOptions(compile_cache_dir=str(cache)))
+    tok = ArtifactTokenizer(art / "tokenizer")
+    prompt = tok.apply_chat_template(CHAT)
+    smol = load_reference(gguf.parent, gguf_file=gguf.name)
+    want["smollm2"] = tok.decode(reference_greedy(smol, prompt, STEPS)[0])
+    return repo, want
+
+
+def test_requests_sent_the_moment_the_server_is_ready_get_transformers_ids(cold_repository):
+    import openai
+
+    from triton_tlaloc.frontends.openai_server import ServedModel, serve_in_thread
+
+    repo, want = cold_repository
+    server = TritonServer(repo, exit_timeout_s=3)
+    openai_stop = None
+    try:
+        got, compiling = first_requests_at_ready(server, {name: PROMPTS for name in SHAPES},
+                                                 STEPS)
+        base_url, openai_stop = serve_in_thread(server.grpc_url, {
+            "smollm2": ServedModel.discover(server.grpc_url, "smollm2")})
+        chat = openai.OpenAI(base_url=base_url, api_key="unused").chat.completions.create(
+            model="smollm2", messages=CHAT, temperature=0, max_tokens=STEPS)
+        log = server.log_text()
+    finally:
+        if openai_stop is not None:
+            openai_stop()
+        server.stop()
+    print(f"background compiles still running when the requests were sent: {compiling}")
+    held = [line for line in log.splitlines() if "still compiling" in line]
+    print(f"calls held back for a compile: {len(held)}", *held[:5], sep="\n")
+    assert_check(check_first_requests(got, want, log))
+    assert chat.choices[0].message.content == want["smollm2"]
