@@ -424,6 +424,59 @@ def case_openai_request_disconnect_frees_pages(t):
     return _freed_on_close(t, _send_completion(t, completion(STORY, max_tokens=100)), base)
 
 
+def case_generate_salt_with_a_nul(t):
+    """'g\\0one' and 'g\\0two' would be one salt past Triton (a NUL ends a parameter there)."""
+    return _gen_refused(t, "INVALID_ARGUMENT", "U+0000", input_ids=[1, 2],
+                        sampling={"cache_salt": "g\0one", "max_tokens": 1})
+
+
+def case_client_salt_with_a_nul(t):
+    try:
+        with TlalocClient(t.server.grpc_url, MODEL) as c:
+            c.generate_greedy([1, 2], 1, cache_salt="g\0one")
+    except ValueError as e:
+        return f"ValueError: {e}"[:120], "U+0000" in str(e)
+    return "sent", False
+
+
+def case_openai_content_parts_and_roles(t):
+    """Text parts are joined; an image part and an unknown role are refused by name."""
+    def chat(messages):
+        return openai_request(t, "/chat/completions", {"model": MODEL, "messages": messages,
+                                                       "max_tokens": 2, "temperature": 0})
+    parts = chat([{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                               {"type": "text", "text": "there"}]}])
+    image = chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    role = chat([{"role": "narrator", "content": "Hi"}])
+    got = [parts[0], image[0], role[0]]
+    ok = got == [200, 400, 400] and "image_url" in image[2] and "narrator" in role[2]
+    return f"{got} {image[2][:60]} {role[2][:60]}", ok
+
+
+def case_openai_slow_headers(t):
+    """slowloris: a request's headers a byte a second; closed at the header deadline (10 s)."""
+    s = socket.create_connection(t.openai_host, timeout=30)
+    t0 = time.monotonic()
+    closed = None
+    try:
+        for byte in b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 60:
+            try:
+                s.sendall(bytes([byte]))
+                s.settimeout(1.0)
+                if s.recv(1) == b"":
+                    closed = time.monotonic() - t0
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                closed = time.monotonic() - t0
+                break
+    finally:
+        s.close()
+    return (f"closed after {closed:.1f} s" if closed else "never closed"), \
+        closed is not None and closed < 15
+
+
 def case_openai_concurrency_limit(t):
     streams = []
     try:
@@ -506,6 +559,14 @@ CASES = [
     ("openai: waiting client disconnects", "pages freed in < 1 s",
      case_openai_request_disconnect_frees_pages),
     ("openai: one generation over the concurrency limit", "429", case_openai_concurrency_limit),
+    ("generate: cache_salt 'g\\0one'", "INVALID_ARGUMENT naming U+0000",
+     case_generate_salt_with_a_nul),
+    ("sequence model client: cache_salt 'g\\0one'", "refused before sending",
+     case_client_salt_with_a_nul),
+    ("openai: text parts, an image part, role narrator", "200, 400, 400 naming them",
+     case_openai_content_parts_and_roles),
+    ("openai: headers sent a byte a second (slowloris)", "closed within 15 s",
+     case_openai_slow_headers),
     ("triton: POST /v2/logging without the admin key", "403", case_triton_logging_closed),
     ("triton: unload a model without the admin key", "403", case_triton_repository_closed),
 ]
