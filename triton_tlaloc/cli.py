@@ -308,6 +308,7 @@ def _cmd_check_stubs(args) -> int:
     """A liveness probe for a tritonserver not started by `tlaloc serve` (a container's): exit 1
     when a model process seen by an earlier run has died, or the server's live endpoint fails.
     The first run after the server is ready records its model processes in `--state`."""
+    import dataclasses
     import urllib.request
 
     from .server import StubProcess, dead_stubs, processes_named, stub_processes
@@ -334,7 +335,7 @@ def _cmd_check_stubs(args) -> int:
     pid = args.pid or next(iter(processes_named("tritonserver")), None)
     stubs = stub_processes(pid) if pid else []
     if stubs:  # none yet: the models are still loading, look again next time
-        state.write_text(json.dumps([{"pid": s.pid, "model": s.model} for s in stubs]))
+        state.write_text(json.dumps([dataclasses.asdict(s) for s in stubs]))
     return 0
 
 

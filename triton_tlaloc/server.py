@@ -226,11 +226,15 @@ class TritonServer:
         """Whether every model compiling entries in the background has finished (its load
         logged "compile in the background" and its compile threads "background compiles
         done")."""
-        with open(self.log_path, "rb") as f:
-            f.seek(self._log_start)  # this run's lines only
-            text = f.read().decode(errors="replace")
+        text = self._run_log()
         return text.count("compile in the background on") == text.count(
             "background compiles done")
+
+    def _run_log(self) -> str:
+        """What this run wrote to the log (a log file given may hold earlier runs' lines)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            return f.read().decode(errors="replace")
 
     PROGRESS = re.compile(r"entry \S+: (compiled|loaded)|weights: |KV pools: |"
                           r"ready in |compile in the background|background compiles done|"
@@ -280,10 +284,7 @@ class TritonServer:
     def load_failures(self) -> list[tuple[str, str]]:
         """(model, its error's first line) for each model this run's log says failed to load:
         what a user needs of a log whose last line says only "failed to load all models"."""
-        with open(self.log_path, "rb") as f:
-            f.seek(self._log_start)
-            text = f.read().decode(errors="replace")
-        return [(m.group(1), m.group(2).strip()) for line in text.splitlines()
+        return [(m.group(1), m.group(2).strip()) for line in self._run_log().splitlines()
                 if (m := self.LOAD_FAILURE.search(line))]
 
     def log_tail(self, lines: int = 40) -> str:

@@ -302,7 +302,7 @@ class Generation:
         self.cancel = threading.Event()
         self.release = release
         self._loop = asyncio.get_running_loop()
-        self._args = (generate, url, call, release)
+        self._args = (generate, url, call)
         threading.Thread(target=self._run, daemon=True, name="tlaloc-generation").start()
 
     def abandon(self) -> None:
@@ -319,7 +319,7 @@ class Generation:
             pass
 
     def _run(self) -> None:
-        generate, url, call, on_end = self._args
+        generate, url, call = self._args
         try:
             try:
                 item = generate(url, call.model.generate_model, input_ids=call.prompt_ids,
@@ -328,7 +328,7 @@ class Generation:
             except Exception as e:  # answered as a 500 (a TimeoutError: 504)
                 item = e
         finally:
-            on_end()  # before the answer: a client that has it can start the next
+            self.release()  # before the answer: a client that has it can start the next
         self._put(item)
 
     async def next_item(self, request: Request):
