@@ -25,6 +25,9 @@ from triton_tlaloc.frontends.client import (InferError, TlalocClient, generate, 
 
 MODEL = "smollm2"
 GENERATE = "smollm2_generate"
+# The same artifact with a host tier of HOST_PAGES pages and as many sequence slots as pages.
+TIGHT = "tight"
+HOST_PAGES = 4
 API_KEY = "abuse-test-key"
 NEIGHBOUR_PROMPT = [1, 9690, 314, 260, 1953, 282]  # stays within one page with its steps
 NEIGHBOUR_STEPS = 8
@@ -38,6 +41,7 @@ class Target:
     max_context: int
     block_size: int  # tokens per KV page
     max_concurrent: int  # the OpenAI server's limit of generations in flight
+    pages: int  # usable KV pages of each model's pool
     neighbour_solo: list[int] | None = None
 
     @property
@@ -439,6 +443,55 @@ def case_client_salt_with_a_nul(t):
     return "sent", False
 
 
+def _chats(c: TlalocClient, chats: list[tuple[list[int], list[list[int]]]], steps: int):
+    """Chats on one model in lockstep from one client: every START, then turn by turn each
+    chat's request (its last id and the turn's tokens) and `steps` decode steps; the last
+    request of each carries END. A chat whose START is refused drops out (None); returns each
+    chat's ids after every request."""
+    sids = [new_sequence_id() for _ in chats]
+    ids: list[list[int] | None] = []
+    for sid, (prompt, _) in zip(sids, chats):
+        try:
+            ids.append([int(c.request(sid, prompt, start=True, outputs=("ARGMAX",))
+                            ["ARGMAX"][0])])
+        except InferError:
+            ids.append(None)
+    turns = len(chats[0][1])
+    for turn in range(turns):
+        for step in range(steps + 1):
+            for sid, (_, chat_turns), got in zip(sids, chats, ids):
+                if got is None:
+                    continue
+                tokens = [got[-1]] + (chat_turns[turn] if step == 0 else [])
+                last = turn == turns - 1 and step == steps
+                got.append(int(c.request(sid, tokens, end=last, outputs=("ARGMAX",))
+                               ["ARGMAX"][0]))
+    return ids
+
+
+def case_full_host_tier_serves_admitted_chats(t):
+    """More chats than the pool and a host tier of HOST_PAGES pages hold once they grow: the
+    sequences idle between turns give up their KV (computed again on their next turn), so
+    every chat admitted finishes with its solo ids; only STARTs may be refused."""
+    bs = t.block_size
+    chats = [([1] + [(k * 131 + i * 17) % 4000 + 100 for i in range(2 * bs - 4)],
+              [[(k * 53 + turn * 7 + i) % 4000 + 100 for i in range(bs - 3)]
+               for turn in range(2)]) for k in range(t.pages // 2 + 2)]
+    before = metric(scrape_metrics(t.server.metrics_url), "tlaloc_kv_recomputes_total",
+                    model=TIGHT) or 0
+    with TlalocClient(t.server.grpc_url, TIGHT, "grpc") as c:
+        together = _chats(c, chats, steps=1)
+    with TlalocClient(t.server.grpc_url, MODEL, "grpc") as c:
+        solo = [_chats(c, [chat], steps=1)[0] if got is not None else None
+                for chat, got in zip(chats, together)]
+    recomputed = (metric(scrape_metrics(t.server.metrics_url, settle_s=0.6),
+                         "tlaloc_kv_recomputes_total", model=TIGHT) or 0) - before
+    admitted = sum(got is not None for got in together)
+    return (f"{admitted} of {len(chats)} chats admitted, all equal solo: {together == solo}; "
+            f"{recomputed:.0f} sequences computed again",
+            admitted >= t.pages // 2 and together == solo and recomputed > 0)
+
+
 def case_openai_content_parts_and_roles(t):
     """Text parts are joined; an image part and an unknown role are refused by name."""
     def chat(messages):
@@ -567,6 +620,8 @@ CASES = [
      case_openai_content_parts_and_roles),
     ("openai: headers sent a byte a second (slowloris)", "closed within 15 s",
      case_openai_slow_headers),
+    ("sequence model: chats outgrowing the pool and a full host tier",
+     "admitted chats all finish, solo ids", case_full_host_tier_serves_admitted_chats),
     ("triton: POST /v2/logging without the admin key", "403", case_triton_logging_closed),
     ("triton: unload a model without the admin key", "403", case_triton_repository_closed),
 ]
@@ -643,18 +698,26 @@ def run_case(t: Target, fn) -> dict:
 
 def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0,
                  more_models: dict | None = None):
-    """MODEL and GENERATE from `artifact` in `repo` (Triton ending sequences idle `idle_s`;
-    and `more_models`, {name: RepositoryOptions}, of the same artifact), a tritonserver and
+    """MODEL and GENERATE from `artifact` in `repo` (Triton ending sequences idle `idle_s`),
+    TIGHT (a host tier of HOST_PAGES pages, a sequence slot a page) and `more_models`
+    ({name: RepositoryOptions}) of the same artifact, a tritonserver and
     `tlaloc openai` (key API_KEY, `max_concurrent` generations): returns (Target, a function
     that stops both)."""
     from triton_tlaloc.frontends.openai_server import ServedModel, ServerOptions, serve_in_thread
+    from triton_tlaloc.kv_transfer import pool_specs
     from triton_tlaloc.manifest import load_artifact
     from triton_tlaloc.repository import RepositoryOptions, write_repository
     from triton_tlaloc.server import TritonServer
 
+    art = load_artifact(artifact)
+    pages = art.model.num_blocks - 1
+    page_bytes = sum(int(np.prod(shape[1:])) * dtype.itemsize
+                     for shape, dtype in pool_specs(art).values())
     # No host tier: the full-pool cases are of refusals, answered at once.
     write_repository(artifact, repo, MODEL, RepositoryOptions(
         max_sequence_idle_microseconds=int(idle_s * 1e6), host_kv_bytes=0))
+    write_repository(artifact, repo, TIGHT, RepositoryOptions(
+        sequence_slots=pages, host_kv_bytes=HOST_PAGES * page_bytes))
     for name, opts in (more_models or {}).items():
         write_repository(artifact, repo, name, opts)
     server = TritonServer(repo, exit_timeout_s=3).start()
@@ -669,5 +732,5 @@ def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0,
     def stop():
         stop_openai()
         server.stop()
-    art = load_artifact(artifact)
-    return Target(server, base, art.max_context, art.model.block_size, max_concurrent), stop
+    return (Target(server, base, art.max_context, art.model.block_size, max_concurrent, pages),
+            stop)

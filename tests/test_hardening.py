@@ -19,16 +19,9 @@ from triton_tlaloc.frontends.client import TlalocClient, generate, new_sequence_
 from triton_tlaloc.repository import RepositoryOptions
 from triton_tlaloc.server import SHM_DIR, free_port
 
-FEW_SLOTS = "fewslots"
-
-
 @pytest.fixture(scope="module")
 def target(smollm2, work):
-    from triton_tlaloc.manifest import load_artifact
-
-    pages = load_artifact(smollm2[1]).model.num_blocks - 1
-    t, stop = A.start_target(smollm2[1], work / "repo-hardening", max_concurrent=2,
-                             more_models={FEW_SLOTS: RepositoryOptions(sequence_slots=pages)})
+    t, stop = A.start_target(smollm2[1], work / "repo-hardening", max_concurrent=2)
     yield t
     stop()
 
@@ -49,11 +42,11 @@ def test_refused_generations_end_their_sequences_when_slots_are_few(target):
     Triton's idle timeout."""
     url = target.server.grpc_url
     for _ in range(24):
-        g = generate(url, f"{FEW_SLOTS}_generate", input_ids=[1, 10**9],
+        g = generate(url, f"{A.TIGHT}_generate", input_ids=[1, 10**9],
                      sampling={"max_tokens": 1}, timeout_s=10)
         assert g.status == "INVALID_ARGUMENT", g.error
     t0 = time.perf_counter()
-    g = generate(url, f"{FEW_SLOTS}_generate", input_ids=[1, 2, 3], sampling={"max_tokens": 2},
+    g = generate(url, f"{A.TIGHT}_generate", input_ids=[1, 2, 3], sampling={"max_tokens": 2},
                  timeout_s=10)
     assert g.error is None and time.perf_counter() - t0 < 2
 

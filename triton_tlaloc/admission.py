@@ -7,7 +7,8 @@ of `batcher.Batcher` that admits a request: a START begins a sequence (taking wh
 finds cached), a later request appends to its sequence; pages are reserved (room.py makes room
 when they run short) or the request is refused by name and nothing changes. The batcher
 inherits it and supplies `engine`, `clock`, `sequences`, `_admissions`, `_observe`,
-`_release`, `_with_room`, `_swap_in` and `_wait`. Pure Python: no Triton or JAX.
+`_release`, `_with_room`, `_swap_in` and `_wait`. A sequence whose KV was dropped to make room
+is admitted again whole (Engine.readmit). Pure Python: no Triton or JAX.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class Request:
     # A draft model's step: the sequence is first cut back to its first keep_tokens tokens
     # (the drafts its target rejected dropped; engine.rewind)
     keep_tokens: int | None = None
+    # Its drafts were not checked: its sequence's KV had been dropped, and the call that
+    # computes it again checks none (answered as a verify call accepting no draft).
+    drafts_unchecked: bool = False
     _answered: bool = field(default=False, repr=False)
 
     @property
@@ -94,6 +98,7 @@ class Job:
     num_pages: int
     num_ring: int
     had_state_slot: bool
+    was_dropped: bool = False  # its sequence's KV had been dropped: it computes it again
 
     @property
     def is_decode(self) -> bool:
@@ -167,6 +172,10 @@ class Admission:
                 return None
             self._refuse(r, INVALID_ARG, "empty", f"sequence {r.seq_id}: TOKENS is empty")
             return None
+        if seq.dropped and r.draft_tokens:
+            # The call that computes its history again checks no draft: the model's own next
+            # token answers, as when none is accepted.
+            r.tokens, r.draft_tokens, r.drafts_unchecked = r.tokens[:-r.draft_tokens], 0, True
         try:
             if r.draft_tokens:
                 engine.check_verify(seq, r.tokens, r.draft_tokens)
@@ -177,9 +186,10 @@ class Admission:
                 # Kept even when what follows is refused: the drafts cut are rejected anyway.
                 engine.rewind(seq, r.keep_tokens)
             before = (len(seq.token_ids), len(seq.pages), len(seq.ring),
-                      seq.state_slot is not None)
+                      seq.state_slot is not None, seq.dropped)
             reuse = self._with_room(seq, len(r.tokens), jobs,
-                                    lambda: engine.admit(seq, r.tokens, r.cache_salt))
+                                    (lambda: engine.readmit(seq, r.tokens)) if seq.dropped else
+                                    (lambda: engine.admit(seq, r.tokens, r.cache_salt)))
         except RequestError as e:
             self._refuse(r, INVALID_ARG, e.reason, f"sequence {r.seq_id}: {e}")
             return None

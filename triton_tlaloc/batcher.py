@@ -10,10 +10,11 @@ are run:
   reclaimed only from sequences Triton has already ended (idle longer than
   `BatchPolicy.reclaim_after_s`: Triton sends no END for a sequence it times out), least
   recently active first, only as many as needed (`policy.choose_reclaim`). With the host tier,
-  idle live sequences are then swapped out to host memory, busy ones preempted, and a request
-  that still cannot run waits for pages (room.py); otherwise the request is refused by name
-  (admission.py). A refused request still counts as activity. No live sequence's KV is ever
-  lost.
+  idle live sequences are then swapped out to host memory, busy ones preempted (or, when the
+  host tier is full, their KV given up and computed again on their next request: only for an
+  admitted sequence's request, never a new START's), and a request that still cannot run
+  waits for pages (room.py); otherwise the request is refused by name (admission.py). A
+  refused request still counts as activity. No live sequence's tokens are ever lost.
 - Calls. Decode rows of several sequences go into one decode call on the smallest entry that
   holds them; prompts of one context bucket into one prefill call (a call computes every row at
   its entry's context, so buckets are not merged); a prompt longer than the largest prefill
@@ -209,10 +210,9 @@ class Batcher(Admission, RoomMaking):
         self._entries_changed = False
         # A sequence whose request waits (for pages, or an entry) sends no other.
         waiting = {r.seq_id for r in self._waiting} | self.held_back_ids()
-        # A swapped-out sequence is not waited for by its cohort; a sequence whose request
-        # waits for pages sends no other.
-        held = (self.sequences if self.host is None or not self.host.sequences else
-                {k for k, s in self.sequences.items() if s.swapped is None})
+        # A swapped-out or dropped sequence is not waited for by its cohort.
+        off = {s.seq_id for s in self._off_device()}
+        held = {k for k in self.sequences if k not in off} if off else self.sequences
         taken, wake_at = select([r for r in self._pending if r.seq_id not in waiting], now=now,
                                 policy=self.policy, cohort=self.cohort, held=held,
                                 max_prefill_batch=self.max_prefill_batch)
@@ -334,8 +334,7 @@ class Batcher(Admission, RoomMaking):
         except Exception as e:
             log.exception("%s call for sequences %s failed", kind, [s.seq_id for s in seqs])
             for j in jobs:
-                kept = self.engine.rollback(j.seq, j.num_tokens, j.num_pages, j.num_ring,
-                                            j.had_state_slot)
+                kept = self._roll_back(j)
                 lost = ""
                 if j.request.start or not kept:
                     self._release(j.seq)
@@ -365,8 +364,13 @@ class Batcher(Admission, RoomMaking):
                                             f"NaN or infinity (its weights or its KV are not "
                                             f"finite)", code=INTERNAL))
                 continue
-            j.request.reply(Reply(logits=row.logits, accepted_ids=row.accepted, kv_pages=pages)
-                            if kind == "verify" else Reply(logits=row, kv_pages=pages))
+            if kind == "verify":
+                j.request.reply(Reply(logits=row.logits, accepted_ids=row.accepted,
+                                      kv_pages=pages))
+            elif j.request.drafts_unchecked:
+                j.request.reply(self._as_verified(j.request, row, pages))
+            else:
+                j.request.reply(Reply(logits=row, kv_pages=pages))
         t_done = time.perf_counter()
         phases = {k: v - phases_before[k] for k, v in self.engine.phase_seconds().items()}
         admit, self._admit_seconds = self._admit_seconds, 0.0
@@ -388,6 +392,23 @@ class Batcher(Admission, RoomMaking):
                             kind, self.engine.last_entry,
                             [j.seq.seq_id for j, b in zip(jobs, bad) if b])
         return bad
+
+    @staticmethod
+    def _as_verified(r: Request, row: np.ndarray, pages: tuple[int, int]) -> Reply:
+        """A verify request whose drafts went unchecked, answered as accepting none: the
+        model's own next token (its acceptor's choice when sampling)."""
+        token = int(np.argmax(row)) if r.acceptor is None else r.acceptor(row[None], [])[1]
+        return Reply(logits=row if r.want_logits else None, accepted_ids=[token],
+                     kv_pages=pages)
+
+    def _roll_back(self, job: Job) -> bool:
+        """Undo an admitted job whose call failed or was preempted (Engine.rollback); a
+        sequence that was dropped is dropped again. False: its state cannot be rewound."""
+        kept = self.engine.rollback(job.seq, job.num_tokens, job.num_pages, job.num_ring,
+                                    job.had_state_slot)
+        if job.was_dropped and kept:
+            self.engine.drop(job.seq)
+        return kept
 
     def held_back_ids(self) -> set:
         """The sequences whose request is held back until an entry compiles."""

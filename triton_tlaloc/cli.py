@@ -355,7 +355,9 @@ def _cmd_openai(args) -> int:
         cors_origins=tuple(args.cors_origin or ()),
         allowed_hosts=(tuple(args.allowed_host) if args.allowed_host
                        else default_allowed_hosts(args.host)),
-        max_prompt_chars=args.max_prompt_chars)
+        max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s,
+        max_header_bytes=args.max_header_bytes)
     models = {name: ServedModel.discover(args.url, name, args.tokenizer) for name in args.model}
     serve(args.url, models, args.host, args.port, options=options)
     return 0
@@ -678,6 +680,16 @@ def _add_openai_parser(sub) -> None:
     p.add_argument("--max-prompt-chars", type=int, default=1_000_000,
                    help="the longest prompt, or messages' content, in characters "
                         "(default 1000000; longer: 400)")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="seconds a request's headers may take to arrive, from the connection "
+                        "opening or the previous answer (default 10; later: closed)")
+    p.add_argument("--body-timeout-s", type=float, default=60.0,
+                   help="seconds a request's body may take after its headers (default 60; "
+                        "later: 408)")
+    p.add_argument("--keep-alive-s", type=float, default=5.0,
+                   help="seconds an idle connection is kept after an answer (default 5)")
+    p.add_argument("--max-header-bytes", type=int, default=16 * 1024,
+                   help="the largest request line and headers (default 16 KiB; larger: 400)")
     p.set_defaults(fn=_cmd_openai)
 
 

@@ -157,20 +157,42 @@ class Engine(Verification):
         sequence's prompt first takes what it finds cached (`cache_salt` is its tenant's:
         prompts of different salts share nothing); what it took is returned."""
         self.check_request(seq, tokens)
-        length = len(seq.token_ids) + len(tokens)
         if seq.token_ids:
-            self.blocks.reserve(seq, length)
+            self.blocks.reserve(seq, len(seq.token_ids) + len(tokens))
             seq.token_ids += tokens
             return Reuse()
-        reuse = self.blocks.start(seq, tokens, root_hash(self.art.model.model_hash,
-                                                         cache_salt or ""))
+        return self._start(seq, tokens, root_hash(self.art.model.model_hash, cache_salt or ""))
+
+    def readmit(self, seq: Sequence, tokens: list[int]) -> Reuse:
+        """Append `tokens` to a sequence whose KV was dropped to make room: its whole history
+        and `tokens` are admitted again like a prompt of its own root (taking what prefix
+        reuse still finds cached: often most of it), or raise leaving it dropped."""
+        assert seq.dropped and not any(seq.holding.values()) and seq.swapped is None
+        self.check_request(seq, tokens)
+        history, seq.token_ids = seq.token_ids, []
         try:
-            self.blocks.reserve(seq, length)
+            reuse = self._start(seq, history + tokens, seq.root)
+        except PagesExhausted:
+            seq.token_ids = history
+            raise
+        seq.dropped = False
+        return reuse
+
+    def _start(self, seq: Sequence, prompt: list[int], root: bytes) -> Reuse:
+        reuse = self.blocks.start(seq, prompt, root)
+        try:
+            self.blocks.reserve(seq, len(prompt))
         except PagesExhausted:
             self.blocks.unstart(seq, reuse)
             raise
-        seq.token_ids += tokens
+        seq.token_ids += prompt
         return reuse
+
+    def drop(self, seq: Sequence) -> None:
+        """Give up `seq`'s KV to make room, keeping its tokens (its registered blocks stay
+        cached): its next request computes them again (`readmit`)."""
+        self.blocks.free(seq)
+        seq.dropped = True
 
     def check_request(self, seq: Sequence, tokens: list[int]) -> None:
         """RequestError unless `seq` can take `tokens`: known ids, within the largest context."""

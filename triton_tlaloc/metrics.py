@@ -136,6 +136,10 @@ class Observer:
     def preempted(self) -> None:
         """A sequence with a request waiting was swapped out to make room."""
 
+    def recomputed(self) -> None:
+        """A sequence's KV was dropped to make room (the host tier full): its next request
+        computes it again."""
+
     def held_back(self, kind: str) -> None:
         """A call (decode, prefill or verify) held back until an entry it needs compiles."""
 
@@ -189,6 +193,7 @@ class BatcherStats(Observer):
         self.swaps = {"out": 0, "in": 0}
         self.swap_bytes = {"out": 0, "in": 0}
         self.preemptions = 0
+        self.recomputes = 0  # sequences whose KV was dropped to make room
         self.held_for_compile = {"decode": 0, "prefill": 0, "verify": 0}  # calls held back
         self.drafted = 0  # draft tokens checked by verify calls
         self.accepted = 0  # of them, accepted
@@ -235,6 +240,9 @@ class BatcherStats(Observer):
 
     def preempted(self) -> None:
         self.preemptions += 1
+
+    def recomputed(self) -> None:
+        self.recomputes += 1
 
     def held_back(self, kind: str) -> None:
         self.held_for_compile[kind] += 1

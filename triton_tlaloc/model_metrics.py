@@ -100,6 +100,10 @@ class TritonMetrics(Observer):
         self.preemptions = family("tlaloc_preemptions_total", "Sequences with a request in "
                                   "flight swapped out to make room (their request waits)",
                                   F.COUNTER).Metric(labels=self.labels)
+        self.recomputes = family("tlaloc_kv_recomputes_total", "Sequences whose KV was "
+                                 "dropped to make room while the host tier was full (their "
+                                 "next request computes it again)", F.COUNTER).Metric(
+            labels=self.labels)
         self._held_back = family("tlaloc_held_for_compile_total", "Calls held back until an "
                                  "entry they need compiled (other sequences were served "
                                  "meanwhile), by kind (decode, prefill, verify)", F.COUNTER)
@@ -215,6 +219,9 @@ class TritonMetrics(Observer):
 
     def preempted(self):
         self.writer.increment(self.preemptions, 1)
+
+    def recomputed(self):
+        self.writer.increment(self.recomputes, 1)
 
     def held_back(self, kind):
         self.writer.increment(self._metric(self._held_back, kind=kind), 1)

@@ -1,12 +1,13 @@
 """Making room for a request short of pages: the batcher's reclamation of sequences Triton has
-ended, and with the host tier its swapping, preemption and waiting (docs/design.md#the-host-tier).
+ended, and with the host tier its swapping, preemption, dropping of KV to compute again (when
+the host tier is full) and waiting (docs/design.md#the-host-tier).
 
 `RoomMaking` is the half of `batcher.Batcher` that decides whose pages go when a request needs
 more than are free; the batcher inherits it. It relies on the batcher's state: `engine`,
 `policy`, `clock`, `host` (host_tier.HostTier or None), `preempt_wait_s`, `sequences` (held
 ids), `_busy` (ids with a request in the round, queued or waiting), `_waiting` (requests waiting
-for pages), `_admissions`, and on `held_back_ids`, `_observe` and `_release`. Pure Python: no
-Triton or JAX.
+for pages), `_admissions`, and on `held_back_ids`, `_observe`, `_roll_back` and `_release`.
+Pure Python: no Triton or JAX.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ class RoomMaking:
         """`attempt()`, making room when it runs short of pages: sequences Triton has ended
         are reclaimed; with the host tier, idle sequences are swapped out and, when they are
         not enough, the round's most recently admitted sequences preempted, one at a time,
-        never the requester's betters for nothing. Raises the last PagesExhausted."""
+        never the requester's betters for nothing. When the host tier cannot take them, an
+        admitted sequence's request drops the same victims' KV instead (computed again on
+        their next request): what STARTed is served before a new START is. Raises the last
+        PagesExhausted."""
         try:
             return attempt()
         except PagesExhausted as e:
@@ -83,28 +87,38 @@ class RoomMaking:
                 last = e
         if self.host is None:
             raise last
-        while self._swap_out_for(seq, n_tokens, jobs):
+        while self._make_room_for(seq, n_tokens, jobs, drop=False):
+            try:
+                return attempt()
+            except PagesExhausted as e:
+                last = e
+        while self._admitted(seq) and self._make_room_for(seq, n_tokens, jobs, drop=True):
             try:
                 return attempt()
             except PagesExhausted as e:
                 last = e
         raise last
 
-    def _swap_out_for(self, seq: Sequence, n_tokens: int, jobs: list[Job]) -> bool:
-        """Swap out (or preempt) the next sequence that helps `seq` take `n_tokens` more; False
-        when none can cover what it lacks (nothing is swapped then)."""
+    def _admitted(self, seq: Sequence) -> bool:
+        """Whether `seq` is a held sequence (not a new START's)."""
+        return self.sequences.get(seq.seq_id) is seq
+
+    def _make_room_for(self, seq: Sequence, n_tokens: int, jobs: list[Job], drop: bool) -> bool:
+        """Swap out (or preempt) the next sequence that helps `seq` take `n_tokens` more, or
+        with `drop` give up its KV; False when none can cover what it lacks (nothing is
+        touched then)."""
         short = self._lacking(seq, n_tokens)
         if not short:
             return False
         refs = self.engine.blocks.full.refs
-        held = [s for s in self._on_device(seq) if self.host.fits(s)]
+        held = [s for s in self._on_device(seq) if drop or self.host.fits(s)]
         idle = sorted((s for s in held if s.seq_id not in self._busy),
                       key=lambda s: s.last_active)
         # The requester ranks as it was admitted (a new START: after every other).
-        rank = seq.admitted if seq.seq_id in self.sequences else self._admissions + 1
+        rank = seq.admitted if self._admitted(seq) else self._admissions + 1
         busy = sorted((s for s in held if s.seq_id in self._busy and s.admitted > rank),
                       key=lambda s: -s.admitted)
-        # A page another sequence holds too is not freed by swapping this one out.
+        # A page another sequence holds too is not freed by moving this one.
         victim = choose_swap_out(
             [(s, {**s.holding, FULL: sum(refs[p] == 1 for p in s.pages)}) for s in idle + busy],
             short)
@@ -112,14 +126,17 @@ class RoomMaking:
             return False
         job = next((j for j in jobs if j.seq is victim), None)
         if victim.seq_id in self._busy:
-            self._preempt(victim, job, jobs)
+            self._preempt(victim, job, jobs, drop)
+        elif drop:
+            self._drop(victim, f"idle {self.clock() - victim.last_active:.1f} s")
         else:
             self._swap_out(victim, f"idle {self.clock() - victim.last_active:.1f} s")
         return True
 
-    def _preempt(self, victim: Sequence, job: Job | None, jobs: list[Job]) -> None:
-        """Swap out a sequence whose request is in this round (or queued): its request waits
-        for pages (a job already admitted is rolled back first)."""
+    def _preempt(self, victim: Sequence, job: Job | None, jobs: list[Job],
+                 drop: bool = False) -> None:
+        """Swap out (or with `drop`, drop) a sequence whose request is in this round (or
+        queued): its request waits for pages (a job already admitted is rolled back first)."""
         self._observe("preempted")
         if job is not None:
             jobs.remove(job)
@@ -129,15 +146,18 @@ class RoomMaking:
                 log.info("sequence %s preempted before its prompt ran: it waits for pages",
                          victim.seq_id)
                 return
-            self.engine.rollback(victim, job.num_tokens, job.num_pages, job.num_ring,
-                                 job.had_state_slot)
+            self._roll_back(job)
             self._defer(job.request)
-        self._swap_out(victim, "preempted")
+        if drop:
+            self._drop(victim, "preempted")
+        elif victim.swapped is None and not victim.dropped:  # a rolled-back readmission holds none
+            self._swap_out(victim, "preempted")
 
     def _wait(self, r: Request, seq: Sequence, e: PagesExhausted) -> bool:
         """With the host tier, a request short of pages waits for them (its sequence swapped
-        out) until its deadline; False: it is refused now (no host tier, past the deadline,
-        more than the pools hold, or the host budget spent)."""
+        out, or dropped when the host tier cannot take it) until its deadline; False: it is
+        refused now (no host tier, past the deadline, more than the pools hold, or a new START
+        while the host tier is full: new users are turned away before admitted ones)."""
         if self.host is None:
             return False
         now = self.clock()
@@ -149,17 +169,19 @@ class RoomMaking:
         total = self.engine.blocks.need(Sequence([]), len(seq.token_ids) + len(r.tokens))
         if any(n > capacity[k] for k, n in total.items()):
             return False  # it would never fit
-        # A START short of pages holds nothing (its admission was undone).
-        holds = any(seq.holding.values())
-        unfit = [s for s in self._on_device(seq)
-                 if s.seq_id not in self._busy and not self.host.fits(s)]
-        if (holds and not self.host.fits(seq)) or unfit:
-            e.args = (f"{e}; the host tier is full ({self.host.used} of {self.host.budget} "
-                      f"bytes)",)
-            return False
-        if holds:
+        if not self._admitted(seq):  # a START's admission was undone: it holds nothing
+            unfit = [s for s in self._on_device(seq)
+                     if s.seq_id not in self._busy and not self.host.fits(s)]
+            if unfit:
+                e.args = (f"{e}; the host tier is full ({self.host.used} of "
+                          f"{self.host.budget} bytes)",)
+                return False
+        elif any(seq.holding.values()):
             self._observe("preempted")
-            self._swap_out(seq, "preempted")
+            if self.host.fits(seq):
+                self._swap_out(seq, "preempted")
+            else:
+                self._drop(seq, "preempted; the host tier is full")
         self._defer(r)
         return True
 
@@ -170,6 +192,14 @@ class RoomMaking:
                      self.preempt_wait_s)
         self._waiting.append(r)
         self._busy.add(r.seq_id)
+
+    def _drop(self, seq: Sequence, why: str) -> None:
+        log.info("sequence %s dropped: %d pages%s given up (%s; the host tier is full): its "
+                 "next request computes its %d tokens again", seq.seq_id, len(seq.pages),
+                 f" and {len(seq.ring)} ring pages" if seq.ring else "", why,
+                 len(seq.token_ids))
+        self.engine.drop(seq)
+        self._observe("recomputed")
 
     def _swap_out(self, seq: Sequence, why: str) -> None:
         swap = self.host.swap_out(seq)
@@ -186,25 +216,29 @@ class RoomMaking:
                  f" ({why})" if why else "")
         self._observe("swapped", swap.direction, swap.nbytes, swap.seconds)
 
+    def _off_device(self) -> list[Sequence]:
+        """Held sequences whose KV is swapped out or dropped (none without the host tier)."""
+        if self.host is None:  # nothing is swapped out or dropped
+            return []
+        return [s for s in self.sequences.values() if s.swapped is not None or s.dropped]
+
     def _sweep_at(self) -> float | None:
-        """When the next swapped-out sequence passes the reclamation rule (its host memory
-        is then released without waiting for a request to need it)."""
-        if self.host is None or not self.host.sequences:
+        """When the next swapped-out or dropped sequence passes the reclamation rule (its host
+        memory and its tokens are then released without waiting for a request to need it)."""
+        parked = self._off_device()
+        if not parked:
             return None
-        return min(s.last_active for s in self.sequences.values()
-                   if s.swapped is not None) + self.policy.reclaim_after_s
+        return min(s.last_active for s in parked) + self.policy.reclaim_after_s
 
     def _sweep(self, now: float) -> None:
-        if self.host is None or not self.host.sequences:
-            return
-        gone = [s for s in self.sequences.values() if s.swapped is not None
-                and now - s.last_active > self.policy.reclaim_after_s]
+        gone = [s for s in self._off_device() if now - s.last_active > self.policy.reclaim_after_s]
         if not gone:
             return
         for s in gone:
-            log.info("reclaimed sequence %s: swapped out, %.1f KiB on the host, idle %.1f s "
-                     "(Triton ends a sequence idle %.1f s)", s.seq_id, s.swapped.nbytes / 1024,
-                     now - s.last_active, self.policy.idle_timeout_s)
+            where = (f"swapped out, {s.swapped.nbytes / 1024:.1f} KiB on the host"
+                     if s.swapped is not None else "dropped")
+            log.info("reclaimed sequence %s: %s, idle %.1f s (Triton ends a sequence idle "
+                     "%.1f s)", s.seq_id, where, now - s.last_active, self.policy.idle_timeout_s)
             self._release(s)
             self._observe("reclaimed", 1, 0)
         self._observe("state", self.pool_state(), len(self.sequences))

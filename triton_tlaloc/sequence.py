@@ -5,7 +5,8 @@ Its tokens, how many of them have KV in the pools, the pages that hold them (in 
 its ring of windowed pages (schema v3), its linear-attention state slot (schema v4), and for
 prefix reuse the root of its block hashes (the model's hash and the request's cache salt) and
 the hash of each full block computed so far; while it is swapped out, its KV on the host (it
-then holds no page, ring page or state slot, and keeps its tokens and hashes).
+then holds no page, ring page or state slot, and keeps its tokens and hashes); once dropped to
+make room, nothing but its tokens and its root (vLLM's preemption by recomputation).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Sequence:
     reused: int = 0  # tokens of its first prompt whose KV it found cached (not computed)
     admitted: int = 0  # the order of its START among all admitted (preemption takes the latest)
     swapped: Any = None  # its KV on the host while swapped out (host_tier.SwappedKV)
+    # Its KV was given up to make room (the host tier full): it holds nothing and keeps its
+    # tokens; its next request computes them again (Engine.readmit).
+    dropped: bool = False
     # Between its START and its reservation: prompt blocks found on the host tier, written
     # into its pages by the reservation (pages.BlockManager.start).
     from_host: list = field(default_factory=list)

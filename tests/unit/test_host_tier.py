@@ -308,3 +308,104 @@ def test_random_sessions_on_a_small_pool_keep_every_invariant(shared):
     assert used == 0
     if shared:  # blocks were spilled, found on the host and written back
         assert h.batcher.host.restored > 0 and h.batcher.stats.prefix_from_host > 0
+
+
+def converse(h: Harness, chats: dict, rounds: int = 3000) -> dict:
+    """Chats of several turns: START with the prompt, then each turn's request is the last
+    reply's argmax and the turn's user tokens, followed by `steps` decode steps; the last
+    request carries END. A client sends only once its previous reply is in. A chat whose START
+    is refused drops out (None); any other refusal fails the test. Returns each chat's argmax
+    after every request."""
+    out = {k: [] for k in chats}
+    plan = {k: [(prompt, True)] + [(turn, False) for turn in turns] for k, (prompt, turns, _) in
+            chats.items()}
+    todo = {k: sum(1 + steps for _ in turns) + 1 for k, (_, turns, steps) in chats.items()}
+    sent = {k: 0 for k in chats}
+    for _ in range(rounds):
+        for k, (_, turns, steps) in chats.items():
+            replies = h.replies.get(k, [])
+            if out[k] is None or sent[k] != len(replies) or len(out[k]) == todo[k]:
+                continue
+            if replies:
+                if replies[-1].error is not None:
+                    assert sent[k] == 1, f"chat {k}, request {sent[k]}: {replies[-1].error}"
+                    out[k] = None  # its START was refused: a new user turned away
+                    continue
+                out[k].append(next_token(replies[-1]))
+                if len(out[k]) == todo[k]:
+                    continue
+            n = len(out[k])  # requests answered so far
+            last = n == todo[k] - 1
+            if n == 0:
+                h.send(k, plan[k][0][0], start=True)
+            elif (n - 1) % (steps + 1) == steps or n == 0:
+                turn = plan[k][1 + (n - 1) // (steps + 1)][0]
+                h.send(k, [out[k][-1]] + turn, end=last)
+            else:
+                h.send(k, [out[k][-1]], end=last)
+            sent[k] += 1
+        h.clock.advance(0.05)
+        h.run()
+        check_round(h)
+        if all(o is None or len(o) == todo[k] for k, o in out.items()):
+            return out
+    raise AssertionError(f"not finished: {out}")
+
+
+def test_a_full_host_tier_turns_new_users_away_and_every_admitted_chat_finishes():
+    """12 chats of 6 turns on 16 pages and a host tier of 12: the chats admitted outgrow both,
+    so sequences idle between turns give up their KV (computed again on their next turn)
+    rather than an admitted chat being refused; new STARTs are refused while the host tier is
+    full. Every admitted chat gets its solo ids. Control: the chats alone fit (a large pool)."""
+    art = dict(batch_ladder=(1, 2, 4), context_ladder=(64, 128), block_size=8)
+    chats = {k: ([(7 * k + j) % 200 + 8 for j in range(24)],
+                 [[(11 * k + 3 * t + j) % 200 + 8 for j in range(6)] for t in range(6)], 3)
+             for k in range(12)}
+    solo = converse(Harness(fake_artifact(num_blocks=400, **art)), chats)
+    h = Harness(fake_artifact(num_blocks=17, **art), host_bytes=12 * 8 * 8,
+                preempt_wait_s=1000.0)
+    got = converse(h, chats)
+    admitted = [k for k, o in got.items() if o is not None]
+    assert len(admitted) >= 4, got
+    assert {k: got[k] for k in admitted} == {k: solo[k] for k in admitted}
+    stats = h.batcher.stats
+    assert stats.refusals == {"pages": len(chats) - len(admitted)}  # STARTs only
+    assert stats.recomputes > 0 and stats.swaps["out"] > 0
+    assert h.batcher.host.used == 0 and not h.batcher.sequences
+
+
+def test_a_dropped_sequence_computes_its_history_again_for_any_request():
+    """A sequence whose KV was dropped: a verify request is answered as accepting no draft
+    (the model's own next token), a call that fails leaves it dropped with its tokens, the next
+    request computes it all again (the KV checked), and once Triton would have ended it idle
+    it is reclaimed unasked. Control: the same requests on a sequence never dropped verify
+    their drafts."""
+    for dropped in (True, False):
+        h = Harness(fake_artifact(num_blocks=33), host_bytes=BIG, idle_timeout_s=1.0,
+                    reclaim_allowance_s=0.5)
+        prompt = list(range(10, 30))
+        token = next_token(h.step("a", prompt, start=True))  # (29 + 19) % 256
+        seq = h.batcher.sequences["a"]
+        if dropped:
+            h.batcher.engine.drop(seq)
+            assert seq.dropped and not seq.pages and seq.token_ids == prompt
+        drafts = [(token + 20) % 256, 0]  # the first is the rule's next token, the second not
+        reply = h.step("a", [token] + drafts, draft_tokens=2)
+        assert reply.error is None and not seq.dropped
+        assert reply.accepted_ids == ([(token + 20) % 256] if dropped else
+                                      [drafts[0], (drafts[0] + 21) % 256])
+        check_round(h)
+        length = len(seq.token_ids)
+        if dropped:
+            h.batcher.engine.drop(seq)
+            h.rt.fail_next = RuntimeError("a device fault")
+            assert h.step("a", [reply.accepted_ids[-1]]).code == "INTERNAL"
+            assert seq.dropped and not seq.pages and len(seq.token_ids) == length
+            check_round(h)
+        reply = h.step("a", [reply.accepted_ids[-1]])
+        assert reply.error is None and len(seq.token_ids) == length + 1
+        check_round(h)
+        h.batcher.engine.drop(seq)
+        h.clock.advance(5.0)
+        h.run()
+        assert "a" not in h.batcher.sequences

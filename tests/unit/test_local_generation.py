@@ -246,13 +246,17 @@ def test_speculating_streams_get_their_greedy_ids_beside_plain_ones(private_tmp)
 
 def test_responses_carry_several_tokens_when_sends_fall_behind(private_tmp):
     """Sends slower than the step: responses gather the tokens that came meanwhile, in order,
-    nothing lost. Control: with sends faster than the step, one response a token."""
-    for send_delay, step, many in ((0.012, 0.001, True), (0.0, 0.01, False)):
+    nothing lost. Control: with sends far faster than the step, one response a token (a busy
+    machine may hold one send past a step now and then: at most two responses gather)."""
+    for send_delay, step, many in ((0.012, 0.001, True), (0.0, 0.04, False)):
         prompt = [5, 6, 7]
         outs, = Served(step, send_delay).run(streams_for([prompt], 16))
         assert [t for o in outs for t in o.token_ids] == greedy_alone(prompt, 16)
-        sizes = [len(o.token_ids) for o in outs]
-        assert (max(sizes) > 1) == many, sizes
+        gathered = sum(len(o.token_ids) > 1 for o in outs)
+        if many:
+            assert gathered and len(outs) <= 10, [len(o.token_ids) for o in outs]
+        else:
+            assert gathered <= 2, [len(o.token_ids) for o in outs]
 
 
 def test_a_cancelled_stream_ends_with_one_cancelled_response_and_frees_its_sequence(

@@ -645,6 +645,12 @@ def test_the_command_line_builds_the_options(monkeypatch, capsys):
     assert options.allowed_hosts == ("*",) and options.cors_origins == ("http://a", "http://b")
     assert (options.max_body_bytes, options.max_concurrent, options.max_prompt_chars) == (
         10, 3, 7)
+    assert (options.header_timeout_s, options.body_timeout_s, options.keep_alive_s,
+            options.max_header_bytes) == (10.0, 60.0, 5.0, 16 * 1024)  # the defaults
+    options = run("--header-timeout-s", "2.5", "--body-timeout-s", "7", "--keep-alive-s", "1",
+                  "--max-header-bytes", "4096")
+    assert (options.header_timeout_s, options.body_timeout_s, options.keep_alive_s,
+            options.max_header_bytes) == (2.5, 7.0, 1.0, 4096)
     assert "warning" in capsys.readouterr().err  # no key on a public address
     monkeypatch.setenv("TLALOC_API_KEY", "from-env")
     assert run("--host", "0.0.0.0", "--allowed-host", "api.example").api_key == "from-env"
