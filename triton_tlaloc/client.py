@@ -1,0 +1,7 @@
+"""An old path, kept for imports written before the package was grouped by concern: this module
+is triton_tlaloc.frontends.client itself (or import the names from triton_tlaloc)."""
+
+import importlib
+import sys
+
+sys.modules[__name__] = importlib.import_module(".frontends.client", __package__)
