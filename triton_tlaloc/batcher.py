@@ -44,6 +44,7 @@ from .codes import INTERNAL, INVALID_ARG, UNAVAILABLE
 from .engine import Engine, EntryCompiling, Sequence
 from .host_tier import HostTier
 from .metrics import BatcherStats, CallTiming, Observer
+from .model_parameters import default_int
 from .admission import Admission, Job, Reply, Request
 from .policy import BatchPolicy, Cohort, select
 from .room import RoomMaking
@@ -62,7 +63,7 @@ class Batcher(Admission, RoomMaking):
     def __init__(self, engine: Engine, policy: BatchPolicy = BatchPolicy(),
                  clock: Callable[[], float] = time.monotonic,
                  observers: tuple[Observer, ...] = (), host_tier: HostTier | None = None,
-                 preempt_wait_s: float = 10.0):
+                 preempt_wait_s: float = default_int("preempt_wait_microseconds") / 1e6):
         self.engine = engine
         self.policy = policy
         self.clock = clock

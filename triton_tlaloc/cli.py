@@ -518,27 +518,34 @@ def _add_run_parser(sub) -> None:
 
 
 def _add_repository_parser(sub) -> None:
+    from .repository import RepositoryOptions  # the defaults (model_parameters.py)
+
     p = sub.add_parser("repository", help="write a Triton model repository for an artifact")
     p.add_argument("artifact")
     p.add_argument("repo")
     p.add_argument("--name", required=True, help="the model's name in the repository")
-    p.add_argument("--max-sequence-idle-us", type=int, default=60_000_000,
+    p.add_argument("--max-sequence-idle-us", type=int,
+                   default=RepositoryOptions.max_sequence_idle_microseconds,
                    help="Triton ends a sequence idle this long (default 60 s)")
     p.add_argument("--no-donate", action="store_true",
                    help="donate_kv_pools (a program: donate_state) false: pools or state "
                         "copied every run (a control)")
-    p.add_argument("--cohort-wait-us", type=int, default=20_000)
-    p.add_argument("--cohort-wait-steps", type=float, default=0.0,
+    p.add_argument("--cohort-wait-us", type=int,
+                   default=RepositoryOptions.cohort_wait_microseconds)
+    p.add_argument("--cohort-wait-steps", type=float, default=RepositoryOptions.cohort_wait_steps,
                    help="a decode batch waits for its cohort at most this many of the "
                         "previous decode call's durations too (0: only --cohort-wait-us)")
-    p.add_argument("--prefill-wait-us", type=int, default=2_000)
-    p.add_argument("--reply-threads", type=int, default=2,
+    p.add_argument("--prefill-wait-us", type=int,
+                   default=RepositoryOptions.prefill_wait_microseconds)
+    p.add_argument("--reply-threads", type=int, default=RepositoryOptions.reply_threads,
                    help="threads that send the responses (0: the batching thread sends them, "
                         "one at a time)")
-    p.add_argument("--generation-loop", choices=("local", "bls"), default="local",
+    p.add_argument("--generation-loop", choices=("local", "bls"),
+                   default=RepositoryOptions.generation_loop,
                    help="where NAME_generate's loop runs: in NAME's process over a local link "
                         "(local), or as a BLS call to NAME per token (bls)")
-    p.add_argument("--reclaim-allowance-us", type=int, default=2_000_000,
+    p.add_argument("--reclaim-allowance-us", type=int,
+                   default=RepositoryOptions.reclaim_allowance_microseconds,
                    help="added to twice the idle timeout before an idle sequence's pages may "
                         "be reclaimed")
     p.add_argument("--triton-batching", action="store_true",
@@ -570,7 +577,8 @@ def _add_repository_parser(sub) -> None:
     p.add_argument("--host-kv-bytes", type=int, default=None,
                    help="host memory for swapped-out sequences' KV (default: 4x the device's "
                         "KV pools; 0: no host tier, a request short of pages is refused)")
-    p.add_argument("--preempt-wait-us", type=int, default=10_000_000,
+    p.add_argument("--preempt-wait-us", type=int,
+                   default=RepositoryOptions.preempt_wait_microseconds,
                    help="how long a request short of KV pages waits for them before it is "
                         "refused (with the host tier)")
     p.add_argument("--compile-all-first", action="store_true",

@@ -16,6 +16,7 @@ from typing import Container, Protocol
 import numpy as np
 
 from .manifest import Artifact
+from .model_parameters import default_int
 from .pages import (FULL, BlockManager, PagePool, PagesExhausted, PoolShape, Reuse,
                     SharedPagePool, pages_for, root_hash)
 from .codes import RequestError
@@ -102,7 +103,7 @@ class Engine(Verification):
     kept (up to `keep_ended`) for their next turn. Off unless asked for (the server asks, by
     default): a benchmark that runs a prompt twice must measure it computed twice."""
 
-    def __init__(self, runtime: StepRuntime, prefix_reuse: bool = False, keep_ended: int = 64):
+    def __init__(self, runtime: StepRuntime, prefix_reuse: bool = False, keep_ended: int = default_int("keep_ended_sequences")):
         self.rt = runtime
         self.art = runtime.artifact
         self.block_size = self.art.model.block_size

@@ -32,6 +32,7 @@ from .manifest import load_artifact
 from .memory import resident_bytes
 from .metrics import TimingLog
 from .model_metrics import TritonMetrics
+from .model_parameters import DEFAULTS
 from .pjrt import cpu_devices, instance_devices
 from .outputs import (LOGIT_OUTPUTS, TOP_K_DEFAULT, cache_salt_parameter,
                       draft_tokens_parameter, small_outputs, top_k_parameter)
@@ -41,37 +42,6 @@ from .runtime import Runtime
 from .simulated import SimulatedRuntime, simulated_step_s
 
 log = logging.getLogger("triton_tlaloc.model")
-
-# Model config parameters and their defaults (README.md, "Model parameters").
-DEFAULTS = {
-    "serving_manifest": "artifact/tlaloc-serving.json",
-    "donate_kv_pools": "true",
-    "cohort_wait_microseconds": "20000",
-    # > 0: and at most this many of the previous decode call's times (0: off; see policy.py)
-    "cohort_wait_steps": "0",
-    "prefill_wait_microseconds": "2000",
-    "backend_batching": "true",
-    "reclaim_allowance_microseconds": "2000000",
-    "compile_cache_dir": "",
-    "platform": "",
-    "tokenizer_dir": "",
-    "timing_log": "",
-    "metrics_interval_microseconds": "250000",
-    "prefix_reuse": "true",
-    "keep_ended_sequences": "64",
-    "host_kv_bytes": "",  # empty: 4x the device's KV and state pools; 0: no host tier
-    "preempt_wait_microseconds": "10000000",
-    "background_compile": "true",  # ready once a first request's entries are compiled
-    # A benchmark mode: each call a wait of this many ms (simulated.py; refused outside one)
-    "simulate_step_ms": "",
-    # Threads that build and send the responses (replies.py); 0: the batcher thread sends them
-    "reply_threads": "2",
-    # Generate models may run their generation loops in this process (local_generation.py)
-    "local_generation": "true",
-    # The devices of this model's instances, a group of the artifact's N per instance in
-    # instance order (empty: 0, 1, 2, ...; a one-device artifact: its instance group's device)
-    "devices": "",
-}
 
 # The host tier's budget by default, in device pools' worth (TensorRT-LLM sizes its host
 # cache on its own; host memory is usually many times a device's KV pool).

@@ -34,6 +34,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .model_parameters import default_int
 from .page_pools import (FULL, POOLS, STATE, WINDOWED, PagePool, PagesExhausted,
                          SharedPagePool, block_hash, pages_for, root_hash)
 
@@ -99,7 +100,7 @@ class BlockManager:
     request is refused for want of pages.
     """
 
-    def __init__(self, shape: PoolShape, prefix_reuse: bool = True, keep_ended: int = 64):
+    def __init__(self, shape: PoolShape, prefix_reuse: bool = True, keep_ended: int = default_int("keep_ended_sequences")):
         self.shape = shape
         self.block_size = shape.block_size
         self.full = SharedPagePool(shape.num_blocks, FULL)

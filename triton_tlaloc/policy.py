@@ -25,17 +25,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Container, Iterable, Protocol
 
+from .model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
+                               default_int)
+
 
 @dataclass(frozen=True)
 class BatchPolicy:
-    cohort_wait_s: float = 0.020
+    """The batcher's timing, by default the model parameters' defaults (model_parameters.py)."""
+
+    cohort_wait_s: float = default_int("cohort_wait_microseconds") / 1e6
     # > 0: the cohort wait is also at most this many of the previous decode call's durations
-    # (0: off, the server's default too)
-    cohort_wait_steps: float = 0.0
-    prefill_wait_s: float = 0.002
-    backend_batching: bool = True
-    idle_timeout_s: float = 60.0  # the model's max_sequence_idle_microseconds
-    reclaim_allowance_s: float = 2.0  # Triton checks its timeout on a schedule of its own
+    # (0: off)
+    cohort_wait_steps: float = default_float("cohort_wait_steps")
+    prefill_wait_s: float = default_int("prefill_wait_microseconds") / 1e6
+    backend_batching: bool = default_bool("backend_batching")
+    # the model's max_sequence_idle_microseconds
+    idle_timeout_s: float = MAX_SEQUENCE_IDLE_MICROSECONDS / 1e6
+    # Triton checks its timeout on a schedule of its own
+    reclaim_allowance_s: float = default_int("reclaim_allowance_microseconds") / 1e6
 
     def __post_init__(self):
         if self.cohort_wait_steps < 0:

@@ -16,6 +16,8 @@ from pathlib import Path
 from string import Template
 
 from .manifest import MANIFEST_NAME, load_artifact
+from .model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
+                               default_int)
 
 TEMPLATE_DIR = Path(__file__).parent / "model_repository_template"
 INSTANCE_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
@@ -23,15 +25,19 @@ INSTANCE_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 
 @dataclass(frozen=True)
 class RepositoryOptions:
-    max_sequence_idle_microseconds: int = 60_000_000
-    donate_kv_pools: bool = True
-    cohort_wait_microseconds: int = 20_000
-    cohort_wait_steps: float = 0.0  # the cohort wait is also at most this many decode calls
-    prefill_wait_microseconds: int = 2_000
+    """What `tlaloc repository` writes; the model parameters' defaults are model_parameters.py's
+    (each written there once)."""
+
+    max_sequence_idle_microseconds: int = MAX_SEQUENCE_IDLE_MICROSECONDS
+    donate_kv_pools: bool = default_bool("donate_kv_pools")
+    cohort_wait_microseconds: int = default_int("cohort_wait_microseconds")
+    # the cohort wait is also at most this many decode calls
+    cohort_wait_steps: float = default_float("cohort_wait_steps")
+    prefill_wait_microseconds: int = default_int("prefill_wait_microseconds")
     # backend_batching false and a queue delay: Triton forms the batches (a control)
-    backend_batching: bool = True
+    backend_batching: bool = default_bool("backend_batching")
     triton_queue_delay_microseconds: int = 0
-    reclaim_allowance_microseconds: int = 2_000_000
+    reclaim_allowance_microseconds: int = default_int("reclaim_allowance_microseconds")
     instance_kind: str = "cpu"  # cpu | gpu
     # Data-parallel instances, each with its own devices, pools and batcher; Triton's sequence
     # batcher keeps every request of a sequence on one instance.
@@ -44,14 +50,17 @@ class RepositoryOptions:
     generate_model: bool = True  # also write NAME_generate
     draft_model: str = ""  # the sequence model NAME_generate drafts with (speculative decoding)
     sequence_slots: int = 0  # max_candidate_sequences (0: sequence_slots()'s default)
-    prefix_reuse: bool = True  # cached prompt blocks and ended sequences reused (KV reuse)
+    prefix_reuse: bool = default_bool("prefix_reuse")  # cached prompt blocks reused
     host_kv_bytes: int | None = None  # the host tier's budget (None: 4x the pools; 0: off)
-    preempt_wait_microseconds: int = 10_000_000  # how long a request waits for pages
-    background_compile: bool = True  # ready once a first request's entries are compiled
-    reply_threads: int = 2  # threads that send the responses (0: the batching thread)
+    # how long a request waits for pages
+    preempt_wait_microseconds: int = default_int("preempt_wait_microseconds")
+    # ready once a first request's entries are compiled
+    background_compile: bool = default_bool("background_compile")
+    # threads that send the responses (0: the batching thread)
+    reply_threads: int = default_int("reply_threads")
     # Where NAME_generate's loop runs: "local" (in NAME's process, over a local link) or "bls"
     # (a BLS call to NAME per token)
-    generation_loop: str = "local"
+    generation_loop: str = "local" if default_bool("local_generation") else "bls"
 
 
 GENERATION_LOOPS = ("local", "bls")
