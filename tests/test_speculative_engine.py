@@ -70,18 +70,18 @@ def test_every_kind_of_draft_gives_the_same_ids_and_right_ones_save_calls(case):
 def test_accepting_one_draft_more_than_matched_changes_the_ids(case):
     """The control: the acceptance rule, not the test, keeps the ids exact."""
     engine, prompt, want = case
-    engine.accept = lambda d, p: min(len(d), accepted_drafts(d, p) + 1)
+    engine.verifier.accept = lambda d, p: min(len(d), accepted_drafts(d, p) + 1)
     try:
         got = engine.generate_greedy(prompt, STEPS, speculate=4,
                                      drafter=known_drafter(prompt, want, 2))
     finally:
-        engine.accept = accepted_drafts
+        engine.verifier.accept = accepted_drafts
     assert got.generated_ids != want
 
 
 def test_a_sequence_cut_back_after_wrong_tokens_goes_on_with_transformers_ids(case):
     """A draft model's sequence: each step feeds the next true token, then three wrong ones one
-    call each, and is cut back to the true history (engine.rewind). The next token after every
+    call each, and is cut back to the true history (Verifier.rewind). The next token after every
     cut is transformers' (a ring cut back within its spare positions; with blocks registered
     for reuse, a cut into one computes its kept positions again in a prefill call). The
     control: the first cut one token short (a wrong token kept) changes them."""
@@ -98,7 +98,7 @@ def test_a_sequence_cut_back_after_wrong_tokens_goes_on_with_transformers_ids(ca
             for wrong in (3, 5, 7):
                 engine.admit(seq, [wrong])
                 engine.decode([seq])
-            engine.rewind(seq, len(seq.token_ids) - 3 + (short if len(got) == 1 else 0))
+            engine.verifier.rewind(seq, len(seq.token_ids) - 3 + (short if len(got) == 1 else 0))
             got.append(int(np.argmax(logits[0])))
             recomputed[0] += recompute
         engine.free(seq)

@@ -2,26 +2,29 @@
 (docs/design.md#batching).
 
 `Request` is one request as execute() queued it, `Reply` what goes back, `Job` a request
-admitted in a round with its sequence as it was before (for rollback). `Admission` is the half
-of `batcher.Batcher` that admits a request: a START begins a sequence (taking what prefix reuse
-finds cached), a later request appends to its sequence; pages are reserved (room.py makes room
-when they run short) or the request is refused by name and nothing changes. The batcher
-inherits it and supplies `engine`, `clock`, `sequences`, `_admissions`, `_observe`,
-`_release`, `_with_room`, `_swap_in` and `_wait`. A sequence whose KV was dropped to make room
-is admitted again whole (Engine.readmit). Pure Python: no Triton or JAX.
+admitted in a round with its sequence as it was before (for rollback). `Admission` admits a
+request: a START begins a sequence (taking what prefix reuse finds cached), a later request
+appends to its sequence; pages are reserved (its room maker, room.py, makes room when they run
+short) or the request is refused by name and nothing changes. A sequence whose KV was dropped to
+make room is admitted again whole (Engine.readmit). The batcher owns one, over the state they
+share (batcher_state.BatcherState). Pure Python: no Triton or JAX.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from .codes import INVALID_ARG, UNAVAILABLE
 from .engine import RequestError, Sequence
 from .pages import PagesExhausted, Reuse
+
+if TYPE_CHECKING:
+    from .batcher_state import BatcherState
+    from .room import RoomMaker
 
 log = logging.getLogger("triton_tlaloc.batcher")
 
@@ -57,7 +60,7 @@ class Request:
     # Sampled speculation (a generation in this process): which drafts stand (speculation.py)
     acceptor: Callable[[np.ndarray, list[int]], tuple[int, int]] | None = None
     # A draft model's step: the sequence is first cut back to its first keep_tokens tokens
-    # (the drafts its target rejected dropped; engine.rewind)
+    # (the drafts its target rejected dropped; Verifier.rewind)
     keep_tokens: int | None = None
     # Its drafts were not checked: its sequence's KV had been dropped, and the call that
     # computes it again checks none (answered as a verify call accepting no draft).
@@ -109,7 +112,14 @@ class Job:
 
 
 class Admission:
-    """Admission and refusals for `batcher.Batcher`."""
+    """Admission and refusals of the batcher's requests."""
+
+    def __init__(self, state: BatcherState, room: RoomMaker):
+        self.state = state
+        self.room = room
+        self.engine = state.engine
+        self.clock = state.clock
+        self.sequences = state.sequences  # the same dict: held sequences by id
 
     def _holding(self, s: Sequence) -> str:
         ring = f", {len(s.ring)} ring pages" if self.engine.blocks.rings is not None else ""
@@ -117,7 +127,7 @@ class Admission:
         return f"{s.seq_id} ({len(s.pages)} pages{ring}{slot})"
 
     def _refuse(self, r: Request, code: str, reason: str, message: str) -> None:
-        self._observe("refusal", reason)
+        self.state.observe("refusal", reason)
         log.info("sequence %s refused (%s): %s", r.seq_id, reason, message)
         r.reply(Reply(error=message, code=code))
 
@@ -137,7 +147,9 @@ class Admission:
                          f"sequence {r.seq_id}: KV pool full: {e}; {len(holding)} sequences "
                          f"hold pages (retry when one ends)")
 
-    def _admit(self, r: Request, jobs: list[Job]) -> Job | None:
+    def admit(self, r: Request, jobs: list[Job]) -> Job | None:
+        """`r` admitted in this round: its job, to run with `jobs`; or None, answered now (a
+        refusal, an END with nothing to run) or put to wait for pages."""
         engine = self.engine
         if r.start:
             old = self.sequences.get(r.seq_id)
@@ -147,7 +159,7 @@ class Admission:
                 # another prompt of the same history may still take it over.)
                 log.info("sequence %s: START on a held id; its %d pages are released", r.seq_id,
                          len(old.pages))
-                self._release(old, ended=True)
+                self.state.release(old, ended=True)
             seq = Sequence([], seq_id=r.seq_id)
         else:
             seq = self.sequences.get(r.seq_id)
@@ -167,7 +179,7 @@ class Admission:
             return None
         if not r.tokens:
             if r.end and not r.start:
-                self._release(seq, ended=True)
+                self.state.release(seq, ended=True)
                 r.reply(Reply(kv_pages=(0, 0)))
                 return None
             self._refuse(r, INVALID_ARG, "empty", f"sequence {r.seq_id}: TOKENS is empty")
@@ -178,34 +190,34 @@ class Admission:
             r.tokens, r.draft_tokens, r.drafts_unchecked = r.tokens[:-r.draft_tokens], 0, True
         try:
             if r.draft_tokens:
-                engine.check_verify(seq, r.tokens, r.draft_tokens)
+                engine.verifier.check_verify(seq, r.tokens, r.draft_tokens)
             if seq.swapped is not None:
                 engine.check_request(seq, r.tokens)  # before its KV moves back
-                self._with_room(seq, len(r.tokens), jobs, lambda: self._swap_in(seq))
+                self.room.with_room(seq, len(r.tokens), jobs, lambda: self.room.swap_in(seq))
             if r.keep_tokens is not None and not r.start:
                 # Kept even when what follows is refused: the drafts cut are rejected anyway.
-                engine.rewind(seq, r.keep_tokens)
+                engine.verifier.rewind(seq, r.keep_tokens)
             before = (len(seq.token_ids), len(seq.pages), len(seq.ring),
                       seq.state_slot is not None, seq.dropped)
-            reuse = self._with_room(seq, len(r.tokens), jobs,
+            reuse = self.room.with_room(seq, len(r.tokens), jobs,
                                     (lambda: engine.readmit(seq, r.tokens)) if seq.dropped else
                                     (lambda: engine.admit(seq, r.tokens, r.cache_salt)))
         except RequestError as e:
             self._refuse(r, INVALID_ARG, e.reason, f"sequence {r.seq_id}: {e}")
             return None
         except PagesExhausted as e:
-            if not self._wait(r, seq, e):
+            if not self.room.wait(r, seq, e):
                 self._refuse_exhausted(r, e)
             return None
         if r.start:
-            self._admissions += 1
-            seq.admitted = self._admissions
+            self.state.admissions += 1
+            seq.admitted = self.state.admissions
             self.sequences[r.seq_id] = seq
             self._started(seq, reuse)
         return Job(r, seq, *before)
 
     def _started(self, seq: Sequence, reuse: Reuse) -> None:
-        self._observe("prefix", reuse.queried, reuse.reused, reuse.continued, reuse.from_host)
+        self.state.observe("prefix", reuse.queried, reuse.reused, reuse.continued, reuse.from_host)
         how = ("its previous turn continued" if reuse.continued else "cached blocks")
         if reuse.from_host:
             how += f", {reuse.from_host} of them from the host tier"

@@ -42,12 +42,14 @@ import numpy as np
 
 from .codes import INTERNAL, INVALID_ARG, UNAVAILABLE
 from .engine import Engine, EntryCompiling, Sequence
+from .sequence import SequenceStatus
 from .host_tier import HostTier
 from .metrics import BatcherStats, CallTiming, Observer
 from .model_parameters import default_int
 from .admission import Admission, Job, Reply, Request
+from .batcher_state import BatcherState
 from .policy import BatchPolicy, Cohort, select
-from .room import RoomMaking
+from .room import RoomMaker
 
 # What the front ends take from here: the batcher, its requests and replies, and reply codes.
 __all__ = ["Batcher", "INTERNAL", "INVALID_ARG", "Job", "Reply", "Request", "UNAVAILABLE"]
@@ -59,7 +61,7 @@ log = logging.getLogger("triton_tlaloc.batcher")
 LOGGED_CALLS = 20
 
 
-class Batcher(Admission, RoomMaking):
+class Batcher:
     def __init__(self, engine: Engine, policy: BatchPolicy = BatchPolicy(),
                  clock: Callable[[], float] = time.monotonic,
                  observers: tuple[Observer, ...] = (), host_tier: HostTier | None = None,
@@ -71,17 +73,15 @@ class Batcher(Admission, RoomMaking):
         # out, preempts, or waits up to preempt_wait_s, instead of being refused.
         self.host = host_tier
         self.preempt_wait_s = preempt_wait_s
-        self._waiting: list[Request] = []  # requests waiting for pages, oldest first
-        self._retry_waiting = False  # pages were released since they last tried
-        self._busy: set = set()  # ids with a request in the round, queued or waiting
-        # Jobs held back until an entry they need compiles (admitted, their pages reserved),
-        # and whether an entry compiled since the round that held them back.
-        self._held_back: list[Job] = []
-        self._entries_changed = False
-        self._admissions = 0  # STARTs admitted so far (Sequence.admitted)
-        self.sequences: dict[int | str, Sequence] = {}
         self.stats = BatcherStats()
         self._observers = [self.stats, *observers]
+        # What admission and room making share with this thread: held sequences, waiting
+        # requests, busy ids, jobs held back for a compile.
+        self.state = BatcherState(engine, host_tier, clock, self._observe)
+        self.sequences = self.state.sequences  # held sequences by id (the same dict)
+        self.room = RoomMaker(self.state, policy, preempt_wait_s)
+        self.admission = Admission(self.state, self.room)
+        self._entries_changed = False  # an entry compiled since calls were held back
         self._admit_seconds = 0.0  # admission of the current round's requests
         self._pending: deque[Request] = deque()
         self._cv = threading.Condition()
@@ -147,9 +147,9 @@ class Batcher(Admission, RoomMaking):
         if self._thread is not None:
             self._thread.join(timeout)
         with self._cv:
-            leftover = list(self._pending) + [j.request for j in self._held_back]
+            leftover = list(self._pending) + [j.request for j in self.state.held_back]
             self._pending.clear()
-            self._held_back = []
+            self.state.held_back = []
         for r in leftover:
             r.reply(Reply(error="the model is unloading", code=UNAVAILABLE))
         self._round_ended()
@@ -162,19 +162,19 @@ class Batcher(Admission, RoomMaking):
                         return
                     now = self.clock()
                     taken, resumed, wake_at = self._select(now)
-                    sweep_at = self._sweep_at()
+                    sweep_at = self.room.sweep_at()
                     if taken or resumed or (sweep_at is not None and now >= sweep_at):
                         break
                     wake_at = min((t for t in (wake_at, sweep_at) if t is not None),
                                   default=None)
                     self._cv.wait(None if wake_at is None else max(0.0, wake_at - now))
             try:
-                self._sweep(now)
+                self.room.sweep(now)
                 if taken or resumed:
                     self.process(taken, resumed)
             except Exception:  # never leave a request unanswered, never let the thread die
                 log.exception("batcher round failed")
-                held = {id(j.request) for j in self._held_back}
+                held = {id(j.request) for j in self.state.held_back}
                 for r in taken + [j.request for j in resumed]:
                     if not r._answered and id(r) not in held:
                         r.reply(Reply(error="internal error in the batcher (see the server "
@@ -193,7 +193,7 @@ class Batcher(Admission, RoomMaking):
         now = self.clock()
         with self._cv:
             taken, resumed, _ = self._select(now)
-        self._sweep(now)
+        self.room.sweep(now)
         if taken or resumed:
             self.process(taken, resumed)
             self._round_ended()
@@ -206,13 +206,15 @@ class Batcher(Admission, RoomMaking):
         held); returns them, the held-back jobs that may run now (an entry compiled since they
         were held back), and when to look again if some wait."""
         resumed = []
-        if self._held_back and self._entries_changed:
-            resumed, self._held_back = self._held_back, []
+        if self.state.held_back and self._entries_changed:
+            resumed, self.state.held_back = self.state.held_back, []
+            for j in resumed:
+                j.seq.move_to(SequenceStatus.RUNNING)
         self._entries_changed = False
         # A sequence whose request waits (for pages, or an entry) sends no other.
-        waiting = {r.seq_id for r in self._waiting} | self.held_back_ids()
+        waiting = {r.seq_id for r in self.state.waiting} | self.state.held_back_ids()
         # A swapped-out or dropped sequence is not waited for by its cohort.
-        off = {s.seq_id for s in self._off_device()}
+        off = {s.seq_id for s in self.room.off_device()}
         held = {k for k in self.sequences if k not in off} if off else self.sequences
         taken, wake_at = select([r for r in self._pending if r.seq_id not in waiting], now=now,
                                 policy=self.policy, cohort=self.cohort, held=held,
@@ -220,13 +222,13 @@ class Batcher(Admission, RoomMaking):
         if taken:
             ids = {id(r) for r in taken}
             self._pending = deque(r for r in self._pending if id(r) not in ids)
-        if self._waiting:
+        if self.state.waiting:
             # Waiting requests try again first (before newer ones take the pages) in every
             # round, and alone when pages were released since they last tried or at their
             # deadline.
-            due = min(r.waiting_since for r in self._waiting) + self.preempt_wait_s
-            if taken or self._retry_waiting or now >= due:
-                taken, self._waiting, self._retry_waiting = self._waiting + taken, [], False
+            due = min(r.waiting_since for r in self.state.waiting) + self.preempt_wait_s
+            if taken or self.state.retry_waiting or now >= due:
+                taken, self.state.waiting, self.state.retry_waiting = self.state.waiting + taken, [], False
             else:
                 wake_at = due if wake_at is None else min(wake_at, due)
         return taken, resumed, wake_at
@@ -239,12 +241,12 @@ class Batcher(Admission, RoomMaking):
         if self.host is not None:  # who may not be swapped out as idle (room.py)
             with self._cv:
                 queued = {r.seq_id for r in self._pending}
-            self._busy = ({r.seq_id for r in requests} | {j.seq.seq_id for j in resumed}
-                          | queued | {r.seq_id for r in self._waiting} | self.held_back_ids())
+            self.state.busy = ({r.seq_id for r in requests} | {j.seq.seq_id for j in resumed}
+                          | queued | {r.seq_id for r in self.state.waiting} | self.state.held_back_ids())
         jobs: list[Job] = list(resumed)  # a preempted sequence's job leaves the list
         t0 = time.perf_counter()
         for r in requests:
-            job = self._admit(r, jobs)
+            job = self.admission.admit(r, jobs)
             if job is not None:
                 jobs.append(job)
         decode, verify = [], [j for j in jobs if j.request.is_verify]
@@ -321,7 +323,7 @@ class Batcher(Admission, RoomMaking):
             if kind == "decode":
                 logits = self.engine.decode(seqs)
             elif kind == "verify":
-                logits = self.engine.verify(seqs, [j.request.draft_tokens for j in jobs],
+                logits = self.engine.verifier.verify(seqs, [j.request.draft_tokens for j in jobs],
                                             any(j.request.want_logits for j in jobs),
                                             [j.request.acceptor for j in jobs])
             elif len(seqs) == 1 and len(seqs[0].token_ids) - seqs[0].num_cached > \
@@ -335,10 +337,10 @@ class Batcher(Admission, RoomMaking):
         except Exception as e:
             log.exception("%s call for sequences %s failed", kind, [s.seq_id for s in seqs])
             for j in jobs:
-                kept = self._roll_back(j)
+                kept = self.state.roll_back(j)
                 lost = ""
                 if j.request.start or not kept:
-                    self._release(j.seq)
+                    self.state.release(j.seq)
                     if not kept:  # its state holds part of this request: it cannot go on
                         lost = "; its linear-attention state cannot be rewound: sequence ended"
                 j.request.reply(Reply(error=f"sequence {j.seq.seq_id}: the {kind} call failed: "
@@ -359,7 +361,7 @@ class Batcher(Admission, RoomMaking):
         for j, row, bad in zip(jobs, logits, broken):
             pages = (len(j.seq.pages), len(j.seq.ring))
             if j.request.end:
-                self._release(j.seq, ended=True)
+                self.state.release(j.seq, ended=True)
             if bad:
                 j.request.reply(Reply(error=f"sequence {j.seq.seq_id}: the model's logits hold "
                                             f"NaN or infinity (its weights or its KV are not "
@@ -402,18 +404,9 @@ class Batcher(Admission, RoomMaking):
         return Reply(logits=row if r.want_logits else None, accepted_ids=[token],
                      kv_pages=pages)
 
-    def _roll_back(self, job: Job) -> bool:
-        """Undo an admitted job whose call failed or was preempted (Engine.rollback); a
-        sequence that was dropped is dropped again. False: its state cannot be rewound."""
-        kept = self.engine.rollback(job.seq, job.num_tokens, job.num_pages, job.num_ring,
-                                    job.had_state_slot)
-        if job.was_dropped and kept:
-            self.engine.drop(job.seq)
-        return kept
-
     def held_back_ids(self) -> set:
         """The sequences whose request is held back until an entry compiles."""
-        return {j.seq.seq_id for j in self._held_back}
+        return self.state.held_back_ids()
 
     def _hold_back(self, jobs: list[Job], kind: str, entry_name: str) -> None:
         """Hold admitted jobs back until an entry compiles: their sequences keep what they
@@ -423,19 +416,6 @@ class Batcher(Admission, RoomMaking):
                      "sequences are served meanwhile", j.seq.seq_id, kind,
                      entry_name)
             self._observe("held_back", kind)
+            j.seq.move_to(SequenceStatus.HELD_FOR_COMPILE)
         with self._cv:
-            self._held_back += jobs
-
-    def _release(self, seq: Sequence, ended: bool = False) -> None:
-        """The sequence is no longer held for its id. Ended by its client (END): kept whole
-        for a next turn while pages allow; otherwise (reclaimed, a failed START) freed. A
-        swapped-out sequence's host copy is released."""
-        if self.sequences.get(seq.seq_id) is seq:
-            del self.sequences[seq.seq_id]
-        self._retry_waiting = True
-        if seq.swapped is not None:
-            self.host.drop(seq)
-        if ended:
-            self.engine.finish(seq)
-        else:
-            self.engine.free(seq)
+            self.state.held_back += jobs

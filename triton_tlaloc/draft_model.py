@@ -5,7 +5,7 @@ own in the same tritonserver. A generation of the target that drafts with it kee
 the draft model too, which follows the generation's history: before each step the target asks it
 for k tokens, the draft model decodes them greedily on its own batching thread, and the target
 verifies them in one call. The draft sequence then holds drafts the target may have rejected;
-the next ask cuts it back to what the two agree on (`Request.keep_tokens`, engine.rewind) and
+the next ask cuts it back to what the two agree on (`Request.keep_tokens`, Verifier.rewind) and
 appends what the target chose. Greedy ids stay exactly the target's whatever the drafts are; with
 sampling, a draft proposed with certainty stands with the target's probability of it
 (speculative.sampled_acceptance), so the distribution is the target's too.

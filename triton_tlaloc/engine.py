@@ -20,8 +20,8 @@ from .model_parameters import default_int
 from .pages import (FULL, BlockManager, PagePool, PagesExhausted, PoolShape, Reuse,
                     SharedPagePool, pages_for, root_hash)
 from .codes import RequestError
-from .sequence import Sequence
-from .speculation import Verification, Verified, accepted_drafts
+from .sequence import Sequence, SequenceStatus
+from .speculation import Verified, Verifier, accepted_drafts
 from .steps import Row, build_step
 
 __all__ = ["Engine", "EntryCompiling", "GenerationResult", "RequestError", "Sequence",
@@ -97,7 +97,7 @@ def pool_shape(art: Artifact) -> PoolShape:
         state_slots=ls.num_slots if ls is not None else 0, model_hash=art.model.model_hash)
 
 
-class Engine(Verification):
+class Engine:
     """Entry choice and calls over a runtime; every page is accounted for by `blocks`
     (pages.BlockManager). prefix_reuse: prompts reuse cached blocks and ended sequences are
     kept (up to `keep_ended`) for their next turn. Off unless asked for (the server asks, by
@@ -118,8 +118,6 @@ class Engine(Verification):
         self._prefill = [e for e in self.art.entries.values() if e.kind == "prefill"]
         self._decode = [e for e in self.art.entries.values() if e.kind == "decode"]
         self.max_verify_tokens = max(self.art.verify_tokens, default=0)
-        # Which drafts a verify call keeps (a test swaps in a wrong rule as the control).
-        self.accept = accepted_drafts
         # Once no decode entry is left to compile none will be again (a compile that failed
         # is not compiling): every decode row skips the search for one from then on.
         self._decode_compiles_done = False
@@ -129,6 +127,7 @@ class Engine(Verification):
         # A call whose entry is compiling waits for it (`tlaloc run`), or raises EntryCompiling
         # (the batcher sets this False: its thread serves other sequences meanwhile).
         self.waits_for_compiles = True
+        self.verifier = Verifier(self)  # verify calls (speculative decoding)
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent so far in each phase of a call: building the step inputs, and the
@@ -172,12 +171,10 @@ class Engine(Verification):
         self.check_request(seq, tokens)
         history, seq.token_ids = seq.token_ids, []
         try:
-            reuse = self._start(seq, history + tokens, seq.root)
+            return self._start(seq, history + tokens, seq.root)
         except PagesExhausted:
             seq.token_ids = history
             raise
-        seq.dropped = False
-        return reuse
 
     def _start(self, seq: Sequence, prompt: list[int], root: bytes) -> Reuse:
         reuse = self.blocks.start(seq, prompt, root)
@@ -187,13 +184,14 @@ class Engine(Verification):
             self.blocks.unstart(seq, reuse)
             raise
         seq.token_ids += prompt
+        if reuse.taken is not None:  # its pages are this sequence's now
+            reuse.taken.move_to(SequenceStatus.FINISHED)
         return reuse
 
     def drop(self, seq: Sequence) -> None:
         """Give up `seq`'s KV to make room, keeping its tokens (its registered blocks stay
         cached): its next request computes them again (`readmit`)."""
-        self.blocks.free(seq)
-        seq.dropped = True
+        self.blocks.drop(seq)
 
     def check_request(self, seq: Sequence, tokens: list[int]) -> None:
         """RequestError unless `seq` can take `tokens`: known ids, within the largest context."""
@@ -229,7 +227,7 @@ class Engine(Verification):
         docs/design.md#the-windowed-pool)."""
         cap = self.max_prefill_tokens
         if self.window is not None:
-            cap = min(cap, self._ring_room(seq))
+            cap = min(cap, self.ring_room(seq))
         return cap
 
     @property
@@ -276,14 +274,14 @@ class Engine(Verification):
         per group of as many rows as a compiled entry holds."""
         n = max(len(f) for f in feeds)
         end = max(s.num_cached + len(f) for s, f in zip(seqs, feeds))
-        entry = self._entry(kind, len(seqs), end, n)
+        entry = self.entry_for(kind, len(seqs), end, n)
         if entry is not None:
             return self._call(entry, seqs, feeds)
-        rows = self._compiled_rows(kind, len(seqs), end, n)
+        rows = self.compiled_rows(kind, len(seqs), end, n)
         return np.concatenate([self._run(kind, seqs[i:i + rows], feeds[i:i + rows])
                                for i in range(0, len(seqs), rows)])
 
-    def _compiled_rows(self, kind: str, batch: int, end: int, tokens: int) -> int:
+    def compiled_rows(self, kind: str, batch: int, end: int, tokens: int) -> int:
         """The most rows (fewer than `batch`) a compiled entry of `kind` holds for a call."""
         return max(e.batch for e in self.art.entries.values()
                    if e.name in self.rt.executables and e.kind == kind and e.batch < batch
@@ -301,7 +299,7 @@ class Engine(Verification):
             logits = self._run("prefill", [seq], [seq.uncached[:chunk]])
         return logits
 
-    def _entry(self, kind: str, batch: int, end: int, tokens: int):
+    def entry_for(self, kind: str, batch: int, end: int, tokens: int):
         """The smallest entry that holds the call. While it is compiling: a compiled larger
         one, or None when compiled entries hold fewer rows (the call is split), or it is
         waited for (EntryCompiling when the engine must not wait)."""
@@ -327,14 +325,14 @@ class Engine(Verification):
         return best
 
     def _call(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:
-        step = self._step(entry, seqs, feeds)
+        step = self.step_inputs(entry, seqs, feeds)
         logits = self.rt.run(entry.name, step)
         for s, feed in zip(seqs, feeds):
             s.num_cached += len(feed)
             self.blocks.register(s)
         return logits[:len(seqs)]
 
-    def _step(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> dict:
+    def step_inputs(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> dict:
         """The step inputs of one call, after checking each row's pages."""
         for s, feed in zip(seqs, feeds):
             if s.num_cached + len(feed) > self.art.max_context:
@@ -375,7 +373,7 @@ class Engine(Verification):
         reuse = self.admit(seq, list(prompt_ids), cache_salt)
         try:
             if speculate:
-                self.check_speculation()
+                self.verifier.check_speculation()
             logits = self.prefill_chunked(seq)
             prefill_ms = (time.perf_counter() - t0) * 1e3
             generated, step_ms, reason = [], [], None
@@ -395,9 +393,9 @@ class Engine(Verification):
                     reason = "context"
                     break
                 t0 = time.perf_counter()
-                k = min(speculate, max_new_tokens - len(generated) - 1, self.verify_room(seq))
+                k = min(speculate, max_new_tokens - len(generated) - 1, self.verifier.verify_room(seq))
                 drafts = drafter(list(prompt_ids) + generated, k) if k > 0 else []
-                new = self._greedy_step(seq, generated[-1], drafts)
+                new = self.verifier.greedy_step(seq, generated[-1], drafts)
                 step_ms.append((time.perf_counter() - t0) * 1e3)
         except BaseException:
             self.free(seq)
@@ -411,7 +409,7 @@ class Engine(Verification):
         """The positions a sequence's ring holds."""
         return self.ring_pages * self.block_size
 
-    def _ring_room(self, seq: Sequence | None) -> int:
+    def ring_room(self, seq: Sequence | None) -> int:
         """The tokens one call may feed `seq` (None: any sequence whose window is full) within
         its ring: a call of n tokens from p0 needs min(p0, window - 1) + n positions of the ring
         at once (docs/design.md#the-windowed-pool); the KV a verify call writes for drafts it

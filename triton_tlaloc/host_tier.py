@@ -32,7 +32,7 @@ import numpy as np
 from .kv_transfer import HostPages
 from .page_pools import FULL, STATE, WINDOWED
 from .pages import BlockManager
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("triton_tlaloc.host_tier")
 
@@ -117,6 +117,7 @@ class HostTier:
             parts[STATE] = self.transfer.read(STATE, [seq.state_slot])
         moved = sum(seq.holding.values())
         seq.swapped = SwappedKV(parts)
+        seq.move_to(SequenceStatus.SWAPPED)
         self.blocks.detach(seq)
         self.used += seq.swapped.nbytes
         self.sequences += 1
@@ -137,6 +138,7 @@ class HostTier:
             self.transfer.write(kv.parts[STATE], [seq.state_slot])
         self.blocks.register_blocks(seq)
         self._release(seq)
+        seq.move_to(SequenceStatus.RUNNING)
         written = sum(seq.holding.values()) - shared
         nbytes = kv.nbytes - shared * self.page_bytes[FULL]
         return Swap("in", written, nbytes, time.perf_counter() - t0, shared)

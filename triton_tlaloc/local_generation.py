@@ -226,7 +226,7 @@ class Speculation:
         batcher's stats), weighs a verify call against a decode call."""
         vocab, rewinds = engine.art.model.vocab, engine.blocks.state_slots is None
         try:
-            engine.check_speculation()
+            engine.verifier.check_speculation()
         except RequestError as e:
             return Speculation(0, str(e), vocab=vocab, rewinds=rewinds)
         entries = engine.art.entries
@@ -236,7 +236,7 @@ class Speculation:
                      if (e := entries.get(name)) is not None and e.kind == kind
                      and e.tokens_per_seq == tokens]
             return sum(times) / len(times) if times else None
-        return Speculation(engine.most_drafts(), None,
+        return Speculation(engine.verifier.most_drafts(), None,
                            StepCost(engine.art.verify_tokens, seconds), vocab, rewinds)
 
 

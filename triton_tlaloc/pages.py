@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .model_parameters import default_int
 from .page_pools import (FULL, POOLS, STATE, WINDOWED, PagePool, PagesExhausted,
                          SharedPagePool, block_hash, pages_for, root_hash)
+from .sequence import HELD, SequenceStatus
 
 __all__ = ["FULL", "POOLS", "STATE", "WINDOWED", "BlockManager", "PagePool", "PagesExhausted",
            "PoolShape", "Reuse", "SharedPagePool", "block_hash", "pages_for", "root_hash"]
@@ -141,6 +142,8 @@ class BlockManager:
         self._take(seq, self.need(seq, length))
         if seq.from_host:
             self._restore(seq)
+        if seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+            seq.move_to(SequenceStatus.RUNNING)  # admitted (again)
 
     def _take(self, seq: Sequence, need: dict[str, int]) -> None:
         if not any(need.values()):  # most decode steps fill a page they hold already
@@ -336,7 +339,17 @@ class BlockManager:
         return pages_for(length, self.block_size), min(seq.num_cached, length)
 
     def free(self, seq: Sequence) -> None:
-        """Release everything `seq` holds (its registered blocks stay cached)."""
+        """Release everything `seq` holds (its registered blocks stay cached): it is finished."""
+        self._forget(seq)
+        seq.move_to(SequenceStatus.FINISHED)
+
+    def drop(self, seq: Sequence) -> None:
+        """Release everything `seq` holds (its registered blocks stay cached) but its tokens and
+        root: preempted, its next request computes them again."""
+        self._forget(seq)
+        seq.move_to(SequenceStatus.PREEMPTED)
+
+    def _forget(self, seq: Sequence) -> None:
         self.detach(seq)
         seq.num_cached = 0
         seq.block_hashes = []
@@ -354,6 +367,8 @@ class BlockManager:
     def _keep(self, seq: Sequence) -> None:
         self.ended[id(seq)] = seq
         self.full.keep(seq.pages)
+        if seq.status is not SequenceStatus.KEPT:  # (kept again when a takeover is undone)
+            seq.move_to(SequenceStatus.KEPT)
 
     def _unkeep(self, seq: Sequence) -> None:
         del self.ended[id(seq)]
@@ -422,8 +437,18 @@ class BlockManager:
         return out
 
     def check(self, live: list[Sequence]) -> None:
-        """Every invariant, against the live sequences: each page's count is the number of
-        sequences (live or ended) holding it, no page or slot is held twice or lost."""
+        """Every invariant, against the live sequences: each is held (its status), swapped out
+        exactly when it has a host copy, and holding nothing when swapped out or preempted;
+        each kept sequence is kept; each page's count is the number of sequences (live or
+        ended) holding it, no page or slot is held twice or lost."""
+        for s in live:
+            assert s.status in HELD, f"sequence {s.seq_id} is {s.status.value}, not held"
+            assert (s.status is SequenceStatus.SWAPPED) == (s.swapped is not None), \
+                f"sequence {s.seq_id} is {s.status.value} with a host copy: {s.swapped}"
+            if s.status in (SequenceStatus.SWAPPED, SequenceStatus.PREEMPTED):
+                assert not any(s.holding.values()), f"sequence {s.seq_id} is {s.status.value}"
+        for s in self.ended.values():
+            assert s.status is SequenceStatus.KEPT, f"ended {s.seq_id} is {s.status.value}"
         holders = [*live, *self.ended.values()]
         counts = Counter(p for s in holders for p in s.pages)
         kept = Counter(p for s in self.ended.values() for p in s.pages)

@@ -1,13 +1,10 @@
-"""Making room for a request short of pages: the batcher's reclamation of sequences Triton has
-ended, and with the host tier its swapping, preemption, dropping of KV to compute again (when
-the host tier is full) and waiting (docs/design.md#the-host-tier).
+"""Making room for a request short of pages: reclamation of sequences Triton has ended, and
+with the host tier swapping, preemption, dropping of KV to compute again (when the host tier is
+full) and waiting (docs/design.md#the-host-tier).
 
-`RoomMaking` is the half of `batcher.Batcher` that decides whose pages go when a request needs
-more than are free; the batcher inherits it. It relies on the batcher's state: `engine`,
-`policy`, `clock`, `host` (host_tier.HostTier or None), `preempt_wait_s`, `sequences` (held
-ids), `_busy` (ids with a request in the round, queued or waiting), `_waiting` (requests waiting
-for pages), `_admissions`, and on `held_back_ids`, `_observe`, `_roll_back` and `_release`.
-Pure Python: no Triton or JAX.
+`RoomMaker` decides whose pages go when a request needs more than are free; the batcher owns
+one, and so does its admission, over the state they share (batcher_state.BatcherState). Pure
+Python: no Triton or JAX.
 """
 
 from __future__ import annotations
@@ -17,22 +14,33 @@ from typing import TYPE_CHECKING
 
 from .engine import Sequence
 from .pages import FULL, PagesExhausted
-from .policy import choose_reclaim, choose_swap_out
+from .policy import BatchPolicy, choose_reclaim, choose_swap_out
 
 if TYPE_CHECKING:
-    from .batcher import Request, Job
+    from .admission import Job, Request
+    from .batcher_state import BatcherState
 
 log = logging.getLogger("triton_tlaloc.batcher")
 
 
-class RoomMaking:
-    """Reclamation, swapping out, preemption and waiting for `batcher.Batcher`."""
+class RoomMaker:
+    """Reclamation, swapping out, preemption, dropping and waiting, over the batcher's state."""
+
+    def __init__(self, state: BatcherState, policy: BatchPolicy, preempt_wait_s: float):
+        self.state = state
+        self.engine = state.engine
+        self.host = state.host
+        self.clock = state.clock
+        self.sequences = state.sequences  # the same dict: held sequences by id
+        self.policy = policy
+        # With the host tier, how long a request short of pages waits before it is refused
+        self.preempt_wait_s = preempt_wait_s
 
     def _reclaim_for(self, seq: Sequence, n_tokens: int) -> bool:
         """Free pages held by sequences Triton has ended, as many as `seq` needs to take
         `n_tokens` more (in every pool); False (and nothing reclaimed) when they cannot."""
         now = self.clock()
-        held_back = self.held_back_ids()  # their requests are in flight
+        held_back = self.state.held_back_ids()  # their requests are in flight
         candidates = [(s.seq_id, s.holding, s.last_active)
                       for s in self.sequences.values()
                       if s is not seq and s.seq_id not in held_back]
@@ -49,8 +57,8 @@ class RoomMaking:
                      f", state slot {victim.state_slot}" if victim.state_slot is not None else "",
                      now - victim.last_active, self.policy.idle_timeout_s)
             pages += len(victim.pages) + len(victim.ring)
-            self._release(victim)
-        self._observe("reclaimed", len(victims), pages)
+            self.state.release(victim)
+        self.state.observe("reclaimed", len(victims), pages)
         return True
 
     def _lacking(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
@@ -63,12 +71,12 @@ class RoomMaking:
     def _on_device(self, seq: Sequence) -> list[Sequence]:
         """The other held sequences whose KV is on the device (candidates to swap out), but
         for those whose call is held back until an entry compiles (it runs as admitted)."""
-        held_back = self.held_back_ids()
+        held_back = self.state.held_back_ids()
         return [s for s in self.sequences.values()
                 if s is not seq and s.swapped is None and any(s.holding.values())
                 and s.seq_id not in held_back]
 
-    def _with_room(self, seq: Sequence, n_tokens: int, jobs: list[Job], attempt):
+    def with_room(self, seq: Sequence, n_tokens: int, jobs: list[Job], attempt):
         """`attempt()`, making room when it runs short of pages: sequences Triton has ended
         are reclaimed; with the host tier, idle sequences are swapped out and, when they are
         not enough, the round's most recently admitted sequences preempted, one at a time,
@@ -92,16 +100,12 @@ class RoomMaking:
                 return attempt()
             except PagesExhausted as e:
                 last = e
-        while self._admitted(seq) and self._make_room_for(seq, n_tokens, jobs, drop=True):
+        while self.state.admitted(seq) and self._make_room_for(seq, n_tokens, jobs, drop=True):
             try:
                 return attempt()
             except PagesExhausted as e:
                 last = e
         raise last
-
-    def _admitted(self, seq: Sequence) -> bool:
-        """Whether `seq` is a held sequence (not a new START's)."""
-        return self.sequences.get(seq.seq_id) is seq
 
     def _make_room_for(self, seq: Sequence, n_tokens: int, jobs: list[Job], drop: bool) -> bool:
         """Swap out (or preempt) the next sequence that helps `seq` take `n_tokens` more, or
@@ -112,11 +116,11 @@ class RoomMaking:
             return False
         refs = self.engine.blocks.full.refs
         held = [s for s in self._on_device(seq) if drop or self.host.fits(s)]
-        idle = sorted((s for s in held if s.seq_id not in self._busy),
+        idle = sorted((s for s in held if s.seq_id not in self.state.busy),
                       key=lambda s: s.last_active)
         # The requester ranks as it was admitted (a new START: after every other).
-        rank = seq.admitted if self._admitted(seq) else self._admissions + 1
-        busy = sorted((s for s in held if s.seq_id in self._busy and s.admitted > rank),
+        rank = seq.admitted if self.state.admitted(seq) else self.state.admissions + 1
+        busy = sorted((s for s in held if s.seq_id in self.state.busy and s.admitted > rank),
                       key=lambda s: -s.admitted)
         # A page another sequence holds too is not freed by moving this one.
         victim = choose_swap_out(
@@ -125,7 +129,7 @@ class RoomMaking:
         if victim is None:
             return False
         job = next((j for j in jobs if j.seq is victim), None)
-        if victim.seq_id in self._busy:
+        if victim.seq_id in self.state.busy:
             self._preempt(victim, job, jobs, drop)
         elif drop:
             self._drop(victim, f"idle {self.clock() - victim.last_active:.1f} s")
@@ -137,23 +141,23 @@ class RoomMaking:
                  drop: bool = False) -> None:
         """Swap out (or with `drop`, drop) a sequence whose request is in this round (or
         queued): its request waits for pages (a job already admitted is rolled back first)."""
-        self._observe("preempted")
+        self.state.observe("preempted")
         if job is not None:
             jobs.remove(job)
             if job.request.start:  # nothing of it is computed: it starts again when it can
-                self._release(victim)
-                self._defer(job.request)
+                self.state.release(victim)
+                self.defer(job.request)
                 log.info("sequence %s preempted before its prompt ran: it waits for pages",
                          victim.seq_id)
                 return
-            self._roll_back(job)
-            self._defer(job.request)
+            self.state.roll_back(job)
+            self.defer(job.request)
         if drop:
             self._drop(victim, "preempted")
         elif victim.swapped is None and not victim.dropped:  # a rolled-back readmission holds none
             self._swap_out(victim, "preempted")
 
-    def _wait(self, r: Request, seq: Sequence, e: PagesExhausted) -> bool:
+    def wait(self, r: Request, seq: Sequence, e: PagesExhausted) -> bool:
         """With the host tier, a request short of pages waits for them (its sequence swapped
         out, or dropped when the host tier cannot take it) until its deadline; False: it is
         refused now (no host tier, past the deadline, more than the pools hold, or a new START
@@ -169,29 +173,29 @@ class RoomMaking:
         total = self.engine.blocks.need(Sequence([]), len(seq.token_ids) + len(r.tokens))
         if any(n > capacity[k] for k, n in total.items()):
             return False  # it would never fit
-        if not self._admitted(seq):  # a START's admission was undone: it holds nothing
+        if not self.state.admitted(seq):  # a START's admission was undone: it holds nothing
             unfit = [s for s in self._on_device(seq)
-                     if s.seq_id not in self._busy and not self.host.fits(s)]
+                     if s.seq_id not in self.state.busy and not self.host.fits(s)]
             if unfit:
                 e.args = (f"{e}; the host tier is full ({self.host.used} of "
                           f"{self.host.budget} bytes)",)
                 return False
         elif any(seq.holding.values()):
-            self._observe("preempted")
+            self.state.observe("preempted")
             if self.host.fits(seq):
                 self._swap_out(seq, "preempted")
             else:
                 self._drop(seq, "preempted; the host tier is full")
-        self._defer(r)
+        self.defer(r)
         return True
 
-    def _defer(self, r: Request) -> None:
+    def defer(self, r: Request) -> None:
         if r.waiting_since is None:
             r.waiting_since = self.clock()
             log.info("sequence %s waits for KV pages (up to %.1f s)", r.seq_id,
                      self.preempt_wait_s)
-        self._waiting.append(r)
-        self._busy.add(r.seq_id)
+        self.state.waiting.append(r)
+        self.state.busy.add(r.seq_id)
 
     def _drop(self, seq: Sequence, why: str) -> None:
         log.info("sequence %s dropped: %d pages%s given up (%s; the host tier is full): its "
@@ -199,13 +203,13 @@ class RoomMaking:
                  f" and {len(seq.ring)} ring pages" if seq.ring else "", why,
                  len(seq.token_ids))
         self.engine.drop(seq)
-        self._observe("recomputed")
+        self.state.observe("recomputed")
 
     def _swap_out(self, seq: Sequence, why: str) -> None:
         swap = self.host.swap_out(seq)
         self._swapped(seq, swap, why)
 
-    def _swap_in(self, seq: Sequence) -> None:
+    def swap_in(self, seq: Sequence) -> None:
         swap = self.host.swap_in(seq)
         self._swapped(seq, swap, f"{swap.shared} pages still cached on the device"
                       if swap.shared else "")
@@ -214,24 +218,24 @@ class RoomMaking:
         log.info("sequence %s swapped %s: %d pages, %.1f KiB in %.1f ms%s", seq.seq_id,
                  swap.direction, swap.pages, swap.nbytes / 1024, swap.seconds * 1e3,
                  f" ({why})" if why else "")
-        self._observe("swapped", swap.direction, swap.nbytes, swap.seconds)
+        self.state.observe("swapped", swap.direction, swap.nbytes, swap.seconds)
 
-    def _off_device(self) -> list[Sequence]:
+    def off_device(self) -> list[Sequence]:
         """Held sequences whose KV is swapped out or dropped (none without the host tier)."""
         if self.host is None:  # nothing is swapped out or dropped
             return []
         return [s for s in self.sequences.values() if s.swapped is not None or s.dropped]
 
-    def _sweep_at(self) -> float | None:
+    def sweep_at(self) -> float | None:
         """When the next swapped-out or dropped sequence passes the reclamation rule (its host
         memory and its tokens are then released without waiting for a request to need it)."""
-        parked = self._off_device()
+        parked = self.off_device()
         if not parked:
             return None
         return min(s.last_active for s in parked) + self.policy.reclaim_after_s
 
-    def _sweep(self, now: float) -> None:
-        gone = [s for s in self._off_device() if now - s.last_active > self.policy.reclaim_after_s]
+    def sweep(self, now: float) -> None:
+        gone = [s for s in self.off_device() if now - s.last_active > self.policy.reclaim_after_s]
         if not gone:
             return
         for s in gone:
@@ -239,7 +243,7 @@ class RoomMaking:
                      if s.swapped is not None else "dropped")
             log.info("reclaimed sequence %s: %s, idle %.1f s (Triton ends a sequence idle "
                      "%.1f s)", s.seq_id, where, now - s.last_active, self.policy.idle_timeout_s)
-            self._release(s)
-            self._observe("reclaimed", 1, 0)
-        self._observe("state", self.pool_state(), len(self.sequences))
-        self._observe("host", self.host.used, self.host.sequences, self.host.cached_bytes)
+            self.state.release(s)
+            self.state.observe("reclaimed", 1, 0)
+        self.state.observe("state", self.engine.blocks.usage(), len(self.sequences))
+        self.state.observe("host", self.host.used, self.host.sequences, self.host.cached_bytes)

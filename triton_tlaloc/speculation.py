@@ -3,23 +3,25 @@ call feeds a sequence its next token and a few drafts in one call on a verify en
 gives the argmax after every position; the drafts the model agrees with are kept, and the
 sequence is cut back to them. Greedy ids are exactly those of decoding one token a call.
 
-`Verification` is a mixin of `engine.Engine`, which supplies `blocks`, `art`, `rt`, `window`,
-`max_verify_tokens`, `accept`, `_entry`, `_step`, `_compiled_rows`, `ring_positions`, `_ring_room`,
-`decode`.
+`Verifier` is the engine's collaborator for these calls (`Engine.verifier`): it chooses and
+runs entries through its engine (`entry_for`, `compiled_rows`, `step_inputs`, `ring_room`).
 Pure Python and numpy: no JAX, no Triton.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from .codes import RequestError
 from .sequence import Sequence
 
-__all__ = ["Acceptor", "Verification", "Verified", "accepted_drafts"]
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["Acceptor", "Verified", "Verifier", "accepted_drafts"]
 
 # Sampled speculation's rule for one row: given the logits after the token before the drafts and
 # after each draft ([drafts + 1, vocab]) and the drafts, how many drafts stand and the token that
@@ -48,8 +50,22 @@ def accepted_drafts(drafts: list[int], predicted) -> int:
     return n
 
 
-class Verification:
-    """Checks and runs verify calls (the engine inherits it)."""
+class Verifier:
+    """Checks and runs an engine's verify calls."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.blocks = engine.blocks
+        self.art = engine.art
+        self.rt = engine.rt
+        self.window = engine.window
+        self.max_verify_tokens = engine.max_verify_tokens
+        # Which drafts a verify call keeps (a test swaps in a wrong rule as the control).
+        self.accept = accepted_drafts
+
+    @property
+    def ring_positions(self) -> int:
+        return self.engine.ring_positions
 
     def check_speculation(self) -> None:
         """RequestError unless this model can verify drafts at all."""
@@ -76,10 +92,10 @@ class Verification:
         if n > self.max_verify_tokens:
             raise RequestError(f"{n} tokens in one verify call; this artifact's verify entries "
                                f"take at most {self.max_verify_tokens}", "speculation")
-        if self.window is not None and n > self._ring_room(seq):
+        if self.window is not None and n > self.engine.ring_room(seq):
             raise RequestError(f"{drafts} drafts: a call of {n} tokens needs more positions "
                                f"than its ring of {self.ring_positions} holds "
-                               f"past the window of {self.window} ({self._ring_room(seq)})",
+                               f"past the window of {self.window} ({self.engine.ring_room(seq)})",
                                "speculation")
 
     def rewind(self, seq: Sequence, length: int) -> None:
@@ -118,13 +134,13 @@ class Verification:
         feeds = [s.uncached for s in seqs]
         n = max(len(f) for f in feeds)
         end = max(s.num_cached + len(f) for s, f in zip(seqs, feeds))
-        entry = self._entry("verify", len(seqs), end, n)
+        entry = self.engine.entry_for("verify", len(seqs), end, n)
         if entry is None:
-            rows = self._compiled_rows("verify", len(seqs), end, n)
+            rows = self.engine.compiled_rows("verify", len(seqs), end, n)
             return [v for i in range(0, len(seqs), rows)
                     for v in self.verify(seqs[i:i + rows], drafts[i:i + rows], logits,
                                          acceptors[i:i + rows])]
-        step = self._step(entry, seqs, feeds)
+        step = self.engine.step_inputs(entry, seqs, feeds)
         sampled = any(a is not None for a in acceptors)
         argmax, position_logits = self.rt.run_positions(entry.name, step, logits or sampled)
         out = []
@@ -152,7 +168,7 @@ class Verification:
         largest verify entry and, once a ring's window is full, its spare positions."""
         room = self.max_verify_tokens
         if self.window is not None:
-            room = min(room, self._ring_room(None))
+            room = min(room, self.engine.ring_room(None))
         return max(0, room - 1)
 
     def verify_room(self, seq: Sequence) -> int:
@@ -160,12 +176,12 @@ class Verification:
         largest verify entry, the largest context and a ring's spare positions."""
         room = min(self.max_verify_tokens, self.art.max_context - len(seq.token_ids))
         if self.window is not None:
-            room = min(room, self._ring_room(seq))
+            room = min(room, self.engine.ring_room(seq))
         return max(0, room - 1)
 
-    def _greedy_step(self, seq: Sequence, token: int, drafts: list[int]) -> list[int]:
+    def greedy_step(self, seq: Sequence, token: int, drafts: list[int]) -> list[int]:
         """Feed `token` (and verify `drafts` after it): the ids it yields."""
         seq.token_ids += [token] + drafts
         if drafts:
             return self.verify([seq], [len(drafts)])[0].accepted
-        return [int(np.argmax(self.decode([seq])[0]))]
+        return [int(np.argmax(self.engine.decode([seq])[0]))]

@@ -1,5 +1,5 @@
 """Drafting with a second model (draft_model.py): a sequence cut back (Request.keep_tokens,
-engine.rewind, BlockManager.truncate) over the fake runtime, whose KV is readable; the target
+Verifier.rewind, BlockManager.truncate) over the fake runtime, whose KV is readable; the target
 generation's protocol with its draft sequence over a fake client; and a target and a draft model,
 each a real batcher over the simulated runtime, linked through real sockets."""
 

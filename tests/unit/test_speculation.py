@@ -95,7 +95,7 @@ def test_accepting_one_draft_more_than_matched_changes_the_ids():
     prompt = [3, 14, 15, 92, 65]
     want = greedy(Harness(fake_artifact()), 1, prompt, 30)
     h = Harness(fake_artifact())
-    h.batcher.engine.accept = lambda d, p: min(len(d), accepted_drafts(d, p) + 1)
+    h.batcher.engine.verifier.accept = lambda d, p: min(len(d), accepted_drafts(d, p) + 1)
     reply = h.step(1, prompt, start=True)
     ids = [int(np.argmax(reply.logits))]
     while len(ids) < 30:
