@@ -17,6 +17,7 @@ from triton_tlaloc.batcher import Batcher, Request
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.manifest import MANIFEST_NAME, SCHEMA_V4, load_artifact
+from triton_tlaloc.pages import STATE
 from triton_tlaloc.runtime import Runtime
 from triton_tlaloc.policy import BatchPolicy
 
@@ -226,7 +227,7 @@ def test_a_freed_slot_reused_gives_the_ids_of_a_fresh_engine(hybrid, work):
         a = send("a", [int(np.argmax(a.logits))])
         assert a.error is None
     send("a", [], end=True)
-    assert batcher.engine.blocks.state_slots.free == 1
+    assert batcher.engine.blocks.pools()[STATE].free == 1
     # The freed slot still holds A's states: B is right only because it starts at position 0.
     assert np.abs(batcher.engine.rt.pool_snapshot("l0.recurrent")[0]).max() > 0.01
     b = send("b", prompt_b, start=True)
@@ -264,7 +265,7 @@ def test_state_bytes_per_sequence_are_the_same_at_64_and_4096_positions(hybrid, 
         seq = engine.new_sequence(prompt)
         engine.prefill_chunked(seq)
         assert seq.num_cached == length and seq.state_slot is not None
-        held[length] = (len(seq.pages), engine.blocks.state_slots.used * ls["bytesPerSlot"])
+        held[length] = (len(seq.pages), engine.blocks.pools()[STATE].used * ls["bytesPerSlot"])
         engine.free(seq)
     print(f"pages, state bytes held: {held}")
     assert held[64][1] == held[4096][1] == ls["bytesPerSlot"]
@@ -296,7 +297,7 @@ def test_a_prompt_failing_after_its_first_calls_ends_the_sequence(hybrid):
     assert replies[-1].code == "INTERNAL"
     assert "injected failure" in replies[-1].error and "sequence ended" in replies[-1].error
     assert "s" not in batcher.sequences
-    assert engine.blocks.state_slots.used == 0 and engine.blocks.full.used == 0
+    assert engine.blocks.pools()[STATE].used == 0 and engine.blocks.full.used == 0
     # A held sequence whose continuation fails in its first call keeps its state and goes on.
     rt.run = run
     batcher.submit(Request("t", PROMPT[:40], True, False, replies.append))

@@ -15,6 +15,7 @@ from sequence_checks import TINY_PROMPT, known_drafter, random_drafter
 from triton_tlaloc.engine import Engine, accepted_drafts
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.frontends.drafting import prompt_lookup
+from triton_tlaloc.pages import WINDOWED
 from triton_tlaloc.runtime import Runtime
 from triton_tlaloc.sequence import Sequence
 
@@ -103,7 +104,7 @@ def test_a_sequence_cut_back_after_wrong_tokens_goes_on_with_transformers_ids(ca
             recomputed[0] += recompute
         engine.free(seq)
         return got
-    for reuse in (False, engine.blocks.rings is None):  # rings: no prefix reuse
+    for reuse in (False, WINDOWED not in engine.blocks.kinds):  # rings: no prefix reuse
         engine.blocks.prefix_reuse = reuse
         recomputed = [0]
         try:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .codes import INVALID_ARG, UNAVAILABLE
 from .engine import RequestError, Sequence
-from .pages import PagesExhausted, Reuse
+from .pages import WINDOWED, PagesExhausted, Reuse
 
 if TYPE_CHECKING:
     from .batcher_state import BatcherState
@@ -122,7 +122,7 @@ class Admission:
         self.sequences = state.sequences  # the same dict: held sequences by id
 
     def _holding(self, s: Sequence) -> str:
-        ring = f", {len(s.ring)} ring pages" if self.engine.blocks.rings is not None else ""
+        ring = f", {len(s.ring)} ring pages" if WINDOWED in self.engine.blocks.kinds else ""
         slot = (f", state slot {s.state_slot}" if s.state_slot is not None else "")
         return f"{s.seq_id} ({len(s.pages)} pages{ring}{slot})"
 

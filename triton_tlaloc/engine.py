@@ -17,7 +17,7 @@ import numpy as np
 
 from .manifest import Artifact
 from .model_parameters import default_int
-from .pages import (FULL, BlockManager, PagePool, PagesExhausted, PoolShape, Reuse,
+from .pages import (FULL, STATE, BlockManager, PagePool, PagesExhausted, PoolShape, Reuse,
                     SharedPagePool, pages_for, root_hash)
 from .codes import RequestError
 from .sequence import Sequence, SequenceStatus
@@ -353,7 +353,7 @@ class Engine:
         self.executions += 1
         t0 = time.perf_counter()
         step = build_step(entry, rows, self.block_size, self.ring_pages,
-                          self.blocks.state_slots is not None)
+                          STATE in self.blocks.kinds)
         self.build_seconds += time.perf_counter() - t0
         return step
 

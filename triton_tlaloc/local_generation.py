@@ -224,7 +224,7 @@ class Speculation:
     def of(engine, entry_seconds: dict[str, float] | None = None) -> "Speculation":
         """What `engine` can verify; `entry_seconds`, each entry's recent call time (the
         batcher's stats), weighs a verify call against a decode call."""
-        vocab, rewinds = engine.art.model.vocab, engine.blocks.state_slots is None
+        vocab, rewinds = engine.art.model.vocab, engine.blocks.rewinds
         try:
             engine.verifier.check_speculation()
         except RequestError as e:

@@ -20,7 +20,8 @@ row reads a page no sequence owns and (its slots being -1) writes nothing. A sta
 hands out every slot: a padding row's state slot is -1, which the entry neither reads nor
 writes.
 
-`BlockManager` does all the accounting per sequence: what a sequence needs to grow, taking it
+Each kind of cache is a manager of its own (cache_kinds.py: FullPages, RingPages, StateSlots),
+and `BlockManager` coordinates them: it does all the accounting per sequence: what a sequence needs to grow, taking it
 (all or nothing), rolling a failed call back, freeing, reusing cached blocks on a prompt, and
 keeping ended sequences whole so that the next turn of a conversation continues them. With a
 host tier (`BlockSpill`, host_tier.HostTier), cached blocks are copied to host memory as they
@@ -30,11 +31,12 @@ the new pages its reservation takes instead of computed.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .model_parameters import default_int
+from .cache_kinds import CacheKind, FullPages, RingPages, StateSlots
 from .page_pools import (FULL, POOLS, STATE, WINDOWED, PagePool, PagesExhausted,
                          SharedPagePool, block_hash, pages_for, root_hash)
 from .sequence import HELD, SequenceStatus
@@ -101,17 +103,23 @@ class BlockManager:
     request is refused for want of pages.
     """
 
-    def __init__(self, shape: PoolShape, prefix_reuse: bool = True, keep_ended: int = default_int("keep_ended_sequences")):
+    def __init__(self, shape: PoolShape, prefix_reuse: bool = True,
+                 keep_ended: int = default_int("keep_ended_sequences")):
         self.shape = shape
         self.block_size = shape.block_size
-        self.full = SharedPagePool(shape.num_blocks, FULL)
-        self.rings = PagePool(shape.ring_blocks, WINDOWED) if shape.ring_blocks else None
         self.ring_pages = shape.ring_pages
-        self.state_slots = (PagePool(shape.state_slots, STATE, reserved=0, unit="slots")
-                            if shape.state_slots else None)
-        self.holds_full_pages = shape.holds_full_pages
-        self.prefix_reuse = (prefix_reuse and shape.holds_full_pages and self.rings is None
-                             and self.state_slots is None)
+        # One manager per kind of cache the model has (cache_kinds.py), by pool name.
+        full = FullPages(shape.num_blocks, shape.holds_full_pages)
+        self.kinds: dict[str, CacheKind] = {FULL: full}
+        if shape.ring_blocks:
+            self.kinds[WINDOWED] = RingPages(shape.ring_blocks, shape.ring_pages)
+        if shape.state_slots:
+            self.kinds[STATE] = StateSlots(shape.state_slots)
+        self.full = full.pool
+        # Whether a sequence can be cut back (no kind, like a state, folds every token in)
+        self.rewinds = all(k.rewinds for k in self.kinds.values())
+        self.prefix_reuse = (prefix_reuse and shape.holds_full_pages
+                             and all(k.rebuildable for k in self.kinds.values()))
         self.keep_ended = keep_ended if prefix_reuse else 0
         self.ended: OrderedDict[int, Sequence] = OrderedDict()  # by id(seq), least recent first
         self.dropped = 0  # ended sequences dropped (for pages, or past keep_ended)
@@ -119,8 +127,7 @@ class BlockManager:
         self.spill: BlockSpill | None = None  # set by a host tier (prefix reuse only)
 
     def pools(self) -> dict[str, PagePool | SharedPagePool]:
-        return {FULL: self.full, **({WINDOWED: self.rings} if self.rings else {}),
-                **({STATE: self.state_slots} if self.state_slots else {})}
+        return {name: kind.pool for name, kind in self.kinds.items()}
 
     # ------------------------------------------------------------ growing
 
@@ -128,12 +135,7 @@ class BlockManager:
         """Pages per pool `seq` must add to hold `length` positions: full-history pages for
         every block, ring pages up to the ring's size, a state slot once."""
         blocks = pages_for(length, self.block_size)
-        need = {FULL: max(0, blocks - len(seq.pages)) if self.holds_full_pages else 0}
-        if self.rings is not None:
-            need[WINDOWED] = max(0, min(blocks, self.ring_pages) - len(seq.ring))
-        if self.state_slots is not None:
-            need[STATE] = 0 if seq.state_slot is not None else 1
-        return need
+        return {name: kind.need(seq, blocks) for name, kind in self.kinds.items()}
 
     def reserve(self, seq: Sequence, length: int) -> None:
         """Take the pages `seq` needs to hold `length` positions, all or none: cached blocks
@@ -160,11 +162,8 @@ class BlockManager:
         if self.spill is not None and need.get(FULL):
             if evicted := self.full.evictions(need[FULL]):
                 self.spill.spill(evicted)
-        seq.pages += self.full.allocate(need.get(FULL, 0))
-        if self.rings is not None:
-            seq.ring += self.rings.allocate(need.get(WINDOWED, 0))
-        if need.get(STATE):
-            seq.state_slot = self.state_slots.allocate(1)[0]
+        for name, n in need.items():
+            self.kinds[name].take(seq, n)
 
     def _ended_could_cover(self, need: dict[str, int]) -> bool:
         """Whether dropping every kept sequence would free what `need` lacks."""
@@ -287,11 +286,8 @@ class BlockManager:
         """Undo an admit whose call failed: the sequence as it was before it. False when that
         cannot be: a linear-attention state already holds some of the failed request's tokens
         (a chunked prompt failing after its first chunks), and a state cannot be rewound."""
-        if self.state_slots is not None and seq.num_cached > num_tokens:
+        if not all(k.can_roll_back(seq, num_tokens) for k in self.kinds.values()):
             return False
-        if not had_state_slot and seq.state_slot is not None:
-            self.state_slots.release([seq.state_slot])
-            seq.state_slot = None
         del seq.token_ids[num_tokens:]
         seq.num_cached = min(seq.num_cached, num_tokens)
         # Blocks registered by the failed request's first chunks: those the sequence keeps
@@ -300,19 +296,13 @@ class BlockManager:
         for page in seq.pages[full_blocks:num_pages]:
             self.full.unregister(page)
         del seq.block_hashes[full_blocks:]
-        self._release_past(seq, num_pages, num_ring)
+        self._keep_first(seq, {FULL: num_pages, WINDOWED: num_ring, STATE: int(had_state_slot)})
         return True
 
-    def _release_past(self, seq: Sequence, num_pages: int, num_ring: int) -> None:
-        """Release the pages `seq` holds past its first `num_pages`, and its ring pages past
-        its first `num_ring`."""
-        extra = seq.pages[num_pages:]
-        del seq.pages[num_pages:]
-        self.full.release(extra)
-        if self.rings is not None:
-            extra = seq.ring[num_ring:]
-            del seq.ring[num_ring:]
-            self.rings.release(extra)
+    def _keep_first(self, seq: Sequence, counts: dict[str, int]) -> None:
+        """Give back, of each kind, what `seq` holds past its first counts[kind]."""
+        for name, kind in self.kinds.items():
+            kind.keep_first(seq, counts[name])
 
     def truncate(self, seq: Sequence, length: int) -> None:
         """Cut `seq` back to its first `length` tokens (drafts a verify call did not accept, or
@@ -321,11 +311,11 @@ class BlockManager:
         registered block holding the cut or past it is released whole, never written over
         (other sequences may share it; it stays cached): the next call computes again the
         positions of it that stand. A state cannot be cut back (no state slots)."""
-        assert self.state_slots is None, "a linear-attention state cannot be cut back"
+        assert self.rewinds, "a linear-attention state cannot be cut back"
         blocks, seq.num_cached = self._cut(seq, length)
         del seq.block_hashes[blocks:]
         del seq.token_ids[length:]
-        self._release_past(seq, blocks, min(blocks, self.ring_pages))
+        self._keep_first(seq, {FULL: blocks, WINDOWED: min(blocks, self.ring_pages)})
 
     def cached_after_cut(self, seq: Sequence, length: int) -> int:
         """The positions `seq` would still hold computed after `truncate(seq, length)`."""
@@ -385,16 +375,7 @@ class BlockManager:
     def detach(self, seq: Sequence) -> None:
         """Release everything `seq` holds but keep what it is (its tokens, how many are
         computed, its block hashes): its KV has been copied to the host (swapped out)."""
-        self.full.release(seq.pages)
-        seq.pages = []
-        if self.rings is not None:
-            self.rings.release(seq.ring)
-            seq.ring = []
-        if seq.state_slot is not None:
-            # Not cleared: the next sequence given this slot starts at position 0, and a row
-            # starting at position 0 starts from zero state.
-            self.state_slots.release([seq.state_slot])
-            seq.state_slot = None
+        self._keep_first(seq, {name: 0 for name in self.kinds})
 
     def attach(self, seq: Sequence, num_pages: int, num_ring: int, state_slots: int) -> int:
         """Give a swapped-out sequence pages again (swapping it in), all or none: its leading
@@ -426,15 +407,8 @@ class BlockManager:
     def usage(self) -> dict[str, tuple[int, int, int]]:
         """Per pool: (held by live sequences, cached, free). Cached: blocks no sequence holds,
         and whatever only ended sequences hold; the three add up to the pool's capacity."""
-        cached = self.full.cached + self.full.kept_only
-        free = self.full.free - self.full.cached
-        out = {FULL: (self.full.capacity - cached - free, cached, free)}
-        for name, pool in ((WINDOWED, self.rings), (STATE, self.state_slots)):
-            if pool is not None:
-                kept = sum(len(s.ring) if name == WINDOWED else int(s.state_slot is not None)
-                           for s in self.ended.values())
-                out[name] = (pool.used - kept, kept, pool.free)
-        return out
+        ended = list(self.ended.values())
+        return {name: kind.usage(ended) for name, kind in self.kinds.items()}
 
     def check(self, live: list[Sequence]) -> None:
         """Every invariant, against the live sequences: each is held (its status), swapped out
@@ -449,23 +423,9 @@ class BlockManager:
                 assert not any(s.holding.values()), f"sequence {s.seq_id} is {s.status.value}"
         for s in self.ended.values():
             assert s.status is SequenceStatus.KEPT, f"ended {s.seq_id} is {s.status.value}"
-        holders = [*live, *self.ended.values()]
-        counts = Counter(p for s in holders for p in s.pages)
-        kept = Counter(p for s in self.ended.values() for p in s.pages)
-        for p in range(self.full.num_blocks):
-            assert self.full.refs[p] == counts.get(p, 0), \
-                f"page {p}: count {self.full.refs[p]}, held by {counts.get(p, 0)} sequences"
-            assert self.full.kept[p] == kept.get(p, 0), \
-                f"page {p}: {self.full.kept[p]} kept holds, {kept.get(p, 0)} kept sequences"
-        self.full.check()
+        ended = list(self.ended.values())
+        holders = [*live, *ended]
         for s in holders:
-            assert len(set(s.pages)) == len(s.pages), f"sequence {s.seq_id} holds a page twice"
             assert len(s.block_hashes) <= s.num_cached // self.block_size
-            for p, h in zip(s.pages, s.block_hashes):
-                assert self.full.block_of(p) in (None, h), f"page {p} holds another block"
-        for name, pool, held in ((WINDOWED, self.rings, [p for s in holders for p in s.ring]),
-                                 (STATE, self.state_slots, [s.state_slot for s in holders
-                                                            if s.state_slot is not None])):
-            if pool is not None:
-                assert len(held) == len(set(held)) == pool.used, f"{name} pool: held twice"
-                pool.check()
+        for kind in self.kinds.values():
+            kind.check(holders, ended)

@@ -69,7 +69,7 @@ class Verifier:
 
     def check_speculation(self) -> None:
         """RequestError unless this model can verify drafts at all."""
-        if self.blocks.state_slots is not None:
+        if not self.blocks.rewinds:
             raise RequestError("speculation is refused for a model with linear-attention "
                                "layers: their state folds in every token fed to it and cannot "
                                "be cut back to the accepted drafts", "speculation")
@@ -103,7 +103,7 @@ class Verifier:
         draft model's sequence, whose drafts its target rejected), or RequestError leaving it
         as it was: a linear-attention state cannot be cut back, and a ring gives back only
         positions that overwrote nothing its window still needs."""
-        if self.blocks.state_slots is not None:
+        if not self.blocks.rewinds:
             raise RequestError("a sequence with linear-attention layers cannot be rewound: "
                                "their state folds in every token fed to it", "rewind")
         if not 1 <= length <= len(seq.token_ids):

@@ -8,7 +8,7 @@ import pytest
 from fakes import Harness, fake_artifact
 
 from triton_tlaloc.engine import accepted_drafts
-from triton_tlaloc.pages import pages_for
+from triton_tlaloc.pages import FULL, pages_for
 
 VOCAB = 256
 
@@ -54,7 +54,7 @@ def greedy(h, seq_id, prompt, n_new, drafter=None, k=0):
         assert seq.token_ids == prompt + ids[:-1]
         assert seq.num_cached == len(seq.token_ids)
         blocks, engine = pages_for(len(seq.token_ids), 8), h.batcher.engine
-        if engine.blocks.holds_full_pages:
+        if engine.blocks.kinds[FULL].holds:
             assert len(seq.pages) == blocks
             assert h.rt.kv_of(seq) == seq.token_ids
         assert len(seq.ring) == min(blocks, engine.ring_pages)
