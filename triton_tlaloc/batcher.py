@@ -50,6 +50,7 @@ from .admission import Admission, Job, Reply, Request
 from .batcher_state import BatcherState
 from .policy import BatchPolicy, Cohort, select
 from .room import RoomMaker
+from .round_plan import RoundPlan, bucket_calls, decode_calls, prefill_calls
 
 # What the front ends take from here: the batcher, its requests and replies, and reply codes.
 __all__ = ["Batcher", "INTERNAL", "INVALID_ARG", "Job", "Reply", "Request", "UNAVAILABLE"]
@@ -238,41 +239,64 @@ class Batcher:
     def process(self, requests: list[Request], resumed: list[Job] = ()) -> None:
         """One round: admit `requests`, then run them with the `resumed` jobs (admitted in
         an earlier round and held back until an entry compiled)."""
+        self.execute(self.schedule(requests, resumed))
+
+    def schedule(self, requests: list[Request], resumed: list[Job] = ()) -> RoundPlan:
+        """Admit `requests` (reserving their pages, making room) and group the jobs with the
+        `resumed` ones into calls: the round's plan, nothing run yet."""
         if self.host is not None:  # who may not be swapped out as idle (room.py)
             with self._cv:
                 queued = {r.seq_id for r in self._pending}
             self.state.busy = ({r.seq_id for r in requests} | {j.seq.seq_id for j in resumed}
-                          | queued | {r.seq_id for r in self.state.waiting} | self.state.held_back_ids())
+                               | queued | {r.seq_id for r in self.state.waiting}
+                               | self.state.held_back_ids())
+        self.state.moves = []
         jobs: list[Job] = list(resumed)  # a preempted sequence's job leaves the list
         t0 = time.perf_counter()
         for r in requests:
             job = self.admission.admit(r, jobs)
             if job is not None:
                 jobs.append(job)
-        decode, verify = [], [j for j in jobs if j.request.is_verify]
+        plan = RoundPlan(moves=self.state.moves)
+        decode = []
         for j in (j for j in jobs if j.is_decode):
             compiling = self.engine.decode_waits_for(j.seq)
             if compiling is not None:
-                self._hold_back([j], "decode", compiling)
+                plan.held_back.append((j, compiling))
             else:
                 decode.append(j)
-        prefill = [j for j in jobs if not j.is_decode and not j.request.is_verify]
-        self._admit_seconds = time.perf_counter() - t0  # charged to the round's first call
-        if decode:
+        plan.decode = decode_calls(decode, self.max_decode_batch)
+        plan.verify = bucket_calls([j for j in jobs if j.request.is_verify],
+                                   self.max_verify_batch, self.context_ladder)
+        plan.prefill = prefill_calls(
+            [j for j in jobs if not j.is_decode and not j.request.is_verify],
+            self.max_prefill_batch, self.context_ladder, self.engine.max_call_tokens)
+        plan.admit_seconds = time.perf_counter() - t0
+        return plan
+
+    def execute(self, plan: RoundPlan) -> None:
+        """Run a round's plan: its calls in order, each row answered; then the decode cohort
+        and the pools' gauges."""
+        for job, entry in plan.held_back:
+            self._hold_back([job], "decode", entry)
+        self._admit_seconds = plan.admit_seconds  # charged to the round's first call
+        if plan.decode:
             t_decode = self.clock()
-            for i in range(0, len(decode), self.max_decode_batch):
-                self._run("decode", decode[i:i + self.max_decode_batch])
+            for call in plan.decode:
+                self._run("decode", call)
             self._decode_s = self.clock() - t_decode
-            self.cohort = Cohort({j.seq.seq_id for j in decode if not j.request.end},
+            self.cohort = Cohort({j.seq.seq_id for call in plan.decode for j in call
+                                  if not j.request.end},
                                  self.clock() + self.policy.cohort_wait(self._decode_s))
-        for group in self._bucket_groups(verify, self.max_verify_batch):
-            self._run("verify", group)
-        for group in self._prefill_groups(prefill):
-            self._run("prefill", group)
-        if prefill or verify:
+        for call in plan.verify:
+            self._run("verify", call)
+        for call in plan.prefill:
+            self._run("prefill", call)
+        if plan.prefill or plan.verify:
             # A sequence whose prompt (or verify call) just ran decodes next: it joins the
             # cohort, so prompts sent together decode together from their first step.
-            self.cohort = Cohort(self.cohort.members | {j.seq.seq_id for j in prefill + verify
+            ran = [j for call in plan.prefill + plan.verify for j in call]
+            self.cohort = Cohort(self.cohort.members | {j.seq.seq_id for j in ran
                                                         if j.seq.seq_id in self.sequences},
                                  self.clock() + self.policy.cohort_wait(self._decode_s))
         self._observe("state", self.pool_state(), len(self.sequences))
@@ -287,29 +311,6 @@ class Batcher:
     def pool_state(self) -> dict[str, tuple[int, int, int]]:
         """Per pool: (held by live sequences, cached, free) (pages.BlockManager.usage)."""
         return self.engine.blocks.usage()
-
-    def _prefill_groups(self, jobs: list[Job]) -> list[list[Job]]:
-        """Prompts of one context bucket run as one call, up to the largest prefill batch. A
-        prompt longer than the largest prefill entry runs alone, in chunks."""
-        fits, alone = [], []
-        for job in jobs:
-            n = len(job.seq.token_ids) - job.seq.num_cached
-            (alone if n > self.engine.max_call_tokens(job.seq) else fits).append(job)
-        return self._bucket_groups(fits, self.max_prefill_batch) + [[job] for job in alone]
-
-    def _bucket_groups(self, jobs: list[Job], max_batch: int) -> list[list[Job]]:
-        """Jobs of one context bucket run as one call of up to `max_batch` rows (a call
-        computes every row at its entry's context, so buckets are not merged)."""
-        by_bucket: dict[int, list[Job]] = {}
-        for job in jobs:
-            end = len(job.seq.token_ids)
-            bucket = next(c for c in self.context_ladder if c >= end)
-            by_bucket.setdefault(bucket, []).append(job)
-        groups = []
-        for bucket in sorted(by_bucket):
-            js = by_bucket[bucket]
-            groups += [js[i:i + max_batch] for i in range(0, len(js), max_batch)]
-        return groups
 
     def _run(self, kind: str, jobs: list[Job]) -> None:
         seqs = [j.seq for j in jobs]

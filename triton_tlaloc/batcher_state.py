@@ -31,6 +31,8 @@ class BatcherState:
         # Jobs held back until an entry they need compiles (admitted, their pages reserved)
         self.held_back: list[Job] = []
         self.admissions = 0  # STARTs admitted so far (Sequence.admitted)
+        # What room making did in this round's admissions ((what, sequence id): RoundPlan)
+        self.moves: list[tuple[str, object]] = []
 
     def held_back_ids(self) -> set:
         """The sequences whose request is held back until an entry compiles."""

@@ -142,6 +142,7 @@ class RoomMaker:
         """Swap out (or with `drop`, drop) a sequence whose request is in this round (or
         queued): its request waits for pages (a job already admitted is rolled back first)."""
         self.state.observe("preempted")
+        self.state.moves.append(("preempted", victim.seq_id))
         if job is not None:
             jobs.remove(job)
             if job.request.start:  # nothing of it is computed: it starts again when it can
@@ -182,6 +183,7 @@ class RoomMaker:
                 return False
         elif any(seq.holding.values()):
             self.state.observe("preempted")
+            self.state.moves.append(("preempted", seq.seq_id))
             if self.host.fits(seq):
                 self._swap_out(seq, "preempted")
             else:
@@ -203,14 +205,17 @@ class RoomMaker:
                  f" and {len(seq.ring)} ring pages" if seq.ring else "", why,
                  len(seq.token_ids))
         self.engine.drop(seq)
+        self.state.moves.append(("dropped", seq.seq_id))
         self.state.observe("recomputed")
 
     def _swap_out(self, seq: Sequence, why: str) -> None:
         swap = self.host.swap_out(seq)
+        self.state.moves.append(("swapped out", seq.seq_id))
         self._swapped(seq, swap, why)
 
     def swap_in(self, seq: Sequence) -> None:
         swap = self.host.swap_in(seq)
+        self.state.moves.append(("swapped in", seq.seq_id))
         self._swapped(seq, swap, f"{swap.shared} pages still cached on the device"
                       if swap.shared else "")
 

@@ -1,0 +1,70 @@
+"""A round's plan: what the batcher runs in one round, decided before anything runs (vLLM's
+SchedulerOutput). `Batcher.schedule` admits the round's requests (pages reserved, sequences
+swapped, preempted or dropped to make room: `moves`) and groups the jobs into calls; `Batcher
+.execute` runs the plan. The tests assert on plans. Pure Python.
+
+Grouping: decode rows of several sequences go into one call of up to the largest decode batch;
+verify rows and prompts of one context bucket into one call (a call computes every row at its
+entry's context, so buckets are not merged); a prompt longer than the largest prefill entry
+runs alone, in chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .admission import Job
+
+
+@dataclass
+class RoundPlan:
+    decode: list[list[Job]] = field(default_factory=list)  # decode calls, in order
+    verify: list[list[Job]] = field(default_factory=list)  # verify calls
+    prefill: list[list[Job]] = field(default_factory=list)  # prefill calls (chunked: alone)
+    # Decode steps whose entry is still compiling: (job, entry), held back, not run
+    held_back: list[tuple[Job, str]] = field(default_factory=list)
+    # What room making did while admitting: (what, sequence id), what one of "swapped out",
+    # "swapped in", "preempted", "dropped"
+    moves: list[tuple[str, object]] = field(default_factory=list)
+    admit_seconds: float = 0.0  # admitting the round's requests (charged to its first call)
+
+    def calls(self) -> list[tuple[str, list[Job]]]:
+        """(kind, rows) of every call, in the order they run."""
+        return ([("decode", g) for g in self.decode] + [("verify", g) for g in self.verify]
+                + [("prefill", g) for g in self.prefill])
+
+    def rows(self, kind: str) -> list[list[object]]:
+        """The sequence ids of each call of `kind` (what the tests compare)."""
+        return [[j.seq.seq_id for j in g] for g in getattr(self, kind)]
+
+
+def decode_calls(jobs: list[Job], max_batch: int) -> list[list[Job]]:
+    """Decode rows in calls of up to `max_batch` (a decode entry holds any context bucket up
+    to its own: the smallest entry that holds the call is chosen when it runs)."""
+    return [jobs[i:i + max_batch] for i in range(0, len(jobs), max_batch)]
+
+
+def bucket_calls(jobs: list[Job], max_batch: int, context_ladder: list[int]) -> list[list[Job]]:
+    """Jobs of one context bucket as one call of up to `max_batch` rows, smallest bucket first."""
+    by_bucket: dict[int, list[Job]] = {}
+    for job in jobs:
+        end = len(job.seq.token_ids)
+        bucket = next(c for c in context_ladder if c >= end)
+        by_bucket.setdefault(bucket, []).append(job)
+    calls = []
+    for bucket in sorted(by_bucket):
+        js = by_bucket[bucket]
+        calls += [js[i:i + max_batch] for i in range(0, len(js), max_batch)]
+    return calls
+
+
+def prefill_calls(jobs: list[Job], max_batch: int, context_ladder: list[int],
+                  max_call_tokens: Callable) -> list[list[Job]]:
+    """Prompts by context bucket (`bucket_calls`); one longer than `max_call_tokens(seq)`, the
+    most one prefill call may feed it, alone (in chunks), after them."""
+    fits, alone = [], []
+    for job in jobs:
+        n = len(job.seq.token_ids) - job.seq.num_cached
+        (alone if n > max_call_tokens(job.seq) else fits).append(job)
+    return bucket_calls(fits, max_batch, context_ladder) + [[job] for job in alone]
