@@ -83,7 +83,7 @@ def test_padding_never_writes_the_pool(engine):
     layers = [(layer, kind) for layer in (0, 1) for kind in "kv"]
     before = {lk: engine.rt.layer_kv_snapshot(*lk) for lk in layers}
     seq = engine.new_sequence(PROMPT_B)
-    entry = engine._entry("prefill", 2, len(PROMPT_B), len(PROMPT_B))
+    entry = engine.entry_for("prefill", 2, len(PROMPT_B), len(PROMPT_B))
     assert entry.batch == 2 and entry.tokens_per_seq > len(PROMPT_B)
     engine._call(entry, [seq], [seq.uncached])
     bs = engine.block_size

@@ -48,7 +48,7 @@ def stepwise_logits(art, prompt=PROMPT, steps=STEPS, chunks=None):
         out.append(engine.prefill_chunked(seq)[0])
     else:
         for n in chunks:
-            entry = engine._entry("prefill", 1, seq.num_cached + n, n)
+            entry = engine.entry_for("prefill", 1, seq.num_cached + n, n)
             out.append(engine._call(entry, [seq], [seq.uncached[:n]])[0])
     ids = []
     for _ in range(steps):
