@@ -1,6 +1,6 @@
 """Ready early, as a user meets it: a repository on a cold compile cache, tritonserver started
 without waiting for the background compiles, and every first request sent the moment the
-server reports ready. Each export shape the README documents (the default ladders, one large
+server reports ready. Each export shape docs/serving.md documents (the default ladders, one large
 context bucket with a small prefill chunk, int8 weights with fp8 KV, rings, state slots) gets
 transformers' greedy ids over gRPC, HTTP and its generate model, and SmolLM2's chat through
 `tlaloc openai`; none is answered INTERNAL. (The held-back path itself, with nothing compiled

@@ -1,5 +1,5 @@
 """The sequence model's Prometheus metrics: an observer of the batcher (metrics.Observer) whose
-updates go through a MetricsWriter, shown on Triton's metrics port. README.md names them."""
+updates go through a MetricsWriter, shown on Triton's metrics port. docs/serving.md names them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from .metrics import MetricsWriter, Observer
 
 
 class TritonMetrics(Observer):
-    """The batcher's observer: Prometheus metrics on Triton's metrics port (README.md names
-    them). Every metric carries the model's name as a label."""
+    """The batcher's observer: Prometheus metrics on Triton's metrics port (docs/serving.md
+    names them). Every metric carries the model's name as a label."""
 
     WAIT_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
     EXEC_BUCKETS = [1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]

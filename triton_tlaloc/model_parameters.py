@@ -79,7 +79,7 @@ PARAMETERS: tuple[ModelParameter, ...] = (
     ModelParameter(
         "prefix_reuse", "true",
         "reuse cached prefix blocks and continue ended sequences "
-        "([KV reuse](../README.md#kv-reuse)); the flag writes `false`",
+        "([KV reuse](serving.md#kv-reuse)); the flag writes `false`",
         "--no-prefix-reuse"),
     ModelParameter(
         "keep_ended_sequences", "64",

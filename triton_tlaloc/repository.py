@@ -209,8 +209,8 @@ def write_generate_model(artifact, repo: Path, name: str, generation_loop: str =
 
 @dataclass(frozen=True)
 class ProgramOptions:
-    """A bounded or generic program's model (README.md, "Programs that are not language
-    models")."""
+    """A bounded or generic program's model
+    (docs/serving.md#programs-that-are-not-language-models)."""
     arguments: str = ""  # generic: "input:X,weight:w.bin,state:s", one per @main argument
     results: str = ""  # generic: "output:Y,state:s", one per @main result
     max_batch_size: int = 0  # > 0: Triton's dynamic batcher (a stateless generic program)

@@ -1,4 +1,4 @@
-"""The exporter: a checkpoint in, a Tlaloc serving artifact out (docs/architecture.md, "Export").
+"""The exporter: a checkpoint in, a Tlaloc serving artifact out (docs/architecture.md#export).
 
     checkpoint.py        Hugging Face and GGUF checkpoints read into a DecoderConfig and tensors
     decoder.py           weight slots, pools, entry signatures; make_entry_fn strings the layers

@@ -17,7 +17,8 @@ updated pools. Rows are right-aligned: a row's last token is at index tokens_per
 padding comes first with slot -1 and is never written.
 
 A hybrid model's linear layers (qwen3_5, schema v4) read and write their states at each row's
-state slot instead of KV pages (docs/design.md#state-slots); linear_attention.py has the ops.
+state slot instead of KV pages (docs/design.md#linear-attention-state-slots);
+linear_attention.py has the ops.
 
 JAX is imported only to lower (make_entry_fn, lower_entry), and the graph is traced from
 ShapeDtypeStructs, so no weight is held while lowering.

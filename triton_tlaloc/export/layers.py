@@ -391,8 +391,8 @@ def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):
 def linear_mixer(g: Graph, step: Step, w: dict, i: int, hdn, conv_pool, rec_pool):
     """A Gated DeltaNet layer over the call's rows, and its state pools updated: each row's
     states are read at its state slot, the row's live tokens run through the conv and the rule,
-    and the states are written back (docs/design.md#state-slots). linear_attention.py has the
-    ops."""
+    and the states are written back (docs/design.md#linear-attention-state-slots).
+    linear_attention.py has the ops."""
     la = g.cfg.linear
     b, t, _ = hdn.shape
     proj = project(g, hdn, w, f"l{i}.lin_in")

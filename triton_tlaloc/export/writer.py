@@ -137,7 +137,7 @@ class ExportOptions:
                                   f"positive multiples of the block size {self.block_size}")
 
     def windowed(self, cfg: DecoderConfig, num_blocks: int) -> WindowedKv | None:
-        """The windowed pool for a model with sliding layers (docs/design.md#windowed-kv-pool),
+        """The windowed pool for a model with sliding layers (docs/design.md#the-windowed-pool),
         or None."""
         layers = tuple(i for i in range(cfg.num_layers) if cfg.window(i))
         if not layers or self.windowed_kv is False:
