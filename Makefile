@@ -30,7 +30,7 @@ demo: $(STAMP_DEMO)
 	scripts/demo.sh
 
 test: $(STAMP_TEST)
-	$(BIN)/python -m pytest -q -rs tests
+	$(BIN)/python -m pytest -q -rs --durations=40 tests
 
 # The pure-Python parts (pages, policy, batcher, engine over a fake runtime, sampling, outputs,
 # metrics) with no JAX, torch or Triton imported: seconds. `make test` runs them too.
