@@ -704,20 +704,19 @@ def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0,
     `tlaloc openai` (key API_KEY, `max_concurrent` generations): returns (Target, a function
     that stops both)."""
     from triton_tlaloc.frontends.openai_server import ServedModel, ServerOptions, serve_in_thread
-    from triton_tlaloc.kv_transfer import pool_specs
+    from triton_tlaloc.kv_transfer import page_bytes
+    from triton_tlaloc.page_pools import FULL
     from triton_tlaloc.manifest import load_artifact
     from triton_tlaloc.repository import RepositoryOptions, write_repository
     from triton_tlaloc.server import TritonServer
 
     art = load_artifact(artifact)
     pages = art.model.num_blocks - 1
-    page_bytes = sum(int(np.prod(shape[1:])) * dtype.itemsize
-                     for shape, dtype in pool_specs(art).values())
     # No host tier: the full-pool cases are of refusals, answered at once.
     write_repository(artifact, repo, MODEL, RepositoryOptions(
         max_sequence_idle_microseconds=int(idle_s * 1e6), host_kv_bytes=0))
     write_repository(artifact, repo, TIGHT, RepositoryOptions(
-        sequence_slots=pages, host_kv_bytes=HOST_PAGES * page_bytes))
+        sequence_slots=pages, host_kv_bytes=HOST_PAGES * page_bytes(art, FULL)))
     for name, opts in (more_models or {}).items():
         write_repository(artifact, repo, name, opts)
     server = TritonServer(repo, exit_timeout_s=3).start()

@@ -229,7 +229,8 @@ class Batcher:
             # deadline.
             due = min(r.waiting_since for r in self.state.waiting) + self.preempt_wait_s
             if taken or self.state.retry_waiting or now >= due:
-                taken, self.state.waiting, self.state.retry_waiting = self.state.waiting + taken, [], False
+                taken = self.state.waiting + taken
+                self.state.waiting, self.state.retry_waiting = [], False
             else:
                 wake_at = due if wake_at is None else min(wake_at, due)
         return taken, resumed, wake_at

@@ -25,7 +25,8 @@ class CacheKind:
     rewinds = True  # a sequence can be cut back to fewer tokens
 
     def held(self, seq: Sequence) -> list[int]:
-        """The pages (or slots) `seq` holds of this kind, in order."""
+        """The pages (or slots) `seq` holds of this kind, in order (its own list, where it
+        keeps one)."""
         raise NotImplementedError
 
     def need(self, seq: Sequence, blocks: int) -> int:
@@ -33,12 +34,16 @@ class CacheKind:
         raise NotImplementedError
 
     def take(self, seq: Sequence, n: int) -> None:
-        """Give `seq` `n` more (the coordinator checked they are free)."""
-        raise NotImplementedError
+        """Give `seq` `n` more (the coordinator checked they are free). By default `held` is
+        the sequence's own list of pages, extended in place."""
+        self.held(seq).extend(self.pool.allocate(n))
 
     def keep_first(self, seq: Sequence, n: int) -> None:
-        """Give back what `seq` holds past its first `n`."""
-        raise NotImplementedError
+        """Give back what `seq` holds past its first `n` (by default, from its own list)."""
+        held = self.held(seq)
+        extra = held[n:]
+        del held[n:]
+        self.pool.release(extra)
 
     def can_roll_back(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can be put back to `num_tokens` tokens (a failed call undone)."""
@@ -78,14 +83,6 @@ class FullPages(CacheKind):
     def need(self, seq: Sequence, blocks: int) -> int:
         return max(0, blocks - len(seq.pages)) if self.holds else 0
 
-    def take(self, seq: Sequence, n: int) -> None:
-        seq.pages += self.pool.allocate(n)
-
-    def keep_first(self, seq: Sequence, n: int) -> None:
-        extra = seq.pages[n:]
-        del seq.pages[n:]
-        self.pool.release(extra)
-
     def usage(self, ended: Iterable[Sequence]) -> tuple[int, int, int]:
         cached = self.pool.cached + self.pool.kept_only
         free = self.pool.free - self.pool.cached
@@ -123,14 +120,6 @@ class RingPages(CacheKind):
 
     def need(self, seq: Sequence, blocks: int) -> int:
         return max(0, min(blocks, self.ring_pages) - len(seq.ring))
-
-    def take(self, seq: Sequence, n: int) -> None:
-        seq.ring += self.pool.allocate(n)
-
-    def keep_first(self, seq: Sequence, n: int) -> None:
-        extra = seq.ring[n:]
-        del seq.ring[n:]
-        self.pool.release(extra)
 
 
 class StateSlots(CacheKind):

@@ -103,7 +103,8 @@ class Engine:
     kept (up to `keep_ended`) for their next turn. Off unless asked for (the server asks, by
     default): a benchmark that runs a prompt twice must measure it computed twice."""
 
-    def __init__(self, runtime: StepRuntime, prefix_reuse: bool = False, keep_ended: int = default_int("keep_ended_sequences")):
+    def __init__(self, runtime: StepRuntime, prefix_reuse: bool = False,
+                 keep_ended: int = default_int("keep_ended_sequences")):
         self.rt = runtime
         self.art = runtime.artifact
         self.block_size = self.art.model.block_size
@@ -393,7 +394,8 @@ class Engine:
                     reason = "context"
                     break
                 t0 = time.perf_counter()
-                k = min(speculate, max_new_tokens - len(generated) - 1, self.verifier.verify_room(seq))
+                k = min(speculate, max_new_tokens - len(generated) - 1,
+                        self.verifier.verify_room(seq))
                 drafts = drafter(list(prompt_ids) + generated, k) if k > 0 else []
                 new = self.verifier.greedy_step(seq, generated[-1], drafts)
                 step_ms.append((time.perf_counter() - t0) * 1e3)

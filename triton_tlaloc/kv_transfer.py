@@ -72,6 +72,21 @@ def pool_specs(art) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
             for p in (*art.pools, *art.state_pools)}
 
 
+def pool_classes(art) -> dict[str, list[str]]:
+    """The names of the pools of each pool class the artifact has (full, windowed, state)."""
+    classes = {FULL: [p.name for p in art.pools if p.pool_class == "full"],
+               WINDOWED: [p.name for p in art.pools if p.pool_class == "windowed"],
+               STATE: [p.name for p in art.state_pools]}
+    return {k: v for k, v in classes.items() if v}
+
+
+def page_bytes(art, pool_class: str) -> int:
+    """Bytes of one page (row) of every pool of the class together (on every device)."""
+    specs = pool_specs(art)
+    return sum(int(np.prod(specs[name][0][1:])) * specs[name][1].itemsize
+               for name in pool_classes(art).get(pool_class, ()))
+
+
 class PageTransfer:
     """Reads and writes pages of a runtime's pools (runtime.Runtime: `pools` by name, the
     artifact's pool lists, its PJRT device and compile cache). Each program is a JAX function
@@ -82,10 +97,7 @@ class PageTransfer:
     def __init__(self, runtime):
         self.rt = runtime
         art = runtime.artifact
-        self.classes = {FULL: [p.name for p in art.pools if p.pool_class == "full"],
-                        WINDOWED: [p.name for p in art.pools if p.pool_class == "windowed"],
-                        STATE: [p.name for p in art.state_pools]}
-        self.classes = {k: v for k, v in self.classes.items() if v}
+        self.classes = pool_classes(art)
         self._programs: dict[tuple[str, str, int], object] = {}
         self._compiling = threading.Lock()  # `warm` may run on a thread of its own
         self.compile_stats = CompileStats()
@@ -94,9 +106,7 @@ class PageTransfer:
 
     def page_bytes(self, pool_class: str) -> int:
         """Bytes of one page (row) of every pool of the class together (on every device)."""
-        specs = pool_specs(self.rt.artifact)
-        return sum(int(np.prod(specs[name][0][1:])) * specs[name][1].itemsize
-                   for name in self.classes.get(pool_class, ()))
+        return page_bytes(self.rt.artifact, pool_class)
 
     def warm(self, counts: dict[str, tuple[int, ...]]) -> None:
         """Compile (or load from the compile cache) the programs for these bucket sizes per

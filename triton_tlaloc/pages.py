@@ -21,8 +21,9 @@ hands out every slot: a padding row's state slot is -1, which the entry neither 
 writes.
 
 Each kind of cache is a manager of its own (cache_kinds.py: FullPages, RingPages, StateSlots),
-and `BlockManager` coordinates them: it does all the accounting per sequence: what a sequence needs to grow, taking it
-(all or nothing), rolling a failed call back, freeing, reusing cached blocks on a prompt, and
+and `BlockManager` coordinates them: it does all the accounting per sequence: what a sequence
+needs to grow, taking it (all or nothing), rolling a failed call back, freeing, reusing cached
+blocks on a prompt, and
 keeping ended sequences whole so that the next turn of a conversation continues them. With a
 host tier (`BlockSpill`, host_tier.HostTier), cached blocks are copied to host memory as they
 are evicted, and a prompt's prefix continues into the blocks found there: they are written into

@@ -141,8 +141,7 @@ class RoomMaker:
                  drop: bool = False) -> None:
         """Swap out (or with `drop`, drop) a sequence whose request is in this round (or
         queued): its request waits for pages (a job already admitted is rolled back first)."""
-        self.state.observe("preempted")
-        self.state.moves.append(("preempted", victim.seq_id))
+        self._preempted(victim)
         if job is not None:
             jobs.remove(job)
             if job.request.start:  # nothing of it is computed: it starts again when it can
@@ -182,14 +181,18 @@ class RoomMaker:
                           f"{self.host.budget} bytes)",)
                 return False
         elif any(seq.holding.values()):
-            self.state.observe("preempted")
-            self.state.moves.append(("preempted", seq.seq_id))
+            self._preempted(seq)
             if self.host.fits(seq):
                 self._swap_out(seq, "preempted")
             else:
                 self._drop(seq, "preempted; the host tier is full")
         self.defer(r)
         return True
+
+    def _preempted(self, seq: Sequence) -> None:
+        """A sequence with a request in the round or waiting gives up its place on the device."""
+        self.state.observe("preempted")
+        self.state.moves.append(("preempted", seq.seq_id))
 
     def defer(self, r: Request) -> None:
         if r.waiting_since is None:
