@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Attack a served SmolLM2 the way an attacker or a careless client would, and print the table:
-input, expected, observed, server ready, neighbour ids equal solo (tests/abuse_cases.py holds
+input, expected, observed, server ready, neighbour ids equal solo (checks/abuse_cases.py holds
 the cases; tests/test_hardening.py asserts them). Then, with --soak-seconds, a soak of mixed
 clients (sequence model, generate model, OpenAI; good, bad and vanishing) that reports wrong
 ids, leaked pages and the serving processes' memory over time. Exit 1 on any failure.
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-import abuse_cases as A  # noqa: E402
+from checks import abuse_cases as A  # noqa: E402
 
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402

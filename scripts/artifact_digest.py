@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from oracle import make_tiny_checkpoint  # noqa: E402
+from checks.oracle import make_tiny_checkpoint  # noqa: E402
 
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 

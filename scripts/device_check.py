@@ -35,7 +35,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 150, 12, 5, 230, 64, 9, 101, 33, 2, 77, 180, 45]
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -62,7 +61,7 @@ class Table:
 
 
 def parity(work: Path, platform: str):
-    from oracle import load_reference, logits_error, make_tiny_checkpoint, reference_greedy
+    from checks.oracle import load_reference, logits_error, make_tiny_checkpoint, reference_greedy
 
     from triton_tlaloc.engine import Engine
     from triton_tlaloc.export import ExportOptions, export_artifact
@@ -84,7 +83,7 @@ def parity(work: Path, platform: str):
 
 
 def tensor_parallel(work: Path, platform: str, devices: int):
-    from oracle import logits_error, make_tiny_checkpoint
+    from checks.oracle import logits_error, make_tiny_checkpoint
 
     from triton_tlaloc.engine import Engine
     from triton_tlaloc.export import ExportOptions, export_artifact
@@ -141,7 +140,7 @@ def speed(work: Path, platform: str, bandwidth_gbs: float) -> list:
 
 
 def programs_on(work: Path, platform: str):
-    import programs as P
+    from checks import programs as P
 
     from triton_tlaloc.programs.bounded import BoundedRuntime
     from triton_tlaloc.manifest import numpy_dtype

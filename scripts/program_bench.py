@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What grouping by row shape buys a generic program under Triton's dynamic batcher: the rows
-program of tests/programs.py (y = x * w + the row's sum, rows of width 3 or 5) served three
+program of checks/programs.py (y = x * w + the row's sum, rows of width 3 or 5) served three
 ways by one tritonserver, each sent the same burst of concurrent requests in turn, round after
 round (fresh values every round; the first round of each is a warm-up, not counted):
 
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-import programs  # noqa: E402
+from checks import programs  # noqa: E402
 
 from triton_tlaloc.frontends.client import METRICS_SETTLE_S, metric, scrape_metrics  # noqa: E402
 from triton_tlaloc.repository import ProgramOptions, write_program_repository  # noqa: E402

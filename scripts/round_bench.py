@@ -22,9 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from fakes import fake_artifact  # noqa: E402
+from checks.fakes import fake_artifact  # noqa: E402
 
 from triton_tlaloc.batcher import Batcher  # noqa: E402
 from triton_tlaloc.engine import Engine  # noqa: E402

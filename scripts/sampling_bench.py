@@ -2,7 +2,7 @@
 
 Generations of the generate model sample on the sequence model's batching thread (their next
 step is queued by their reply), so a row's sampling time is paid by every sequence of the call.
-This times `Sampler.choose` and the by-the-book reference (tests/unit/sampling_reference.py:
+This times `Sampler.choose` and the by-the-book reference (checks/sampling_reference.py:
 temperature, top-k, a stable sort of the whole vocabulary for top-p, Generator.choice) over the
 same rows of a 49k vocabulary, peaked and flat ones in turn, after a warm-up; medians of
 `--runs` runs; microseconds a row and the ratio.
@@ -23,9 +23,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from sampling_reference import logit_rows, reference_choice  # noqa: E402
+from checks.sampling_reference import logit_rows, reference_choice  # noqa: E402
 
 from triton_tlaloc.frontends.sampling import Sampler, SamplingParams  # noqa: E402
 

@@ -40,7 +40,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from triton_tlaloc.frontends.client import new_sequence_id  # noqa: E402
 from triton_tlaloc.manifest import load_artifact  # noqa: E402

@@ -24,8 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-sys.path.insert(0, str(ROOT / "tests"))
-from oracle import load_reference, reference_greedy  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from checks.oracle import load_reference, reference_greedy  # noqa: E402
 
 from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.frontends.client import TlalocClient  # noqa: E402

@@ -37,7 +37,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, metric,  # noqa: E402
                                             new_sequence_id, scrape_metrics)
@@ -56,7 +55,7 @@ def tiny_artifact(work: Path, batches: tuple[int, ...], max_sequences: int, toke
     """The tiny llama (a seeded random transformers checkpoint) exported with these batches, one
     context that holds a START of PROMPT tokens and `tokens` more, and pages for
     `max_sequences` such sequences at once."""
-    from oracle import make_tiny_checkpoint
+    from checks.oracle import make_tiny_checkpoint
 
     from triton_tlaloc.export import ExportOptions, export_artifact
 

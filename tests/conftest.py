@@ -6,12 +6,9 @@ under an import guard (no JAX, torch or Triton)."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 # tests/unit runs in a process of its own (tests/test_unit_suite.py): here it would share this
 # process's JAX and torch, which its import guard refuses. tests/multi_device too
@@ -48,7 +45,7 @@ class Tiny:
     def checkpoint(self, family: str, tied: bool, layers: int = 2) -> Path:
         key = (family, tied, layers)
         if key not in self._ckpts:
-            from oracle import make_tiny_checkpoint
+            from checks.oracle import make_tiny_checkpoint
 
             path = self.work / f"ckpt-{family}-{'tied' if tied else 'untied'}-{layers}"
             self._ckpts[key] = make_tiny_checkpoint(path, family, layers=layers, tied=tied)
@@ -59,7 +56,7 @@ class Tiny:
         window 8; tied head)."""
         key = (family, "window")
         if key not in self._ckpts:
-            from oracle import make_tiny_checkpoint
+            from checks.oracle import make_tiny_checkpoint
 
             self._ckpts[key] = make_tiny_checkpoint(self.work / f"ckpt-{family}", family,
                                                     tied=family == "gemma3_text", seed=5)

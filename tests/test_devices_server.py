@@ -3,18 +3,18 @@ the virtual devices it needs): a tiny llama exported for 2 devices (one instance
 KIND_CPU over both) gives transformers' ids over HTTP and gRPC, alone and batched, through the
 sequence model and the generate model, each device holding its half of the KV; the one-device
 artifact as 2 data-parallel instances spreads 8 concurrent sequences over both, each with its
-solo ids, also through its generate model, whose generations go to both. The checks are tests/device_checks.py's, which scripts/verify.py tabulates too."""
+solo ids, also through its generate model, whose generations go to both. The checks are checks/device_checks.py's, which scripts/verify.py tabulates too."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from oracle import load_reference, reference_greedy
+from checks.oracle import load_reference, reference_greedy
 
-import device_checks as D
-import sequence_checks as S
-from sequence_checks import assert_check
+from checks import device_checks as D
+from checks import sequence_checks as S
+from checks.sequence_checks import assert_check
 
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.frontends.client import TlalocClient

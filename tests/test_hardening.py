@@ -1,4 +1,4 @@
-"""Hardening: every case of tests/abuse_cases.py (bad input and floods against the sequence
+"""Hardening: every case of checks/abuse_cases.py (bad input and floods against the sequence
 model, the generate model, `tlaloc openai` and Triton's admin APIs) answered as expected, with
 the server ready and a neighbour sequence's ids equal to its solo run; refused generations
 leave no Triton sequence slot behind; `tlaloc serve` keeps the admin APIs closed, and stops
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-import abuse_cases as A
+from checks import abuse_cases as A
 from triton_tlaloc.frontends.client import TlalocClient, generate, new_sequence_id
 from triton_tlaloc.repository import RepositoryOptions
 from triton_tlaloc.server import SHM_DIR, free_port

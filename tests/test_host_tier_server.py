@@ -3,15 +3,15 @@ largest context): 16 chat sessions idle between turns swap instead of being refu
 their solo ids (the control with host_kv_bytes 0 refuses); 6 sequences outgrowing the pool
 are preempted and finish with their solo ids; after a soak of sessions that end, vanish or
 vanish swapped out, nothing is held; a system prompt evicted from the device is written back
-from the host. The checks are tests/swap_checks.py's, which
+from the host. The checks are checks/swap_checks.py's, which
 scripts/verify.py tabulates too (there with SmolLM2)."""
 
 from __future__ import annotations
 
 import pytest
 
-import swap_checks as W
-from sequence_checks import assert_check, url_of
+from checks import swap_checks as W
+from checks.sequence_checks import assert_check, url_of
 
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.server import TritonServer

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from oracle import load_reference, logits_error, reference_greedy
+from checks.oracle import load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.batcher import Batcher, Request
 from triton_tlaloc.engine import Engine
@@ -322,7 +322,7 @@ def test_a_multimodal_qwen3_5_checkpoint_serves_its_text_decoder(work):
     """Qwen3.5 checkpoints are multimodal (Qwen3_5ForConditionalGeneration): the text decoder is
     read from text_config and model.language_model.*, the vision tower is left out, and its
     image and video placeholder ids are refused by name."""
-    from oracle import make_tiny_checkpoint
+    from checks.oracle import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(work / "ckpt-qwen3_5-multimodal", "qwen3_5", seed=2)
     art = export_artifact(ckpt, work / "art-qwen3_5-multimodal", ExportOptions(**OPTS))

@@ -1,16 +1,16 @@
 """A tiny qwen3_5 (Gated DeltaNet + gated attention, schema tlaloc-serving-v4) served by a real
 tritonserver over HTTP and gRPC: transformers' greedy ids for a 150-token prompt, concurrent
 sequences batched, and a state slot refused while held, then reused after END. The checks are
-tests/sequence_checks.py's, which scripts/verify.py tabulates too."""
+checks/sequence_checks.py's, which scripts/verify.py tabulates too."""
 
 from __future__ import annotations
 
 import pytest
-from oracle import load_reference, reference_greedy
+from checks.oracle import load_reference, reference_greedy
 from test_hybrid import OPTS, PROMPT
 
-import sequence_checks as S
-from sequence_checks import assert_check
+from checks import sequence_checks as S
+from checks.sequence_checks import assert_check
 
 from triton_tlaloc.frontends.client import TlalocClient
 from triton_tlaloc.export import ExportOptions, export_artifact

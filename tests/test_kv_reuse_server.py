@@ -1,15 +1,15 @@
 """KV reuse through a real tritonserver, over HTTP and gRPC: the sequence model, the generate
 model and `tlaloc openai` give the same ids with prefix reuse as the same artifact served with
 `--no-prefix-reuse`; cache salts share nothing; a small pool under 12 cycling users loses no
-page and changes no id. The checks are tests/reuse_checks.py's, which scripts/verify.py
+page and changes no id. The checks are checks/reuse_checks.py's, which scripts/verify.py
 tabulates too."""
 
 from __future__ import annotations
 
 import pytest
 
-import reuse_checks as R
-from sequence_checks import assert_check, url_of
+from checks import reuse_checks as R
+from checks.sequence_checks import assert_check, url_of
 
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.server import TritonServer

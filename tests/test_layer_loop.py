@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from oracle import load_reference, logits_error, reference_greedy
+from checks.oracle import load_reference, logits_error, reference_greedy
 from test_parity import PROMPT, STEPS, TOLERANCE, run_artifact
 
 from triton_tlaloc.export.decoder import STACKED

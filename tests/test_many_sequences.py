@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from sequence_checks import (assert_check, check_concurrent_solo, metrics_delta,
+from checks.sequence_checks import (assert_check, check_concurrent_solo, metrics_delta,
                              paused_sequences, solo_runs)
 
 from triton_tlaloc.frontends.client import generate

@@ -7,7 +7,7 @@ served by a real tritonserver."""
 from __future__ import annotations
 
 import numpy as np
-import programs as P
+from checks import programs as P
 
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.frontends.client import TlalocClient, generate

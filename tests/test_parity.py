@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from oracle import load_reference, logits_error, make_tiny_checkpoint, reference_greedy, with_rope_theta
+from checks.oracle import load_reference, logits_error, make_tiny_checkpoint, reference_greedy, with_rope_theta
 
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact

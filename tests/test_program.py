@@ -13,7 +13,7 @@ from triton_tlaloc.programs.generic import (ARGUMENT_KINDS, RESULT_KINDS, Bindin
                                             plan_groups, run_batch)
 from triton_tlaloc.stablehlo import read_signature, specialize
 
-from programs import ROW_SCALE, rows_program, running_sum
+from checks.programs import ROW_SCALE, rows_program, running_sum
 
 HAND_WRITTEN = """
 module @affine {

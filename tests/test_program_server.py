@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import programs as P
-from sequence_checks import assert_check, url_of
+from checks import programs as P
+from checks.sequence_checks import assert_check, url_of
 from triton_tlaloc.repository import ProgramOptions, write_program_repository
 from triton_tlaloc.programs.generic import ProgramError
 from triton_tlaloc.server import TritonServer

@@ -10,7 +10,7 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
-from oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
+from checks.oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
                     reference_greedy)
 
 from triton_tlaloc.export.checkpoint import CheckpointError, _read_safetensor, open_checkpoint

@@ -12,7 +12,7 @@ import contextlib
 
 import numpy as np
 import pytest
-from oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
+from checks.oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
                     reference_greedy)
 
 from triton_tlaloc.engine import Engine

@@ -9,8 +9,8 @@ but a decode entry: tests/unit/test_compiling.py.)"""
 from __future__ import annotations
 
 import pytest
-from oracle import fp8_kv_reference, load_reference, quantized_reference, reference_greedy
-from sequence_checks import assert_check, check_first_requests, first_requests_at_ready
+from checks.oracle import fp8_kv_reference, load_reference, quantized_reference, reference_greedy
+from checks.sequence_checks import assert_check, check_first_requests, first_requests_at_ready
 
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 from triton_tlaloc.repository import RepositoryOptions, write_repository

@@ -1,16 +1,16 @@
 """A real tritonserver (from the nvidia-pytriton wheel) serving tiny artifacts, over HTTP and
 gRPC: transformers' greedy ids, concurrent sequences, donation, and every refusal. The checks
-are tests/sequence_checks.py's, which scripts/verify.py tabulates too."""
+are checks/sequence_checks.py's, which scripts/verify.py tabulates too."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from oracle import load_reference, reference_greedy
+from checks.oracle import load_reference, reference_greedy
 
-import sequence_checks as S
-from sequence_checks import PLACEHOLDER, TINY_PROMPT as PROMPT, assert_check
+from checks import sequence_checks as S
+from checks.sequence_checks import PLACEHOLDER, TINY_PROMPT as PROMPT, assert_check
 
 from triton_tlaloc.frontends.client import TlalocClient
 from triton_tlaloc.engine import Engine
@@ -120,7 +120,7 @@ def test_int8_weights_and_fp8_kv_served(served, tiny, protocol):
     """int8 linears and fp8 KV pools through Triton: transformers computing with the dequantized
     weights and e4m3fn-rounded keys and values gives the same ids; the metrics report the
     weight and pool bytes."""
-    from oracle import fp8_kv_reference, quantized_reference
+    from checks.oracle import fp8_kv_reference, quantized_reference
 
     server, arts = served
     model = quantized_reference(load_reference(tiny.checkpoint("llama", False)), "int8")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from oracle import load_reference, logits_error, reference_greedy
+from checks.oracle import load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.engine import Engine
 from triton_tlaloc.runtime import Runtime

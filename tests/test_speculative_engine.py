@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from oracle import load_reference, reference_greedy
+from checks.oracle import load_reference, reference_greedy
 
-from sequence_checks import TINY_PROMPT, known_drafter, random_drafter
+from checks.sequence_checks import TINY_PROMPT, known_drafter, random_drafter
 
 from triton_tlaloc.engine import Engine, accepted_drafts
 from triton_tlaloc.export import ExportOptions, export_artifact

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from oracle import load_reference, logits_error
+from checks.oracle import load_reference, logits_error
 
 from triton_tlaloc.cli import build_parser
 from triton_tlaloc.compiling import compile_order, first_entries

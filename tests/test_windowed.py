@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from oracle import load_reference, logits_error, reference_greedy
+from checks.oracle import load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.batcher import Batcher, Request
 from triton_tlaloc.engine import Engine

@@ -31,7 +31,7 @@ __all__ = ["Engine", "EntryCompiling", "GenerationResult", "RequestError", "Sequ
 class StepRuntime(Protocol):
     """What the engine needs of a runtime: the artifact, the entries it compiled, and running an
     entry on step inputs. runtime.Runtime (PJRT, the pools on the device) is one; the tests'
-    FakeRuntime (tests/unit/fakes.py) is another, which compiles nothing."""
+    FakeRuntime (checks/fakes.py) is another, which compiles nothing."""
 
     artifact: Artifact
     executables: Container[str]  # names of the entries that can run now

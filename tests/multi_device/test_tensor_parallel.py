@@ -15,7 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from oracle import logits_error
+from checks.oracle import logits_error
 
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.export import tensor_parallel

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
-from pathlib import Path
 
 BANNED = ("jax", "jaxlib", "torch", "transformers", "triton_python_backend_utils",
           "tritonclient")
@@ -28,4 +27,3 @@ if already:
     raise RuntimeError(f"tests/unit runs in a process of its own, without {', '.join(already)} "
                        f"already imported: `make unit` or `pytest tests/unit`")
 sys.meta_path.insert(0, ImportGuard())
-sys.path.insert(0, str(Path(__file__).parent))

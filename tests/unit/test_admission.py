@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fakes import FakeRuntime, Harness, fake_artifact
+from checks.fakes import FakeRuntime, Harness, fake_artifact
 
 from triton_tlaloc.batcher import INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, Request
 from triton_tlaloc.engine import Engine, RequestError, Sequence

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from fakes import FakeRuntime, Harness, fake_artifact
+from checks.fakes import FakeRuntime, Harness, fake_artifact
 
 from triton_tlaloc.compiling import BackgroundCompiler, compile_order, first_entries
 from triton_tlaloc.engine import Engine, Sequence

@@ -106,7 +106,7 @@ def sources() -> list[Path]:
     files += sorted(p for p in (ROOT / "triton_tlaloc").rglob("*")
                     if p.suffix in (".py", ".in") and "__pycache__" not in p.parts)
     files += sorted(p for p in (ROOT / "scripts").glob("*") if p.suffix in (".py", ".sh"))
-    files += sorted(p for p in (ROOT / "tests").rglob("*.py")
+    files += sorted(p for d in ("tests", "checks") for p in (ROOT / d).rglob("*.py")
                     if "__pycache__" not in p.parts and p.resolve() != HERE)
     files += sorted(p for p in (ROOT / "deploy").rglob("*") if p.is_file())
     files += [ROOT / "Makefile"]

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from fakes import Harness, KnownModel, fake_artifact, run_generation
+from checks.fakes import Harness, KnownModel, fake_artifact, run_generation
 
 from triton_tlaloc.batcher import Batcher
 from triton_tlaloc.codes import INVALID_ARG

@@ -7,7 +7,7 @@ sequences."""
 from __future__ import annotations
 
 import pytest
-from fakes import FakeRuntime, FakeTransfer, fake_artifact
+from checks.fakes import FakeRuntime, FakeTransfer, fake_artifact
 
 from triton_tlaloc.engine import Engine, Sequence
 from triton_tlaloc.host_tier import HostTier

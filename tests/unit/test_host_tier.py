@@ -11,7 +11,7 @@ import random
 
 import numpy as np
 import pytest
-from fakes import FakeRuntime, FakeTransfer, Harness, fake_artifact
+from checks.fakes import FakeRuntime, FakeTransfer, Harness, fake_artifact
 
 from triton_tlaloc.batcher import UNAVAILABLE
 from triton_tlaloc.engine import Engine, Sequence

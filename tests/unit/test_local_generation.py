@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from fakes import fake_artifact
+from checks.fakes import fake_artifact
 
 from triton_tlaloc.admission import Reply
 from triton_tlaloc.batcher import Batcher
@@ -102,7 +102,7 @@ def test_a_failure_while_choosing_ends_the_generation_with_one_error_and_its_end
 def test_nonfinite_logits_are_answered_with_an_error_and_counted():
     """A call whose row's logits hold NaN or infinity: that row's request gets an error naming
     it (not logits a sampler would turn into a token), the other rows their logits."""
-    from fakes import Harness
+    from checks.fakes import Harness
 
     h = Harness(fake_artifact())
     real_run = h.rt.run

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from fakes import fake_artifact
+from checks.fakes import fake_artifact
 
 from triton_tlaloc.pages import PagePool, PagesExhausted, pages_for
 from triton_tlaloc.steps import Row, build_step, row_by_row_inputs

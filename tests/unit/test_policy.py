@@ -1,10 +1,10 @@
 """When the batcher runs what, and what it reclaims: a fake clock and a fake runtime over an
-artifact described in code (tests/unit/fakes.py), deterministic and fast."""
+artifact described in code (checks/fakes.py), deterministic and fast."""
 
 from __future__ import annotations
 
 import pytest
-from fakes import Harness, fake_artifact
+from checks.fakes import Harness, fake_artifact
 
 from triton_tlaloc.batcher import INVALID_ARG, UNAVAILABLE, Request
 from triton_tlaloc.policy import choose_reclaim

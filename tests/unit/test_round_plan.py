@@ -5,7 +5,7 @@ bucket the same prompts would share a call, so the plan's split is the buckets' 
 
 from __future__ import annotations
 
-from fakes import Harness, fake_artifact
+from checks.fakes import Harness, fake_artifact
 
 from triton_tlaloc.admission import Request
 from triton_tlaloc.round_plan import bucket_calls

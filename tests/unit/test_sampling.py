@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from sampling_reference import logit_rows, reference_choice
+from checks.sampling_reference import logit_rows, reference_choice
 
 from triton_tlaloc.frontends.sampling import (MAX_STOP_CHARS, MAX_STOP_STRINGS, Sampler,
                                               SamplingError, SamplingParams, StopMatcher,

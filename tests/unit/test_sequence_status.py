@@ -6,7 +6,7 @@ transition is refused, and a status that says the wrong thing is caught by the c
 from __future__ import annotations
 
 import pytest
-from fakes import Harness, fake_artifact
+from checks.fakes import Harness, fake_artifact
 
 from triton_tlaloc.sequence import NEXT, Sequence, SequenceStatus as S
 

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from fakes import Clock, fake_artifact
+from checks.fakes import Clock, fake_artifact
 
 from triton_tlaloc.batcher import Batcher, Request
 from triton_tlaloc.engine import Engine

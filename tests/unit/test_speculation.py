@@ -5,7 +5,7 @@ right on purpose. Greedy ids with drafts must equal greedy ids without, whatever
 import numpy as np
 import pytest
 
-from fakes import Harness, fake_artifact
+from checks.fakes import Harness, fake_artifact
 
 from triton_tlaloc.engine import accepted_drafts
 from triton_tlaloc.pages import FULL, pages_for
@@ -234,7 +234,7 @@ def test_the_engine_alone_generates_the_same_ids_with_drafts(drafter):
     from triton_tlaloc.engine import Engine
     from triton_tlaloc.frontends.drafting import prompt_lookup
 
-    from fakes import FakeRuntime
+    from checks.fakes import FakeRuntime
 
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     want = Engine(FakeRuntime(fake_artifact())).generate_greedy(prompt, 200)

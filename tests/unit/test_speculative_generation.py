@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from fakes import Harness, KnownModel, fake_artifact, run_generation
+from checks.fakes import Harness, KnownModel, fake_artifact, run_generation
 from scipy.stats import chisquare
 
 from triton_tlaloc.admission import Reply
@@ -277,7 +277,7 @@ def test_what_a_sequence_model_can_verify_and_what_its_calls_cost():
     """Speculation.of an engine: the most drafts (its largest verify entry, 9 tokens), the cost
     of a step from its entries' measured call times (a name that is no entry is passed over);
     a linear-attention model and one without verify entries refuse, saying why."""
-    from fakes import FakeRuntime
+    from checks.fakes import FakeRuntime
 
     from triton_tlaloc.engine import Engine
 

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from sequence_checks import new_sequence_id
+from checks.sequence_checks import new_sequence_id
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, InferError, TlalocClient, metric,
                                             scrape_metrics)
 

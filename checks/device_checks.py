@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
-from sequence_checks import Conditions, greedy_together, run_parallel
+from checks.sequence_checks import Conditions, greedy_together, run_parallel
 
 from triton_tlaloc.frontends.client import METRICS_SETTLE_S, generate, scrape_metrics
 from triton_tlaloc.manifest import load_artifact, numpy_dtype

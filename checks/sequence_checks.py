@@ -4,7 +4,7 @@ takes a client, a URL or the server, and the model's name, and returns (what was
 whether it passed); a scenario with several results (reclamation, the soak) yields
 (key, (observed, ok)) as each result is known.
 
-The checks compare ids with a reference run: transformers' greedy ids (tests/oracle.py), or the
+The checks compare ids with a reference run: transformers' greedy ids (checks/oracle.py), or the
 same prompt's solo run. The page policy, batching and state slots they exercise are described
 in docs/design.md.
 """

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -28,6 +34,8 @@ GENERATE = "smollm2_generate"
 # The same artifact with a host tier of HOST_PAGES pages and as many sequence slots as pages.
 TIGHT = "tight"
 HOST_PAGES = 4
+NAN = "nan_weights"  # the artifact with every attn_norm weight NaN
+SERVED = "served"  # the model `tlaloc serve` runs for the process-fault cases
 API_KEY = "abuse-test-key"
 NEIGHBOUR_PROMPT = [1, 9690, 314, 260, 1953, 282]  # stays within one page with its steps
 NEIGHBOUR_STEPS = 8
@@ -42,7 +50,10 @@ class Target:
     block_size: int  # tokens per KV page
     max_concurrent: int  # the OpenAI server's limit of generations in flight
     pages: int  # usable KV pages of each model's pool
+    artifact: Path
+    work: Path  # where the cases may write (the process-fault cases' repository and cache)
     neighbour_solo: list[int] | None = None
+    serve: "ServeProcess | None" = None  # started by the first case that needs it
 
     @property
     def openai_host(self) -> tuple[str, int]:
@@ -545,6 +556,127 @@ def case_openai_concurrency_limit(t):
 
 # ------------------------------------------------------------------ Triton's own APIs
 
+# ------------------------------------------------------------------ faults
+
+def case_nonfinite_logits(t):
+    """A model whose weights hold NaN (every attn_norm), asked through the sequence model and
+    through the generate model with top-k/top-p sampling (which used to raise in the sampler and
+    never answer): each gets one INTERNAL error naming NaN, its pages are freed and the rows are
+    counted."""
+    base = metric(scrape_metrics(t.server.metrics_url), "tlaloc_kv_pages_used", model=NAN)
+    sid = new_sequence_id()
+    with TlalocClient(t.server.grpc_url, NAN, "grpc") as c:
+        try:
+            c.request(sid, NEIGHBOUR_PROMPT, start=True, outputs=("ARGMAX",))
+            seq = "answered"
+        except InferError as e:
+            seq = str(e)
+        c.request(sid, [], end=True, outputs=("ARGMAX",))  # a refused step leaves it open
+    g = generate(t.server.grpc_url, f"{NAN}_generate", input_ids=NEIGHBOUR_PROMPT, timeout_s=30,
+                 sampling={"max_tokens": 4, "temperature": 0.8, "top_k": 20, "top_p": 0.9})
+    seen = scrape_metrics(t.server.metrics_url, settle_s=0.6)
+    counted = metric(seen, "tlaloc_nonfinite_logits_total", model=NAN, kind="prefill") or 0
+    pages = metric(seen, "tlaloc_kv_pages_used", model=NAN)
+    return (f"sequence model: {seq[:70]}; generate: {g.status} {str(g.error)[:60]}; "
+            f"{counted:.0f} rows counted; pages {base:.0f} -> {pages:.0f}",
+            "NaN" in seq and g.status == "INTERNAL" and "NaN" in (g.error or "")
+            and counted >= 2 and pages == base)
+
+
+UNREAD_TOKENS = 90  # with the prompt, 6 pages of 16 tokens (the neighbour holds one more)
+
+
+def case_unread_stream(t):
+    """A gRPC generation whose client stops reading after its first response: Triton buffers
+    the responses without bound and gives the model no signal, so the generation runs to its
+    max_tokens and then frees its pages (a bound per request, not a pause); the client reads
+    every token when it reads again."""
+    base = _settled_pages(t)
+    stalled, resume, out = threading.Event(), threading.Event(), {}
+
+    def stall(_piece):
+        if not stalled.is_set():
+            stalled.set()
+            resume.wait(60)
+    reader = threading.Thread(target=lambda: out.update(g=generate(
+        t.server.grpc_url, GENERATE, input_ids=NEIGHBOUR_PROMPT, on_text=stall,
+        sampling={"max_tokens": UNREAD_TOKENS, "ignore_eos": True})))
+    reader.start()
+    try:
+        stalled.wait(60)
+        _wait_held(t, base)
+        held = pages_used(t) - base
+        freed = wait_pages(t, base, 60)
+    finally:
+        resume.set()
+        reader.join(120)
+    g = out.get("g")
+    got = len(g.token_ids) if g else 0
+    return (f"{held:.0f} pages held while the reader stalled, freed {freed:.1f} s later; then "
+            f"read {got} tokens, finish {g.finish_reason if g else None} {g.error if g else None}" if freed is not None
+            else "pages still held after 60 s",
+            held > 0 and freed is not None and got == UNREAD_TOKENS
+            and g.finish_reason == "length")
+
+
+def case_damaged_compile_cache(t):
+    """`tlaloc serve` started on a copy of the compile cache with 4 KiB flipped in the middle of
+    every file (PJRT would load such bytes, and the first call could kill the process): each
+    file refused by its checksum and compiled again, the model ready and serving solo ids."""
+    p = served(t)
+    refused = p.first_log.count("refused (checksum mismatch")
+    deaths = p.out.read_text(errors="replace").count("died")
+    with TlalocClient(p.grpc_url, SERVED, "grpc") as c:
+        ids = c.generate_greedy(NEIGHBOUR_PROMPT, NEIGHBOUR_STEPS,
+                                argmax_output=True).generated_ids
+    died = p.out.read_text(errors="replace").count("died") > deaths
+    return (f"{refused} cache files refused and compiled again; ids equal solo: "
+            f"{ids == t.neighbour_solo}; a model process died: {died}",
+            refused > 0 and ids == t.neighbour_solo and not died)
+
+
+def case_model_process_killed(t):
+    """Each model process (the sequence model's, then the generate model's) SIGKILLed while a
+    generation streams, under `tlaloc serve`: Triton alone would keep the model ready and never
+    answer. The in-flight stream ends with an error, `tlaloc serve` restarts the server, and
+    both models are back within a minute with solo ids."""
+    from triton_tlaloc.server import processes_named, stub_processes
+
+    p = served(t)
+    seen = []
+    for restarts, model in enumerate((SERVED, f"{SERVED}_generate"), start=1):
+        server_pid, = processes_named("tritonserver", parent=p.proc.pid)
+        stub = next(s for s in stub_processes(server_pid) if s.model == model)
+        first, ended = threading.Event(), {}
+        streaming = threading.Thread(target=lambda: ended.update(g=generate(
+            p.grpc_url, f"{SERVED}_generate", input_ids=NEIGHBOUR_PROMPT, timeout_s=60,
+            on_text=lambda _: first.set(), sampling={"max_tokens": 100, "ignore_eos": True})))
+        streaming.start()
+        if not first.wait(60):
+            return f"{model}: the generation sent nothing", False
+        killed = time.monotonic()
+        os.kill(stub.pid, signal.SIGKILL)
+        streaming.join(30)
+        ended_s, g = time.monotonic() - killed, ended.get("g")
+        if streaming.is_alive() or g is None or g.error is None:
+            return (f"{model} killed: the in-flight stream "
+                    f"{'hung' if g is None else 'ended without an error'}"), False
+        back = p.wait_for("ready: HTTP", restarts + 1, 60)
+        if back is None:
+            return f"{model} killed: not ready again within 60 s", False
+        with TlalocClient(p.grpc_url, SERVED, "grpc") as c:
+            ids = c.generate_greedy(NEIGHBOUR_PROMPT, NEIGHBOUR_STEPS,
+                                    argmax_output=True).generated_ids
+        g = generate(p.grpc_url, f"{SERVED}_generate", input_ids=NEIGHBOUR_PROMPT,
+                     sampling={"max_tokens": NEIGHBOUR_STEPS, "ignore_eos": True})
+        if ids != t.neighbour_solo or g.token_ids != t.neighbour_solo:
+            return f"{model} killed: ids after the restart differ from solo", False
+        seen.append(f"{model} killed: stream ended in {ended_s:.1f} s, served again in "
+                    f"{time.monotonic() - killed:.0f} s")
+    text = p.out.read_text(errors="replace")
+    return "; ".join(seen), "restarting tritonserver (2 of at most 3)" in text
+
+
 def triton_post(http_url: str, path: str, body, headers: dict | None = None) -> int:
     """The HTTP status of a JSON POST to tritonserver at `http_url`."""
     req = urllib.request.Request(f"http://{http_url}{path}", method="POST",
@@ -622,9 +754,78 @@ CASES = [
      case_openai_slow_headers),
     ("sequence model: chats outgrowing the pool and a full host tier",
      "admitted chats all finish, solo ids", case_full_host_tier_serves_admitted_chats),
+    ("sequence and generate models: weights that give NaN logits, top-k/top-p sampling",
+     "INTERNAL naming NaN, pages freed, counted", case_nonfinite_logits),
+    ("generate: a gRPC stream whose reader stalls", "runs to max_tokens, pages freed; all read",
+     case_unread_stream),
+    ("tlaloc serve: 4 KiB flipped in every compile cache file",
+     "each refused and compiled again; solo ids", case_damaged_compile_cache),
+    ("tlaloc serve: each model process SIGKILLed mid-generation",
+     "stream ends with an error; back < 60 s, solo ids", case_model_process_killed),
     ("triton: POST /v2/logging without the admin key", "403", case_triton_logging_closed),
     ("triton: unload a model without the admin key", "403", case_triton_repository_closed),
 ]
+
+
+# ------------------------------------------------------------------ `tlaloc serve`
+
+class ServeProcess:
+    """`tlaloc serve` of the target's artifact as SERVED (and SERVED_generate) on ports of its
+    own, its compile cache a copy of the suite's with 4 KiB flipped in the middle of every file;
+    tritonserver's log in `log`, `tlaloc serve`'s output in `out`."""
+
+    def __init__(self, t: Target):
+        from triton_tlaloc.pjrt import default_cache_dir
+        from triton_tlaloc.repository import RepositoryOptions, write_repository
+        from triton_tlaloc.server import free_port
+
+        work = t.work / "served"
+        shutil.rmtree(work, ignore_errors=True)
+        damaged = work / "damaged-cache"
+        damaged.mkdir(parents=True)
+        for f in default_cache_dir().glob("*.pjrt"):
+            data = bytearray(f.read_bytes())
+            mid = len(data) // 2
+            data[mid:mid + 4096] = bytes(b ^ 0xFF for b in data[mid:mid + 4096])
+            (damaged / f.name).write_bytes(data)
+        write_repository(t.artifact, work / "repo", SERVED,
+                         RepositoryOptions(compile_cache_dir=str(damaged)))
+        ports = [free_port() for _ in range(3)]
+        self.grpc_url = f"127.0.0.1:{ports[1]}"
+        self.out, self.log = work / "serve.out", work / "tritonserver.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "triton_tlaloc.cli", "serve", str(work / "repo"),
+             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
+             "--metrics-port", str(ports[2]), "--exit-timeout", "3",
+             "--log-file", str(self.log)],
+            stdout=open(self.out, "wb"), stderr=subprocess.STDOUT)
+        if self.wait_for("ready: HTTP", 1, 300) is None:
+            self.stop()
+            raise RuntimeError(f"tlaloc serve not ready: {self.out.read_text()[-2000:]}")
+        self.first_log = self.log.read_text(errors="replace")
+
+    def wait_for(self, text: str, count: int, within_s: float) -> float | None:
+        """Seconds until `tlaloc serve` has printed `text` `count` times, or None."""
+        t0 = time.monotonic()
+        while self.out.read_text(errors="replace").count(text) < count:
+            if time.monotonic() - t0 > within_s or self.proc.poll() is not None:
+                return None
+            time.sleep(0.2)
+        return time.monotonic() - t0
+
+    def stop(self) -> int | None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return None
+
+
+def served(t: Target) -> ServeProcess:
+    if t.serve is None:
+        t.serve = ServeProcess(t)
+    return t.serve
 
 
 # ------------------------------------------------------------------ running a case
@@ -696,13 +897,11 @@ def run_case(t: Target, fn) -> dict:
 
 # ------------------------------------------------------------------ the target
 
-def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0,
-                 more_models: dict | None = None):
+def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0):
     """MODEL and GENERATE from `artifact` in `repo` (Triton ending sequences idle `idle_s`),
-    TIGHT (a host tier of HOST_PAGES pages, a sequence slot a page) and `more_models`
-    ({name: RepositoryOptions}) of the same artifact, a tritonserver and
-    `tlaloc openai` (key API_KEY, `max_concurrent` generations): returns (Target, a function
-    that stops both)."""
+    TIGHT (a host tier of HOST_PAGES pages, a sequence slot a page) and NAN (NaN weights) of
+    the same artifact, a tritonserver and `tlaloc openai` (key API_KEY, `max_concurrent`
+    generations): returns (Target, a function that stops them and any `tlaloc serve`)."""
     from triton_tlaloc.frontends.openai_server import ServedModel, ServerOptions, serve_in_thread
     from triton_tlaloc.kv_transfer import page_bytes
     from triton_tlaloc.page_pools import FULL
@@ -717,8 +916,8 @@ def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0,
         max_sequence_idle_microseconds=int(idle_s * 1e6), host_kv_bytes=0))
     write_repository(artifact, repo, TIGHT, RepositoryOptions(
         sequence_slots=pages, host_kv_bytes=HOST_PAGES * page_bytes(art, FULL)))
-    for name, opts in (more_models or {}).items():
-        write_repository(artifact, repo, name, opts)
+    write_repository(nan_copy(artifact, Path(repo).parent / f"{Path(artifact).name}-nan"),
+                     repo, NAN, RepositoryOptions(host_kv_bytes=0))
     server = TritonServer(repo, exit_timeout_s=3).start()
     try:
         base, stop_openai = serve_in_thread(
@@ -728,8 +927,26 @@ def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0,
         server.stop()
         raise
 
+    target = Target(server, base, art.max_context, art.model.block_size, max_concurrent, pages,
+                    Path(artifact), Path(repo).parent)
+
     def stop():
+        if target.serve is not None:
+            target.serve.stop()
         stop_openai()
         server.stop()
-    return (Target(server, base, art.max_context, art.model.block_size, max_concurrent, pages),
-            stop)
+    return target, stop
+
+
+def nan_copy(artifact, dest: Path) -> Path:
+    """`artifact` with every attn_norm weight NaN (the rest linked): its logits are NaN."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(artifact, dest, copy_function=os.link)
+    manifest = json.loads((dest / "tlaloc-serving.json").read_text())
+    for w in manifest["weights"]:
+        if w["slot"].endswith("attn_norm"):
+            assert w["dtype"] == "f32", w
+            (dest / w["file"]).unlink()  # a link to the original: never written through
+            (dest / w["file"]).write_bytes(np.full(w["byteLength"] // 4, np.nan, np.float32)
+                                           .tobytes())
+    return dest
