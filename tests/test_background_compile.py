@@ -18,6 +18,8 @@ from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.runtime import Runtime
 from triton_tlaloc.server import TritonServer
 
+pytestmark = pytest.mark.tritonserver
+
 PROMPTS = [[(i * 7 + k) % 200 + 20 for i in range(n)] for k, n in ((1, 12), (2, 70), (3, 110))]
 
 

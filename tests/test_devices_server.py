@@ -21,6 +21,8 @@ from triton_tlaloc.frontends.client import TlalocClient
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.server import TritonServer
 
+pytestmark = pytest.mark.tritonserver
+
 OPTS = dict(batch_ladder=(1, 2, 4), context_ladder=(32, 64), block_size=8, prefill_chunk=16)
 PROMPTS = [[(i * 53 + k * 11 + 7) % 240 + 10 for i in range(12 + 3 * k)] for k in range(8)]
 STEPS = 10

@@ -15,6 +15,8 @@ from triton_tlaloc.repository import RepositoryOptions, write_generate_model, wr
 from triton_tlaloc.server import TritonServer
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 
+pytestmark = pytest.mark.tritonserver
+
 PROMPT = [1, 17, 99, 3, 200, 41, 7, 88]
 
 

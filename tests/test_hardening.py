@@ -19,6 +19,8 @@ from triton_tlaloc.frontends.client import TlalocClient, generate, new_sequence_
 from triton_tlaloc.repository import RepositoryOptions
 from triton_tlaloc.server import SHM_DIR, free_port
 
+pytestmark = pytest.mark.tritonserver
+
 @pytest.fixture(scope="module")
 def target(smollm2, work):
     t, stop = A.start_target(smollm2[1], work / "repo-hardening", max_concurrent=2)

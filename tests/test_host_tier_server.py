@@ -16,6 +16,8 @@ from checks.sequence_checks import assert_check, url_of
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.server import TritonServer
 
+pytestmark = pytest.mark.tritonserver
+
 POOL = dict(batch_ladder=(1, 2, 4), context_ladder=(32, 64), num_blocks=4 * 64 // 8 + 1)
 SOAK_IDLE_US, SOAK_ALLOWANCE_US = 2_000_000, 1_000_000
 

@@ -17,6 +17,8 @@ from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.server import TritonServer
 
+pytestmark = pytest.mark.tritonserver
+
 PROTOCOLS = ["http", "grpc"]
 
 

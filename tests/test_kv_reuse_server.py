@@ -14,6 +14,8 @@ from checks.sequence_checks import assert_check, url_of
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.server import TritonServer
 
+pytestmark = pytest.mark.tritonserver
+
 PROTOCOLS = ["http", "grpc"]
 
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from checks.sequence_checks import (assert_check, check_concurrent_solo, metrics_delta,
                              paused_sequences, solo_runs)
 
 from triton_tlaloc.frontends.client import generate
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.server import TritonServer
+
+pytestmark = pytest.mark.tritonserver
 
 SEQUENCES, STEPS = 64, 8
 GENERATE_STEPS = 24  # a prompt of up to 7 and 24 tokens: within the context of 32

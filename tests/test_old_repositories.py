@@ -7,6 +7,7 @@ served by a real tritonserver."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from checks import programs as P
 
 from triton_tlaloc.engine import Engine
@@ -15,6 +16,8 @@ from triton_tlaloc.repository import (ProgramOptions, RepositoryOptions, write_p
                                       write_repository)
 from triton_tlaloc.runtime import Runtime
 from triton_tlaloc.server import TritonServer
+
+pytestmark = pytest.mark.tritonserver
 
 OLD_SHIMS = {
     "llama": "from triton_tlaloc.model import TritonPythonModel  # noqa: F401\n",

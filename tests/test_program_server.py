@@ -12,6 +12,8 @@ from triton_tlaloc.repository import ProgramOptions, write_program_repository
 from triton_tlaloc.programs.generic import ProgramError
 from triton_tlaloc.server import TritonServer
 
+pytestmark = pytest.mark.tritonserver
+
 PROTOCOLS = ("http", "grpc")
 
 

@@ -16,6 +16,8 @@ from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.server import TritonServer
 
+pytestmark = pytest.mark.tritonserver
+
 STEPS = 8
 # A short prompt (one prefill call) and a long one (several chunks, several key blocks)
 PROMPTS = {"short": [1, 17, 99, 3, 200, 41, 7, 88, 5, 60],

@@ -81,3 +81,55 @@ def test_no_entry_copies_its_pools(tiny):
     assert pool_bytes > 2 * 2**20
     for name in temps[33]:
         assert temps[2049][name] == temps[33][name], (name, temps[2049][name], temps[33][name])
+
+
+# One process's results for a tiny artifact, the compile cache off (XLA_FLAGS are read when JAX
+# starts: one process per level): a prompt's last logits, then 6 greedy ids as float rows.
+LOGITS_AT_A_LEVEL = """
+import sys
+import numpy as np
+from triton_tlaloc.engine import Engine
+from triton_tlaloc.runtime import Runtime
+engine = Engine(Runtime(sys.argv[1], use_cache=False))
+prompt = [1, 5, 9, 13, 2, 7, 11]
+seq = engine.new_sequence(prompt)
+first = engine.prefill_chunked(seq)[0]
+engine.free(seq)
+ids = engine.generate_greedy(prompt, 6).generated_ids
+np.save(sys.argv[2], np.stack([first, np.resize(np.array(ids, first.dtype), first.shape)]))
+"""
+
+
+def test_the_suites_xla_optimization_level_changes_logits_by_rounding_only(tiny, tmp_path):
+    """tests/conftest.py compiles with XLA's backend optimizations off, to halve compile times:
+    that must not change what a test sees. At the default level and the suite's, llama (bf16
+    weights) and qwen3_5_text (the Gated DeltaNet scan) give the same greedy ids and last
+    prompt logits within 1e-5 of the largest, the strictest tolerance any test states (they
+    differ in the last bits: the same sums, vectorized differently). Control: a change of
+    rounding size in the model, the same llama with f32 weights, fails that tolerance."""
+    import os
+    import subprocess
+    import sys
+
+    from checks.oracle import logits_error
+    from conftest import TEST_XLA_FLAG
+
+    def results(art, flags: str, name: str) -> np.ndarray:
+        out = tmp_path / f"{name}.npy"
+        subprocess.run([sys.executable, "-c", LOGITS_AT_A_LEVEL, str(art), str(out)],
+                       check=True, env={**os.environ, "XLA_FLAGS": flags})
+        return np.load(out)
+
+    got = {}
+    for family, dtype in (("llama", "bf16"), ("qwen3_5_text", "f32")):
+        art = tiny.artifact(family, False, weight_dtype=dtype)
+        default, suite = (results(art, flags, f"{family}-{level}")
+                          for level, flags in (("default", ""), ("suite", TEST_XLA_FLAG)))
+        err = logits_error(suite[0], default[0])
+        print(f"{family} {dtype}: the suite's level against the default: {err:.1e}")
+        assert np.array_equal(default[1], suite[1]) and err <= 1e-5
+        got[family] = default
+    f32 = results(tiny.artifact("llama", False), "", "llama-f32-default")
+    err = logits_error(f32[0], got["llama"][0])
+    print(f"control, llama f32 weights against bf16: {err:.1e}")
+    assert err > 1e-5

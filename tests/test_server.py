@@ -19,6 +19,8 @@ from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.runtime import Runtime
 from triton_tlaloc.server import TritonServer
 
+pytestmark = pytest.mark.tritonserver
+
 PROTOCOLS = ["http", "grpc"]
 
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from triton_tlaloc.frontends.client import TlalocClient, new_sequence_id
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.server import TritonServer
 from triton_tlaloc.simulated import BENCHMARK_ENV, simulated_logits
+
+pytestmark = pytest.mark.tritonserver
 
 
 def test_a_simulated_model_serves_the_simulated_ids_at_its_step(tiny, work, monkeypatch):

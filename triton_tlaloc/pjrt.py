@@ -126,7 +126,14 @@ class PjrtDevice(_Compiling):
         import jaxlib
 
         version = getattr(self.backend, "platform_version", "")
-        return f"{self.platform}|{version}|jax {self.jax.__version__}|jaxlib {jaxlib.__version__}"
+        identity = (f"{self.platform}|{version}|jax {self.jax.__version__}"
+                    f"|jaxlib {jaxlib.__version__}")
+        # XLA_FLAGS change the code compiled (optimization levels, fast math): another
+        # executable. The CPU device count does not (a device's key says which device), and
+        # no flags keeps the keys caches written without flags hold.
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith(CPU_DEVICE_FLAG)]
+        return identity + (f"|XLA_FLAGS {' '.join(sorted(flags))}" if flags else "")
 
     @property
     def cache_identity(self) -> str:
