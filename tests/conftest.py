@@ -12,15 +12,6 @@ from pathlib import Path
 
 import pytest
 
-# The suite compiles with XLA's backend (LLVM) optimizations off: the same HLO programs with the
-# same results (tests/test_runtime.py checks logits bit for bit against the default level) in
-# about half the compile time, which is most of the suite's time; its models are tiny, so they
-# hardly run slower. Set before JAX starts; every process the tests start inherits it. The
-# benchmarks and scripts/verify.sh compile as users do.
-TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
-if TEST_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
-
 # tests/unit runs in a process of its own (tests/test_unit_suite.py): here it would share this
 # process's JAX and torch, which its import guard refuses. tests/multi_device too
 # (tests/test_multi_device_suite.py): it needs four devices, this process has one.
