@@ -30,9 +30,9 @@ from triton_tlaloc.frontends.client import (InferError, TlalocClient, generate, 
 
 # 64 pages of 16 tokens: room for the soak's clients, and for the cases' full pools.
 EXPORT = dict(batch_ladder=(1, 2, 4), context_ladder=(128,), num_blocks=65)
-IDLE_S = 30  # Triton's idle timeout: longer than any case holds a sequence idle (the full-pool
-# cases and the neighbour wait out the slowest case, 10 s and more on 2 loaded cores); abandoned
-# soak sequences are reclaimed after 2 x 30 + 2 s
+IDLE_S = 120  # Triton's idle timeout: longer than any case holds a sequence idle (the
+# neighbour waits out each case: 34 chats outgrowing 64 pages take over 30 s on 2 cores);
+# abandoned soak sequences are reclaimed after 2 x 120 + 2 s
 
 
 def print_table(rows) -> bool:
