@@ -554,8 +554,6 @@ def case_openai_concurrency_limit(t):
             f"{headers.get('retry-after')}", status == 429)
 
 
-# ------------------------------------------------------------------ Triton's own APIs
-
 # ------------------------------------------------------------------ faults
 
 def case_nonfinite_logits(t):
@@ -611,11 +609,13 @@ def case_unread_stream(t):
         resume.set()
         reader.join(120)
     g = out.get("g")
-    got = len(g.token_ids) if g else 0
+    if g is None:
+        return "the stalled client never got its result", False
+    read = f"read {len(g.token_ids)} tokens, finish {g.finish_reason} {g.error or ''}"
+    if freed is None:
+        return f"pages still held after 60 s; then {read}", False
     return (f"{held:.0f} pages held while the reader stalled, freed {freed:.1f} s later; then "
-            f"read {got} tokens, finish {g.finish_reason if g else None} {g.error if g else None}" if freed is not None
-            else "pages still held after 60 s",
-            held > 0 and freed is not None and got == UNREAD_TOKENS
+            f"{read}", held > 0 and len(g.token_ids) == UNREAD_TOKENS
             and g.finish_reason == "length")
 
 
@@ -676,6 +676,8 @@ def case_model_process_killed(t):
     text = p.out.read_text(errors="replace")
     return "; ".join(seen), "restarting tritonserver (2 of at most 3)" in text
 
+
+# ------------------------------------------------------------------ Triton's own APIs
 
 def triton_post(http_url: str, path: str, body, headers: dict | None = None) -> int:
     """The HTTP status of a JSON POST to tritonserver at `http_url`."""

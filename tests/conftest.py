@@ -74,13 +74,13 @@ def compile_cache(run_dir):
 class Tiny:
     """Builds a tiny checkpoint and its artifacts once per run, by key (in `run_dir`)."""
 
-    def __init__(self, shared: Path):
-        self.shared = shared
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
 
     def checkpoint(self, family: str, tied: bool, layers: int = 2) -> Path:
         from checks.oracle import make_tiny_checkpoint
 
-        path = self.shared / f"ckpt-{family}-{'tied' if tied else 'untied'}-{layers}"
+        path = self.run_dir / f"ckpt-{family}-{'tied' if tied else 'untied'}-{layers}"
         return built_once(path, lambda p: make_tiny_checkpoint(p, family, layers=layers,
                                                                tied=tied))
 
@@ -89,7 +89,7 @@ class Tiny:
         window 8; tied head)."""
         from checks.oracle import make_tiny_checkpoint
 
-        return built_once(self.shared / f"ckpt-{family}",
+        return built_once(self.run_dir / f"ckpt-{family}",
                           lambda p: make_tiny_checkpoint(p, family, tied=family == "gemma3_text",
                                                          seed=5))
 
@@ -101,7 +101,7 @@ class Tiny:
         key = repr((family, tied, weight_dtype, layers, sorted(opts.items())))
         digest = hashlib.sha256(key.encode()).hexdigest()[:12]
         ckpt = self.checkpoint(family, tied, layers)
-        return built_once(self.shared / f"art-{family}-{tied}-{weight_dtype}-{layers}-{digest}",
+        return built_once(self.run_dir / f"art-{family}-{tied}-{weight_dtype}-{layers}-{digest}",
                           lambda p: export_artifact(ckpt, p, ExportOptions(
                               weight_dtype=weight_dtype, **opts)))
 
