@@ -71,6 +71,16 @@ def compile_cache(run_dir):
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_on_first_use():
+    """The tests' runtimes compile an entry the first time a call runs it: most tests run 2 or
+    3 of an artifact's 8 to 12 entries, and compiling them is most of a test's time. The tests
+    of compiling itself (the cache, `tlaloc compile`, background compiles) say
+    `first_use=False`; a served model never compiles on first use."""
+    os.environ["TLALOC_COMPILE_ON_FIRST_USE"] = "1"  # runtime.FIRST_USE_ENV (not imported:
+    # tests/unit runs under an import guard)
+
+
 class Tiny:
     """Builds a tiny checkpoint and its artifacts once per run, by key (in `run_dir`)."""
 

@@ -17,7 +17,7 @@ def test_tlaloc_compile_fills_the_cache_a_runtime_then_loads_everything_from(tin
     entries = len([line for line in out.splitlines() if "] entry " in line])
     print(out)
     assert f"/{entries + 1}] page transfer programs" in out and entries >= 4
-    rt = Runtime(art, cache_dir=cache)
+    rt = Runtime(art, cache_dir=cache, first_use=False)
     assert (rt.compile_stats.compiled, rt.compile_stats.cache_hits) == (0, entries)
     transfer = PageTransfer(rt)
     transfer.warm(transfer_buckets(rt.artifact))
@@ -33,5 +33,5 @@ def test_a_cache_filled_for_another_artifact_serves_nothing(tiny, tmp_path):
     cache = tmp_path / "cache"
     assert main(["compile", str(tiny.artifact("qwen3", True)), "--compile-cache-dir",
                  str(cache), "--workers", "1"]) == 0
-    rt = Runtime(tiny.artifact("llama", False), cache_dir=cache)
+    rt = Runtime(tiny.artifact("llama", False), cache_dir=cache, first_use=False)
     assert rt.compile_stats.cache_hits == 0 and rt.compile_stats.compiled == len(rt.executables)

@@ -3,10 +3,12 @@ copied inside a program."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from triton_tlaloc.runtime import Runtime, StepInputError
+from triton_tlaloc.runtime import FIRST_USE_ENV, Runtime, StepInputError
 from triton_tlaloc.steps import Row, build_step
 
 
@@ -27,15 +29,15 @@ def test_runtime_checks_shape_and_dtype_that_pjrt_does_not(tiny):
 
 def test_second_load_comes_from_the_compile_cache(tiny, tmp_path):
     art = tiny.artifact("qwen3", True)
-    first = Runtime(art, cache_dir=tmp_path)
+    first = Runtime(art, cache_dir=tmp_path, first_use=False)
     n = len(first.artifact.entries)
     assert (first.compile_stats.compiled, first.compile_stats.cache_hits) == (n, 0)
-    second = Runtime(art, cache_dir=tmp_path)
+    second = Runtime(art, cache_dir=tmp_path, first_use=False)
     assert (second.compile_stats.compiled, second.compile_stats.cache_hits) == (0, n)
     step = build_step(first.artifact.entries["prefill_b1_c32"], [Row((1, 2, 3), 0, (1,))], 8)
     assert np.array_equal(first.run("prefill_b1_c32", step), second.run("prefill_b1_c32", step))
     # the control program (aliases stripped) is a different text: its own cache entries
-    control = Runtime(art, cache_dir=tmp_path, donate=False)
+    control = Runtime(art, cache_dir=tmp_path, donate=False, first_use=False)
     assert control.compile_stats.compiled == n
 
 
@@ -46,7 +48,7 @@ def test_a_damaged_compile_cache_file_is_a_logged_miss_never_a_load(tiny, tmp_pa
     from triton_tlaloc.pjrt import unframed
 
     art = tiny.artifact("qwen3", True)
-    first = Runtime(art, cache_dir=tmp_path)
+    first = Runtime(art, cache_dir=tmp_path, first_use=False)
     n = len(first.artifact.entries)
     files = sorted(tmp_path.glob("*.pjrt"))
     assert len(files) == n
@@ -58,13 +60,13 @@ def test_a_damaged_compile_cache_file_is_a_logged_miss_never_a_load(tiny, tmp_pa
         with pytest.raises(ValueError, match="checksum mismatch"):
             unframed(bytes(data))
     with caplog.at_level("WARNING", logger="triton_tlaloc.runtime"):
-        second = Runtime(art, cache_dir=tmp_path)
+        second = Runtime(art, cache_dir=tmp_path, first_use=False)
     assert (second.compile_stats.compiled, second.compile_stats.cache_hits,
             second.compile_stats.refused) == (n, 0, n)
     assert sum("checksum mismatch" in r.getMessage() for r in caplog.records) == n
     step = build_step(first.artifact.entries["prefill_b1_c32"], [Row((1, 2, 3), 0, (1,))], 8)
     assert np.array_equal(first.run("prefill_b1_c32", step), second.run("prefill_b1_c32", step))
-    third = Runtime(art, cache_dir=tmp_path)  # the rewritten files load
+    third = Runtime(art, cache_dir=tmp_path, first_use=False)  # the rewritten files load
     assert (third.compile_stats.cache_hits, third.compile_stats.refused) == (n, 0)
 
 
@@ -74,7 +76,7 @@ def test_no_entry_copies_its_pools(tiny):
     pool's bytes per layer. Same model, 33 and 2049 pages: the same temp bytes per entry."""
     temps = {}
     for pages in (33, 2049):
-        rt = Runtime(tiny.artifact("llama", False, num_blocks=pages))
+        rt = Runtime(tiny.artifact("llama", False, num_blocks=pages), first_use=False)
         temps[pages] = {name: ex.get_compiled_memory_stats().temp_size_in_bytes
                         for name, ex in rt.executables.items()}
         pool_bytes = rt.pool_bytes // len(rt.pools)
@@ -82,3 +84,18 @@ def test_no_entry_copies_its_pools(tiny):
     for name in temps[33]:
         assert temps[2049][name] == temps[33][name], (name, temps[2049][name], temps[33][name])
 
+
+
+def test_a_runtime_that_compiles_on_first_use_runs_as_one_that_compiled_everything(tiny):
+    """Nothing is compiled at load; a call compiles its entry and gives the logits of a runtime
+    that compiled every entry. Negative control: an entry the artifact lacks is refused."""
+    assert os.environ.get(FIRST_USE_ENV) == "1", "the tests' runtimes compile on first use"
+    art = tiny.artifact("llama", False)
+    lazy, full = Runtime(art), Runtime(art, first_use=False)
+    assert len(lazy.executables) == 0 and "decode_b1_c32" in lazy.executables
+    assert len(full.executables) == len(full.artifact.entries)
+    step = build_step(lazy.artifact.entries["prefill_b1_c32"], [Row((1, 2, 3), 0, (1,))], 8)
+    assert np.array_equal(lazy.run("prefill_b1_c32", step), full.run("prefill_b1_c32", step))
+    assert set(dict(lazy.executables.items())) == {"prefill_b1_c32"}
+    with pytest.raises(StepInputError, match="entry decode_b9_c32 was not compiled"):
+        lazy.run("decode_b9_c32", step)

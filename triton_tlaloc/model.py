@@ -86,7 +86,8 @@ class TritonPythonModel:
             self.runtime = Runtime(artifact, platform=platform, devices=devices,
                                    donate=parse_bool(params["donate_kv_pools"]),
                                    cache_dir=Path(cache) if cache else None,
-                                   background=parse_bool(params["background_compile"]))
+                                   background=parse_bool(params["background_compile"]),
+                                   first_use=False)
         policy = batch_policy(config, params)
         self.metrics = TritonMetrics(args["model_name"],
                                      int(params["metrics_interval_microseconds"]) / 1e6,

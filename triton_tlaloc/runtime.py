@@ -13,6 +13,11 @@ pools on the device, and runs entries with the pools donated.
   addresses (in place) and those that moved (copied).
 - No host view of a pool is ever kept: a live numpy view of a CPU buffer silently disables
   donation. `pool_snapshot` copies.
+- `first_use`: each entry is compiled the first time a call runs it (every entry counts as
+  there for the engine's choice, so the calls are those of a runtime that compiled them all).
+  For work in one process that touches a few of an artifact's entries (the tests run 2 or 3 of
+  8 to 12); a served model never uses it. Its default is the environment's
+  `TLALOC_COMPILE_ON_FIRST_USE=1`.
 """
 
 from __future__ import annotations
@@ -45,9 +50,33 @@ CALL_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES
 # docs/design.md#donation).
 CHECKED_RUNS = 100
 
+FIRST_USE_ENV = "TLALOC_COMPILE_ON_FIRST_USE"
+
 
 class StepInputError(ValueError):
     """A step input that does not match the entry's signature; names the input."""
+
+
+class CompiledOnFirstUse(dict):
+    """The executables of a runtime that compiles an entry the first time a call runs it:
+    every entry it was given is `in` it, and looking one up compiles it if it is not yet."""
+
+    def __init__(self, names, compile_entry):
+        super().__init__()
+        self.names = frozenset(names)
+        self.compile_entry = compile_entry
+
+    def __contains__(self, name) -> bool:
+        return name in self.names
+
+    def __missing__(self, name):
+        if name not in self.names:
+            raise KeyError(name)
+        executable = self[name] = self.compile_entry(name)
+        return executable
+
+    def get(self, name, default=None):
+        return self[name] if name in self.names else default
 
 
 @dataclass
@@ -94,7 +123,7 @@ class Runtime:
                  device_index: int = 0, donate: bool = True, cache_dir: Path | None = None,
                  entries: list[str] | None = None, use_cache: bool = True,
                  check_every_run: bool = False, background: bool = False,
-                 devices: tuple[int, ...] | None = None):
+                 devices: tuple[int, ...] | None = None, first_use: bool | None = None):
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
         self.donate = donate
         self.device = open_devices(self.artifact, platform, device_index, devices)
@@ -108,12 +137,16 @@ class Runtime:
         self.donation = DonationStats()
         # Seconds spent in each phase of `run`, summed over all runs (the step profile).
         self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
-        self.executables: dict[str, object] = {}
         names = entries if entries is not None else sorted(self.artifact.entries)
         self.entries_total = len(names)
+        if first_use is None:
+            first_use = (entries is None and not background
+                         and os.environ.get(FIRST_USE_ENV, "") == "1")
+        self.executables: dict[str, object] = (
+            CompiledOnFirstUse(names, self._compile_first_use) if first_use else {})
         # background: only what a first request needs now, the rest on compile threads.
         now = [n for n in first_entries(self.artifact) if n in names] if background else names
-        for name in now or names:
+        for name in [] if first_use else now or names:
             self.executables[name] = self._compile(self.artifact.entries[name])
         self.memory.mark(f"{len(self.executables)} executables")
         self.weights = self._upload_weights()
@@ -121,13 +154,16 @@ class Runtime:
         self.pools = self._allocate_pools()
         self.memory.mark("pools")
         log.info("%s", self.memory.summary())
-        self._plans = {name: self._plan(self.artifact.entries[name]) for name in self.executables}
+        self._plans = {name: self._plan(self.artifact.entries[name])
+                       for name in (names if first_use else self.executables)}
         self.compiled_at_load = len(self.executables)
         self._publishing = threading.Lock()
         self.compiler = None
         self.on_compiled = None  # called with (compiled, total) as each entry is compiled
         rest = [n for n in names if n not in self.executables]
-        if rest:
+        if first_use:
+            log.info("%d entries compile the first time a call runs them", len(names))
+        elif rest:
             self.compiler = BackgroundCompiler(
                 compile_order(self.artifact, rest),
                 lambda name: self._compile(self.artifact.entries[name]), self._add_executable,
@@ -144,6 +180,9 @@ class Runtime:
             text = strip_aliasing(text)  # the control: the same program, pools copied
         return compile_cached(self.device, text, f"entry {entry.name}", self.cache_dir,
                               self.use_cache, self.compile_stats)
+
+    def _compile_first_use(self, name: str):
+        return self._compile(self.artifact.entries[name])
 
     def _add_executable(self, name: str, executable) -> None:
         # Its plan first: a call that finds the executable finds its plan.
