@@ -44,7 +44,7 @@ STORY = "Once upon a time, in a small village by the sea,"  # a prompt that goes
 
 @dataclass
 class Target:
-    server: object  # a started triton_tlaloc.server.TritonServer serving MODEL and GENERATE
+    server: object  # a started triton_tlaloc.triton.server.TritonServer serving MODEL and GENERATE
     openai: str  # `tlaloc openai`'s base URL, http://127.0.0.1:PORT/v1, key API_KEY
     max_context: int
     block_size: int  # tokens per KV page
@@ -640,7 +640,7 @@ def case_model_process_killed(t):
     generation streams, under `tlaloc serve`: Triton alone would keep the model ready and never
     answer. The in-flight stream ends with an error, `tlaloc serve` restarts the server, and
     both models are back within a minute with solo ids."""
-    from triton_tlaloc.server import processes_named, stub_processes
+    from triton_tlaloc.triton.server import processes_named, stub_processes
 
     p = served(t)
     seen = []
@@ -777,9 +777,9 @@ class ServeProcess:
     tritonserver's log in `log`, `tlaloc serve`'s output in `out`."""
 
     def __init__(self, t: Target):
-        from triton_tlaloc.pjrt import default_cache_dir
+        from triton_tlaloc.runtime.pjrt import default_cache_dir
         from triton_tlaloc.repository import RepositoryOptions, write_repository
-        from triton_tlaloc.server import free_port
+        from triton_tlaloc.triton.server import free_port
 
         work = t.work / "served"
         shutil.rmtree(work, ignore_errors=True)
@@ -905,11 +905,11 @@ def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0):
     the same artifact, a tritonserver and `tlaloc openai` (key API_KEY, `max_concurrent`
     generations): returns (Target, a function that stops them and any `tlaloc serve`)."""
     from triton_tlaloc.frontends.openai_server import ServedModel, ServerOptions, serve_in_thread
-    from triton_tlaloc.kv_transfer import page_bytes
-    from triton_tlaloc.page_pools import FULL
-    from triton_tlaloc.manifest import load_artifact
+    from triton_tlaloc.runtime.kv_transfer import page_bytes
+    from triton_tlaloc.kv.page_pools import FULL
+    from triton_tlaloc.artifact.loading import load_artifact
     from triton_tlaloc.repository import RepositoryOptions, write_repository
-    from triton_tlaloc.server import TritonServer
+    from triton_tlaloc.triton.server import TritonServer
 
     art = load_artifact(artifact)
     pages = art.model.num_blocks - 1

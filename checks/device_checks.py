@@ -10,7 +10,8 @@ import numpy as np
 from checks.sequence_checks import Conditions, greedy_together, run_parallel
 
 from triton_tlaloc.frontends.client import METRICS_SETTLE_S, generate, scrape_metrics
-from triton_tlaloc.manifest import load_artifact, numpy_dtype
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.artifact.manifest import numpy_dtype
 
 
 def series(values: dict, name: str, **labels) -> dict[tuple, float]:

@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 
 from triton_tlaloc.batcher import Batcher, Reply, Request
-from triton_tlaloc.engine import Engine
-from triton_tlaloc.host_tier import HostTier
-from triton_tlaloc.kv_transfer import HostPages
-from triton_tlaloc.local_generation import Generation
-from triton_tlaloc.page_pools import FULL, STATE, WINDOWED
-from triton_tlaloc.manifest import (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Artifact, Entry, KvPool,
-                                    LinearState, ModelShape, Program, WindowedKv)
-from triton_tlaloc.policy import BatchPolicy
-from triton_tlaloc.simulated import one_hot
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.kv.host_tier import HostTier
+from triton_tlaloc.runtime.kv_transfer import HostPages
+from triton_tlaloc.generation.local_generation import Generation
+from triton_tlaloc.kv.page_pools import FULL, STATE, WINDOWED
+from triton_tlaloc.artifact.manifest import (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Artifact, Entry,
+                                             KvPool, LinearState, ModelShape, Program, WindowedKv)
+from triton_tlaloc.scheduling.policy import BatchPolicy
+from triton_tlaloc.runtime.simulated import one_hot
 
 
 class Clock:

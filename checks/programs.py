@@ -23,7 +23,7 @@ from triton_tlaloc.programs.bounded import BoundedRuntime, TensorShape
 from triton_tlaloc.frontends.client import METRICS_SETTLE_S, metric, scrape_metrics
 from triton_tlaloc.export import bounded as export_bounded
 from triton_tlaloc.export import program as export_program
-from triton_tlaloc.manifest import numpy_dtype
+from triton_tlaloc.artifact.manifest import numpy_dtype
 from triton_tlaloc.repository import ProgramOptions, write_program_repository
 
 BOUND = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from triton_tlaloc.frontends.sampling import SamplingParams
+from triton_tlaloc.generation.sampling import SamplingParams
 
 
 def reference_choice(logits: np.ndarray, params: SamplingParams,

@@ -19,10 +19,9 @@ import time
 
 import numpy as np
 
-from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, InferError, TlalocClient,
-                                            generate, generate_http, metric, new_sequence_id,
-                                            scrape_metrics)
-from triton_tlaloc.manifest import load_artifact
+from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, InferError, TlalocClient, generate,
+                                            generate_http, metric, new_sequence_id, scrape_metrics)
+from triton_tlaloc.artifact.loading import load_artifact
 
 PROTOCOLS = ("http", "grpc")
 TINY_PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 150, 12, 5, 230, 64, 9, 101, 33, 2, 77, 180, 45]
@@ -808,8 +807,8 @@ def soak(server, model, artifact, seconds, block_size=8):
     abandoned without END; a full pool is retried after 50 ms (the request is unchanged by a
     refusal). Yields ("books", result): no page is leaked; then ("runs", result): every
     completed sequence equals its solo run (the artifact's Engine) and no error."""
-    from triton_tlaloc.engine import Engine
-    from triton_tlaloc.runtime import Runtime
+    from triton_tlaloc.engine.core import Engine
+    from triton_tlaloc.runtime.core import Runtime
 
     r = _soak_sequences(server, model, seconds)
     # Abandoned sequences hold their pages until reclaimed: the books must balance exactly.

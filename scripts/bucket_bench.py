@@ -33,11 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from triton_tlaloc.engine import Engine  # noqa: E402
+from triton_tlaloc.engine.core import Engine  # noqa: E402
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.manifest import load_artifact  # noqa: E402
-from triton_tlaloc.runtime import Runtime  # noqa: E402
+from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402
+from triton_tlaloc.runtime.core import Runtime  # noqa: E402
 
 PREFILL_CHUNK = 512  # every bucket prefills the prompt with the same 512-token entry
 FOLLOWS, WHOLE = "follows the sequence", "whole bucket"

@@ -63,9 +63,9 @@ class Table:
 def parity(work: Path, platform: str):
     from checks.oracle import load_reference, logits_error, make_tiny_checkpoint, reference_greedy
 
-    from triton_tlaloc.engine import Engine
+    from triton_tlaloc.engine.core import Engine
     from triton_tlaloc.export import ExportOptions, export_artifact
-    from triton_tlaloc.runtime import Runtime
+    from triton_tlaloc.runtime.core import Runtime
 
     ckpt = make_tiny_checkpoint(work / "tiny-llama", "llama")
     art = export_artifact(ckpt, work / "art-tiny", ExportOptions(
@@ -85,9 +85,9 @@ def parity(work: Path, platform: str):
 def tensor_parallel(work: Path, platform: str, devices: int):
     from checks.oracle import logits_error, make_tiny_checkpoint
 
-    from triton_tlaloc.engine import Engine
+    from triton_tlaloc.engine.core import Engine
     from triton_tlaloc.export import ExportOptions, export_artifact
-    from triton_tlaloc.runtime import Runtime
+    from triton_tlaloc.runtime.core import Runtime
 
     ckpt = work / "tiny-llama"
     if not ckpt.exists():
@@ -117,9 +117,9 @@ def speed(work: Path, platform: str, bandwidth_gbs: float) -> list:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from triton_tlaloc.engine import Engine
+    from triton_tlaloc.engine.core import Engine
     from triton_tlaloc.export import ExportOptions, export_artifact
-    from triton_tlaloc.runtime import Runtime
+    from triton_tlaloc.runtime.core import Runtime
 
     torch.manual_seed(0)
     ckpt = work / "smollm2-shaped"
@@ -143,9 +143,9 @@ def programs_on(work: Path, platform: str):
     from checks import programs as P
 
     from triton_tlaloc.programs.bounded import BoundedRuntime
-    from triton_tlaloc.manifest import numpy_dtype
+    from triton_tlaloc.artifact.manifest import numpy_dtype
     from triton_tlaloc.programs.generic import (ARGUMENT_KINDS, RESULT_KINDS, ProgramRuntime,
-                                       parse_bindings, run_batch)
+                                                parse_bindings, run_batch)
 
     built = P.build_programs(work / "programs")
     out = []

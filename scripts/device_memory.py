@@ -13,14 +13,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from triton_tlaloc.pjrt import cpu_devices
+from triton_tlaloc.runtime.pjrt import cpu_devices
 
 cpu_devices(4)  # before JAX starts
 
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.export.writer import ExportError  # noqa: E402
-from triton_tlaloc.runtime import Runtime  # noqa: E402
+from triton_tlaloc.runtime.core import Runtime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTS = dict(batch_ladder=(1, 4), context_ladder=(512, 2048), verify_tokens=())

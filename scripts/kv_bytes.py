@@ -14,7 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from triton_tlaloc.manifest import load_artifact, numpy_dtype  # noqa: E402
+from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402
+from triton_tlaloc.artifact.manifest import numpy_dtype
 from triton_tlaloc.pages import pages_for  # noqa: E402
 
 

@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, sys, time, statistics
 import numpy as np
-from triton_tlaloc.engine import Engine
-from triton_tlaloc.memory import release_freed, resident_bytes
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.sequence import Sequence
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.runtime.memory import release_freed, resident_bytes
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.kv.sequence import Sequence
 
 art, cache, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rt = Runtime(art, cache_dir=cache)

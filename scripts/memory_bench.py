@@ -22,10 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from triton_tlaloc.manifest import load_artifact  # noqa: E402
-from triton_tlaloc.precompile import precompile  # noqa: E402
+from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402
+from triton_tlaloc.runtime.precompile import precompile  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
-from triton_tlaloc.server import TritonServer  # noqa: E402
+from triton_tlaloc.triton.server import TritonServer  # noqa: E402
 
 
 def served(artifact: Path, cache: Path, work: Path, release: bool) -> tuple[int, str]:

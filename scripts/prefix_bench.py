@@ -77,7 +77,7 @@ def export(work: Path, batches: tuple, contexts: tuple) -> Path:
                         ExportOptions(batch_ladder=batches, context_ladder=contexts))
         log(f"exported {out} in {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()  # compiled once here, so the two models load from the cache
-    subprocess.run([sys.executable, "-c", "import sys; from triton_tlaloc.runtime import "
+    subprocess.run([sys.executable, "-c", "import sys; from triton_tlaloc.runtime.core import "
                     "Runtime; Runtime(sys.argv[1])", str(out)], check=True)
     log(f"compile cache filled in {time.perf_counter() - t0:.0f} s")
     return out
@@ -314,9 +314,9 @@ def main() -> int:
     if cfg["users"] < 2 or cfg["turns"] < 2 or cfg["reps"] < 1:
         sys.exit("prefix_bench: at least 2 users, 2 turns and 1 repetition")
 
-    from triton_tlaloc.manifest import load_artifact
+    from triton_tlaloc.artifact.loading import load_artifact
     from triton_tlaloc.repository import RepositoryOptions, write_repository
-    from triton_tlaloc.server import TritonServer
+    from triton_tlaloc.triton.server import TritonServer
 
     args.work.mkdir(parents=True, exist_ok=True)
     art_dir = export(args.work, batches, contexts)

@@ -32,7 +32,7 @@ from checks import programs  # noqa: E402
 
 from triton_tlaloc.frontends.client import METRICS_SETTLE_S, metric, scrape_metrics  # noqa: E402
 from triton_tlaloc.repository import ProgramOptions, write_program_repository  # noqa: E402
-from triton_tlaloc.server import TritonServer  # noqa: E402
+from triton_tlaloc.triton.server import TritonServer  # noqa: E402
 
 MODELS = ("rows", "rows_nogroup", "rows_single")
 

@@ -37,10 +37,10 @@ from triton_tlaloc.export import writer as export  # noqa: E402
 from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.frontends.client import TlalocClient, new_sequence_id  # noqa: E402
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
-from triton_tlaloc.manifest import load_artifact  # noqa: E402
+from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402
 from triton_tlaloc.export.quant import quantize_rows  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
-from triton_tlaloc.server import TritonServer  # noqa: E402
+from triton_tlaloc.triton.server import TritonServer  # noqa: E402
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer  # noqa: E402
 
 VARIANTS = {  # name -> export options beyond the common ones

@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT))
 from checks.fakes import fake_artifact  # noqa: E402
 
 from triton_tlaloc.batcher import Batcher  # noqa: E402
-from triton_tlaloc.engine import Engine  # noqa: E402
-from triton_tlaloc.frontends.sampling import SamplingParams  # noqa: E402
-from triton_tlaloc.local_generation import Generation  # noqa: E402
-from triton_tlaloc.policy import BatchPolicy  # noqa: E402
-from triton_tlaloc.simulated import SimulatedRuntime  # noqa: E402
+from triton_tlaloc.engine.core import Engine  # noqa: E402
+from triton_tlaloc.generation.sampling import SamplingParams  # noqa: E402
+from triton_tlaloc.generation.local_generation import Generation  # noqa: E402
+from triton_tlaloc.scheduling.policy import BatchPolicy  # noqa: E402
+from triton_tlaloc.runtime.simulated import SimulatedRuntime  # noqa: E402
 
 TOKENS = 64
 

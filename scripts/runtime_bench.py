@@ -80,7 +80,7 @@ def step_bytes(artifact: Path) -> int:
 
 
 def compile_cache_ratio(artifact: Path) -> dict:
-    from triton_tlaloc.runtime import Runtime
+    from triton_tlaloc.runtime.core import Runtime
 
     with tempfile.TemporaryDirectory() as cache:
         t0 = time.perf_counter()
@@ -100,8 +100,8 @@ def compile_cache_ratio(artifact: Path) -> dict:
 def rows_ratio(artifact: Path, context: int, rows: int = 4) -> dict:
     """The decode executable alone, 1 row against `rows` rows: runs alternate between the two
     (this machine's speed drifts), medians of 20 runs each."""
-    from triton_tlaloc.runtime import Runtime
-    from triton_tlaloc.steps import Row, build_step
+    from triton_tlaloc.runtime.core import Runtime
+    from triton_tlaloc.engine.steps import Row, build_step
 
     names = [f"decode_b1_c{context}", f"decode_b{rows}_c{context}"]
     rt = Runtime(artifact, entries=names)
@@ -213,7 +213,7 @@ def main() -> int:
     rows = {dtype: rows_ratio(arts[dtype], args.context) for dtype in ("f32", "bf16")}
 
     from triton_tlaloc.repository import write_repository
-    from triton_tlaloc.server import TritonServer
+    from triton_tlaloc.triton.server import TritonServer
 
     configs = [(path, dtype) for dtype in ("f32", "bf16")
                for path in ("triton", "tlaloc run", "transformers")]

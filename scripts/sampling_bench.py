@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from checks.sampling_reference import logit_rows, reference_choice  # noqa: E402
 
-from triton_tlaloc.frontends.sampling import Sampler, SamplingParams  # noqa: E402
+from triton_tlaloc.generation.sampling import Sampler, SamplingParams  # noqa: E402
 
 SETTINGS = ({"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 0.8, "top_k": 50},
             {"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.7, "top_k": 50, "top_p": 0.95})

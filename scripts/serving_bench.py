@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from simulated_bench import one_run  # noqa: E402
 from transport_bench import add_answering_arguments, answering_options, log  # noqa: E402
-from triton_tlaloc.manifest import load_artifact  # noqa: E402
+from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402
 from triton_tlaloc.repository import (RepositoryOptions, write_generate_model,  # noqa: E402
                                       write_repository)
-from triton_tlaloc.server import TritonServer  # noqa: E402
+from triton_tlaloc.triton.server import TritonServer  # noqa: E402
 
 PATHS = ("sequence", "generate", "generate_bls")
 DEFAULT_ARTIFACT = ROOT / "artifacts" / "smollm2-f32-loop"

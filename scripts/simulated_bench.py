@@ -2,7 +2,7 @@
 """The serving path at a device's step rate and batch sizes, by simulation.
 
 Serves the tiny llama (exported with batches 1 to 64) in the benchmark mode `simulate_step_ms`
-(simulated.py: every call a wait of a fixed duration, logits that are not the model's; the
+(runtime/simulated.py: every call a wait of a fixed duration, logits that are not the model's; the
 server runs with TLALOC_BENCHMARK_MODE=1), so that everything but the executable runs as
 served: Triton, requests and responses, the batcher and its page policy, the step inputs, the
 generate model. For N concurrent sequences it measures, against the step-bound limit (N tokens a
@@ -42,11 +42,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from triton_tlaloc.frontends.client import new_sequence_id  # noqa: E402
-from triton_tlaloc.manifest import load_artifact  # noqa: E402
+from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402
 from triton_tlaloc.repository import (RepositoryOptions, write_generate_model,  # noqa: E402
                                       write_repository)
-from triton_tlaloc.server import TritonServer  # noqa: E402
-from triton_tlaloc.simulated import BENCHMARK_ENV  # noqa: E402
+from triton_tlaloc.triton.server import TritonServer  # noqa: E402
+from triton_tlaloc.runtime.simulated import BENCHMARK_ENV  # noqa: E402
 from transport_bench import (PROMPT, add_answering_arguments, answering_options,  # noqa: E402
                              log, tiny_artifact)
 

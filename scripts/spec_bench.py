@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from triton_tlaloc.frontends.client import generate, metric, scrape_metrics  # noqa: E402
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
-from triton_tlaloc.server import TritonServer  # noqa: E402
+from triton_tlaloc.triton.server import TritonServer  # noqa: E402
 
 DEFAULT_ARTIFACT = ROOT / "artifacts" / "smollm2-f32-spec"
 MODEL = "smollm2"

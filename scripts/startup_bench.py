@@ -30,9 +30,9 @@ from checks.oracle import load_reference, reference_greedy  # noqa: E402
 from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.frontends.client import TlalocClient  # noqa: E402
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer  # noqa: E402
-from triton_tlaloc.manifest import load_artifact  # noqa: E402
+from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
-from triton_tlaloc.server import TritonServer  # noqa: E402
+from triton_tlaloc.triton.server import TritonServer  # noqa: E402
 
 PROMPT = [(i * 97 + 13) % 40000 + 100 for i in range(40)]
 WORDS = ("river stone lantern orchard copper meadow harbor violet thunder ember glacier willow "

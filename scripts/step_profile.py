@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from triton_tlaloc.metrics import CallTiming  # noqa: E402
+from triton_tlaloc.triton.metrics import CallTiming  # noqa: E402
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, metric,  # noqa: E402
                                   new_sequence_id, scrape_metrics)
 
@@ -134,8 +134,8 @@ def decode_run(url: str, metrics_url: str, model: str, rows: int, prompt_len: in
 def executable_alone(artifact: Path, entry_name: str, runs: int) -> float:
     """Median ms of the entry's executable run in a loop in this process (the runtime's execute
     phase: inputs already built, no server)."""
-    from triton_tlaloc.runtime import Runtime
-    from triton_tlaloc.steps import Row, build_step
+    from triton_tlaloc.runtime.core import Runtime
+    from triton_tlaloc.engine.steps import Row, build_step
 
     rt = Runtime(artifact, entries=[entry_name])
     entry = rt.artifact.entries[entry_name]
@@ -169,7 +169,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from triton_tlaloc.repository import RepositoryOptions, write_repository
-    from triton_tlaloc.server import TritonServer
+    from triton_tlaloc.triton.server import TritonServer
 
     artifact = ensure_artifact(args.artifact or ROOT / "artifacts" / f"smollm2-{args.weight_dtype}",
                                args.weight_dtype)

@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from prefix_bench import export, log  # noqa: E402
 
-from triton_tlaloc.engine import Engine, Sequence  # noqa: E402
-from triton_tlaloc.host_tier import HostTier  # noqa: E402
-from triton_tlaloc.kv_transfer import PageTransfer, transfer_buckets  # noqa: E402
-from triton_tlaloc.runtime import Runtime  # noqa: E402
+from triton_tlaloc.engine.core import Engine, Sequence  # noqa: E402
+from triton_tlaloc.kv.host_tier import HostTier  # noqa: E402
+from triton_tlaloc.runtime.kv_transfer import PageTransfer, transfer_buckets  # noqa: E402
+from triton_tlaloc.runtime.core import Runtime  # noqa: E402
 
 
 def one(engine: Engine, host: HostTier, prompt: list[int]) -> dict:

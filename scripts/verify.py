@@ -37,10 +37,10 @@ from checks.sequence_checks import PLACEHOLDER, PROTOCOLS, TINY_PROMPT  # noqa: 
 from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.frontends.client import TlalocClient  # noqa: E402
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
-from triton_tlaloc.manifest import load_artifact  # noqa: E402
+from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402
 from triton_tlaloc.repository import (RepositoryOptions, write_generate_model,  # noqa: E402
                                       write_repository)
-from triton_tlaloc.server import TritonServer  # noqa: E402
+from triton_tlaloc.triton.server import TritonServer  # noqa: E402
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer  # noqa: E402
 
 HYBRID_PROMPTS = [[(i * 37 + 11 + k) % 240 + 10 for i in range(n)]

@@ -1,4 +1,4 @@
-"""Entries compiled in the background (compiling.py): a runtime is ready once a first request's
+"""Entries compiled in the background (runtime/compiling.py): a runtime is ready once a first request's
 entries are compiled; a request that needs an entry still compiling runs on a compiled one or
 waits for it, and gets the ids it gets once everything is compiled, which are those of a
 runtime that compiled everything first. Through tritonserver: ready before the background
@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from triton_tlaloc.compiling import first_entries
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.runtime.compiling import first_entries
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.frontends.client import TlalocClient
 from triton_tlaloc.repository import RepositoryOptions, write_repository
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.server import TritonServer
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.triton.server import TritonServer
 
 pytestmark = pytest.mark.tritonserver
 

@@ -7,11 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from triton_tlaloc.batcher import (INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, Reply,
-                                   Request)
-from triton_tlaloc.engine import Engine
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.policy import BatchPolicy
+from triton_tlaloc.batcher import (INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, Reply, Request)
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.scheduling.policy import BatchPolicy
 
 PROMPTS = {"a": [1, 17, 99, 3, 200], "b": [1, 64, 9], "c": [5, 6, 7, 8, 9, 10, 11], "d": [4, 4]}
 
@@ -241,7 +240,7 @@ def test_a_later_request_with_several_tokens_is_a_prefill_continuation(batcher, 
 def test_timing_log_accounts_for_each_call(runtime, tmp_path):
     """The step profile's source: one CallTiming per call, its phases adding up to its total,
     the executable's time taken from the runtime, and one JSON line each in the timing log."""
-    from triton_tlaloc.metrics import CallTiming, Observer, TimingLog
+    from triton_tlaloc.triton.metrics import CallTiming, Observer, TimingLog
 
     class Keep(Observer):
         def __init__(self):

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from triton_tlaloc.programs.bounded import (BOUNDED_MANIFEST, BoundedError, BoundedRuntime, TensorShape,
-                                   export_bounded)
+from triton_tlaloc.programs.bounded import (BOUNDED_MANIFEST, BoundedError, BoundedRuntime,
+                                            TensorShape, export_bounded)
 
 BOUND = 16
 D = 4
@@ -80,7 +80,7 @@ def test_each_dtype_round_trips_through_an_identity_plus_one_program(dtype, work
     logical not for bool): the manifest's names, the compiled program, the padding and slicing."""
     import jax.numpy as jnp
 
-    from triton_tlaloc.manifest import dtype_name, numpy_dtype
+    from triton_tlaloc.artifact.manifest import dtype_name, numpy_dtype
 
     def plus_one(x, L_mask, L_len):
         return jnp.logical_not(x) if x.dtype == jnp.bool_ else x + jnp.ones((), x.dtype)

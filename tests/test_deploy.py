@@ -16,7 +16,7 @@ import yaml
 
 from triton_tlaloc.cli import build_parser
 from triton_tlaloc.frontends.client import SESSION_HEADER
-from triton_tlaloc.server import ADMIN_KEY_HEADER, RESTRICTED_APIS
+from triton_tlaloc.triton.server import ADMIN_KEY_HEADER, RESTRICTED_APIS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

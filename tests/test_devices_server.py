@@ -19,7 +19,7 @@ from checks.sequence_checks import assert_check
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.frontends.client import TlalocClient
 from triton_tlaloc.repository import RepositoryOptions, write_repository
-from triton_tlaloc.server import TritonServer
+from triton_tlaloc.triton.server import TritonServer
 
 pytestmark = pytest.mark.tritonserver
 

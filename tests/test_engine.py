@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from triton_tlaloc.engine import Engine, RequestError
-from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.engine.core import Engine, RequestError
+from triton_tlaloc.runtime.core import Runtime
 
 PROMPT_A = [1, 17, 99, 3, 200, 41, 7, 88, 150, 12, 5]
 PROMPT_B = [1, 64, 9, 101, 33]

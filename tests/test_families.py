@@ -10,9 +10,9 @@ import shutil
 import pytest
 from checks.oracle import load_reference, logits_error, reference_greedy
 
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.runtime.core import Runtime
 
 PROMPT = [(i * 53 + 7) % 240 + 10 for i in range(30)]  # three windows of 8 and more
 STEPS = 16

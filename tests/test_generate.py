@@ -1,6 +1,6 @@
 """The generate model (decoupled, beside each sequence model): generation on the server,
 streamed over gRPC, with sampling, stop conditions and cancellation, against the sequence
-model's client-side greedy ids (sampling.py alone: tests/unit/test_sampling.py)."""
+model's client-side greedy ids (generation/sampling.py alone: tests/unit/test_sampling.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, generate,
-                                           generate_http, metric, scrape_metrics)
-from triton_tlaloc.manifest import load_artifact
+from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, generate, generate_http,
+                                            metric, scrape_metrics)
+from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.repository import RepositoryOptions, write_generate_model, write_repository
-from triton_tlaloc.server import TritonServer
+from triton_tlaloc.triton.server import TritonServer
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 
 pytestmark = pytest.mark.tritonserver

@@ -17,7 +17,7 @@ import pytest
 from checks import abuse_cases as A
 from triton_tlaloc.frontends.client import TlalocClient, generate, new_sequence_id
 from triton_tlaloc.repository import RepositoryOptions
-from triton_tlaloc.server import SHM_DIR, free_port
+from triton_tlaloc.triton.server import SHM_DIR, free_port
 
 pytestmark = pytest.mark.tritonserver
 

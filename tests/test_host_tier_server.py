@@ -14,7 +14,7 @@ from checks import swap_checks as W
 from checks.sequence_checks import assert_check, url_of
 
 from triton_tlaloc.repository import RepositoryOptions, write_repository
-from triton_tlaloc.server import TritonServer
+from triton_tlaloc.triton.server import TritonServer
 
 pytestmark = pytest.mark.tritonserver
 

@@ -14,12 +14,13 @@ import pytest
 from checks.oracle import load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.batcher import Batcher, Request
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.manifest import MANIFEST_NAME, SCHEMA_V4, load_artifact
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.artifact.manifest import MANIFEST_NAME, SCHEMA_V4
 from triton_tlaloc.pages import STATE
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.policy import BatchPolicy
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.scheduling.policy import BatchPolicy
 
 # 150 tokens: three 64-token chunks of the delta rule, the last one partly padding.
 PROMPT = [(i * 37 + 11) % 240 + 10 for i in range(150)]

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from checks.oracle import logits_error
 
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.export import attention
-from triton_tlaloc.manifest import load_artifact
-from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.runtime.core import Runtime
 
 TOL = 1e-5  # of the largest logit, f32: the same products summed in another order
 # One context of 8 key blocks of 8 positions (one page each); prompts go in chunks of 16, so

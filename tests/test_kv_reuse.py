@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from triton_tlaloc import pages
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.sequence import Sequence
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.kv.sequence import Sequence
 
 TOL = 1e-5  # reused KV against computed: the same values, summed in calls of other shapes
 STEPS = 8

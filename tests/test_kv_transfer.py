@@ -1,4 +1,4 @@
-"""Page transfer programs (kv_transfer.py) under the host tier (host_tier.py): a sequence's
+"""Page transfer programs (runtime/kv_transfer.py) under the host tier (kv/host_tier.py): a sequence's
 pages, ring and state slot swapped out to the host and back into other pages, in place, give
 the same KV bytes and the same greedy ids as a sequence never moved. Negative control: pages written back in the
 wrong order change the logits."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from triton_tlaloc.engine import Engine, Sequence
+from triton_tlaloc.engine.core import Engine, Sequence
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.host_tier import HostTier
-from triton_tlaloc.kv_transfer import PageTransfer, bucket, transfer_buckets
-from triton_tlaloc.page_pools import FULL, STATE, WINDOWED
-from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.kv.host_tier import HostTier
+from triton_tlaloc.runtime.kv_transfer import PageTransfer, bucket, transfer_buckets
+from triton_tlaloc.kv.page_pools import FULL, STATE, WINDOWED
+from triton_tlaloc.runtime.core import Runtime
 
 PROMPT = [(i * 37 + 11) % 240 + 10 for i in range(29)]
 STEPS = 8

@@ -14,7 +14,8 @@ from checks.oracle import load_reference, logits_error, reference_greedy
 from test_parity import PROMPT, STEPS, TOLERANCE, run_artifact
 
 from triton_tlaloc.export.decoder import STACKED
-from triton_tlaloc.manifest import MANIFEST_NAME, load_artifact, numpy_dtype
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.artifact.manifest import MANIFEST_NAME, numpy_dtype
 
 
 def check_against_transformers(tiny, art, family, tied, weight_dtype, layers) -> float:

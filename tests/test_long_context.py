@@ -8,10 +8,10 @@ import pytest
 from checks.oracle import load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.batcher import Batcher, Reply, Request
-from triton_tlaloc.engine import Engine
-from triton_tlaloc.manifest import load_artifact
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.policy import BatchPolicy
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.scheduling.policy import BatchPolicy
 
 PROMPT = [(i * 37 + 11) % 250 + 3 for i in range(70)]  # 70 tokens: several chunks and blocks
 STEPS = 16

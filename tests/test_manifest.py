@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from triton_tlaloc.manifest import MANIFEST_NAME, ArtifactError, load_artifact
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.artifact.manifest import MANIFEST_NAME, ArtifactError
 
 
 @pytest.fixture

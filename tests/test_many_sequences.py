@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from checks.sequence_checks import (assert_check, check_concurrent_solo, metrics_delta,
-                             paused_sequences, solo_runs)
+                                    paused_sequences, solo_runs)
 
 from triton_tlaloc.frontends.client import generate
 from triton_tlaloc.repository import RepositoryOptions, write_repository
-from triton_tlaloc.server import TritonServer
+from triton_tlaloc.triton.server import TritonServer
 
 pytestmark = pytest.mark.tritonserver
 

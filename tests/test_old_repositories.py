@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from checks import programs as P
 
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.frontends.client import TlalocClient, generate
 from triton_tlaloc.repository import (ProgramOptions, RepositoryOptions, write_program_repository,
                                       write_repository)
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.server import TritonServer
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.triton.server import TritonServer
 
 pytestmark = pytest.mark.tritonserver
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from checks.oracle import load_reference, logits_error, make_tiny_checkpoint, reference_greedy, with_rope_theta
 
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.runtime.core import Runtime
 
 # 20 prompt tokens + 16 generated cross from the context-32 entries to the context-128 ones.
 PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 150, 12, 5, 230, 64, 9, 101, 33, 2, 77, 180, 45]

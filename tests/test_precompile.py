@@ -4,8 +4,8 @@ transfer program from it, compiling nothing; a cache of another artifact does no
 from __future__ import annotations
 
 from triton_tlaloc.cli import main
-from triton_tlaloc.kv_transfer import PageTransfer, transfer_buckets
-from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.runtime.kv_transfer import PageTransfer, transfer_buckets
+from triton_tlaloc.runtime.core import Runtime
 
 
 def test_tlaloc_compile_fills_the_cache_a_runtime_then_loads_everything_from(tiny, tmp_path,

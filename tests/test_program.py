@@ -11,7 +11,7 @@ from triton_tlaloc.export import program as export_program
 from triton_tlaloc.programs.generic import (ARGUMENT_KINDS, RESULT_KINDS, Binding, ProgramError,
                                             ProgramRuntime, batch_bucket, parse_bindings,
                                             plan_groups, run_batch)
-from triton_tlaloc.stablehlo import read_signature, specialize
+from triton_tlaloc.artifact.stablehlo import read_signature, specialize
 
 from checks.programs import ROW_SCALE, rows_program, running_sum
 

@@ -10,7 +10,7 @@ from checks import programs as P
 from checks.sequence_checks import assert_check, url_of
 from triton_tlaloc.repository import ProgramOptions, write_program_repository
 from triton_tlaloc.programs.generic import ProgramError
-from triton_tlaloc.server import TritonServer
+from triton_tlaloc.triton.server import TritonServer
 
 pytestmark = pytest.mark.tritonserver
 

@@ -80,7 +80,7 @@ def test_every_path_the_docs_show_resolves():
         except (ImportError, AttributeError) as e:
             missing.append(f"{path}: {type(e).__name__}: {e}")
     assert not missing, "\n".join(missing)
-    for wrong in ("triton_tlaloc.nowhere.thing", "triton_tlaloc.server.NoServer"):  # control
+    for wrong in ("triton_tlaloc.nowhere.thing", "triton_tlaloc.triton.server.NoServer"):  # control
         with pytest.raises((ImportError, AttributeError)):
             resolve(wrong)
 

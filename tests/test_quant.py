@@ -11,14 +11,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 from checks.oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
-                    reference_greedy)
+                           reference_greedy)
 
 from triton_tlaloc.export.checkpoint import CheckpointError, _read_safetensor, open_checkpoint
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.manifest import MANIFEST_NAME, load_artifact
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.artifact.manifest import MANIFEST_NAME
 from triton_tlaloc.export.quant import dequantize_rows, quantize_rows
-from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.runtime.core import Runtime
 
 PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 150, 12, 5, 230, 64, 9, 101, 33, 2, 77, 180, 45]
 STEPS = 16

@@ -13,12 +13,12 @@ import contextlib
 import numpy as np
 import pytest
 from checks.oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
-                    reference_greedy)
+                           reference_greedy)
 
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, attention, export_artifact
-from triton_tlaloc.manifest import load_artifact
-from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.runtime.core import Runtime
 
 TOL = 1e-4  # of the largest logit (test_quant.py's, for every quantization)
 STEPS = 8

@@ -14,7 +14,7 @@ from checks.sequence_checks import assert_check, check_first_requests, first_req
 
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 from triton_tlaloc.repository import RepositoryOptions, write_repository
-from triton_tlaloc.server import TritonServer
+from triton_tlaloc.triton.server import TritonServer
 
 pytestmark = pytest.mark.tritonserver
 

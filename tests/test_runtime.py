@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from triton_tlaloc.runtime import FIRST_USE_ENV, Runtime, StepInputError
-from triton_tlaloc.steps import Row, build_step
+from triton_tlaloc.runtime.core import FIRST_USE_ENV, Runtime, StepInputError
+from triton_tlaloc.engine.steps import Row, build_step
 
 
 def test_runtime_checks_shape_and_dtype_that_pjrt_does_not(tiny):
@@ -45,7 +45,7 @@ def test_a_damaged_compile_cache_file_is_a_logged_miss_never_a_load(tiny, tmp_pa
     """4 KiB flipped in the middle of every cached executable: PJRT deserializes such bytes
     without complaint, and the first batched call on one killed the serving process. Each is
     refused by its checksum, compiled again and rewritten; results are as before."""
-    from triton_tlaloc.pjrt import unframed
+    from triton_tlaloc.runtime.pjrt import unframed
 
     art = tiny.artifact("qwen3", True)
     first = Runtime(art, cache_dir=tmp_path, first_use=False)

@@ -13,11 +13,11 @@ from checks import sequence_checks as S
 from checks.sequence_checks import PLACEHOLDER, TINY_PROMPT as PROMPT, assert_check
 
 from triton_tlaloc.frontends.client import TlalocClient
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.repository import RepositoryOptions, write_repository
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.server import TritonServer
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.triton.server import TritonServer
 
 pytestmark = pytest.mark.tritonserver
 
@@ -166,7 +166,7 @@ def test_drafts_verified_by_the_server_give_transformers_greedy_ids(served, tiny
 def test_a_model_that_fails_to_load_is_named_with_its_own_error(tiny, tmp_path):
     """tritonserver's last line says only "failed to load all models": the error names the
     model and its own first error line (what `tlaloc serve` prints)."""
-    from triton_tlaloc.server import ServerError
+    from triton_tlaloc.triton.server import ServerError
 
     repo = tmp_path / "repo"
     write_repository(tiny.artifact("llama", False), repo, "broken",

@@ -11,8 +11,8 @@ import pytest
 
 from triton_tlaloc.frontends.client import TlalocClient, new_sequence_id
 from triton_tlaloc.repository import RepositoryOptions, write_repository
-from triton_tlaloc.server import TritonServer
-from triton_tlaloc.simulated import BENCHMARK_ENV, simulated_logits
+from triton_tlaloc.triton.server import TritonServer
+from triton_tlaloc.runtime.simulated import BENCHMARK_ENV, simulated_logits
 
 pytestmark = pytest.mark.tritonserver
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 from checks.oracle import load_reference, logits_error, reference_greedy
 
-from triton_tlaloc.engine import Engine
-from triton_tlaloc.runtime import Runtime
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.runtime.core import Runtime
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 
 STEPS = 32

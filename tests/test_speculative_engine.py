@@ -12,12 +12,12 @@ from checks.oracle import load_reference, reference_greedy
 
 from checks.sequence_checks import TINY_PROMPT, known_drafter, random_drafter
 
-from triton_tlaloc.engine import Engine, accepted_drafts
+from triton_tlaloc.engine.core import Engine, accepted_drafts
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.frontends.drafting import prompt_lookup
+from triton_tlaloc.generation.drafting import prompt_lookup
 from triton_tlaloc.pages import WINDOWED
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.sequence import Sequence
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.kv.sequence import Sequence
 
 STEPS = 30
 # One row, one context: what a verify call needs, and little to compile. Verify and decode

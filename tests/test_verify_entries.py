@@ -20,13 +20,14 @@ import torch
 from checks.oracle import load_reference, logits_error
 
 from triton_tlaloc.cli import build_parser
-from triton_tlaloc.compiling import compile_order, first_entries
+from triton_tlaloc.runtime.compiling import compile_order, first_entries
 from triton_tlaloc.export import ExportError, ExportOptions
-from triton_tlaloc.manifest import (MANIFEST_NAME, POSITION_ARGMAX, POSITION_LOGITS,
-                                    ArtifactError, load_artifact)
-from triton_tlaloc.runtime import Runtime, StepInputError
-from triton_tlaloc.stablehlo import parse_main_signature
-from triton_tlaloc.steps import Row, build_step
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.artifact.manifest import (MANIFEST_NAME, POSITION_ARGMAX, POSITION_LOGITS,
+                                             ArtifactError)
+from triton_tlaloc.runtime.core import Runtime, StepInputError
+from triton_tlaloc.artifact.stablehlo import parse_main_signature
+from triton_tlaloc.engine.steps import Row, build_step
 
 VERIFY = (3, 5, 9)
 # Largest |difference| over the largest |logit| (at least 1), as tests/test_parity.py states it.

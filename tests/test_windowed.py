@@ -9,11 +9,11 @@ import pytest
 from checks.oracle import load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.batcher import Batcher, Request
-from triton_tlaloc.engine import Engine
+from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.manifest import load_artifact
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.policy import BatchPolicy
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.scheduling.policy import BatchPolicy
 
 # Window 8, pages of 4, prefill calls of 8: rings of ceil((8 - 1 + 8) / 4) = 4 pages.
 OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=4, prefill_chunk=8,
@@ -141,7 +141,7 @@ def test_a_call_one_token_longer_than_the_ring_holds_changes_the_logits(models, 
                            ExportOptions(**opts, ring_pages=4))
     full = export_artifact(ckpt, work / "art-gemma3-chunk12-full",
                            ExportOptions(**opts, windowed_kv=False))
-    from triton_tlaloc.engine import Sequence
+    from triton_tlaloc.engine.core import Sequence
     assert Engine(Runtime(ring)).max_call_tokens(Sequence(PROMPT[:8], num_cached=8)) == 9
     ok = logits_error(stepwise_logits(ring, steps=0, chunks=[8, 9])[0][-1],
                       stepwise_logits(full, steps=0, chunks=[8, 9])[0][-1])

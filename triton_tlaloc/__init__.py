@@ -28,13 +28,13 @@ _PUBLIC = {
     "export_program": "programs.generic",
     "export_bounded": "programs.bounded",
     "TensorShape": "programs.bounded",
-    "load_artifact": "manifest",
+    "load_artifact": "artifact.loading",
     # Repositories and the server
     "RepositoryOptions": "repository",
     "write_repository": "repository",
     "ProgramOptions": "repository",
     "write_program_repository": "repository",
-    "TritonServer": "server",
+    "TritonServer": "triton.server",
 }
 
 __all__ = sorted(_PUBLIC)

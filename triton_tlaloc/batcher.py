@@ -13,8 +13,9 @@ are run:
   idle live sequences are then swapped out to host memory, busy ones preempted (or, when the
   host tier is full, their KV given up and computed again on their next request: only for an
   admitted sequence's request, never a new START's), and a request that still cannot run
-  waits for pages (room.py); otherwise the request is refused by name (admission.py). A
-  refused request still counts as activity. No live sequence's tokens are ever lost.
+  waits for pages (scheduling/room.py); otherwise the request is refused by name
+  (scheduling/admission.py). A refused request still counts as activity. No live sequence's tokens
+  are ever lost.
 - Calls. Decode rows of several sequences go into one decode call on the smallest entry that
   holds them; prompts of one context bucket into one prefill call (a call computes every row at
   its entry's context, so buckets are not merged); a prompt longer than the largest prefill
@@ -41,16 +42,16 @@ from typing import Callable
 import numpy as np
 
 from .codes import INTERNAL, INVALID_ARG, UNAVAILABLE
-from .engine import Engine, EntryCompiling, Sequence
-from .sequence import SequenceStatus
-from .host_tier import HostTier
-from .metrics import BatcherStats, CallTiming, Observer
-from .model_parameters import default_int
-from .admission import Admission, Job, Reply, Request
-from .batcher_state import BatcherState
-from .policy import BatchPolicy, Cohort, select
-from .room import RoomMaker
-from .round_plan import RoundPlan, bucket_calls, decode_calls, prefill_calls
+from .engine.core import Engine, EntryCompiling, Sequence
+from .kv.sequence import SequenceStatus
+from .kv.host_tier import HostTier
+from .triton.metrics import BatcherStats, CallTiming, Observer
+from .triton.model_parameters import default_int
+from .scheduling.admission import Admission, Job, Reply, Request
+from .scheduling.batcher_state import BatcherState
+from .scheduling.policy import BatchPolicy, Cohort, select
+from .scheduling.room import RoomMaker
+from .scheduling.round_plan import RoundPlan, bucket_calls, decode_calls, prefill_calls
 
 # What the front ends take from here: the batcher, its requests and replies, and reply codes.
 __all__ = ["Batcher", "INTERNAL", "INVALID_ARG", "Job", "Reply", "Request", "UNAVAILABLE"]
@@ -89,7 +90,7 @@ class Batcher:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._groups = 0
-        self.cohort = Cohort(set())  # the previous decode batch's sequences (policy.py)
+        self.cohort = Cohort(set())  # the previous decode batch's sequences (scheduling/policy.py)
         self._decode_s: float | None = None  # the last round's decode calls took (the clock)
         self._evicted = (0, 0)  # cached pages evicted, ended sequences dropped, so far
         # Called after every round (on this thread): local generations send the round's tokens.
@@ -245,7 +246,7 @@ class Batcher:
     def schedule(self, requests: list[Request], resumed: list[Job] = ()) -> RoundPlan:
         """Admit `requests` (reserving their pages, making room) and group the jobs with the
         `resumed` ones into calls: the round's plan, nothing run yet."""
-        if self.host is not None:  # who may not be swapped out as idle (room.py)
+        if self.host is not None:  # who may not be swapped out as idle (scheduling/room.py)
             with self._cv:
                 queued = {r.seq_id for r in self._pending}
             self.state.busy = ({r.seq_id for r in requests} | {j.seq.seq_id for j in resumed}

@@ -38,7 +38,7 @@ def _report(args, prompt_ids, generated_ids, text, finish_reason, prefill_ms, ms
 
 def _cmd_export(args) -> int:
     from .export.writer import ExportOptions, export_artifact
-    from .pjrt import cpu_devices
+    from .runtime.pjrt import cpu_devices
 
     if args.precompile and args.platform == "cpu":
         cpu_devices(args.tensor_parallel)  # before the export starts JAX
@@ -72,9 +72,9 @@ def _cmd_export(args) -> int:
 
 
 def _precompile(artifact_dir, args) -> None:
-    from .manifest import load_artifact
-    from .pjrt import cpu_devices
-    from .precompile import precompile
+    from .artifact.loading import load_artifact
+    from .runtime.pjrt import cpu_devices
+    from .runtime.precompile import precompile
 
     artifact = load_artifact(artifact_dir)
     if args.platform == "cpu":
@@ -93,12 +93,12 @@ def _cmd_compile(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from .engine import Engine
-    from .frontends.drafting import prompt_lookup
-    from .pjrt import cpu_devices
-    from .runtime import Runtime
+    from .engine.core import Engine
+    from .generation.drafting import prompt_lookup
+    from .runtime.pjrt import cpu_devices
+    from .runtime.core import Runtime
 
-    from .manifest import load_artifact
+    from .artifact.loading import load_artifact
 
     artifact = load_artifact(args.artifact)
     # One sequence: only the smallest batch's entries are compiled (verify entries only to
@@ -234,11 +234,11 @@ def _cmd_serve(args) -> int:
     import signal
     import time
 
-    from .server import RESTRICTED_APIS, TritonServer, dead_stubs, stub_processes
+    from .triton.server import RESTRICTED_APIS, TritonServer, dead_stubs, stub_processes
 
     admin_key = args.admin_key or os.environ.get("TLALOC_ADMIN_KEY") or None
     if args.cpu_devices:  # every backend process inherits it (each instance its own devices)
-        from .pjrt import with_cpu_devices
+        from .runtime.pjrt import with_cpu_devices
 
         os.environ["XLA_FLAGS"] = with_cpu_devices(os.environ.get("XLA_FLAGS", ""),
                                                    args.cpu_devices)
@@ -311,7 +311,7 @@ def _cmd_check_stubs(args) -> int:
     import dataclasses
     import urllib.request
 
-    from .server import StubProcess, dead_stubs, processes_named, stub_processes
+    from .triton.server import StubProcess, dead_stubs, processes_named, stub_processes
 
     try:
         with urllib.request.urlopen(f"http://{args.url}/v2/health/live", timeout=5) as r:
@@ -518,7 +518,7 @@ def _add_run_parser(sub) -> None:
 
 
 def _add_repository_parser(sub) -> None:
-    from .repository import RepositoryOptions  # the defaults (model_parameters.py)
+    from .repository import RepositoryOptions  # the defaults (triton/model_parameters.py)
 
     p = sub.add_parser("repository", help="write a Triton model repository for an artifact")
     p.add_argument("artifact")
@@ -718,10 +718,10 @@ def _dispatch(args) -> int:
     """Runs the subcommand; a refusal it reports (bad artifact, checkpoint, request, file,
     server or value) is one line on stderr and exit status 2, not a traceback."""
     from .export.checkpoint import CheckpointError
-    from .engine import RequestError
+    from .engine.core import RequestError
     from .export.writer import ExportError
-    from .manifest import ArtifactError
-    from .server import ServerError
+    from .artifact.manifest import ArtifactError
+    from .triton.server import ServerError
 
     try:
         return args.fn(args)

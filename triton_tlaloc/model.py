@@ -20,26 +20,26 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .backend import error_response, model_settings, parse_bool, setup_logging
+from .triton.backend import error_response, model_settings, parse_bool, setup_logging
 from .batcher import INVALID_ARG, Batcher, Reply, Request
 from .codes import coded_message
-from .engine import Engine
-from .host_tier import HostTier
-from .kv_transfer import PageTransfer, transfer_buckets
-from .link_server import LocalGenerations
-from .local_generation import Speculation
-from .manifest import load_artifact
-from .memory import resident_bytes
-from .metrics import TimingLog
-from .model_metrics import TritonMetrics
-from .model_parameters import DEFAULTS
-from .pjrt import cpu_devices, instance_devices
-from .outputs import (LOGIT_OUTPUTS, TOP_K_DEFAULT, cache_salt_parameter,
-                      draft_tokens_parameter, small_outputs, top_k_parameter)
-from .policy import BatchPolicy
-from .replies import ReplySenders
-from .runtime import Runtime
-from .simulated import SimulatedRuntime, simulated_step_s
+from .engine.core import Engine
+from .kv.host_tier import HostTier
+from .runtime.kv_transfer import PageTransfer, transfer_buckets
+from .generation.link_server import LocalGenerations
+from .generation.local_generation import Speculation
+from .artifact.loading import load_artifact
+from .runtime.memory import resident_bytes
+from .triton.metrics import TimingLog
+from .triton.model_metrics import TritonMetrics
+from .triton.model_parameters import DEFAULTS
+from .runtime.pjrt import cpu_devices, instance_devices
+from .triton.outputs import (LOGIT_OUTPUTS, TOP_K_DEFAULT, cache_salt_parameter,
+                             draft_tokens_parameter, small_outputs, top_k_parameter)
+from .scheduling.policy import BatchPolicy
+from .triton.replies import ReplySenders
+from .runtime.core import Runtime
+from .runtime.simulated import SimulatedRuntime, simulated_step_s
 
 log = logging.getLogger("triton_tlaloc.model")
 
@@ -246,7 +246,7 @@ class TritonPythonModel:
 
 class _Reply:
     """The function that answers one request: hands its reply to the reply senders
-    (replies.py), whose thread builds the response and sends it, so that the batcher thread
+    (triton/replies.py), whose thread builds the response and sends it, so that the batcher thread
     does not wait for Triton's process to take it. Called exactly once per request
     (batcher.Request.reply); each response sender is used by one thread only. Only the outputs
     the request names are sent (Triton names them all when a client names none)."""

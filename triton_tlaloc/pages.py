@@ -20,7 +20,7 @@ row reads a page no sequence owns and (its slots being -1) writes nothing. A sta
 hands out every slot: a padding row's state slot is -1, which the entry neither reads nor
 writes.
 
-Each kind of cache is a manager of its own (cache_kinds.py: FullPages, RingPages, StateSlots),
+Each kind of cache is a manager of its own (kv/cache_kinds.py: FullPages, RingPages, StateSlots),
 and `BlockManager` coordinates them: it does all the accounting per sequence: what a sequence
 needs to grow, taking it (all or nothing), rolling a failed call back, freeing, reusing cached
 blocks on a prompt, and
@@ -36,17 +36,17 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .model_parameters import default_int
-from .cache_kinds import CacheKind, FullPages, RingPages, StateSlots
-from .page_pools import (FULL, POOLS, STATE, WINDOWED, PagePool, PagesExhausted,
-                         SharedPagePool, block_hash, pages_for, root_hash)
-from .sequence import HELD, SequenceStatus
+from .triton.model_parameters import default_int
+from .kv.cache_kinds import CacheKind, FullPages, RingPages, StateSlots
+from .kv.page_pools import (FULL, POOLS, STATE, WINDOWED, PagePool, PagesExhausted, SharedPagePool,
+                            block_hash, pages_for, root_hash)
+from .kv.sequence import HELD, SequenceStatus
 
 __all__ = ["FULL", "POOLS", "STATE", "WINDOWED", "BlockManager", "PagePool", "PagesExhausted",
            "PoolShape", "Reuse", "SharedPagePool", "block_hash", "pages_for", "root_hash"]
 
 if TYPE_CHECKING:
-    from .sequence import Sequence
+    from .kv.sequence import Sequence
 
 
 class BlockSpill(Protocol):
@@ -64,7 +64,7 @@ class BlockSpill(Protocol):
 
 @dataclass(frozen=True)
 class PoolShape:
-    """What a model's pools hold (engine.py reads it off the artifact)."""
+    """What a model's pools hold (engine/core.py reads it off the artifact)."""
 
     num_blocks: int
     block_size: int
@@ -109,7 +109,7 @@ class BlockManager:
         self.shape = shape
         self.block_size = shape.block_size
         self.ring_pages = shape.ring_pages
-        # One manager per kind of cache the model has (cache_kinds.py), by pool name.
+        # One manager per kind of cache the model has (kv/cache_kinds.py), by pool name.
         full = FullPages(shape.num_blocks, shape.holds_full_pages)
         self.kinds: dict[str, CacheKind] = {FULL: full}
         if shape.ring_blocks:

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-from .manifest import MANIFEST_NAME, load_artifact
-from .model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
-                               default_int)
+from .artifact.loading import load_artifact
+from .artifact.manifest import MANIFEST_NAME
+from .triton.model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
+                                      default_int)
 
 TEMPLATE_DIR = Path(__file__).parent / "model_repository_template"
 INSTANCE_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
@@ -25,7 +26,7 @@ INSTANCE_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 
 @dataclass(frozen=True)
 class RepositoryOptions:
-    """What `tlaloc repository` writes; the model parameters' defaults are model_parameters.py's
+    """What `tlaloc repository` writes; the model parameters' defaults are triton/model_parameters.py's
     (each written there once)."""
 
     max_sequence_idle_microseconds: int = MAX_SEQUENCE_IDLE_MICROSECONDS
@@ -237,7 +238,7 @@ def write_program_repository(source: str | os.PathLike, repo: str | os.PathLike,
     from .programs.bounded import BOUNDED_MANIFEST, load_bounded
     from .programs.generic import (ARGUMENT_KINDS, RESULT_KINDS, TRITON_TYPES, ProgramError,
                                    check_bindings, format_bindings, parse_bindings)
-    from .stablehlo import read_signature
+    from .artifact.stablehlo import read_signature
 
     src = Path(source).resolve()
     if opts.instance_kind not in INSTANCE_KINDS:

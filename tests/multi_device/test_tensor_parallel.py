@@ -20,10 +20,11 @@ from checks.oracle import logits_error
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.export import tensor_parallel
 from triton_tlaloc.export.writer import ExportError
-from triton_tlaloc.engine import Engine
-from triton_tlaloc.manifest import ArtifactError, load_artifact, numpy_dtype
-from triton_tlaloc.runtime import Runtime
-from triton_tlaloc.sharding import Segment, Split
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.artifact.loading import load_artifact
+from triton_tlaloc.artifact.manifest import ArtifactError, numpy_dtype
+from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.artifact.sharding import Segment, Split
 
 TOL = 1e-5  # of the largest logit, f32
 # Two contexts, the larger over two key blocks (prefill and decode loop over them); prompts of

@@ -10,9 +10,9 @@ import pytest
 from checks.fakes import FakeRuntime, Harness, fake_artifact
 
 from triton_tlaloc.batcher import INTERNAL, INVALID_ARG, UNAVAILABLE, Batcher, Request
-from triton_tlaloc.engine import Engine, RequestError, Sequence
+from triton_tlaloc.engine.core import Engine, RequestError, Sequence
 from triton_tlaloc.pages import PagesExhausted
-from triton_tlaloc.policy import BatchPolicy
+from triton_tlaloc.scheduling.policy import BatchPolicy
 
 
 def snapshot(engine: Engine, seq: Sequence) -> tuple:

@@ -13,7 +13,7 @@ import pytest
 from triton_tlaloc import pages
 from triton_tlaloc.pages import (FULL, STATE, WINDOWED, BlockManager, PagesExhausted, PoolShape,
                                  SharedPagePool, root_hash)
-from triton_tlaloc.sequence import Sequence
+from triton_tlaloc.kv.sequence import Sequence
 
 BS = 4
 ROOT = root_hash("model")

@@ -10,8 +10,8 @@ import threading
 import numpy as np
 from checks.fakes import FakeRuntime, Harness, fake_artifact
 
-from triton_tlaloc.compiling import BackgroundCompiler, compile_order, first_entries
-from triton_tlaloc.engine import Engine, Sequence
+from triton_tlaloc.runtime.compiling import BackgroundCompiler, compile_order, first_entries
+from triton_tlaloc.engine.core import Engine, Sequence
 
 ART = fake_artifact(batch_ladder=(1, 2, 4), context_ladder=(32, 128))
 

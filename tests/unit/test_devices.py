@@ -1,5 +1,5 @@
-"""Splits over devices (sharding.py) and which devices an instance takes (pjrt.py), with no
-JAX: a device's shard of a fused weight, KV heads held by several devices, the checks a
+"""Splits over devices (artifact/sharding.py) and which devices an instance takes (runtime/pjrt.py),
+with no JAX: a device's shard of a fused weight, KV heads held by several devices, the checks a
 manifest's split must pass, and the `devices` parameter."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from triton_tlaloc.pjrt import instance_devices, with_cpu_devices
-from triton_tlaloc.sharding import Segment, Split, TensorParallel, single_split
+from triton_tlaloc.runtime.pjrt import instance_devices, with_cpu_devices
+from triton_tlaloc.artifact.sharding import Segment, Split, TensorParallel, single_split
 
 
 def test_a_shard_is_its_piece_of_every_segment():

@@ -1,7 +1,7 @@
-"""Drafting with a second model (draft_model.py): a sequence cut back (Request.keep_tokens,
-Verifier.rewind, BlockManager.truncate) over the fake runtime, whose KV is readable; the target
-generation's protocol with its draft sequence over a fake client; and a target and a draft model,
-each a real batcher over the simulated runtime, linked through real sockets."""
+"""Drafting with a second model (generation/draft_model.py): a sequence cut back
+(Request.keep_tokens, Verifier.rewind, BlockManager.truncate) over the fake runtime, whose KV is
+readable; the target generation's protocol with its draft sequence over a fake client; and a target
+and a draft model, each a real batcher over the simulated runtime, linked through real sockets."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from checks.fakes import Harness, KnownModel, fake_artifact, run_generation
 
 from triton_tlaloc.batcher import Batcher
 from triton_tlaloc.codes import INVALID_ARG
-from triton_tlaloc.draft_model import ModelDrafter
-from triton_tlaloc.engine import Engine
-from triton_tlaloc.frontends.local_streams import LocalLoop, LocalStream, StreamSenders
-from triton_tlaloc.frontends.sampling import SamplingParams, TextStream
-from triton_tlaloc.frontends.speculative import SpeculativeParams
-from triton_tlaloc.link_server import LocalGenerations
-from triton_tlaloc.local_generation import Generation, Speculation
-from triton_tlaloc.policy import BatchPolicy
-from triton_tlaloc.simulated import SimulatedRuntime
+from triton_tlaloc.generation.draft_model import ModelDrafter
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.generation.local_streams import LocalLoop, LocalStream, StreamSenders
+from triton_tlaloc.generation.sampling import SamplingParams, TextStream
+from triton_tlaloc.generation.speculative import SpeculativeParams
+from triton_tlaloc.generation.link_server import LocalGenerations
+from triton_tlaloc.generation.local_generation import Generation, Speculation
+from triton_tlaloc.scheduling.policy import BatchPolicy
+from triton_tlaloc.runtime.simulated import SimulatedRuntime
 
 PROMPT = [(i * 37 + 11) % 200 + 20 for i in range(20)]
 

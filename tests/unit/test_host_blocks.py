@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from checks.fakes import FakeRuntime, FakeTransfer, fake_artifact
 
-from triton_tlaloc.engine import Engine, Sequence
-from triton_tlaloc.host_tier import HostTier
+from triton_tlaloc.engine.core import Engine, Sequence
+from triton_tlaloc.kv.host_tier import HostTier
 from triton_tlaloc.pages import PagesExhausted
 
 BLOCK = 8 * 8  # bytes of one fake page: 8 int64 tokens

@@ -14,11 +14,11 @@ import pytest
 from checks.fakes import FakeRuntime, FakeTransfer, Harness, fake_artifact
 
 from triton_tlaloc.batcher import UNAVAILABLE
-from triton_tlaloc.engine import Engine, Sequence
-from triton_tlaloc.host_tier import HostTier
-from triton_tlaloc.page_pools import FULL, STATE, WINDOWED
+from triton_tlaloc.engine.core import Engine, Sequence
+from triton_tlaloc.kv.host_tier import HostTier
+from triton_tlaloc.kv.page_pools import FULL, STATE, WINDOWED
 from triton_tlaloc.pages import PagesExhausted
-from triton_tlaloc.policy import choose_swap_out
+from triton_tlaloc.scheduling.policy import choose_swap_out
 
 BIG = 1 << 30  # host bytes: more than any test needs
 

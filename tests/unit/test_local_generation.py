@@ -1,6 +1,7 @@
-"""Generation loops run in the sequence model's process (local_generation.py), the generate
-model's side of them (frontends/local_streams.py) and the link between (generation_link.py),
-without Triton: a real batcher over the simulated runtime, a real Unix socket."""
+"""Generation loops run in the sequence model's process (generation/local_generation.py), the
+generate model's side of them (generation/local_streams.py) and the link between
+(generation/generation_link.py), without Triton: a real batcher over the simulated runtime, a real
+Unix socket."""
 
 from __future__ import annotations
 
@@ -14,18 +15,17 @@ import numpy as np
 import pytest
 from checks.fakes import fake_artifact
 
-from triton_tlaloc.admission import Reply
+from triton_tlaloc.scheduling.admission import Reply
 from triton_tlaloc.batcher import Batcher
-from triton_tlaloc.engine import Engine
-from triton_tlaloc.frontends.local_streams import (LocalLoop, LocalStream, Outbound,
-                                                   StreamSenders)
-from triton_tlaloc.frontends.sampling import SamplingParams, TextStream
-from triton_tlaloc.generation_link import LinkError, connect, link_paths, listen
-from triton_tlaloc.frontends.speculative import SpeculativeParams
-from triton_tlaloc.link_server import LocalGenerations
-from triton_tlaloc.local_generation import Generation, Speculation
-from triton_tlaloc.policy import BatchPolicy
-from triton_tlaloc.simulated import SimulatedRuntime
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.generation.local_streams import (LocalLoop, LocalStream, Outbound, StreamSenders)
+from triton_tlaloc.generation.sampling import SamplingParams, TextStream
+from triton_tlaloc.generation.generation_link import LinkError, connect, link_paths, listen
+from triton_tlaloc.generation.speculative import SpeculativeParams
+from triton_tlaloc.generation.link_server import LocalGenerations
+from triton_tlaloc.generation.local_generation import Generation, Speculation
+from triton_tlaloc.scheduling.policy import BatchPolicy
+from triton_tlaloc.runtime.simulated import SimulatedRuntime
 
 ART = fake_artifact(batch_ladder=(1, 4, 16), context_ladder=(64,), block_size=8,
                     num_blocks=400)

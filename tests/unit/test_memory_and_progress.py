@@ -1,10 +1,10 @@
-"""The resident-memory ledger of a load (memory.py) and the progress lines of `tlaloc compile`
-(precompile.Progress), with injected readings and clocks."""
+"""The resident-memory ledger of a load (runtime/memory.py) and the progress lines of `tlaloc
+compile` (precompile.Progress), with injected readings and clocks."""
 
 from __future__ import annotations
 
-from triton_tlaloc.memory import MemoryLedger, release_freed, resident_bytes
-from triton_tlaloc.precompile import Progress
+from triton_tlaloc.runtime.memory import MemoryLedger, release_freed, resident_bytes
+from triton_tlaloc.runtime.precompile import Progress
 
 MB = 2**20
 

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from triton_tlaloc.metrics import MetricsWriter
-from triton_tlaloc.outputs import cache_salt_parameter, small_outputs, top_k_parameter
+from triton_tlaloc.triton.metrics import MetricsWriter
+from triton_tlaloc.triton.outputs import cache_salt_parameter, small_outputs, top_k_parameter
 
 
 def test_metrics_writer_applies_updates_on_its_own_thread_in_batches():

@@ -6,7 +6,7 @@ import pytest
 from checks.fakes import fake_artifact
 
 from triton_tlaloc.pages import PagePool, PagesExhausted, pages_for
-from triton_tlaloc.steps import Row, build_step, row_by_row_inputs
+from triton_tlaloc.engine.steps import Row, build_step, row_by_row_inputs
 
 
 def test_page_pool_never_gives_page_0_and_refuses_by_count():

@@ -7,8 +7,8 @@ import pytest
 from checks.fakes import Harness, fake_artifact
 
 from triton_tlaloc.batcher import INVALID_ARG, UNAVAILABLE, Request
-from triton_tlaloc.policy import choose_reclaim
-from triton_tlaloc.policy import BatchPolicy, Cohort, select
+from triton_tlaloc.scheduling.policy import choose_reclaim
+from triton_tlaloc.scheduling.policy import BatchPolicy, Cohort, select
 
 MS = 1e-3
 

@@ -1,4 +1,4 @@
-"""The reply senders (replies.py): every reply sent once, off the submitting thread, several
+"""The reply senders (triton/replies.py): every reply sent once, off the submitting thread, several
 at once; stop sends what is queued; a failing send takes no thread down."""
 
 import threading
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from triton_tlaloc.replies import ReplySenders
+from triton_tlaloc.triton.replies import ReplySenders
 
 
 def test_each_reply_is_sent_once_off_the_submitting_thread():

@@ -1,4 +1,4 @@
-"""The batcher decides a round, then runs it (round_plan.py): `schedule` admits the round's
+"""The batcher decides a round, then runs it (scheduling/round_plan.py): `schedule` admits the round's
 requests and returns the plan, calls grouped, what room making did, decode steps held back for
 a compile, and nothing run; `execute` runs exactly the plan's calls. Control: with one context
 bucket the same prompts would share a call, so the plan's split is the buckets' doing."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from checks.fakes import Harness, fake_artifact
 
-from triton_tlaloc.admission import Request
-from triton_tlaloc.round_plan import bucket_calls
+from triton_tlaloc.scheduling.admission import Request
+from triton_tlaloc.scheduling.round_plan import bucket_calls
 
 BIG = 1 << 30
 

@@ -10,9 +10,9 @@ import pytest
 
 from checks.sampling_reference import logit_rows, reference_choice
 
-from triton_tlaloc.frontends.sampling import (MAX_STOP_CHARS, MAX_STOP_STRINGS, Sampler,
-                                              SamplingError, SamplingParams, StopMatcher,
-                                              TextStream)
+from triton_tlaloc.generation.sampling import (MAX_STOP_CHARS, MAX_STOP_STRINGS, Sampler,
+                                               SamplingError, SamplingParams, StopMatcher,
+                                               TextStream)
 
 
 def test_sampling_parameters_are_checked_by_name():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from checks.fakes import Harness, fake_artifact
 
-from triton_tlaloc.sequence import NEXT, Sequence, SequenceStatus as S
+from triton_tlaloc.kv.sequence import NEXT, Sequence, SequenceStatus as S
 
 BIG = 1 << 30
 

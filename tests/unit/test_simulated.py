@@ -1,5 +1,5 @@
-"""The benchmark mode `simulate_step_ms` (simulated.py): refused outside a benchmark, and over
-it the engine and the batcher run as served, batched rows getting the ids they get alone."""
+"""The benchmark mode `simulate_step_ms` (runtime/simulated.py): refused outside a benchmark, and
+over it the engine and the batcher run as served, batched rows getting the ids they get alone."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from checks.fakes import Clock, fake_artifact
 
 from triton_tlaloc.batcher import Batcher, Request
-from triton_tlaloc.engine import Engine
-from triton_tlaloc.policy import BatchPolicy
-from triton_tlaloc.simulated import BENCHMARK_ENV, SimulatedRuntime, simulated_step_s
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.scheduling.policy import BatchPolicy
+from triton_tlaloc.runtime.simulated import BENCHMARK_ENV, SimulatedRuntime, simulated_step_s
 
 ART = fake_artifact(batch_ladder=(1, 2, 4, 8, 16, 32, 64), context_ladder=(32,),
                     prefill_tokens=())

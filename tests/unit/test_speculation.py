@@ -7,7 +7,7 @@ import pytest
 
 from checks.fakes import Harness, fake_artifact
 
-from triton_tlaloc.engine import accepted_drafts
+from triton_tlaloc.engine.core import accepted_drafts
 from triton_tlaloc.pages import FULL, pages_for
 
 VOCAB = 256
@@ -215,7 +215,7 @@ def test_a_linear_attention_state_and_a_full_ring_refuse_drafts():
 
 
 def test_prompt_lookup_follows_the_latest_longest_match():
-    from triton_tlaloc.frontends.drafting import prompt_lookup
+    from triton_tlaloc.generation.drafting import prompt_lookup
 
     text = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
     assert prompt_lookup(text, 3) == [4, 5, 9]  # "1 2 3" occurred at the start
@@ -231,8 +231,8 @@ def test_prompt_lookup_follows_the_latest_longest_match():
 @pytest.mark.parametrize("drafter", [rule_drafts, half_right, None])
 def test_the_engine_alone_generates_the_same_ids_with_drafts(drafter):
     """`tlaloc run --speculate`: the engine's own greedy loop, up to the largest context."""
-    from triton_tlaloc.engine import Engine
-    from triton_tlaloc.frontends.drafting import prompt_lookup
+    from triton_tlaloc.engine.core import Engine
+    from triton_tlaloc.generation.drafting import prompt_lookup
 
     from checks.fakes import FakeRuntime
 

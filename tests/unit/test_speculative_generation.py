@@ -1,7 +1,8 @@
-"""Speculation in the generate model's loop (frontends/speculative.py, local_generation.py):
-the `speculative` parameter, the n-gram index, the adaptive draft length, speculative sampling
-(a chi-square test against the distribution sampled without drafts, which a biased rule fails),
-and generations that speculate, against a model whose greedy continuation is known."""
+"""Speculation in the generate model's loop (generation/speculative.py,
+generation/local_generation.py): the `speculative` parameter, the n-gram index, the adaptive draft
+length, speculative sampling (a chi-square test against the distribution sampled without drafts,
+which a biased rule fails), and generations that speculate, against a model whose greedy
+continuation is known."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import pytest
 from checks.fakes import Harness, KnownModel, fake_artifact, run_generation
 from scipy.stats import chisquare
 
-from triton_tlaloc.admission import Reply
-from triton_tlaloc.frontends.drafting import NgramIndex, prompt_lookup
-from triton_tlaloc.frontends.sampling import Sampler, SamplingError, SamplingParams
-from triton_tlaloc.frontends.speculative import (DRAFT_COST, DraftLength, SpeculativeParams,
-                                                 Speculator, StepCost, sampled_acceptance)
-from triton_tlaloc.local_generation import Generation, Speculation
-from triton_tlaloc.simulated import one_hot
+from triton_tlaloc.scheduling.admission import Reply
+from triton_tlaloc.generation.drafting import NgramIndex, prompt_lookup
+from triton_tlaloc.generation.sampling import Sampler, SamplingError, SamplingParams
+from triton_tlaloc.generation.speculative import (DRAFT_COST, DraftLength, SpeculativeParams,
+                                                  Speculator, StepCost, sampled_acceptance)
+from triton_tlaloc.generation.local_generation import Generation, Speculation
+from triton_tlaloc.runtime.simulated import one_hot
 
 SPECULATE = Speculation(most_drafts=8, refused=None)
 
@@ -279,7 +280,7 @@ def test_what_a_sequence_model_can_verify_and_what_its_calls_cost():
     a linear-attention model and one without verify entries refuse, saying why."""
     from checks.fakes import FakeRuntime
 
-    from triton_tlaloc.engine import Engine
+    from triton_tlaloc.engine.core import Engine
 
     measured = {"decode_b1_c32": 0.01, "decode_b2_c32": 0.03, "verify_b1_c32_t5": 0.04,
                 "swap": 9.0}

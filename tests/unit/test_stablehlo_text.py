@@ -3,7 +3,7 @@ with), and the copying control's text."""
 
 from __future__ import annotations
 
-from triton_tlaloc.stablehlo import parse_main_signature, strip_aliasing
+from triton_tlaloc.artifact.stablehlo import parse_main_signature, strip_aliasing
 
 
 def test_parse_main_signature_reads_types_and_aliases():

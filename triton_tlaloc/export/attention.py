@@ -152,8 +152,8 @@ def _softmax_pv(s, mask, values):
 def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: int, window=None,
               scale=None):
     """The same attention as `one_pass`, one key block of `key_block` positions at a time.
-    Positions of padding tokens must not be below their row's first token (steps.py gives them
-    the first token's position): with a window, the loop starts at the first block the call's
+    Positions of padding tokens must not be below their row's first token (engine/steps.py gives
+    them the first token's position): with a window, the loop starts at the first block the call's
     earliest token can see."""
     import jax.numpy as jnp
     from jax import lax

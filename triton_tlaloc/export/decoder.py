@@ -32,12 +32,12 @@ import numpy as np
 
 from .checkpoint import DecoderConfig
 from .quant import code_dtype
-from ..manifest import (BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS, SEQ_LENS,
-                       SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS, TOKEN_IDS, VERIFY,
-                       WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT,
-                       WINDOW_SLOT_MAPPING, KvPool, Program, StatePool, TensorSpec, WindowedKv,
-                       leading_outputs)
-from ..sharding import TensorParallel, mesh_sharding
+from ..artifact.manifest import (BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS, SEQ_LENS,
+                                 SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS,
+                                 TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN,
+                                 WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING, KvPool, Program,
+                                 StatePool, TensorSpec, WindowedKv, leading_outputs)
+from ..artifact.sharding import TensorParallel, mesh_sharding
 
 
 @dataclass(frozen=True)
@@ -343,7 +343,7 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
     partitioner divides the work when the runtime compiles it for the devices."""
     import jax
 
-    from ..manifest import numpy_dtype
+    from ..artifact.manifest import numpy_dtype
 
     shards = tp.devices if tp is not None else 1
     fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, key_blocks, windowed,

@@ -22,7 +22,7 @@ def code_dtype(quant: str) -> str:
 
 def quantize_rows(w: np.ndarray, quant: str) -> tuple[np.ndarray, np.ndarray]:
     """(codes [out, in], scale [out] f32) of a weight in [out, in] layout."""
-    from ..manifest import numpy_dtype
+    from ..artifact.manifest import numpy_dtype
 
     dtype, top = QUANT_FORMATS[quant]
     w = np.asarray(w, dtype=np.float32)

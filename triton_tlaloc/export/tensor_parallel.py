@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from .checkpoint import DecoderConfig
-from ..sharding import Segment, Split, TensorParallel, single_split
+from ..artifact.sharding import Segment, Split, TensorParallel, single_split
 
 
 class TensorParallelError(ValueError):

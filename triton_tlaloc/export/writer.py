@@ -27,9 +27,10 @@ from .decoder import (STACKED, WeightSlot, entry_program, kv_pools, loops_layers
                       state_pools, unstacked_slot, weight_slots)
 from . import tensor_parallel
 from .quant import QUANT_FORMATS, quantize_rows
-from ..manifest import (DECODE, MANIFEST_NAME, PREFILL, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, VERIFY,
-                       Entry, LinearState, WeightFile, WindowedKv, load_artifact, numpy_dtype)
-from ..sharding import TensorParallel
+from ..artifact.loading import load_artifact
+from ..artifact.manifest import (DECODE, MANIFEST_NAME, PREFILL, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
+                                 VERIFY, Entry, LinearState, WeightFile, WindowedKv, numpy_dtype)
+from ..artifact.sharding import TensorParallel
 
 WEIGHT_DTYPES = ("f32", "bf16")
 WEIGHT_QUANTS = tuple(QUANT_FORMATS)  # int8, fp8

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codes import GRPC_STATUS, split_coded_message
-from ..outputs import checked_cache_salt
-from .drafting import prompt_lookup
+from ..triton.outputs import checked_cache_salt
+from ..generation.drafting import prompt_lookup
 
 
 class InferError(RuntimeError):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..manifest import ArtifactError, numpy_dtype
+from ..artifact.manifest import ArtifactError, numpy_dtype
 
 BOUNDED_MANIFEST = "tlaloc-bounded.json"
 SCHEMA_BOUNDED_V1 = "tlaloc-bounded-v1"
@@ -89,7 +89,7 @@ def export_bounded(fn, inputs: list[TensorShape], bounds: dict[str, int], out: s
     sliced, the result the same inputs give at their exact size (within rtol of the largest
     value); a function that reads its padding is refused by name. 64-bit inputs are lowered
     with JAX's x64 mode on (it truncates them to 32 bits otherwise)."""
-    from ..pjrt import x64_mode
+    from ..runtime.pjrt import x64_mode
 
     wide = any(numpy_dtype(s.dtype).itemsize == 8 for s in inputs)
     with x64_mode(wide):
@@ -168,7 +168,7 @@ def _export_bounded(fn, inputs, bounds, out: Path, buckets, check_lengths, rtol,
 def _output_shapes(results, bounds, at) -> list[TensorShape]:
     """Each output's dims at the largest buckets `at`: an axis of a bound's size is that
     bound's, sliced to the valid length at run time."""
-    from ..manifest import dtype_name
+    from ..artifact.manifest import dtype_name
 
     outs = []
     for i, r in enumerate(results):
@@ -263,7 +263,7 @@ class BoundedRuntime:
 
     def __init__(self, artifact: str | os.PathLike | BoundedArtifact, platform: str = "cpu",
                  cache_dir: Path | None = None, device_index: int = 0):
-        from ..pjrt import PjrtDevice, compile_cached, default_cache_dir
+        from ..runtime.pjrt import PjrtDevice, compile_cached, default_cache_dir
 
         self.art = artifact if isinstance(artifact, BoundedArtifact) else load_bounded(artifact)
         self.device = PjrtDevice(platform, device_index)

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..manifest import numpy_dtype
-from ..stablehlo import ProgramError, Signature, TensorType, read_signature, specialize
+from ..artifact.manifest import numpy_dtype
+from ..artifact.stablehlo import ProgramError, Signature, TensorType, read_signature, specialize
 
 log = logging.getLogger("triton_tlaloc.programs.generic")
 
@@ -191,7 +191,7 @@ class ProgramRuntime:
     def __init__(self, program: str | Path, arguments: list[Binding], results: list[Binding], *,
                  platform: str = "cpu", device_index: int = 0, weights_root: Path | None = None,
                  donate_state: bool = True, cache_dir: Path | None = None):
-        from ..pjrt import PjrtDevice, default_cache_dir
+        from ..runtime.pjrt import PjrtDevice, default_cache_dir
 
         self.program = Path(program)
         self.text = self.program.read_text()
@@ -253,7 +253,7 @@ class ProgramRuntime:
         return None
 
     def executable(self, shapes: tuple):
-        from ..pjrt import compile_cached
+        from ..runtime.pjrt import compile_cached
 
         with self._lock:
             exe = self.executables.get(shapes)
@@ -381,7 +381,7 @@ def export_program(fn, inputs: list, out: str | Path, donate: tuple[str, ...] = 
     import jax
     from jax import export
 
-    from ..pjrt import x64_mode
+    from ..runtime.pjrt import x64_mode
 
     names = list(dict.fromkeys(d for s in inputs for d in s.dims if isinstance(d, str)))
     symbols = dict(zip(names, export.symbolic_shape(", ".join(names)))) if names else {}

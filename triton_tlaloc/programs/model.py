@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..backend import error_response, model_settings, parse_bool, setup_logging
-from ..metrics import MetricsWriter
+from ..triton.backend import error_response, model_settings, parse_bool, setup_logging
+from ..triton.metrics import MetricsWriter
 from .bounded import BoundedError, BoundedRuntime
 from .generic import (ARGUMENT_KINDS, RESULT_KINDS, ProgramError, ProgramRuntime, parse_bindings,
                       run_batch)

@@ -1,0 +1,1 @@
+"""The artifact: its format and loader, StableHLO readers, tensor parallelism as recorded."""

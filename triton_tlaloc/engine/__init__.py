@@ -1,0 +1,1 @@
+"""The engine: entries chosen, prefill, decode and verify calls, step inputs."""

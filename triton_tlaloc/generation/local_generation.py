@@ -1,0 +1,243 @@
+"""Generations run inside the sequence model's process
+(docs/design.md#generation-inside-the-engine).
+
+The generate model sends each generation here over the local link (generation/generation_link.py)
+instead of making a BLS call per token. Each generation is a sequence of the batcher's with a key no
+Triton client can send (`LocalSequenceId`). Its reply function runs on the batching thread:
+it chooses the next token from the call's logits (greedy, or `Sampler` with the request's
+parameters), and queues the sequence's next step at once, so that the next round finds the whole
+cohort queued and never waits for it. The tokens chosen in a round go back to the generate
+model in one frame, written by the connection's writer thread when the round ends.
+
+Token-level ends are decided here (an end-of-sequence or stop token id, max_tokens, the largest
+context); text-level ones (stop strings) by the generate model, which holds the tokenizer and
+cancels the generation. Every generation ends with one event carrying its finish reason, and
+its sequence is ENDed (kept for a next turn as a client's would be).
+
+Pure Python over a batcher-like object (`submit_group`): no Triton import here, tested with a
+fake batcher (tests/unit/test_local_generation.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from ..scheduling.admission import Reply, Request
+from ..codes import INTERNAL, RequestError
+from .sampling import Sampler, SamplingError, SamplingParams
+from .speculative import DraftModelCost, Speculator, StepCost, sampled_acceptance
+from .generation_link import LinkError
+
+if TYPE_CHECKING:
+    from .draft_model import DraftClients, ModelDrafter
+
+log = logging.getLogger("triton_tlaloc.local_generation")
+
+NO_TOKEN = -1
+
+
+class LocalSequenceId:
+    """The batcher's key of a local generation's sequence: compared by identity, so no
+    correlation id a client sends (an integer or a string) can equal it."""
+
+    __slots__ = ("number",)
+
+    def __init__(self, number: int):
+        self.number = number
+
+    def __repr__(self) -> str:
+        return f"local-{self.number}"
+
+
+_numbers = itertools.count(1)
+
+
+class Generation:
+    """One generation: its sequence, its sampler, what it generated so far, and whether its
+    generate model cancelled it. `emit(event)` hands an event to the connection's outbox;
+    `submit(requests)` queues its next requests for the batcher."""
+
+    def __init__(self, gen_id: int, prompt: list[int], params: SamplingParams, stops: set[int],
+                 max_context: int, emit: Callable[[list], None],
+                 submit: Callable[[list[Request]], None],
+                 speculation: "Speculation | None" = None, draft_model: str = "",
+                 submit_now: Callable[[list[Request]], None] | None = None):
+        """`submit` queues the next step when the round ends (from the batching thread);
+        `submit_now` hands it to the batcher at once (from another thread: a draft model's
+        drafts arriving); `draft_model` names the model a draft_model speculation drafts with."""
+        assert prompt, "a generation needs a prompt"
+        self.gen_id, self.prompt, self.params = gen_id, prompt, params
+        self.stops, self.max_context = stops, max_context
+        self.emit, self.submit, self.submit_now = emit, submit, submit_now or submit
+        self.sampler = Sampler(params)
+        self.seq_id = LocalSequenceId(next(_numbers))
+        self.generated = 0
+        self.cancelled = False  # set by the link's reader thread, read by the batching thread
+        self.finished = False
+        self.speculator = self.drafter = None
+        if params.speculative is not None:
+            speculation = speculation or Speculation()
+            if speculation.refused:
+                raise SamplingError(f"sampling parameter speculative: {speculation.refused}")
+            cost = speculation.cost
+            if params.speculative.method == "draft_model":
+                self.drafter = speculation.model_drafter(draft_model, prompt, params.cache_salt)
+                cost = DraftModelCost(cost or StepCost(), lambda: self.drafter.seconds_per_draft)
+            self.speculator = Speculator(params.speculative, prompt, speculation.most_drafts,
+                                         cost)
+
+    @property
+    def length(self) -> int:
+        """The prompt and the tokens generated so far."""
+        return len(self.prompt) + self.generated
+
+    def start_request(self) -> Request:
+        return Request(seq_id=self.seq_id, tokens=list(self.prompt), start=True, end=False,
+                       reply_fn=self.on_reply, cache_salt=self.params.cache_salt)
+
+    def on_reply(self, reply: Reply) -> None:
+        """The batcher answered a step (on its thread): choose, emit, queue the next step. Any
+        failure on the way ends the generation with one error event and ENDs its sequence:
+        a generation never goes unanswered, nor its sequence held."""
+        if self.finished:  # a reply after the end (its END is queued): nothing to answer
+            log.warning("%s: a reply after the generation ended", self.seq_id)
+            return
+        try:
+            self._on_reply(reply)
+        except Exception as e:
+            log.exception("%s: choosing its next token failed", self.seq_id)
+            if not self.finished:
+                self._finish(NO_TOKEN, "error", INTERNAL,
+                             f"generation {self.gen_id}: {type(e).__name__}: {e}")
+
+    def _on_reply(self, reply: Reply) -> None:
+        if reply.error is not None:
+            self._finish(NO_TOKEN, "error", reply.code or INTERNAL, reply.error)
+            return
+        if self.cancelled:
+            self._finish(NO_TOKEN, "cancelled")
+            return
+        if reply.accepted_ids is not None:  # a verify call's: the drafts that stood, then one
+            tokens = reply.accepted_ids
+        elif self.params.greedy:
+            tokens = [int(np.argmax(reply.logits))]
+        else:
+            tokens = [self.sampler.choose(reply.logits)]
+        if self.speculator is not None:
+            self.speculator.took(tokens)
+        if self.drafter is not None:
+            self.drafter.took(tokens)
+        for token in tokens:
+            if token in self.stops:  # not part of the text
+                self._finish(NO_TOKEN, "stop")
+                return
+            self.generated += 1
+            if self.generated >= self.params.max_tokens or self.length >= self.max_context:
+                self._finish(token, "length")  # the next token would pass a limit
+                return
+            self.emit([self.gen_id, token, None])
+        token = tokens[-1]
+        if self.drafter is None:
+            self.submit([self._next_step(token)])
+            return
+        k = 0 if self.drafter.failed else self.speculator.count(self._room())
+        if k == 0:
+            self.submit([self._step(token, [])])
+            return
+        self.drafter.ask(k, lambda drafts: self.submit_now(
+            [self._step(token, self.speculator.sending(drafts[:k]))]))
+
+    def _room(self) -> int:
+        """The most drafts the next step may carry: room for them and the token after them
+        within max_tokens and the largest context."""
+        return min(self.max_context - self.length, self.params.max_tokens - self.generated) - 1
+
+    def _next_step(self, token: int) -> Request:
+        """The request that feeds `token`: with prompt lookup's drafts after it when the
+        generation speculates and the lookup finds some, a verify request."""
+        drafts = []
+        if self.speculator is not None:
+            drafts = self.speculator.drafts(self._room())
+        return self._step(token, drafts)
+
+    def _step(self, token: int, drafts: list[int]) -> Request:
+        if not drafts:
+            return Request(seq_id=self.seq_id, tokens=[token], start=False, end=False,
+                           reply_fn=self.on_reply)
+        return Request(seq_id=self.seq_id, tokens=[token] + drafts, start=False, end=False,
+                       reply_fn=self.on_reply, draft_tokens=len(drafts), want_logits=False,
+                       acceptor=(None if self.params.greedy else
+                                 functools.partial(sampled_acceptance, self.sampler)))
+
+    def _finish(self, token: int, reason: str, code: str | None = None,
+                message: str | None = None) -> None:
+        self.finished = True
+        if self.drafter is not None:
+            self.drafter.close()
+        self.emit([self.gen_id, token, reason] + ([code, message] if code else []))
+        # END frees the sequence's hold (kept for a next turn while pages allow); an END for a
+        # sequence already gone (its START refused) is acknowledged.
+        self.submit([end_request(self.seq_id)])
+
+
+def end_request(seq_id: LocalSequenceId) -> Request:
+    """The END of a local sequence, its reply ignored."""
+    return Request(seq_id=seq_id, tokens=[], start=False, end=True, reply_fn=_ignore)
+
+
+def _ignore(reply: Reply) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What the sequence model can verify: the most drafts a step can carry, or why it
+    verifies none (a generation asking for speculation is then refused with that reason)."""
+
+    most_drafts: int = 0
+    refused: str | None = "the sequence model verifies no drafts"
+    cost: StepCost | None = None
+    vocab: int = 0  # the model's (a draft model must have the same)
+    rewinds: bool = False  # whether its sequences can be cut back (it can be a draft model)
+    drafters: "DraftClients | None" = None  # where draft models are reached (draft_model.py)
+
+    def model_drafter(self, name: str, prompt: list[int], salt: str | None) -> "ModelDrafter":
+        """A generation's drafter on draft model `name`, or SamplingError naming why none."""
+        why = "sampling parameter speculative.method draft_model"
+        if not name:
+            raise SamplingError(f"{why}: the generate model names no draft model (its "
+                                f"draft_model parameter: tlaloc repository --draft-model)")
+        if self.drafters is None:
+            raise SamplingError(f"{why}: this sequence model reaches no draft model")
+        try:
+            return self.drafters.drafter(name, prompt, self.vocab, salt)
+        except LinkError as e:
+            raise SamplingError(f"{why}: {e}") from None
+
+    @staticmethod
+    def of(engine, entry_seconds: dict[str, float] | None = None) -> "Speculation":
+        """What `engine` can verify; `entry_seconds`, each entry's recent call time (the
+        batcher's stats), weighs a verify call against a decode call."""
+        vocab, rewinds = engine.art.model.vocab, engine.blocks.rewinds
+        try:
+            engine.verifier.check_speculation()
+        except RequestError as e:
+            return Speculation(0, str(e), vocab=vocab, rewinds=rewinds)
+        entries = engine.art.entries
+
+        def seconds(kind: str, tokens: int) -> float | None:
+            times = [s for name, s in list((entry_seconds or {}).items())
+                     if (e := entries.get(name)) is not None and e.kind == kind
+                     and e.tokens_per_seq == tokens]
+            return sum(times) / len(times) if times else None
+        return Speculation(engine.verifier.most_drafts(), None,
+                           StepCost(engine.art.verify_tokens, seconds), vocab, rewinds)
+
+
+__all__ = ["Generation", "LocalSequenceId", "NO_TOKEN", "Speculation", "end_request"]

@@ -1,0 +1,1 @@
+"""Running an artifact on devices: PJRT, compiling and its cache, the runtime, page transfers."""

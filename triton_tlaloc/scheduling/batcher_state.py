@@ -1,0 +1,66 @@
+"""What the batcher (batcher.py), its admission (scheduling/admission.py) and its room maker
+(scheduling/room.py) share, as one explicit object: the held sequences by id, the requests waiting
+for pages, the ids busy in the round, the jobs held back for a compile, the count of admissions, and
+the engine, host tier, clock and observer they act through. It also owns the two moves all three
+make: releasing a sequence and rolling back an admitted job. Pure Python: no Triton or JAX.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from ..engine.core import Engine
+from ..kv.host_tier import HostTier
+from ..kv.sequence import Sequence
+
+if TYPE_CHECKING:
+    from .admission import Job, Request
+
+
+class BatcherState:
+    def __init__(self, engine: Engine, host: HostTier | None, clock: Callable[[], float],
+                 observe: Callable[..., None]):
+        self.engine = engine
+        self.host = host  # the host tier (None: off)
+        self.clock = clock
+        self.observe = observe  # observe("method", *args): every observer's method
+        self.sequences: dict[int | str, Sequence] = {}  # held, by correlation id
+        self.waiting: list[Request] = []  # requests waiting for pages, oldest first
+        self.retry_waiting = False  # pages were released since they last tried
+        self.busy: set = set()  # ids with a request in the round, queued or waiting
+        # Jobs held back until an entry they need compiles (admitted, their pages reserved)
+        self.held_back: list[Job] = []
+        self.admissions = 0  # STARTs admitted so far (Sequence.admitted)
+        # What room making did in this round's admissions ((what, sequence id): RoundPlan)
+        self.moves: list[tuple[str, object]] = []
+
+    def held_back_ids(self) -> set:
+        """The sequences whose request is held back until an entry compiles."""
+        return {j.seq.seq_id for j in self.held_back}
+
+    def admitted(self, seq: Sequence) -> bool:
+        """Whether `seq` is a held sequence (not a new START's)."""
+        return self.sequences.get(seq.seq_id) is seq
+
+    def release(self, seq: Sequence, ended: bool = False) -> None:
+        """The sequence is no longer held for its id. Ended by its client (END): kept whole
+        for a next turn while pages allow; otherwise (reclaimed, a failed START) freed. A
+        swapped-out sequence's host copy is released."""
+        if self.sequences.get(seq.seq_id) is seq:
+            del self.sequences[seq.seq_id]
+        self.retry_waiting = True
+        if seq.swapped is not None:
+            self.host.drop(seq)
+        if ended:
+            self.engine.finish(seq)
+        else:
+            self.engine.free(seq)
+
+    def roll_back(self, job: Job) -> bool:
+        """Undo an admitted job whose call failed or was preempted (Engine.rollback); a
+        sequence that was dropped is dropped again. False: its state cannot be rewound."""
+        kept = self.engine.rollback(job.seq, job.num_tokens, job.num_pages, job.num_ring,
+                                    job.had_state_slot)
+        if job.was_dropped and kept:
+            self.engine.drop(job.seq)
+        return kept

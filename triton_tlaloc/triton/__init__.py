@@ -1,0 +1,1 @@
+"""Glue to Triton's Python backend: settings, metrics, replies, the generate model, the server."""
