@@ -7,6 +7,10 @@ from triton_tlaloc.cli import main
 from triton_tlaloc.runtime.kv_transfer import PageTransfer, transfer_buckets
 from triton_tlaloc.runtime.core import Runtime
 
+# Two entries (decode and prefill at batch 1, context 32): what a cache holds does not depend on
+# how many entries there are, and each costs a compile.
+TWO_ENTRIES = dict(batch_ladder=(1,), context_ladder=(32,))
+
 
 def test_tlaloc_compile_fills_the_cache_a_runtime_then_loads_everything_from(tiny, tmp_path,
                                                                               capsys):
@@ -31,7 +35,8 @@ def test_a_cache_filled_for_another_artifact_serves_nothing(tiny, tmp_path):
     """Negative control: the runtime's cache hits come from what `tlaloc compile` wrote for
     this artifact's programs, not from any cache file."""
     cache = tmp_path / "cache"
-    assert main(["compile", str(tiny.artifact("qwen3", True)), "--compile-cache-dir",
-                 str(cache), "--workers", "1"]) == 0
-    rt = Runtime(tiny.artifact("llama", False), cache_dir=cache, first_use=False)
+    assert main(["compile", str(tiny.artifact("qwen3", True, **TWO_ENTRIES)),
+                 "--compile-cache-dir", str(cache), "--workers", "1"]) == 0
+    rt = Runtime(tiny.artifact("llama", False, **TWO_ENTRIES), cache_dir=cache, first_use=False)
     assert rt.compile_stats.cache_hits == 0 and rt.compile_stats.compiled == len(rt.executables)
+    assert len(rt.executables) == 2

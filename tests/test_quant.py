@@ -13,7 +13,8 @@ import pytest
 from checks.oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
                            reference_greedy)
 
-from triton_tlaloc.export.checkpoint import CheckpointError, _read_safetensor, open_checkpoint
+from triton_tlaloc.export.checkpoint import _read_safetensor, open_checkpoint
+from triton_tlaloc.export.config import CheckpointError
 from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.artifact.loading import load_artifact

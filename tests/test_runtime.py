@@ -11,6 +11,10 @@ import pytest
 from triton_tlaloc.runtime.core import FIRST_USE_ENV, Runtime, StepInputError
 from triton_tlaloc.engine.steps import Row, build_step
 
+# Two entries (decode and prefill at batch 1, context 32): the compile cache keeps each entry
+# alike, and each costs a compile.
+TWO_ENTRIES = dict(batch_ladder=(1,), context_ladder=(32,))
+
 
 def test_runtime_checks_shape_and_dtype_that_pjrt_does_not(tiny):
     art = tiny.artifact("llama", False)
@@ -28,7 +32,7 @@ def test_runtime_checks_shape_and_dtype_that_pjrt_does_not(tiny):
 
 
 def test_second_load_comes_from_the_compile_cache(tiny, tmp_path):
-    art = tiny.artifact("qwen3", True)
+    art = tiny.artifact("qwen3", True, **TWO_ENTRIES)
     first = Runtime(art, cache_dir=tmp_path, first_use=False)
     n = len(first.artifact.entries)
     assert (first.compile_stats.compiled, first.compile_stats.cache_hits) == (n, 0)
@@ -47,7 +51,7 @@ def test_a_damaged_compile_cache_file_is_a_logged_miss_never_a_load(tiny, tmp_pa
     refused by its checksum, compiled again and rewritten; results are as before."""
     from triton_tlaloc.runtime.pjrt import unframed
 
-    art = tiny.artifact("qwen3", True)
+    art = tiny.artifact("qwen3", True, **TWO_ENTRIES)
     first = Runtime(art, cache_dir=tmp_path, first_use=False)
     n = len(first.artifact.entries)
     files = sorted(tmp_path.glob("*.pjrt"))
@@ -73,10 +77,12 @@ def test_a_damaged_compile_cache_file_is_a_logged_miss_never_a_load(tiny, tmp_pa
 def test_no_entry_copies_its_pools(tiny):
     """An entry's temporary memory must not grow with the pools: a pool copied inside the
     program (XLA turns a one-index scatter into a dynamic-update-slice on a copy) would add a
-    pool's bytes per layer. Same model, 33 and 2049 pages: the same temp bytes per entry."""
+    pool's bytes per layer. Same model, 33 and 2049 pages: the same temp bytes per entry (at
+    batch 1: every kind of entry, whole and chunked prefills)."""
     temps = {}
     for pages in (33, 2049):
-        rt = Runtime(tiny.artifact("llama", False, num_blocks=pages), first_use=False)
+        rt = Runtime(tiny.artifact("llama", False, num_blocks=pages, batch_ladder=(1,)),
+                     first_use=False)
         temps[pages] = {name: ex.get_compiled_memory_stats().temp_size_in_bytes
                         for name, ex in rt.executables.items()}
         pool_bytes = rt.pool_bytes // len(rt.pools)
@@ -90,7 +96,7 @@ def test_a_runtime_that_compiles_on_first_use_runs_as_one_that_compiled_everythi
     """Nothing is compiled at load; a call compiles its entry and gives the logits of a runtime
     that compiled every entry. Negative control: an entry the artifact lacks is refused."""
     assert os.environ.get(FIRST_USE_ENV) == "1", "the tests' runtimes compile on first use"
-    art = tiny.artifact("llama", False)
+    art = tiny.artifact("llama", False, **TWO_ENTRIES)
     lazy, full = Runtime(art), Runtime(art, first_use=False)
     assert len(lazy.executables) == 0 and "decode_b1_c32" in lazy.executables
     assert len(full.executables) == len(full.artifact.entries)

@@ -19,7 +19,7 @@ from checks.oracle import logits_error
 
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.export import tensor_parallel
-from triton_tlaloc.export.writer import ExportError
+from triton_tlaloc.export.options import ExportError
 from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.artifact.manifest import ArtifactError, numpy_dtype

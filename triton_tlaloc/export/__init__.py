@@ -1,12 +1,14 @@
 """The exporter: a checkpoint in, a Tlaloc serving artifact out (docs/architecture.md#export).
 
+    config.py            a checkpoint's config as a DecoderConfig; the families
     checkpoint.py        Hugging Face and GGUF checkpoints read into a DecoderConfig and tensors
     decoder.py           weight slots, pools, entry signatures; make_entry_fn strings the layers
     layers.py            the decoder graph's parts in JAX: embedding, attention, linear layer, MLP, head
     attention.py         paged attention (one pass and blockwise) and its masks
     linear_attention.py  Gated DeltaNet's conv and delta rule (the qwen3_5 hybrid family)
     quant.py             per-output-channel int8 / fp8 codes and scales
-    writer.py            export options, weight streaming, lowering, the manifest, write-then-rename
+    options.py           ExportOptions and their checks
+    writer.py            weight streaming, lowering, the manifest, write-then-rename
 
 The names below are the exporter's public interface; `bounded` and `program` export JAX
 functions that are not language models (triton_tlaloc.programs).
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .writer import ExportError, ExportOptions, export_artifact
+from .options import ExportError, ExportOptions
+from .writer import export_artifact
 
 __all__ = ["ExportError", "ExportOptions", "export_artifact", "bounded", "program"]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checkpoint import DecoderConfig
+from .config import DecoderConfig
 from .quant import code_dtype
 from ..artifact.manifest import (BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS, SEQ_LENS,
                                  SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS,

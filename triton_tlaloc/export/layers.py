@@ -28,7 +28,7 @@ from jax import lax
 
 from . import linear_attention as la_ops
 from .attention import FP8, FP8_BITS, LayerPool, by_length, one_pass, ring, to_bits
-from .checkpoint import DecoderConfig
+from .config import DecoderConfig
 from ..artifact.manifest import WindowedKv
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .checkpoint import DecoderConfig
+from .config import DecoderConfig
 from ..artifact.sharding import Segment, Split, TensorParallel, single_split
 
 

@@ -1,0 +1,176 @@
+"""What an export makes: ExportOptions (the ladders, dtypes, pools, attention and layer-loop
+choices, every value checked when the options are made) and ExportError, the exporter's refusal."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .config import DecoderConfig
+from . import tensor_parallel
+from .quant import QUANT_FORMATS
+from ..artifact.manifest import DECODE, PREFILL, WindowedKv
+
+WEIGHT_DTYPES = ("f32", "bf16")
+WEIGHT_QUANTS = tuple(QUANT_FORMATS)  # int8, fp8
+KV_DTYPES = {"f32": "f32", "fp8": "f8E4M3FN"}  # --kv-dtype -> the pools' element type
+# The key blocks of blockwise attention, in positions, chosen by scripts/bucket_bench.py on the
+# CPU (docs/performance.md#attention-that-follows-the-sequence): a smaller block reads less of
+# a large bucket the sequence has not filled; a larger one runs fewer loop iterations, which
+# a long sequence's decode step gains from (a call takes the largest block it holds more than
+# two of) and a prefill call did not (a 7,600-token prompt: 53 s with 1,024 against 39 s).
+PREFILL_KEY_BLOCKS = (256,)
+DECODE_KEY_BLOCKS = (256, 1024)
+
+
+class ExportError(ValueError):
+    """Export options or a checkpoint the exporter refuses; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    batch_ladder: tuple[int, ...] = (1, 2, 4)
+    context_ladder: tuple[int, ...] = (64, 256)
+    prefill_max_batch: int | None = None  # None: a prefill entry for every batch of the ladder
+    block_size: int = 16
+    num_blocks: int | None = None  # None: the largest batch at the largest context, plus page 0
+    weight_dtype: str = "f32"
+    # Each layer's linears as int8 or fp8 codes with an f32 scale per output channel (None:
+    # the weight dtype); the embedding, the norms and the head keep the weight dtype.
+    weight_quant: str | None = None
+    # With weight_quant: the head too (a tied table: the embedding gathers the same codes).
+    quant_head: bool = False
+    kv_dtype: str = "f32"  # "fp8": e4m3fn KV pools, a quarter of f32's bytes
+    model_name: str | None = None
+    prefill_chunk: int | None = None  # tokensPerSeq of the prefill entries (None: the context)
+    # Smaller prefill entries below the largest, so a short prompt is not padded to a whole
+    # context: tokensPerSeq values (None: powers of two from 32; () none).
+    prefill_tokens: tuple[int, ...] | None = None
+    # tokensPerSeq of the verify entries (speculative decoding): a sequence's next token and a
+    # draft checked in one call; () none. `tlaloc export` asks for 3, 5 and 9 (drafts of 2, 4
+    # or 8) by default; here none, because they double a small model's entries and what a
+    # runtime compiles. Never for linear-attention models (a state cannot be rewound).
+    verify_tokens: tuple[int, ...] = ()
+    # Key blocks of blockwise attention (docs/design.md#paged-attention): an entry whose
+    # context spans more than one attends a block at a time, up to the block holding its last
+    # live position, so its cost follows what the sequences hold, not the bucket. Prefill
+    # entries use `attention_block`; decode and verify entries `decode_attention_block`: a
+    # block, or several from which each call takes one by the positions it holds.
+    attention_block: int | tuple[int, ...] = PREFILL_KEY_BLOCKS
+    decode_attention_block: int | tuple[int, ...] = DECODE_KEY_BLOCKS
+    windowed_kv: bool | None = None  # None: a windowed pool when the model has sliding layers
+    ring_spare_pages: int = 1  # pages a ring holds beyond one window
+    window_blocks: int | None = None  # pages per windowed pool (None: see `windowed`)
+    ring_pages: int | None = None  # override the ring size (tests: a ring one page short)
+    # Linear-attention state slots (schema v4): sequences that can hold state at once (None:
+    # four times the largest batch).
+    state_slots: int | None = None
+    # Layers run as one loop over weights and pools stacked over the layers, when the model's
+    # layers are alike (decoder.loops_layers); False: unrolled, one set of kernels per layer.
+    layer_loop: bool = True
+    # Devices one instance runs the programs on (docs/design.md#tensor-parallelism): 1, or
+    # the programs are lowered for that many, each weight and pool split Megatron style.
+    tensor_parallel: int = 1
+    # With tensor_parallel: the embedding table and the head split by vocabulary (as vLLM's
+    # are; each device reads 1/N of the head a step, the logits are gathered), or copied
+    # whole on every device (a vocabulary that does not divide always is).
+    replicate_vocab: bool = False
+
+    def validate(self) -> None:
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ExportError(f"--weight-dtype {self.weight_dtype!r}: expected one of "
+                              f"{', '.join(WEIGHT_DTYPES)}")
+        if self.weight_quant is not None and self.weight_quant not in WEIGHT_QUANTS:
+            raise ExportError(f"--weight-quant {self.weight_quant!r}: expected one of "
+                              f"{', '.join(WEIGHT_QUANTS)}")
+        if self.quant_head and self.weight_quant is None:
+            raise ExportError("--quant-head quantizes the head like the linears: it needs "
+                              "--weight-quant int8 or fp8")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ExportError(f"--kv-dtype {self.kv_dtype!r}: expected one of "
+                              f"{', '.join(KV_DTYPES)}")
+        if not self.batch_ladder or min(self.batch_ladder) < 1:
+            raise ExportError(f"--batch-ladder {list(self.batch_ladder)}: batches must be >= 1")
+        if self.block_size < 1:
+            raise ExportError(f"--block-size {self.block_size}: must be >= 1")
+        for c in self.context_ladder:
+            if c < 1 or c % self.block_size:
+                raise ExportError(f"--context-ladder: context {c} is not a positive multiple of "
+                                  f"the block size {self.block_size}")
+        if self.prefill_max_batch is not None and self.prefill_max_batch < 1:
+            raise ExportError("--prefill-max-batch must be >= 1")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ExportError("--prefill-chunk must be >= 1")
+        if self.prefill_tokens is not None and any(t < 1 for t in self.prefill_tokens):
+            raise ExportError(f"--prefill-tokens {list(self.prefill_tokens)}: must be >= 1")
+        if any(t < 2 for t in self.verify_tokens):
+            raise ExportError(f"--verify-tokens {list(self.verify_tokens)}: each must be >= 2 "
+                              f"(the sequence's next token and at least one draft token)")
+        if self.tensor_parallel < 1:
+            raise ExportError(f"--tensor-parallel {self.tensor_parallel}: must be >= 1")
+        if self.state_slots is not None and self.state_slots < 1:
+            raise ExportError(f"--state-slots {self.state_slots}: must be >= 1")
+        for flag, kind in (("--attention-block", PREFILL), ("--decode-attention-block", DECODE)):
+            blocks = self.key_blocks(kind)
+            if not blocks or any(b < 1 or b % self.block_size for b in blocks):
+                raise ExportError(f"{flag} {','.join(map(str, blocks))}: key blocks must be "
+                                  f"positive multiples of the block size {self.block_size}")
+
+    def windowed(self, cfg: DecoderConfig, num_blocks: int) -> WindowedKv | None:
+        """The windowed pool for a model with sliding layers (docs/design.md#the-windowed-pool),
+        or None."""
+        layers = tuple(i for i in range(cfg.num_layers) if cfg.window(i))
+        if not layers or self.windowed_kv is False:
+            return None
+        windows = {cfg.window(i) for i in layers}
+        if len(windows) != 1:
+            raise ExportError(f"sliding layers with different windows {sorted(windows)}: one "
+                              f"windowed pool needs one window")
+        window = windows.pop()
+        bs = self.block_size
+        most = max(self.context_ladder) // bs
+        # One window plus the spare page, or what a chunk written past the window needs.
+        ring = -(-window // bs) + self.ring_spare_pages
+        if self.prefill_chunk:
+            ring = max(ring, -(-(window - 1 + self.prefill_chunk) // bs))
+        ring = min(ring, most) if self.ring_pages is None else self.ring_pages
+        if ring * bs < window:
+            raise ExportError(f"a ring of {ring} pages of {bs} does not hold a window of {window}")
+        if self.window_blocks is not None:
+            blocks = self.window_blocks
+        else:  # as many rings as the full pool holds sequences of the largest context
+            blocks = min(num_blocks, max(1, (num_blocks - 1) // most) * ring + 1)
+        return WindowedKv(window, layers, ring, blocks)
+
+    def tokens_per_seq(self, context: int) -> int:
+        return min(self.prefill_chunk, context) if self.prefill_chunk else context
+
+    def prefill_token_ladder(self, context: int) -> list[int]:
+        """tokensPerSeq of the prefill entries at a context, smallest first. A prompt runs in
+        the smallest that holds it: prefill's work grows with the tokens computed, padding
+        included (SmolLM2 f32: a 40-token prompt took 542 ms in a 256-token entry)."""
+        top = self.tokens_per_seq(context)
+        below = (self.prefill_tokens if self.prefill_tokens is not None
+                 else [2 ** k for k in range(5, top.bit_length())])
+        return sorted({t for t in below if t < top} | {top})
+
+    @property
+    def kv_type(self) -> str:
+        """The KV pools' element type, as StableHLO spells it."""
+        return KV_DTYPES[self.kv_dtype]
+
+    def key_blocks(self, kind: str) -> tuple[int, ...]:
+        """The key blocks of an entry of this kind, ascending: a prefill call's tokens share
+        each block's gathered pages; a decode or verify call's few tokens do not."""
+        blocks = self.attention_block if kind == PREFILL else self.decode_attention_block
+        return tuple(sorted(set(blocks))) if isinstance(blocks, (tuple, list)) else (blocks,)
+
+    def resolved_state_slots(self) -> int:
+        return self.state_slots if self.state_slots is not None else 4 * max(self.batch_ladder)
+
+    def resolved_num_blocks(self) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        # Room for the largest batch at the largest context, plus page 0, which is never given
+        # to a sequence: padding rows' block tables point at it.
+        return max(self.batch_ladder) * max(self.context_ladder) // self.block_size + 1
