@@ -920,7 +920,7 @@ def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0):
         sequence_slots=pages, host_kv_bytes=HOST_PAGES * page_bytes(art, FULL)))
     write_repository(nan_copy(artifact, Path(repo).parent / f"{Path(artifact).name}-nan"),
                      repo, NAN, RepositoryOptions(host_kv_bytes=0))
-    server = TritonServer(repo, exit_timeout_s=3).start()
+    server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     try:
         base, stop_openai = serve_in_thread(
             server.grpc_url, {MODEL: ServedModel.discover(server.grpc_url, MODEL)},

@@ -36,7 +36,7 @@ def served(tiny, work):
     repo = work / "repo-devices"
     write_repository(arts[2], repo, "llama_tp2", RepositoryOptions())
     write_repository(arts[1], repo, "llama_dp2", RepositoryOptions(instances=2))
-    server = TritonServer(repo, exit_timeout_s=3).start()
+    server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server, arts
     server.stop()
 

@@ -40,7 +40,7 @@ def served(tiny, smollm2, work):
     for draft in ("qwen3", "smollm2"):
         write_generate_model(load_artifact(spec), repo, "llama_spec", "local",
                              f"llama_spec_generate_{draft}", draft_model=draft)
-    server = TritonServer(repo, exit_timeout_s=3).start()
+    server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server, ArtifactTokenizer(smollm2[1] / "tokenizer")
     server.stop()
 

@@ -33,7 +33,7 @@ def served(tiny, work):
     write_repository(art, repo, "swap_soak", RepositoryOptions(
         **wait, max_sequence_idle_microseconds=SOAK_IDLE_US,
         reclaim_allowance_microseconds=SOAK_ALLOWANCE_US))
-    server = TritonServer(repo, exit_timeout_s=3).start()
+    server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server
     server.stop()
 

@@ -35,7 +35,7 @@ def served(tiny, work):
         write_repository(art, repo, name, RepositoryOptions(
             max_sequence_idle_microseconds=600_000_000,
             host_kv_bytes=0 if name == "qwen35_one_slot" else None))
-    server = TritonServer(repo, exit_timeout_s=3).start()
+    server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server, ckpt
     server.stop()
 

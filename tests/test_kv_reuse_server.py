@@ -31,7 +31,7 @@ def served(tiny, smollm2, work):
         write_repository(art, repo, name, RepositoryOptions())
         write_repository(art, repo, f"{name}_cold", RepositoryOptions(prefix_reuse=False))
     write_repository(small, repo, "pressure", RepositoryOptions(generate_model=False))
-    server = TritonServer(repo, exit_timeout_s=3).start()
+    server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server
     server.stop()
 

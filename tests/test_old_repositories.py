@@ -39,7 +39,7 @@ def test_a_repository_with_the_old_shims_serves_all_three_models(tiny, work):
         assert path.read_text() != shim or name == "llama", "today's shims name new modules"
         path.write_text(shim)
     want = Engine(Runtime(art)).generate_greedy(PROMPT, 6).generated_ids
-    with TritonServer(repo, exit_timeout_s=3) as server:
+    with TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False) as server:
         client = TlalocClient(server.grpc_url, "llama", "grpc")
         assert client.generate_greedy(PROMPT, 6).generated_ids == want
         result = generate(server.grpc_url, "llama_generate", input_ids=PROMPT,

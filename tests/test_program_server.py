@@ -26,7 +26,8 @@ def built(work):
 def served(built, work):
     repo = work / "programs-repo"
     P.write_program_models(built, repo)
-    server = TritonServer(repo, log_path=work / "programs-server.log", exit_timeout_s=3).start()
+    server = TritonServer(repo, log_path=work / "programs-server.log", exit_timeout_s=3).start(
+        wait_compiled=False)
     yield server
     server.stop()
 

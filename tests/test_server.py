@@ -53,7 +53,7 @@ def served(tiny, work):
             host_kv_bytes=0 if name == "small" else None))
     write_repository(arts["llama"], repo, "llama_copied",
                      RepositoryOptions(donate_kv_pools=False))
-    server = TritonServer(repo, exit_timeout_s=3).start()
+    server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server, arts
     server.stop()
 

@@ -23,7 +23,7 @@ def test_a_simulated_model_serves_the_simulated_ids_at_its_step(tiny, work, monk
     write_repository(art, repo, "sim", RepositoryOptions(
         generate_model=False, extra_parameters={"simulate_step_ms": "20"}))
     monkeypatch.setenv(BENCHMARK_ENV, "1")
-    with TritonServer(repo, exit_timeout_s=3) as server:
+    with TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False) as server:
         assert "BENCHMARK MODE" in server.log_text()
         with TlalocClient(server.grpc_url, "sim", "grpc") as c:
             sid, tokens, positions = new_sequence_id(), [5, 9, 13], 3

@@ -315,7 +315,9 @@ class TritonServer:
         return sorted(SHM_DIR.glob(f"{self.shm_prefix}*"))
 
     def __enter__(self) -> "TritonServer":
-        return self.start()
+        """Starts the server with `start`'s defaults, unless it was started already
+        (`with TritonServer(repo).start(wait_compiled=False) as server:`)."""
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
