@@ -1,10 +1,13 @@
-"""A repository written before the package was grouped by concern still serves: its version
-directories hold the shims of that time, which import triton_tlaloc.model,
-triton_tlaloc.generate_model and triton_tlaloc.program_model. Here a sequence model, its generate
-model and a program are written today, their shims replaced by the old ones word for word, and
+"""Repositories written by earlier versions still serve: their version directories hold the
+shims of their time, which import triton_tlaloc.model, triton_tlaloc.generate_model (before the
+package was grouped by concern), triton_tlaloc.frontends.generate_model (before the generate
+model moved to triton/) and triton_tlaloc.program_model. Here a sequence model, two generate
+models and a program are written today, their shims replaced by the old ones word for word, and
 served by a real tritonserver."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
@@ -23,6 +26,8 @@ OLD_SHIMS = {
     "llama": "from triton_tlaloc.model import TritonPythonModel  # noqa: F401\n",
     "llama_generate": "from triton_tlaloc.generate_model import TritonPythonModel  # noqa: F401\n",
     "rows": "from triton_tlaloc.program_model import TritonPythonModel  # noqa: F401\n",
+    "llama_generate_frontends": ("from triton_tlaloc.frontends.generate_model import "
+                                 "TritonPythonModel  # noqa: F401\n"),
 }
 PROMPT = [1, 17, 99, 3, 200, 41, 7, 88]
 
@@ -34,6 +39,11 @@ def test_a_repository_with_the_old_shims_serves_all_three_models(tiny, work):
     write_repository(art, repo, "llama", RepositoryOptions())
     write_program_repository(built["rows"], repo, "rows", ProgramOptions(
         arguments="input:X,weight:scale.bin", results="output:Y", max_batch_size=4))
+    # A second generate model of the same sequence model, as the frontends/ layout wrote it
+    shutil.copytree(repo / "llama_generate", repo / "llama_generate_frontends", symlinks=True)
+    config = repo / "llama_generate_frontends" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "llama_generate"',
+                                                 'name: "llama_generate_frontends"'))
     for name, shim in OLD_SHIMS.items():
         path = repo / name / "1" / "model.py"
         assert path.read_text() != shim or name == "llama", "today's shims name new modules"
@@ -43,6 +53,9 @@ def test_a_repository_with_the_old_shims_serves_all_three_models(tiny, work):
         client = TlalocClient(server.grpc_url, "llama", "grpc")
         assert client.generate_greedy(PROMPT, 6).generated_ids == want
         result = generate(server.grpc_url, "llama_generate", input_ids=PROMPT,
+                          sampling={"max_tokens": 6, "ignore_eos": True})
+        assert result.token_ids == want
+        result = generate(server.grpc_url, "llama_generate_frontends", input_ids=PROMPT,
                           sampling={"max_tokens": 6, "ignore_eos": True})
         assert result.token_ids == want
         x = np.arange(10, dtype=np.float32).reshape(2, 5)

@@ -6,6 +6,7 @@
     http_doors.py      what `tlaloc openai` lets in: Host, CORS, API key, body size and type, 429
     tokenizer.py       the artifact's tokenizer and chat template
 
-The generate model itself is Triton glue (triton/generate_model.py); sampling, speculation and
-the local loop are generation/.
+The generate model itself is Triton glue (triton/generate_model.py; generate_model.py here is
+the old path repositories written before import); sampling, speculation and the local loop are
+generation/.
 """

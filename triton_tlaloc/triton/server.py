@@ -305,10 +305,27 @@ class TritonServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+        self._end_stubs()
         shutil.rmtree(self._tmp / "backends", ignore_errors=True)
         for region in self.shm_regions():  # left when the exit timeout killed the stubs
             region.unlink(missing_ok=True)
         return self.proc.returncode
+
+    def _end_stubs(self, timeout_s: float = 10.0) -> None:
+        """Wait for the model processes tritonserver leaves behind (its process group) to exit,
+        SIGKILL those still there after `timeout_s`: its shared-memory regions are removed only
+        once none is left to hold them (a loaded CI run saw two regions outlive a stop)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return  # no process of the group is left
+            if time.monotonic() > deadline:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                time.sleep(0.2)
+                return
+            time.sleep(0.1)
 
     def shm_regions(self) -> list[Path]:
         """This server's Python-backend shared-memory files in /dev/shm."""
