@@ -920,7 +920,9 @@ def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0):
         sequence_slots=pages, host_kv_bytes=HOST_PAGES * page_bytes(art, FULL)))
     write_repository(nan_copy(artifact, Path(repo).parent / f"{Path(artifact).name}-nan"),
                      repo, NAN, RepositoryOptions(host_kv_bytes=0))
-    server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
+    # Every entry compiled first: several cases time what a steady server does (pages freed
+    # within a second of a disconnect), which compiles beside them slowed past their bounds
+    server = TritonServer(repo, exit_timeout_s=3).start()
     try:
         base, stop_openai = serve_in_thread(
             server.grpc_url, {MODEL: ServedModel.discover(server.grpc_url, MODEL)},
