@@ -144,11 +144,12 @@ class Runtime:
             first_use = (entries is None and not background
                          and os.environ.get(FIRST_USE_ENV, "") == "1")
         self.executables: dict[str, object] = (
-            CompiledOnFirstUse(names, self._compile_first_use) if first_use else {})
+            CompiledOnFirstUse(names, self._compile) if first_use else {})
         # background: only what a first request needs now, the rest on compile threads.
         now = [n for n in first_entries(self.artifact) if n in names] if background else names
-        for name in [] if first_use else now or names:
-            self.executables[name] = self._compile(self.artifact.entries[name])
+        if not first_use:
+            for name in now or names:
+                self.executables[name] = self._compile(name)
         self.memory.mark(f"{len(self.executables)} executables")
         self.weights = self._upload_weights()
         self.memory.mark("weights")
@@ -167,23 +168,20 @@ class Runtime:
         elif rest:
             self.compiler = BackgroundCompiler(
                 compile_order(self.artifact, rest),
-                lambda name: self._compile(self.artifact.entries[name]), self._add_executable,
-                compile_workers()).start()
+                self._compile, self._add_executable, compile_workers()).start()
             log.info("%d of %d entries compiled; %d more compile in the background on %d "
                      "threads", len(self.executables), len(names), len(rest),
                      compile_workers())
 
     # ---------------------------------------------------------------- load
 
-    def _compile(self, entry: Entry):
+    def _compile(self, name: str):
+        entry = self.artifact.entries[name]
         text = self.artifact.body_text(entry)
         if not self.donate:
             text = strip_aliasing(text)  # the control: the same program, pools copied
         return compile_cached(self.device, text, f"entry {entry.name}", self.cache_dir,
                               self.use_cache, self.compile_stats)
-
-    def _compile_first_use(self, name: str):
-        return self._compile(self.artifact.entries[name])
 
     def _add_executable(self, name: str, executable) -> None:
         # Its plan first: a call that finds the executable finds its plan.

@@ -97,6 +97,15 @@ def dead_stubs(stubs: list[StubProcess]) -> list[StubProcess]:
     return [s for s in stubs if (stat := _proc_stat(s.pid)) is None or stat[0] in "ZX"]
 
 
+def _end_stubs(stubs: list[StubProcess], timeout_s: float = 10.0) -> None:
+    """Wait, up to `timeout_s`, for the model processes a stopped tritonserver left behind to
+    exit: its shared-memory regions are removed only once none is left to hold them (a loaded
+    CI run saw two regions outlive a stop). A zombie counts as exited (`dead_stubs`)."""
+    deadline = time.monotonic() + timeout_s
+    while len(dead_stubs(stubs)) < len(stubs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 # The APIs a client needs no key for are the rest: health, metadata, inference, model-config,
 # statistics.
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
@@ -297,6 +306,8 @@ class TritonServer:
         passes a short grace.)"""
         if self.proc is None:
             return None
+        # Its model processes, read while it is their parent: they may outlive it a moment
+        stubs = stub_processes(self.proc.pid) if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -305,27 +316,11 @@ class TritonServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
-        self._end_stubs()
+        _end_stubs(stubs)
         shutil.rmtree(self._tmp / "backends", ignore_errors=True)
         for region in self.shm_regions():  # left when the exit timeout killed the stubs
             region.unlink(missing_ok=True)
         return self.proc.returncode
-
-    def _end_stubs(self, timeout_s: float = 10.0) -> None:
-        """Wait for the model processes tritonserver leaves behind (its process group) to exit,
-        SIGKILL those still there after `timeout_s`: its shared-memory regions are removed only
-        once none is left to hold them (a loaded CI run saw two regions outlive a stop)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                os.killpg(self.proc.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                return  # no process of the group is left
-            if time.monotonic() > deadline:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                time.sleep(0.2)
-                return
-            time.sleep(0.1)
 
     def shm_regions(self) -> list[Path]:
         """This server's Python-backend shared-memory files in /dev/shm."""
