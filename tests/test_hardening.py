@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from checks import abuse_cases as A
 from triton_tlaloc.frontends.client import TlalocClient, generate, new_sequence_id
 from triton_tlaloc.repository import RepositoryOptions
-from triton_tlaloc.triton.server import SHM_DIR, free_port
+from triton_tlaloc.triton.server import SHM_DIR, free_port, processes_named
 
 pytestmark = pytest.mark.tritonserver
 
@@ -58,7 +59,6 @@ def test_tlaloc_serve_closes_admin_apis_and_stops_cleanly_with_open_sequences(ti
 
     repo = work / "repo-serve"
     write_repository(tiny.artifact("llama", False), repo, "llama", RepositoryOptions())
-    shm_before = set(os.listdir(SHM_DIR))
     http, grpc, metrics = free_port(), free_port(), free_port()
     env = {**os.environ, "TLALOC_ADMIN_KEY": "sesame"}
     proc = subprocess.Popen([sys.executable, "-m", "triton_tlaloc.cli", "serve", str(repo),
@@ -67,6 +67,9 @@ def test_tlaloc_serve_closes_admin_apis_and_stops_cleanly_with_open_sequences(ti
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert "ready" in proc.stdout.readline()
+        # Only this server's regions: the other workers' servers come and go in /dev/shm
+        regions = f"{shm_prefix_of(proc.pid)}*"
+        assert list(SHM_DIR.glob(regions)), "no shared memory under the server's prefix"
         url = f"127.0.0.1:{http}"
         assert A.triton_post(url, "/v2/logging", {"log_verbose_level": 1}) == 403
         assert A.triton_post(url, "/v2/repository/index", {}) == 403
@@ -81,4 +84,12 @@ def test_tlaloc_serve_closes_admin_apis_and_stops_cleanly_with_open_sequences(ti
             proc.kill()
     err = proc.stderr.read()
     assert rc == 0, err
-    assert set(os.listdir(SHM_DIR)) - shm_before == set(), "shared memory left in /dev/shm"
+    assert list(SHM_DIR.glob(regions)) == [], "shared memory left in /dev/shm"
+
+
+def shm_prefix_of(supervisor: int) -> str:
+    """The shared-memory prefix `tlaloc serve` (pid `supervisor`) gave its tritonserver."""
+    server, = processes_named("tritonserver", parent=supervisor)
+    argv = Path(f"/proc/{server}/cmdline").read_bytes().decode().split("\0")
+    option, = (a for a in argv if "shm-region-prefix-name=" in a)
+    return option.rsplit("=", 1)[1]

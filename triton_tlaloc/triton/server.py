@@ -97,15 +97,6 @@ def dead_stubs(stubs: list[StubProcess]) -> list[StubProcess]:
     return [s for s in stubs if (stat := _proc_stat(s.pid)) is None or stat[0] in "ZX"]
 
 
-def _end_stubs(stubs: list[StubProcess], timeout_s: float = 10.0) -> None:
-    """Wait, up to `timeout_s`, for the model processes a stopped tritonserver left behind to
-    exit: its shared-memory regions are removed only once none is left to hold them (a loaded
-    CI run saw two regions outlive a stop). A zombie counts as exited (`dead_stubs`)."""
-    deadline = time.monotonic() + timeout_s
-    while len(dead_stubs(stubs)) < len(stubs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 # The APIs a client needs no key for are the rest: health, metadata, inference, model-config,
 # statistics.
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
@@ -306,8 +297,6 @@ class TritonServer:
         passes a short grace.)"""
         if self.proc is None:
             return None
-        # Its model processes, read while it is their parent: they may outlive it a moment
-        stubs = stub_processes(self.proc.pid) if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -316,7 +305,6 @@ class TritonServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
-        _end_stubs(stubs)
         shutil.rmtree(self._tmp / "backends", ignore_errors=True)
         for region in self.shm_regions():  # left when the exit timeout killed the stubs
             region.unlink(missing_ok=True)
