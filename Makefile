@@ -29,10 +29,12 @@ $(STAMP_TEST): pyproject.toml | $(BIN)/python
 demo: $(STAMP_DEMO)
 	scripts/demo.sh
 
-# A pytest-xdist worker per core (at most 4): the tests that start a tritonserver run one at a
-# time on one worker, the rest beside them (docs/testing.md says how long each part takes).
+# A pytest-xdist worker per core (at most 4), a group of tests at a time: the tests that start
+# a tritonserver run one at a time on one worker, the rest beside them a module at a time, the
+# longest groups first (tests/conftest.py; docs/testing.md says how long each part takes).
 test: $(STAMP_TEST)
-	$(BIN)/python -m pytest -q -rs --durations=40 -n auto --maxprocesses=4 --dist loadgroup tests
+	$(BIN)/python -m pytest -q -rs --durations=40 -n auto --maxprocesses=4 --dist loadgroup \
+		--no-loadscope-reorder tests
 
 # The pure-Python parts (pages, policy, batcher, engine over a fake runtime, sampling, outputs,
 # metrics) with no JAX, torch or Triton imported: seconds. `make test` runs them too.

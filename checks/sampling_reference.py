@@ -8,10 +8,9 @@ import numpy as np
 from triton_tlaloc.generation.sampling import SamplingParams
 
 
-def reference_choice(logits: np.ndarray, params: SamplingParams,
-                     rng: np.random.Generator) -> int:
+def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Sampling by the book, over the whole vocabulary (the oracle): temperature, top-k (ties
-    kept), top-p over a stable sort of every probability, then Generator.choice."""
+    kept), top-p over a stable sort of every probability; what `reference_choice` draws from."""
     z = logits.astype(np.float64) / params.temperature
     if params.top_k and params.top_k < z.size:
         z = np.where(z >= np.partition(z, -params.top_k)[-params.top_k], z, -np.inf)
@@ -23,6 +22,11 @@ def reference_choice(logits: np.ndarray, params: SamplingParams,
         kept = np.zeros_like(probs)
         kept[keep] = probs[keep]
         probs = kept / kept.sum()
+    return probs
+
+
+def reference_choice(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """A draw from `reference_probs` with Generator.choice."""
     return int(rng.choice(probs.size, p=probs))
 
 

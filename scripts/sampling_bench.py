@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from checks.sampling_reference import logit_rows, reference_choice  # noqa: E402
+from checks.sampling_reference import logit_rows, reference_choice, reference_probs  # noqa: E402
 
 from triton_tlaloc.generation.sampling import Sampler, SamplingParams  # noqa: E402
 
@@ -54,7 +54,7 @@ def main() -> None:
         sampler = Sampler(params)
         rng = np.random.default_rng(0)
         book = (lambda row: int(np.argmax(row))) if params.greedy else (
-            lambda row: reference_choice(row, params, rng))
+            lambda row: reference_choice(reference_probs(row, params), rng))
         timings = {"sampler": [], "book": []}
         for run in range(args.runs + 1):  # run 0 warms up
             for name, choose in (("sampler", sampler.choose), ("book", book)):

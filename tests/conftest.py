@@ -23,13 +23,27 @@ collect_ignore = ["unit", "multi_device"]
 TINY_OPTS = dict(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8)
 
 
+# The groups handed out first (`make test` passes --no-loadscope-reorder, so the workers take
+# groups in collection order): the longest, so that none starts last and runs alone at the end.
+FIRST_GROUPS = ("tritonserver", "tests/test_multi_device_suite.py")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """`make test` runs a pytest-xdist worker per core: the tests that start a tritonserver
-    (marked `tritonserver`) are one group, run one at a time on one worker (a server and its
-    model processes take both cores and memory), while the others run beside them."""
+    """`make test` runs a pytest-xdist worker per core and sends it whole groups: the tests
+    that start a tritonserver (marked `tritonserver`) are one group, run one at a time on one
+    worker (a server and its model processes take both cores and memory), and every other
+    module is a group of its own, so that a module's fixtures (a server, an exported artifact,
+    its compiles) are built once, not once on each worker that gets one of its tests. First
+    of the hooks: pytest-xdist reads the groups in its own hook."""
+    groups = {}
     for item in items:
-        if item.get_closest_marker("tritonserver"):
-            item.add_marker(pytest.mark.xdist_group("tritonserver"))
+        group = ("tritonserver" if item.get_closest_marker("tritonserver")
+                 else item.nodeid.split("::", 1)[0])
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    rank = {g: i for i, g in enumerate(FIRST_GROUPS)}
+    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,17 @@ from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 pytestmark = pytest.mark.tritonserver
 
 PROMPT = [1, 17, 99, 3, 200, 41, 7, 88]
+_GREEDY: dict = {}
+
+
+def greedy(server, model: str, prompt: list[int], steps: int) -> list[int]:
+    """The sequence model's client-side greedy ids, asked once per server (several tests
+    compare with the same ones; SmolLM2's take a second or more each)."""
+    key = (server.grpc_url, model, tuple(prompt), steps)
+    if key not in _GREEDY:
+        with TlalocClient(server.grpc_url, model) as c:
+            _GREEDY[key] = c.generate_greedy(prompt, steps).generated_ids
+    return _GREEDY[key]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +66,7 @@ def test_greedy_generation_equals_the_sequence_models_greedy_ids(served, stream,
     server, tok = served
     prompt = tok.apply_chat_template([{"role": "user", "content": "Write a short poem about "
                                                                   "the sea."}])
-    with TlalocClient(server.grpc_url, "smollm2") as c:
-        want = c.generate_greedy(prompt, 32).generated_ids
+    want = greedy(server, "smollm2", prompt, 32)
     got = generate(server.grpc_url, f"smollm2_generate{loop}", input_ids=prompt,
                    stream=stream, sampling={"max_tokens": 32, "ignore_eos": True})
     assert got.error is None and got.token_ids == want
@@ -110,8 +120,7 @@ def test_cancelling_a_generation_frees_its_pages_and_others_go_on(served, loop):
     tokens before a cancel could reach them."""
     server, _ = served
     model = f"smollm2_generate{loop}"
-    with TlalocClient(server.grpc_url, "smollm2") as c:
-        want = c.generate_greedy(PROMPT, 24).generated_ids
+    want = greedy(server, "smollm2", PROMPT, 24)
     before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
     other = {}
 
@@ -166,21 +175,23 @@ def speculative(k: int, **extra) -> dict:
             "speculative": {"num_draft_tokens": k, **extra}}
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_speculative_generation_gives_the_greedy_ids(served, protocol):
+@pytest.mark.parametrize("protocol, settings", [
+    ("grpc", ((1, False), (2, False), (4, True))), ("http", ((8, False), (8, True)))])
+def test_speculative_generation_gives_the_greedy_ids(served, protocol, settings):
     """SmolLM2 asked to edit code (its answer repeats the prompt, so prompt lookup drafts
-    well): with 1, 2, 4 and 8 drafts a step, fixed or adaptive, the generate model's ids equal
-    the sequence model's greedy ids without drafts, over gRPC and HTTP (Triton's generate
-    extension), and drafts were verified and accepted (the sequence model's counters)."""
+    well): with 1, 2, 4 and 8 drafts a step, fixed or adaptive (shared between the two
+    protocols: the drafting is the server's, the same whichever carries the request), the
+    generate model's ids equal the sequence model's greedy ids without drafts, over gRPC and
+    HTTP (Triton's generate extension), and drafts were verified and accepted (the sequence
+    model's counters)."""
     server, tok = served
     url, send = ((server.grpc_url, generate) if protocol == "grpc" else
                  (server.http_url, generate_http))
     prompt = tok.apply_chat_template([{"role": "user", "content": EDIT}])
     assert len(prompt) + 40 <= 128, len(prompt)
-    with TlalocClient(server.grpc_url, "smollm2") as c:
-        want = c.generate_greedy(prompt, 40).generated_ids
+    want = greedy(server, "smollm2", prompt, 40)
     before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
-    for k, adaptive in ((1, False), (2, False), (4, True), (8, False), (8, True)):
+    for k, adaptive in settings:
         got = send(url, "smollm2_generate", input_ids=prompt,
                    sampling=speculative(k, adaptive=adaptive))
         assert got.error is None and got.token_ids == want, (k, adaptive, got.error)
@@ -202,8 +213,7 @@ def test_speculation_beside_plain_generations_and_in_every_loop(served):
     server, tok = served
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}])
                for c in (EDIT, "Tell me a joke.", "What is 2 + 2?")]
-    with TlalocClient(server.grpc_url, "smollm2") as c:
-        wants = [c.generate_greedy(p, 40).generated_ids for p in prompts]
+    wants = [greedy(server, "smollm2", p, 40) for p in prompts]
     got = [None] * 3
 
     def run(i, sampling):
@@ -243,8 +253,7 @@ def test_drafting_with_a_draft_model_gives_the_greedy_ids(served, protocol):
     server, _ = served
     url, send = ((server.grpc_url, generate) if protocol == "grpc" else
                  (server.http_url, generate_http))
-    with TlalocClient(server.grpc_url, "llama_spec") as c:
-        want = c.generate_greedy(PROMPT, 32).generated_ids
+    want = greedy(server, "llama_spec", PROMPT, 32)
     for model, right in (("llama_spec_generate", True), ("llama_spec_generate_qwen3", False)):
         before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
         for k, adaptive in ((1, False), (2, False), (4, True), (8, False)):
@@ -267,8 +276,7 @@ def test_a_draft_model_beside_plain_generations_sampled_and_refused(served):
     model, and where the draft model has another vocabulary."""
     server, _ = served
     prompts = [PROMPT, PROMPT[2:], PROMPT[:5]]
-    with TlalocClient(server.grpc_url, "llama_spec") as c:
-        wants = [c.generate_greedy(p, 32).generated_ids for p in prompts]
+    wants = [greedy(server, "llama_spec", p, 32) for p in prompts]
     got = [None] * 3
 
     def run(i, model, sampling):

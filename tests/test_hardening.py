@@ -2,7 +2,8 @@
 model, the generate model, `tlaloc openai` and Triton's admin APIs) answered as expected, with
 the server ready and a neighbour sequence's ids equal to its solo run; refused generations
 leave no Triton sequence slot behind; `tlaloc serve` keeps the admin APIs closed, and stops
-with open sequences with exit status 0 and nothing left in /dev/shm."""
+with open sequences with exit status 0, nothing left in /dev/shm and no model process left
+running."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import pytest
 from checks import abuse_cases as A
 from triton_tlaloc.frontends.client import TlalocClient, generate, new_sequence_id
 from triton_tlaloc.repository import RepositoryOptions
-from triton_tlaloc.triton.server import SHM_DIR, free_port, processes_named
+from triton_tlaloc.triton.server import (SHM_DIR, free_port, processes_named,
+                                         stubs_with_prefix)
 
 pytestmark = pytest.mark.tritonserver
 
@@ -85,6 +87,7 @@ def test_tlaloc_serve_closes_admin_apis_and_stops_cleanly_with_open_sequences(ti
     err = proc.stderr.read()
     assert rc == 0, err
     assert list(SHM_DIR.glob(regions)) == [], "shared memory left in /dev/shm"
+    assert stubs_with_prefix(regions[:-1]) == [], "a model process outlived the server"
 
 
 def shm_prefix_of(supervisor: int) -> str:

@@ -105,3 +105,48 @@ def test_a_runtime_that_compiles_on_first_use_runs_as_one_that_compiled_everythi
     assert set(dict(lazy.executables.items())) == {"prefill_b1_c32"}
     with pytest.raises(StepInputError, match="entry decode_b9_c32 was not compiled"):
         lazy.run("decode_b9_c32", step)
+
+
+ADD_ONE = """module @add_one {
+  func.func public @main(%x: tensor<4xf32>) -> tensor<4xf32> {
+    %one = stablehlo.constant dense<1.0> : tensor<4xf32>
+    %y = stablehlo.add %x, %one : tensor<4xf32>
+    return %y : tensor<4xf32>
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("locked", [True, False], ids=["locked", "control: no lock"])
+def test_a_program_wanted_at_once_by_two_compilers_is_compiled_once(tmp_path, monkeypatch,
+                                                                    locked):
+    """Two compilers (a model's instances are processes; flock holds between two threads'
+    own opens of the file as between processes) want the same program at the same moment,
+    each compile taking 0.5 s: one compiles it, the other waits and loads it. Control: with the
+    lock a no-op, both compile it."""
+    import fcntl
+    import threading
+    import time
+
+    from triton_tlaloc.runtime import pjrt
+
+    device = pjrt.PjrtDevice("cpu", 0)
+    real_compile = device.compile
+
+    def slow_compile(text):
+        time.sleep(0.5)
+        return real_compile(text)
+    monkeypatch.setattr(device, "compile", slow_compile)
+    if not locked:
+        monkeypatch.setattr(fcntl, "flock", lambda *a: None)
+    stats, start = pjrt.CompileStats(), threading.Barrier(2)
+
+    def want():
+        start.wait()
+        pjrt.compile_cached(device, ADD_ONE, "add_one", tmp_path, stats=stats)
+    threads = [threading.Thread(target=want) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (stats.compiled, stats.cache_hits) == ((1, 1) if locked else (2, 0))

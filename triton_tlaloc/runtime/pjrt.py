@@ -10,6 +10,7 @@ differences between jax 0.7 and newer releases.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -228,11 +229,29 @@ def compile_cached(device: PjrtDevice, text: str, what: str, cache_dir: Path,
     """An executable for StableHLO text: from the compile cache when it holds one for this text
     and platform whose checksum matches, else compiled (and stored, written to a temporary name
     then renamed so a concurrent reader never sees half a file). A file that fails its checksum
-    or does not load is a logged cache miss, replaced by the new compile."""
+    or does not load is a logged cache miss, replaced by the new compile.
+
+    Processes sharing the cache compile a program once: the first to want it holds a lock on
+    its key (flock, released by the kernel if the process dies) while it compiles, and the
+    others wait, then load it (a model's instances, each a process, start on the same entries
+    at the same moment and used to compile each one once apiece)."""
     key = hashlib.sha256(f"{hashlib.sha256(text.encode()).hexdigest()}|"
                          f"{device.cache_identity}".encode()).hexdigest()
     cached = cache_dir / f"{key}.pjrt"
     stats = stats if stats is not None else CompileStats()
+    if not use_cache:
+        return _load_or_compile(device, text, what, cached, False, stats)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f"{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _load_or_compile(device, text, what, cached, True, stats)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _load_or_compile(device, text: str, what: str, cached: Path, use_cache: bool,
+                     stats: CompileStats):
     t0 = time.perf_counter()
     if use_cache and cached.is_file():
         try:
@@ -249,7 +268,6 @@ def compile_cached(device: PjrtDevice, text: str, what: str, cache_dir: Path,
     stats.add(compiled=1, seconds=time.perf_counter() - t0)
     log.info("%s: compiled in %.2f s", what, time.perf_counter() - t0)
     if use_cache:
-        cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(framed(device.serialize(exe)))
         tmp.replace(cached)

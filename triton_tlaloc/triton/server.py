@@ -15,7 +15,8 @@
   so nobody has it). Health, metadata, inference, model configuration and statistics stay open.
 - The Python backend's shared-memory regions get a prefix of this server's own, so that what a
   server stopped at its exit timeout leaves in /dev/shm (its stubs are killed, not unloaded)
-  is removed once it has exited.
+  is removed once it has exited, and a stub still running a few seconds after it (one can
+  deadlock in its own teardown) is killed.
 - Each model instance runs in a process of its own (the Python backend's stub, a child of
   tritonserver). Triton 2.51 never notices a stub that died: the model stays ready, its
   in-flight requests are never answered and new ones fail. `stub_processes` and `dead_stubs`
@@ -24,6 +25,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
@@ -38,6 +40,9 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+
+log = logging.getLogger("triton_tlaloc.server")
 
 
 class ServerError(RuntimeError):
@@ -90,6 +95,32 @@ def stub_processes(parent: int) -> list[StubProcess]:
     return [StubProcess(pid, Path(argv[1]).parent.parent.name)
             for pid, ppid, argv in _processes()
             if ppid == parent and Path(argv[0]).name == STUB_NAME and len(argv) > 1]
+
+
+def stubs_with_prefix(prefix: str) -> list[int]:
+    """The live (not zombie) stubs whose arguments hold the shared-memory prefix `prefix`: a
+    stopped server's, whoever their parent is now."""
+    return [pid for pid, _, argv in _processes()
+            if Path(argv[0]).name == STUB_NAME and any(prefix in a for a in argv[1:])
+            and (_proc_stat(pid) or "Z")[0] not in "ZX"]
+
+
+def end_stubs(prefix: str, grace_s: float = 5.0) -> int:
+    """Kill the stubs under `prefix` (a stopped server's) that have not exited `grace_s` from
+    now; how many were killed. A stub whose tritonserver exited at its exit timeout can
+    deadlock in its own teardown and sleep for good, holding its model's memory (Triton 2.51,
+    seen in test runs: its health thread, seeing the parent gone, blocks on a lock in the
+    stub's teardown while the main thread waits for a message from the parent). Found by the
+    prefix in their arguments, so no other process is hit."""
+    deadline = time.monotonic() + grace_s
+    while (left := stubs_with_prefix(prefix)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(left)
 
 
 def dead_stubs(stubs: list[StubProcess]) -> list[StubProcess]:
@@ -305,6 +336,9 @@ class TritonServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+        if killed := end_stubs(self.shm_prefix):
+            log.warning("killed %d model process(es) still running after tritonserver exited",
+                        killed)
         shutil.rmtree(self._tmp / "backends", ignore_errors=True)
         for region in self.shm_regions():  # left when the exit timeout killed the stubs
             region.unlink(missing_ok=True)
