@@ -10,8 +10,7 @@ import numpy as np
 
 from triton_tlaloc.batcher import Batcher, Reply, Request
 from triton_tlaloc.engine.core import Engine
-from triton_tlaloc.kv.host_tier import HostTier
-from triton_tlaloc.runtime.kv_transfer import HostPages
+from triton_tlaloc.kv.host_tier import HostPages, HostTier
 from triton_tlaloc.generation.local_generation import Generation
 from triton_tlaloc.kv.page_pools import FULL, STATE, WINDOWED
 from triton_tlaloc.artifact.manifest import (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Artifact, Entry,

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from triton_tlaloc.triton.metrics import CallTiming  # noqa: E402
+from triton_tlaloc.scheduling.observer import CallTiming  # noqa: E402
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, metric,  # noqa: E402
                                   new_sequence_id, scrape_metrics)
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, metric,  # noqa: E402
                                             new_sequence_id, scrape_metrics)
-from triton_tlaloc.triton.metrics import CallTiming  # noqa: E402
+from triton_tlaloc.scheduling.observer import CallTiming  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.triton.server import TritonServer  # noqa: E402
 

@@ -240,7 +240,7 @@ def test_a_later_request_with_several_tokens_is_a_prefill_continuation(batcher, 
 def test_timing_log_accounts_for_each_call(runtime, tmp_path):
     """The step profile's source: one CallTiming per call, its phases adding up to its total,
     the executable's time taken from the runtime, and one JSON line each in the timing log."""
-    from triton_tlaloc.triton.metrics import CallTiming, Observer, TimingLog
+    from triton_tlaloc.scheduling.observer import CallTiming, Observer, TimingLog
 
     class Keep(Observer):
         def __init__(self):

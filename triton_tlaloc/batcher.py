@@ -45,8 +45,8 @@ from .codes import INTERNAL, INVALID_ARG, UNAVAILABLE
 from .engine.core import Engine, EntryCompiling, Sequence
 from .kv.sequence import SequenceStatus
 from .kv.host_tier import HostTier
-from .triton.metrics import BatcherStats, CallTiming, Observer
-from .triton.model_parameters import default_int
+from .scheduling.observer import BatcherStats, CallTiming, Observer
+from .model_parameters import default_int
 from .scheduling.admission import Admission, Job, Reply, Request
 from .scheduling.batcher_state import BatcherState
 from .scheduling.policy import BatchPolicy, Cohort, select

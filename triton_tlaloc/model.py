@@ -30,9 +30,9 @@ from .generation.link_server import LocalGenerations
 from .generation.local_generation import Speculation
 from .artifact.loading import load_artifact
 from .runtime.memory import resident_bytes
-from .triton.metrics import TimingLog
+from .scheduling.observer import TimingLog
 from .triton.model_metrics import TritonMetrics
-from .triton.model_parameters import DEFAULTS
+from .model_parameters import DEFAULTS
 from .runtime.pjrt import cpu_devices, instance_devices
 from .triton.outputs import (LOGIT_OUTPUTS, TOP_K_DEFAULT, cache_salt_parameter,
                              draft_tokens_parameter, small_outputs, top_k_parameter)

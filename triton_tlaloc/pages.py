@@ -36,7 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .triton.model_parameters import default_int
+from .model_parameters import default_int
 from .kv.cache_kinds import CacheKind, FullPages, RingPages, StateSlots
 from .kv.page_pools import (FULL, POOLS, STATE, WINDOWED, PagePool, PagesExhausted, SharedPagePool,
                             block_hash, pages_for, root_hash)

@@ -17,7 +17,7 @@ from string import Template
 
 from .artifact.loading import load_artifact
 from .artifact.manifest import MANIFEST_NAME
-from .triton.model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
+from .model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
                                       default_int)
 
 TEMPLATE_DIR = Path(__file__).parent / "model_repository_template"
@@ -26,7 +26,7 @@ INSTANCE_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 
 @dataclass(frozen=True)
 class RepositoryOptions:
-    """What `tlaloc repository` writes; the model parameters' defaults are triton/model_parameters.py's
+    """What `tlaloc repository` writes; the model parameters' defaults are model_parameters.py's
     (each written there once)."""
 
     max_sequence_idle_microseconds: int = MAX_SEQUENCE_IDLE_MICROSECONDS

@@ -1,4 +1,4 @@
-"""One table of the sequence model's parameters (triton/model_parameters.py): docs/parameters.md is
+"""One table of the sequence model's parameters (model_parameters.py): docs/parameters.md is
 that table; every flag it names is a `tlaloc repository` flag whose default writes the table's
 default; RepositoryOptions, the batch policy and the batcher start from the same defaults.
 Controls: a changed default is no longer what the docs show, and a flag nobody defines is
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from triton_tlaloc import cli
 from triton_tlaloc.batcher import Batcher
-from triton_tlaloc.triton.model_parameters import BY_NAME, DEFAULTS, PARAMETERS, markdown_table
+from triton_tlaloc.model_parameters import BY_NAME, DEFAULTS, PARAMETERS, markdown_table
 from triton_tlaloc.scheduling.policy import BatchPolicy
 from triton_tlaloc.repository import RepositoryOptions
 

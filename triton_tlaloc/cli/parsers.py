@@ -144,7 +144,7 @@ def _add_run_parser(sub) -> None:
 
 
 def _add_repository_parser(sub) -> None:
-    from ..repository import RepositoryOptions  # the defaults (triton/model_parameters.py)
+    from ..repository import RepositoryOptions  # the defaults (model_parameters.py)
 
     p = sub.add_parser("repository", help="write a Triton model repository for an artifact")
     p.add_argument("artifact")

@@ -16,7 +16,7 @@ from typing import Container, Protocol
 import numpy as np
 
 from ..artifact.manifest import Artifact
-from ..triton.model_parameters import default_int
+from ..model_parameters import default_int
 from ..pages import (FULL, STATE, BlockManager, PagePool, PagesExhausted, PoolShape, Reuse,
                      SharedPagePool, pages_for, root_hash)
 from ..codes import RequestError

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codes import GRPC_STATUS, split_coded_message
-from ..triton.outputs import checked_cache_salt
+from ..generation.parameters import checked_cache_salt
 from ..generation.drafting import prompt_lookup
 
 
@@ -110,7 +110,7 @@ class TlalocClient:
         the request parameter K of the TOP_K outputs (the server's default is 8). draft_tokens:
         the last this many of `tokens` are drafts, verified in one call (ACCEPTED_IDS: those
         accepted, then the model's own next token)."""
-        # Checked here, whole: past Triton a NUL would end the salt (outputs.checked_cache_salt).
+        # Checked here, whole: past Triton a NUL would end the salt (generation/parameters.py).
         checked_cache_salt(cache_salt, "TlalocClient")
         mod = self._mod
         arr = np.asarray(tokens, dtype=np.int32).reshape(1, -1)

@@ -1,11 +1,13 @@
 """The checks every request parameter of the generate model goes through (generation/sampling.py,
 generation/speculative.py): a value of the wrong JSON type or out of range is refused with a
-`SamplingError` that names the parameter and quotes the value, cut short."""
+`SamplingError` that names the parameter and quotes the value, cut short. And the cache salt's
+check, which every front end applies where the salt can still be seen whole."""
 
 from __future__ import annotations
 
 import math
 import reprlib
+import unicodedata
 
 
 class SamplingError(ValueError):
@@ -48,4 +50,27 @@ def integer(key: str, value, low: int, high: int, rule: str) -> int:
     return n
 
 
-__all__ = ["SamplingError", "integer", "real", "refused", "shown"]
+MAX_CACHE_SALT_CHARS = 256
+
+
+def checked_cache_salt(salt, what: str):
+    """`salt` when it is None or a string of 1 to MAX_CACHE_SALT_CHARS characters with no
+    control character; ValueError naming it as `what` cache_salt otherwise (the sequence
+    model's request parameter, the generate model's sampling parameter, a client's salt before
+    it is sent). Triton keeps a request parameter as a C string, so a NUL ends it there:
+    'g\0one' and 'g\0two' would reach the sequence model as the same salt 'g' and share
+    cached KV. Salts with control characters are refused wherever they can still be seen whole
+    (TlalocClient, the generate model's JSON, `tlaloc openai`)."""
+    if salt is not None and (not isinstance(salt, str)
+                             or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise ValueError(f"{what} cache_salt: expected a string of 1 to {MAX_CACHE_SALT_CHARS} "
+                         f"characters")
+    if salt is not None and (bad := next((c for c in salt if unicodedata.category(c) == "Cc"),
+                                         None)) is not None:
+        raise ValueError(f"{what} cache_salt: holds the control character U+{ord(bad):04X}; "
+                         f"a salt must be printable (Triton's string parameters end at a NUL)")
+    return salt
+
+
+__all__ = ["MAX_CACHE_SALT_CHARS", "SamplingError", "checked_cache_salt", "integer", "real",
+           "refused", "shown"]

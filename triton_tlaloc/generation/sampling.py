@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..triton.outputs import checked_cache_salt
-from .parameters import SamplingError, integer, real, refused, shown
+from .parameters import SamplingError, checked_cache_salt, integer, real, refused, shown
 from .speculative import SpeculativeParams
 
 MAX_STOP_STRINGS = 16  # per request

@@ -29,12 +29,31 @@ from typing import Protocol
 
 import numpy as np
 
-from ..runtime.kv_transfer import HostPages
 from .page_pools import FULL, STATE, WINDOWED
 from ..pages import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("triton_tlaloc.host_tier")
+
+
+@dataclass
+class HostPages:
+    """Pages of one pool class on the host: per pool name, [n, ...] (the pool's rows)."""
+
+    pool_class: str
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def count(self) -> int:
+        return len(next(iter(self.arrays.values()))) if self.arrays else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def rows(self, start: int) -> HostPages:
+        """The pages from `start` on."""
+        return HostPages(self.pool_class, {k: a[start:] for k, a in self.arrays.items()})
 
 
 class Transfer(Protocol):

@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
+from ..kv.host_tier import HostPages
 from ..kv.page_pools import FULL, STATE, WINDOWED
 from ..artifact.manifest import numpy_dtype
 from .pjrt import CompileStats, compile_cached, x64_mode
@@ -44,26 +44,6 @@ def bucket(n: int) -> int:
     """The smallest power of two that holds n (n >= 1)."""
     assert n >= 1, "a transfer of no pages"
     return 1 << (n - 1).bit_length()
-
-
-@dataclass
-class HostPages:
-    """Pages of one pool class on the host: per pool name, [n, ...] (the pool's rows)."""
-
-    pool_class: str
-    arrays: dict[str, np.ndarray]
-
-    @property
-    def count(self) -> int:
-        return len(next(iter(self.arrays.values()))) if self.arrays else 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
-
-    def rows(self, start: int) -> HostPages:
-        """The pages from `start` on."""
-        return HostPages(self.pool_class, {k: a[start:] for k, a in self.arrays.items()})
 
 
 def pool_specs(art) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

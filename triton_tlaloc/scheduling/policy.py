@@ -25,14 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Container, Iterable, Protocol
 
-from ..triton.model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
+from ..model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
                                        default_int)
 
 
 @dataclass(frozen=True)
 class BatchPolicy:
     """The batcher's timing, by default the model parameters' defaults
-    (triton/model_parameters.py)."""
+    (model_parameters.py)."""
 
     cohort_wait_s: float = default_int("cohort_wait_microseconds") / 1e6
     # > 0: the cohort wait is also at most this many of the previous decode call's durations

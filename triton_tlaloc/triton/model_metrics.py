@@ -1,11 +1,12 @@
-"""The sequence model's Prometheus metrics: an observer of the batcher (metrics.Observer) whose
+"""The sequence model's Prometheus metrics: an observer of the batcher (scheduling/observer.py) whose
 updates go through a MetricsWriter, shown on Triton's metrics port. docs/serving.md names them."""
 
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from .metrics import MetricsWriter, Observer
+from ..scheduling.observer import Observer
+from .metrics import MetricsWriter
 
 
 class TritonMetrics(Observer):

@@ -5,9 +5,10 @@ no JAX."""
 from __future__ import annotations
 
 import json
-import unicodedata
 
 import numpy as np
+
+from ..generation.parameters import checked_cache_salt
 
 TOP_K_DEFAULT = 8
 
@@ -23,34 +24,12 @@ def top_k_parameter(parameters: str | dict | None, vocab: int) -> int:
     return k
 
 
-MAX_CACHE_SALT_CHARS = 256
-
-
 def cache_salt_parameter(parameters: str | dict | None) -> str | None:
-    """A request's cache_salt (a string of at most MAX_CACHE_SALT_CHARS): prompts of different
+    """A request's cache_salt (generation/parameters.py checks it): prompts of different
     salts never share cached KV. None when absent; ValueError naming the problem otherwise."""
     if not isinstance(parameters, dict):
         parameters = json.loads(parameters or "{}")
     return checked_cache_salt(parameters.get("cache_salt"), "parameter")
-
-
-def checked_cache_salt(salt, what: str):
-    """`salt` when it is None or a string of 1 to MAX_CACHE_SALT_CHARS characters with no
-    control character; ValueError naming it as `what` cache_salt otherwise (the sequence
-    model's request parameter, the generate model's sampling parameter, a client's salt before
-    it is sent). Triton keeps a request parameter as a C string, so a NUL ends it there:
-    'g\0one' and 'g\0two' would reach the sequence model as the same salt 'g' and share
-    cached KV. Salts with control characters are refused wherever they can still be seen whole
-    (TlalocClient, the generate model's JSON, `tlaloc openai`)."""
-    if salt is not None and (not isinstance(salt, str)
-                             or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
-        raise ValueError(f"{what} cache_salt: expected a string of 1 to {MAX_CACHE_SALT_CHARS} "
-                         f"characters")
-    if salt is not None and (bad := next((c for c in salt if unicodedata.category(c) == "Cc"),
-                                         None)) is not None:
-        raise ValueError(f"{what} cache_salt: holds the control character U+{ord(bad):04X}; "
-                         f"a salt must be printable (Triton's string parameters end at a NUL)")
-    return salt
 
 
 # The outputs computed from a reply's logits: a verify call copies them out only for these.

@@ -1,7 +1,7 @@
 """The sequence model's parameters (config.pbtxt `parameters`), one table: each one's name, its
 default as config.pbtxt carries it, what it means and the `tlaloc repository` flag that writes
 it. model.py reads its defaults from here, RepositoryOptions and the batch policy take theirs
-from here, and docs/parameters.md is this table (`python -m triton_tlaloc.triton.model_parameters`
+from here, and docs/parameters.md is this table (`python -m triton_tlaloc.model_parameters`
 prints it; a test keeps the two equal). Pure Python.
 """
 
