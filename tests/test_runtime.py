@@ -150,3 +150,20 @@ def test_a_program_wanted_at_once_by_two_compilers_is_compiled_once(tmp_path, mo
     for t in threads:
         t.join()
     assert (stats.compiled, stats.cache_hits) == ((1, 1) if locked else (2, 0))
+
+
+def test_a_cache_that_cannot_be_locked_still_loads(tmp_path, monkeypatch):
+    """A compile cache that cannot be written (a read-only image's, filled when it was built):
+    no lock can be taken, and its programs load as before. (Root writes through file modes,
+    so the refusal is injected where the lock file is opened.)"""
+    from triton_tlaloc.runtime import pjrt
+
+    device = pjrt.PjrtDevice("cpu", 0)
+    pjrt.compile_cached(device, ADD_ONE, "add_one", tmp_path)  # filled when the image was built
+
+    def read_only(cache_dir, key):
+        raise PermissionError(13, "Read-only file system", str(cache_dir / f"{key}.lock"))
+    monkeypatch.setattr(pjrt, "_open_lock", read_only)
+    stats = pjrt.CompileStats()
+    pjrt.compile_cached(device, ADD_ONE, "add_one", tmp_path, stats=stats)
+    assert (stats.compiled, stats.cache_hits) == (0, 1)

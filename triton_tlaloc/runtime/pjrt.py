@@ -241,13 +241,22 @@ def compile_cached(device: PjrtDevice, text: str, what: str, cache_dir: Path,
     stats = stats if stats is not None else CompileStats()
     if not use_cache:
         return _load_or_compile(device, text, what, cached, False, stats)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f"{key}.lock", "a") as lock:
+    try:
+        lock = _open_lock(cache_dir, key)
+    except OSError as e:  # a cache that cannot be written (a read-only image's): no lock
+        log.debug("%s: compile cache %s cannot be locked (%s)", what, cache_dir, e)
+        return _load_or_compile(device, text, what, cached, True, stats)
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             return _load_or_compile(device, text, what, cached, True, stats)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _open_lock(cache_dir: Path, key: str):
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return open(cache_dir / f"{key}.lock", "a")
 
 
 def _load_or_compile(device, text: str, what: str, cached: Path, use_cache: bool,
@@ -268,6 +277,7 @@ def _load_or_compile(device, text: str, what: str, cached: Path, use_cache: bool
     stats.add(compiled=1, seconds=time.perf_counter() - t0)
     log.info("%s: compiled in %.2f s", what, time.perf_counter() - t0)
     if use_cache:
+        cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(framed(device.serialize(exe)))
         tmp.replace(cached)
