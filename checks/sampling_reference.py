@@ -17,12 +17,18 @@ def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     probs = np.exp(z - z.max())
     probs /= probs.sum()
     if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        keep = order[:int(np.searchsorted(np.cumsum(probs[order]), params.top_p)) + 1]
+        keep = stable_nucleus(probs, params.top_p)
         kept = np.zeros_like(probs)
         kept[keep] = probs[keep]
         probs = kept / kept.sum()
     return probs
+
+
+def stable_nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Top-p by the book: the positions (ascending) of the shortest head of a stable sort of
+    every probability whose sum reaches top_p."""
+    order = np.argsort(-probs, kind="stable")
+    return np.sort(order[:int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1])
 
 
 def reference_choice(probs: np.ndarray, rng: np.random.Generator) -> int:

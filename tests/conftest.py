@@ -36,14 +36,14 @@ def pytest_collection_modifyitems(items):
     module is a group of its own, so that a module's fixtures (a server, an exported artifact,
     its compiles) are built once, not once on each worker that gets one of its tests. First
     of the hooks: pytest-xdist reads the groups in its own hook."""
-    groups = {}
-    for item in items:
-        group = ("tritonserver" if item.get_closest_marker("tritonserver")
-                 else item.nodeid.split("::", 1)[0])
-        item.add_marker(pytest.mark.xdist_group(group))
-        groups[item.nodeid] = group
+    def group(item) -> str:
+        return ("tritonserver" if item.get_closest_marker("tritonserver")
+                else item.nodeid.split("::", 1)[0])
+
     rank = {g: i for i, g in enumerate(FIRST_GROUPS)}
-    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable
+    items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from string import Template
 from .artifact.loading import load_artifact
 from .artifact.manifest import MANIFEST_NAME
 from .model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
-                                      default_int)
+                               default_int)
 
 TEMPLATE_DIR = Path(__file__).parent / "model_repository_template"
 INSTANCE_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}

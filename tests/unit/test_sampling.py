@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from checks.sampling_reference import logit_rows, reference_choice, reference_probs
+from checks.sampling_reference import (logit_rows, reference_choice, reference_probs,
+                                       stable_nucleus)
 
 from triton_tlaloc.generation.sampling import (MAX_STOP_CHARS, MAX_STOP_STRINGS, Sampler,
                                                SamplingError, SamplingParams, StopMatcher,
@@ -293,13 +294,6 @@ def test_a_long_stop_string_costs_time_linear_in_its_length():
 # ------------------------------------------------------------------ through Triton
 
 
-def stable_nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:
-    """Top-p by the book: a stable sort of every weight, the shortest head reaching top_p."""
-    probs = weights.astype(np.float64) / weights.astype(np.float64).sum()
-    order = np.argsort(-probs, kind="stable")
-    return np.sort(order[:int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1])
-
-
 def test_the_nucleus_is_the_stable_sorts_exactly():
     """The nucleus (values sorted, positions found by the cut value) keeps exactly the
     positions a stable sort keeps, on SmolLM2-sized rows with runs of tied logits; where the cut
@@ -310,11 +304,12 @@ def test_the_nucleus_is_the_stable_sorts_exactly():
             z = row / np.float32(temperature)
             weights = np.exp(z - z.max())
             for top_p in (0.3, 0.9, 0.97):
-                assert np.array_equal(nucleus(weights, top_p), stable_nucleus(weights, top_p))
+                probs = weights.astype(np.float64) / weights.astype(np.float64).sum()
+                assert np.array_equal(nucleus(weights, top_p), stable_nucleus(probs, top_p))
     tied = np.array([1.0, 0.5, 0.5, 0.5, 0.1], np.float32)  # cumulative 0.38 0.58 0.77 ...
-    assert list(nucleus(tied, 0.7)) == list(stable_nucleus(tied, 0.7)) == [0, 1, 2]
+    probs = tied.astype(np.float64) / tied.sum()
+    assert list(nucleus(tied, 0.7)) == list(stable_nucleus(probs, 0.7)) == [0, 1, 2]
     # the control: ties ordered last first (as an unstable sort may) keep another set
-    probs = tied / tied.sum()
     last_first = np.lexsort((-np.arange(tied.size), -probs))
     cut = int(np.searchsorted(np.cumsum(probs[last_first]), 0.7)) + 1
     assert sorted(last_first[:cut]) == [0, 2, 3] != list(nucleus(tied, 0.7))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Container, Iterable, Protocol
 
 from ..model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
-                                       default_int)
+                                default_int)
 
 
 @dataclass(frozen=True)

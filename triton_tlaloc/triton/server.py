@@ -102,7 +102,7 @@ def stubs_with_prefix(prefix: str) -> list[int]:
     stopped server's, whoever their parent is now."""
     return [pid for pid, _, argv in _processes()
             if Path(argv[0]).name == STUB_NAME and any(prefix in a for a in argv[1:])
-            and (_proc_stat(pid) or "Z")[0] not in "ZX"]
+            and not _exited(pid)]
 
 
 def end_stubs(prefix: str, grace_s: float = 5.0) -> int:
@@ -125,7 +125,12 @@ def end_stubs(prefix: str, grace_s: float = 5.0) -> int:
 
 def dead_stubs(stubs: list[StubProcess]) -> list[StubProcess]:
     """Those of `stubs` that have exited (gone, or a zombie its parent has not reaped)."""
-    return [s for s in stubs if (stat := _proc_stat(s.pid)) is None or stat[0] in "ZX"]
+    return [s for s in stubs if _exited(s.pid)]
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie its parent has not reaped."""
+    return (stat := _proc_stat(pid)) is None or stat[0] in "ZX"
 
 
 # The APIs a client needs no key for are the rest: health, metadata, inference, model-config,
