@@ -395,7 +395,8 @@ def batching_rows(table: Table, d: Deployment, protocol: str) -> None:
               lambda: S.check_paused_sequences(metrics_url, url, protocol, "llama",
                                                "llama_triton_batching"))
     for n in (2, 4):
-        table.run(f"{protocol}: {n} prompts sent together", "1 prefill call; each its solo ids",
+        table.run(f"{protocol}: {n} prompts sent together",
+                  "1 prefill call (up to 10 tries); each its solo ids",
                   lambda n=n: S.check_prompts_together(metrics_url, url, protocol, "llama", n))
     table.run(f"{protocol}: a refused second START on a held id", "the earlier KV is not "
               "continuable", d.on(protocol, "small", S.check_second_start, protocol))

@@ -51,10 +51,17 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tlaloc")
 
 
+# A pytest started by a test (tests/test_multi_device_suite.py) shares its parent's run
+# directory: the same checkpoints, artifacts and compile cache.
+RUN_DIR_ENV = "TLALOC_TEST_RUN_DIR"
+
+
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory) -> Path:
     """A directory every worker of this test run shares (`make test` runs pytest-xdist
     workers; without them, the session's own): what is built once per run lives here."""
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV])
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     path = root / "shared"

@@ -172,13 +172,14 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         windowed = opts.windowed(cfg, num_blocks)
         # alike layers run as one loop (docs/design.md#the-layer-loop) unless told otherwise
         layer_loop = opts.layer_loop and loops_layers(cfg, windowed)
+        # Before the weights: heads that do not divide are refused before any is converted.
+        tp = _tensor_parallel(cfg, opts, num_blocks, windowed, layer_loop)
         weights = _write_weights(ckpt, cfg, opts, tmp, model_hash, layer_loop)
         tokenizer_files = ckpt.save_tokenizer(tmp / "tokenizer")
         _log(f"[export] tokenizer: {', '.join(tokenizer_files) or 'none in the checkpoint'}")
         _log("[export] layers: " + ("one loop over stacked weights and pools" if layer_loop
                                     else "unrolled, one set of kernels per layer"))
 
-        tp = _tensor_parallel(cfg, opts, num_blocks, windowed, layer_loop)
         linear_state = _linear_state(_program_config(cfg, tp), opts)
         verify_tokens = _verify_tokens(cfg, opts, windowed)
         entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop, verify_tokens,
