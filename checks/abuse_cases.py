@@ -54,6 +54,7 @@ class Target:
     work: Path  # where the cases may write (the process-fault cases' repository and cache)
     neighbour_solo: list[int] | None = None
     serve: "ServeProcess | None" = None  # started by the first case that needs it
+    idle_s: float = 60.0  # Triton ends MODEL's sequences idle this long
 
     @property
     def openai_host(self) -> tuple[str, int]:
@@ -856,6 +857,7 @@ class Neighbour:
         sid = new_sequence_id()
         try:
             with TlalocClient(self.t.server.http_url, MODEL, "http") as c:
+                last = time.monotonic()
                 try:
                     out = c.request(sid, NEIGHBOUR_PROMPT, start=True, outputs=("ARGMAX",))
                     self.ids.append(int(out["ARGMAX"][0]))
@@ -863,9 +865,17 @@ class Neighbour:
                     while len(self.ids) < NEIGHBOUR_STEPS:
                         out = c.request(sid, [self.ids[-1]], outputs=("ARGMAX",))
                         self.ids.append(int(out["ARGMAX"][0]))
+                    last = time.monotonic()
                     self.done.wait(300)
                 finally:
-                    c.request(sid, [], end=True, outputs=("ARGMAX",))
+                    try:
+                        c.request(sid, [], end=True, outputs=("ARGMAX",))
+                    except InferError:
+                        # A case that ran longer than Triton's idle timeout: Triton ended the
+                        # idle sequence itself, and the END finds none ("must specify the
+                        # START flag"). Before that timeout, a refused END is a failure.
+                        if time.monotonic() - last < self.t.idle_s:
+                            raise
         except Exception as e:  # reported in the row
             self.error = e
         finally:
@@ -932,7 +942,7 @@ def start_target(artifact, repo, max_concurrent: int = 2, idle_s: float = 60.0):
         raise
 
     target = Target(server, base, art.max_context, art.model.block_size, max_concurrent, pages,
-                    Path(artifact), Path(repo).parent)
+                    Path(artifact), Path(repo).parent, idle_s=idle_s)
 
     def stop():
         if target.serve is not None:
