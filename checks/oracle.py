@@ -79,6 +79,25 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
     return out
 
 
+def save_gguf_as_checkpoint(gguf: Path, out: Path) -> Path:
+    """What transformers reads from a GGUF file (f32 weights and the tokenizer), saved as a
+    Hugging Face checkpoint folder, which loads in a second where the GGUF takes about 15 s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    read = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                dtype=torch.float32)
+    # transformers will not save a model it read from a GGUF: the same weights in a model built
+    # from the same config (less the GGUF's quantization note) are saved instead.
+    config = read.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(read.state_dict())
+    model.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    return out
+
+
 def with_rope_theta(src: Path, dst: Path, factor: float) -> Path:
     """A copy of a checkpoint whose config has a wrong rope theta (a negative control)."""
     shutil.copytree(src, dst)

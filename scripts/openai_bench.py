@@ -80,24 +80,10 @@ def hf_folder(out: Path) -> Path:
     """SmolLM2 as a Hugging Face folder of f32 safetensors, from the GGUF tlaloc exports."""
     if (out / "model.safetensors").exists():
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from checks.oracle import save_gguf_as_checkpoint
     from triton_tlaloc.export.checkpoint import smollm2_gguf_path
 
-    gguf = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    config = model.config
-    # A model loaded from a GGUF will not save; the same weights in a model built from its
-    # config will.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
-    return out
+    return save_gguf_as_checkpoint(smollm2_gguf_path(), out)
 
 
 def wait_until_up(url: str, proc: subprocess.Popen, what: str, timeout_s: float) -> None:

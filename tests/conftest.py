@@ -153,3 +153,15 @@ def smollm2(run_dir):
     art = built_once(run_dir / "smollm2", lambda p: export_artifact(gguf, p, ExportOptions(
         batch_ladder=(1,), context_ladder=(128,), verify_tokens=(9,))))
     return gguf, art
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(run_dir) -> Path:
+    """SmolLM2 as transformers reads its GGUF (the oracle's weights and tokenizer), saved once
+    per run as a checkpoint folder: transformers parses and dequantizes the GGUF in about 15 s,
+    and reads the folder back in one."""
+    from checks.oracle import save_gguf_as_checkpoint
+    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+
+    return built_once(run_dir / "smollm2-transformers",
+                      lambda p: save_gguf_as_checkpoint(smollm2_gguf_path(), p))

@@ -54,7 +54,7 @@ def transformers_ids(tiny, family, reference) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cold_repository(tiny, smollm2, work):
+def cold_repository(tiny, smollm2, smollm2_transformers, work):
     """Every shape's repository on one compile cache nobody has filled, and what transformers
     answers each prompt."""
     repo, cache = work / "repo-ready-early", work / "ready-early-compile-cache"
@@ -63,11 +63,11 @@ def cold_repository(tiny, smollm2, work):
         write_repository(artifact(tiny, family, opts), repo, name,
                          RepositoryOptions(compile_cache_dir=str(cache)))
         want[name] = transformers_ids(tiny, family, reference)
-    gguf, art = smollm2
+    art = smollm2[1]
     write_repository(art, repo, "smollm2", RepositoryOptions(compile_cache_dir=str(cache)))
     tok = ArtifactTokenizer(art / "tokenizer")
     prompt = tok.apply_chat_template(CHAT)
-    smol = load_reference(gguf.parent, gguf_file=gguf.name)
+    smol = load_reference(smollm2_transformers)
     want["smollm2"] = tok.decode(reference_greedy(smol, prompt, STEPS)[0])
     return repo, want
 

@@ -19,17 +19,15 @@ QUESTION = "Write a short poem about the sea."
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2):
-    gguf, _ = smollm2
-    return load_reference(gguf.parent, gguf_file=gguf.name)
+def reference(smollm2_transformers):
+    return load_reference(smollm2_transformers)
 
 
-def test_chat_prompt_ids_match_transformers_tokenizer(smollm2):
+def test_chat_prompt_ids_match_transformers_tokenizer(smollm2, smollm2_transformers):
     from transformers import AutoTokenizer
 
-    gguf, art = smollm2
-    ours = ArtifactTokenizer(art / "tokenizer")
-    theirs = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ours = ArtifactTokenizer(smollm2[1] / "tokenizer")
+    theirs = AutoTokenizer.from_pretrained(str(smollm2_transformers))
     messages = [{"role": "user", "content": QUESTION}]
     want = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want

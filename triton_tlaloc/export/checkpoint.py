@@ -8,8 +8,10 @@ HF's order (llama.cpp's converter permutes them for its rotary layout).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -173,12 +175,41 @@ def _hf_name_of_gguf(name: str) -> str | None:
     return None
 
 
+def _file_key(path: Path) -> tuple[str, int, int]:
+    """A file as the memos below know it: a file changed in place is read again."""
+    st = path.stat()
+    return str(path.resolve()), st.st_size, st.st_mtime_ns
+
+
+# gguf-py parses every metadata string when it opens a file (SmolLM2's 49,152-token vocabulary
+# and its merges: about 4 s), and transformers parses the file again to build the tokenizer
+# (about 8 s more). A process that exports the same GGUF again (another ladder, another device
+# count, an export refused after the file was read) reuses both.
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str, size: int, mtime_ns: int):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_tokenizer_files(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, bytes], ...]:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise CheckpointError("converting a GGUF tokenizer needs transformers "
+                              "(pip install 'triton-tlaloc[demo]')") from None
+    p = Path(path)
+    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        return tuple((name, (Path(tmp) / name).read_bytes()) for name in sorted(os.listdir(tmp)))
+
+
 class GgufCheckpoint(Checkpoint):
     def __init__(self, path: Path, model_name: str | None = None):
-        import gguf
-
         self.path = path
-        self.reader = gguf.GGUFReader(str(path))
+        self.reader = _gguf_reader(*_file_key(path))
         fields = self.reader.fields
 
         def get(key, default=None):
@@ -244,14 +275,9 @@ class GgufCheckpoint(Checkpoint):
         return w
 
     def save_tokenizer(self, out_dir: Path) -> list[str]:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise CheckpointError("converting a GGUF tokenizer needs transformers "
-                                  "(pip install 'triton-tlaloc[demo]')") from None
-        tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         out_dir.mkdir(parents=True, exist_ok=True)
-        tok.save_pretrained(str(out_dir))
+        for name, data in _gguf_tokenizer_files(*_file_key(self.path)):
+            (out_dir / name).write_bytes(data)
         return sorted(os.listdir(out_dir))
 
 
