@@ -180,3 +180,41 @@ def test_a_model_that_fails_to_load_is_named_with_its_own_error(tiny, tmp_path):
     assert first[0] == "tritonserver exited with 1", first
     assert first[1].startswith("  model broken failed to load: ") and \
         "ArtifactError: weight slot" in first[1] and "file holds 100 bytes" in first[1], first
+
+
+def test_a_server_that_triton_aborts_as_it_starts_is_started_again(tiny, tmp_path):
+    """Triton's Python backend now and then aborts while it starts a model's process (a mutex in
+    its shared memory throws `boost::interprocess::lock_exception`): `start` starts it once more.
+    A stand-in tritonserver aborts so on its first run, then runs the real one, which serves.
+    Controls: an abort with any other message, or that one twice, is raised."""
+    from triton_tlaloc.triton.server import ServerError
+
+    repo = tmp_path / "repo"
+    write_repository(tiny.artifact("llama", False), repo, "llama",
+                     RepositoryOptions(generate_model=False))
+
+    def server_aborting(times: int, message: str) -> tuple[TritonServer, object]:
+        server = TritonServer(repo, exit_timeout_s=3)
+        runs = tmp_path / f"runs-{len(list(tmp_path.iterdir()))}"
+        fake = runs.with_suffix(".sh")
+        fake.write_text(f"""#!/bin/sh
+echo run >> {runs}
+if [ "$(wc -l < {runs})" -le {times} ]; then echo "{message}"; kill -ABRT $$; fi
+exec {server.args[0]} "$@"
+""")
+        fake.chmod(0o755)
+        server.args[0] = str(fake)
+        return server, lambda: len(runs.read_text().splitlines())
+
+    lock = f"terminate called after throwing an instance of '{TritonServer.SHM_LOCK_ABORT}'"
+    server, runs = server_aborting(1, lock)
+    with server.start(timeout_s=120, wait_compiled=False):
+        assert runs() == 2
+        with TlalocClient(server.grpc_url, "llama") as c:
+            assert len(c.generate_greedy(PROMPT, 4).generated_ids) == 4
+    for times, message, want_runs in ((1, "terminate called: something else", 1),
+                                      (2, lock, 2)):
+        server, runs = server_aborting(times, message)
+        with pytest.raises(ServerError, match="exited with -6"):
+            server.start(timeout_s=60)
+        assert runs() == want_runs
