@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Why the decoder writes its linears the way it does: SmolLM2-135M's 30 layers of linears and
 its tied head (random weights, the real shapes), with an RMSNorm in front of each, as XLA's CPU
-backend runs them at 1 and at 4 rows, one way of writing them at a time (docs/performance.md).
+backend runs them at 1 and at 4 rows (or --rows), one way of writing them at a time
+(docs/performance.md).
 
-    f32 [in,out]            the f32 artifact: x @ W
+    f32 [in,out]            an unrolled f32 artifact: x @ W
+    f32 [out,in]            the layer loop's f32 weights: a matrix-vector product per row up to
+                            8 rows (export/layers.py MATVEC_ROWS), x @ W^T past that
     bf16 [in,out]           bf16 weights as an f32 artifact lays them out: dot(bf16(x), W) -> f32
     bf16 [out,in] trip      widened in the product, input rounded by a bf16 round trip
     bf16 [out,in] rp        the same, input rounded by reduce_precision
@@ -11,22 +14,26 @@ backend runs them at 1 and at 4 rows, one way of writing them at a time (docs/pe
 
 Each variant and row count runs in its own process, in turn, for --rounds rounds; a figure is the
 median over rounds of the median of 11 timed calls (after 3 untimed). GB/s is weight bytes over
-time.
+time; GFLOP/s is 2 x weights x rows over time. --xla-flags runs every variant again under each
+set of XLA_FLAGS given (sets separated by ';'), to try XLA's CPU options on the same products.
 
-    .venv/bin/python scripts/xla_cpu_linears.py [--rounds 3]
+    .venv/bin/python scripts/xla_cpu_linears.py [--rounds 3] [--rows 1,4,32,256]
+        [--variants "f32 [in,out];f32 [out,in]"] [--xla-flags "--xla_cpu_use_onednn=true"]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 
-VARIANTS = ["f32 [in,out]", "bf16 [in,out]", "bf16 [out,in] trip", "bf16 [out,in] rp",
-            "bf16 [out,in] rp+mat"]
+VARIANTS = ["f32 [in,out]", "f32 [out,in]", "bf16 [in,out]", "bf16 [out,in] trip",
+            "bf16 [out,in] rp", "bf16 [out,in] rp+mat"]
+MATVEC_ROWS = 8  # export/layers.py (not imported: the figures are of XLA, not of the package)
 LAYERS, HIDDEN, INTER, VOCAB, QKV = 30, 576, 1536, 49152, 576 + 2 * 192
 
 
@@ -51,6 +58,11 @@ def worker(variant: str, rows: int) -> dict:
     norm_w = jnp.full((HIDDEN,), 1.1, jnp.float32)
 
     def linear(x, w):
+        if f32 and out_first:
+            if x.shape[0] <= MATVEC_ROWS:
+                return jnp.stack([jnp.dot(w, r, precision=lax.Precision.HIGHEST) for r in x])
+            return lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                   precision=lax.Precision.HIGHEST)
         if f32:
             return jnp.dot(x, w, precision=lax.Precision.HIGHEST)
         if not out_first:
@@ -85,37 +97,59 @@ def worker(variant: str, rows: int) -> dict:
         run(x, layers, head).block_until_ready()
         times.append(time.perf_counter() - t0)
     nbytes = sum(w.nbytes for ws in layers for w in ws) + head.nbytes
-    return {"ms": statistics.median(times) * 1e3, "bytes": nbytes}
+    params = sum(w.size for ws in layers for w in ws) + head.size
+    return {"ms": statistics.median(times) * 1e3, "bytes": nbytes, "params": params}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rows", default="1,4", help="row counts, comma-separated")
+    ap.add_argument("--variants", default=";".join(VARIANTS), help="';'-separated")
+    ap.add_argument("--xla-flags", default="", help="';'-separated sets of XLA_FLAGS to add")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]))))
         return 0
+    rows_list = [int(r) for r in args.rows.split(",")]
+    variants = [v for v in args.variants.split(";") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {VARIANTS}")
+    flag_sets = [""] + [f.strip() for f in args.xla_flags.split(";") if f.strip()]
     results: dict = {}
     for r in range(args.rounds):
-        for variant in VARIANTS:
-            for rows in (1, 4):
-                out = subprocess.run([sys.executable, __file__, "--worker", variant, str(rows)],
-                                     capture_output=True, text=True, check=True)
-                res = json.loads(out.stdout.strip().splitlines()[-1])
-                results.setdefault((variant, rows), []).append(res)
-                print(f"round {r}: {variant}, {rows} rows: {res['ms']:.1f} ms", file=sys.stderr,
-                      flush=True)
-    print(f"\nSmolLM2-135M's linears and tied head, XLA CPU, medians of {args.rounds} rounds\n")
-    print(f"{'variant':<24}{'MB':>6}{'1 row ms':>10}{'GB/s':>7}{'4 rows ms':>11}{'GB/s':>7}"
-          f"{'4 / 1':>7}")
-    for variant in VARIANTS:
-        one = statistics.median(x["ms"] for x in results[(variant, 1)])
-        four = statistics.median(x["ms"] for x in results[(variant, 4)])
-        nbytes = results[(variant, 1)][0]["bytes"]
-        print(f"{variant:<24}{nbytes / 1e6:>6.0f}{one:>10.1f}{nbytes / one / 1e6:>7.1f}"
-              f"{four:>11.1f}{nbytes / four / 1e6:>7.1f}{four / one:>7.2f}")
+        for flags in flag_sets:
+            env = {**os.environ,
+                   "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+            for variant in variants:
+                for rows in rows_list:
+                    out = subprocess.run([sys.executable, __file__, "--worker", variant,
+                                          str(rows)], capture_output=True, text=True, env=env)
+                    if out.returncode != 0:
+                        res = {"ms": float("nan"), "bytes": 0, "params": 0,
+                               "error": (out.stderr.strip().splitlines() or ["?"])[-1][:120]}
+                    else:
+                        res = json.loads(out.stdout.strip().splitlines()[-1])
+                    results.setdefault((flags, variant, rows), []).append(res)
+                    print(f"round {r}: {variant}, {rows} rows {flags}: {res['ms']:.1f} ms "
+                          f"{res.get('error', '')}", file=sys.stderr, flush=True)
+    print(f"\nSmolLM2-135M's linears and tied head, XLA CPU, medians of {args.rounds} rounds: "
+          f"ms, and GB/s of weights (GFLOP/s past {MATVEC_ROWS} rows)\n")
+    head = "".join(f"{f'{n} rows':>18}" for n in rows_list)
+    print(f"{'variant':<22}{'XLA flags':<40}{'MB':>6}{head}")
+    for flags in flag_sets:
+        for variant in variants:
+            first = results[(flags, variant, rows_list[0])]
+            cells, nbytes, params = [], max(x["bytes"] for x in first), max(
+                x["params"] for x in first)
+            for n in rows_list:
+                ms = statistics.median(x["ms"] for x in results[(flags, variant, n)])
+                rate = nbytes / ms / 1e6 if n <= MATVEC_ROWS else 2 * n * params / ms / 1e6
+                cells.append(f"{ms:>9.1f} ({rate:>5.0f})")
+            print(f"{variant:<22}{flags or '(none)':<40}{nbytes / 1e6:>6.0f}{''.join(cells)}")
     return 0
 
 
