@@ -31,9 +31,10 @@ def served(tiny, work):
                                                ExportOptions(**OPTS, state_slots=1))}
     repo = work / "repo-hybrid"
     for name, art in arts.items():
-        # One slot: its checks are of refusals, so no host tier (it would swap instead).
+        # One slot: its checks are of refusals, so no host tier (it would swap instead). No
+        # generate models: these tests use none.
         write_repository(art, repo, name, RepositoryOptions(
-            max_sequence_idle_microseconds=600_000_000,
+            max_sequence_idle_microseconds=600_000_000, generate_model=False,
             host_kv_bytes=0 if name == "qwen35_one_slot" else None))
     server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server, ckpt

@@ -47,12 +47,13 @@ def served(tiny, work):
             "llama_spec": tiny.artifact("llama", False, verify_tokens=(5, 9))}
     repo = work / "repo"
     for name, art in arts.items():
-        # The small pool's checks are of refusals: no host tier (it would swap instead).
+        # The small pool's checks are of refusals: no host tier (it would swap instead). No
+        # generate models: these tests use none (tests/test_generate.py has them).
         write_repository(art, repo, name, RepositoryOptions(
-            max_sequence_idle_microseconds=600_000_000,
+            max_sequence_idle_microseconds=600_000_000, generate_model=False,
             host_kv_bytes=0 if name == "small" else None))
     write_repository(arts["llama"], repo, "llama_copied",
-                     RepositoryOptions(donate_kv_pools=False))
+                     RepositoryOptions(donate_kv_pools=False, generate_model=False))
     server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server, arts
     server.stop()
