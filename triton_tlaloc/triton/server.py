@@ -232,8 +232,8 @@ class TritonServer:
 
     # Triton's Python backend now and then aborts the whole server while it starts a model's
     # process: a mutex in the shared memory it sets up for the process throws (seen once in
-    # about 40 server starts of a test run, a model with 2 instances; reported upstream against
-    # several Triton releases). Nothing of this project's runs by then; a second start works.
+    # this project's test runs, as it initialized a model instance; reported upstream against
+    # several Triton releases). The abort is in Triton's own code; a second start works.
     SHM_LOCK_ABORT = "boost::interprocess::lock_exception"
 
     def start(self, timeout_s: float = 300.0, wait_compiled: bool = True,
