@@ -47,7 +47,7 @@ test: $(STAMP_TEST)
 # The pure-Python parts (pages, policy, batcher, engine over a fake runtime, sampling, outputs,
 # metrics) with no JAX, torch or Triton imported: seconds. `make test` runs them too.
 unit: $(STAMP_TEST)
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q -n 2 tests/unit
 
 verify: $(STAMP_TEST)
 	scripts/verify.sh

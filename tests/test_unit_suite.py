@@ -13,7 +13,7 @@ UNIT = Path(__file__).parent / "unit"
 
 def test_the_unit_tests_pass_with_no_jax_torch_or_triton_imported():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(UNIT)], capture_output=True, text=True, timeout=300,
+                          "-n", "2", str(UNIT)], capture_output=True, text=True, timeout=300,
                          cwd=UNIT.parent.parent)
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail

@@ -9,7 +9,12 @@ module already imported.
 from __future__ import annotations
 
 import importlib.abc
+import shutil
 import sys
+import tempfile
+from pathlib import Path
+
+import pytest
 
 BANNED = ("jax", "jaxlib", "torch", "transformers", "triton_python_backend_utils",
           "tritonclient")
@@ -27,3 +32,14 @@ if already:
     raise RuntimeError(f"tests/unit runs in a process of its own, without {', '.join(already)} "
                        f"already imported: `make unit` or `pytest tests/unit`")
 sys.meta_path.insert(0, ImportGuard())
+
+
+@pytest.fixture
+def private_tmp(monkeypatch):
+    """A fresh directory made the process's temporary directory, where the generation link puts
+    its sockets. Not pytest's tmp_path: a Unix socket's path is at most 107 bytes, and under
+    pytest-xdist tmp_path's is longer."""
+    path = tempfile.mkdtemp(prefix="tlaloc-unit-")
+    monkeypatch.setattr(tempfile, "tempdir", path)
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)

@@ -5,7 +5,6 @@ and a draft model, each a real batcher over the simulated runtime, linked throug
 
 from __future__ import annotations
 
-import tempfile
 import time
 
 import numpy as np
@@ -252,8 +251,7 @@ class Model:
 
 
 @pytest.fixture
-def models(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+def models(private_tmp):
     made = {"target": Model("target", SimulatedRuntime(ART, 0.001)),
             "right": Model("right", SimulatedRuntime(ART, 0.0005)),
             "partly": Model("partly", WrongEveryThird(ART, 0.0005)),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
-import tempfile
 import threading
 import time
 
@@ -30,12 +29,6 @@ from triton_tlaloc.runtime.simulated import SimulatedRuntime
 ART = fake_artifact(batch_ladder=(1, 4, 16), context_ladder=(64,), block_size=8,
                     num_blocks=400)
 SERVER_PID = 4_000_000_000  # no real process has it: the link's files are the test's own
-
-
-@pytest.fixture
-def private_tmp(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path
 
 
 def logits_at(token: int, vocab: int = 16) -> Reply:
