@@ -17,7 +17,13 @@ do not load with that torch and are removed). A find-links directory given to pi
 environment is passed on to uv.
 
     .venv/bin/python scripts/openai_bench.py [--concurrency 1,4,8] [--targets tlaloc,vllm]
-        [--input-tokens 128] [--output-tokens 64] [--work artifacts/openai-bench]
+        [--artifact [NAME=]DIR ...] [--input-tokens 128] [--output-tokens 64]
+        [--work artifacts/openai-bench] [--timing-log]
+
+Several `--artifact NAME=DIR` serve several tlaloc targets in the same run (`tlaloc-NAME`, each
+its own `tlaloc serve` and `tlaloc openai`), say the same model exported two ways; every
+tlaloc target's ratios are to vLLM's. `--timing-log` turns on the sequence model's timing log
+(one JSON line per engine call, in the work directory's tritonserver log).
 """
 
 from __future__ import annotations
@@ -101,12 +107,18 @@ def wait_until_up(url: str, proc: subprocess.Popen, what: str, timeout_s: float)
     raise SystemExit(f"{what} not up at {url} after {timeout_s:.0f} s")
 
 
-def start_tlaloc(artifact: Path, work: Path) -> tuple[int, list[subprocess.Popen]]:
+def start_tlaloc(artifact: Path, work: Path, timing_log: bool) -> tuple[int, list[subprocess.Popen]]:
     """`tlaloc repository --compile-all-first`, `tlaloc serve`, `tlaloc openai`, as a user runs
     them; the OpenAI server's port."""
+    work.mkdir(parents=True, exist_ok=True)
     repo = work / "tlaloc-repo"
     subprocess.run([str(BIN / "tlaloc"), "repository", str(artifact), str(repo), "--name",
                     "smollm2", "--compile-all-first"], check=True, stdout=subprocess.DEVNULL)
+    if timing_log:  # a model parameter with no flag (docs/parameters.md)
+        config = repo / "smollm2" / "config.pbtxt"
+        line = (f'  {{ key: "timing_log" value: {{ string_value: '
+                f'"{(work / "timing.jsonl").resolve()}" }} }},\n')
+        config.write_text(config.read_text().replace("parameters [\n", "parameters [\n" + line, 1))
     http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
     serve = subprocess.Popen([str(BIN / "tlaloc"), "serve", str(repo), "--http-port", str(http),
                               "--grpc-port", str(grpc), "--metrics-port", str(metrics),
@@ -157,32 +169,48 @@ def aiperf(aiperf_bin: Path, port: int, tokenizer: Path, concurrency: int, args,
 
 
 def table(results: dict, targets: list[str], concurrencies: list[int]) -> list[dict]:
-    first = targets[0]
-    head = " | ".join(targets)
-    ratio = f" | {first} / {targets[1]}" if len(targets) > 1 else ""
-    print(f"\n| concurrency | | {head}{ratio} |")
-    print("|---|---|" + "---:|" * (len(targets) + (1 if ratio else 0)))
+    """The figures of every target, and each tlaloc target's ratio to vLLM's."""
+    ours = [t for t in targets if t != "vllm"]
+    ratios = ours if "vllm" in targets else []
+    head = " | ".join(targets + [f"{t} / vllm" for t in ratios])
+    print(f"\n| concurrency | | {head} |")
+    print("|---|---|" + "---:|" * (len(targets) + len(ratios)))
     rows = []
     for c in concurrencies:
         for metric, stat, shown, larger_better in METRICS:
             values = {t: results[(t, c)][metric][stat] for t in targets}
             row = {"concurrency": c, "metric": f"{metric}.{stat}", **values}
-            cells = " | ".join(f"{values[t]:,.1f}" if values[t] >= 10 else f"{values[t]:.2f}"
-                               for t in targets)
-            if ratio:
-                r = values[first] / values[targets[1]]
-                row["ratio"] = r
+            cells = [f"{values[t]:,.1f}" if values[t] >= 10 else f"{values[t]:.2f}"
+                     for t in targets]
+            for t in ratios:
+                r = values[t] / values["vllm"]
+                row[f"{t} / vllm"] = r
                 better = (r >= 1) == larger_better
-                cells += f" | {r:.2f}x" + ("" if abs(r - 1) < 0.005 else
-                                           " (better)" if better else " (worse)")
-            print(f"| {c} | {shown} | {cells} |")
+                cells.append(f"{r:.2f}x" + ("" if abs(r - 1) < 0.005 else
+                                            " (better)" if better else " (worse)"))
+            print(f"| {c} | {shown} | {' | '.join(cells)} |")
             rows.append(row)
     return rows
 
 
+def named_artifacts(specs: list[str]) -> dict[str, Path]:
+    """`--artifact` values: DIR (the target `tlaloc`) or NAME=DIR (the target `tlaloc-NAME`)."""
+    named = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        target = f"tlaloc-{name}" if sep else "tlaloc"
+        if target in named:
+            raise SystemExit(f"--artifact: {target} given twice")
+        named[target] = Path(path if sep else spec)
+    return named
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT)
+    ap.add_argument("--artifact", action="append", default=None,
+                    help="DIR or NAME=DIR; several for several tlaloc targets (default: the "
+                         "demo's artifact)")
+    ap.add_argument("--timing-log", action="store_true")
     ap.add_argument("--targets", default="tlaloc,vllm")
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--input-tokens", type=int, default=128)
@@ -191,18 +219,21 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", type=Path, default=ROOT / "artifacts" / "openai-bench")
     args = ap.parse_args()
-    targets = args.targets.split(",")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    unknown = set(targets) - {"tlaloc", "vllm"}
+    unknown = set(args.targets.split(",")) - {"tlaloc", "vllm"}
     if unknown:
         raise SystemExit(f"--targets: unknown {sorted(unknown)} (tlaloc, vllm)")
+    artifacts = named_artifacts(args.artifact or [str(DEFAULT_ARTIFACT)])
+    targets = ((list(artifacts) if "tlaloc" in args.targets.split(",") else [])
+               + (["vllm"] if "vllm" in args.targets.split(",") else []))
     args.work.mkdir(parents=True, exist_ok=True)
     aiperf_bin = venv(args.work / "aiperf-venv", [AIPERF])
-    if not (args.artifact / "tlaloc-serving.json").exists():
-        log(f"exporting SmolLM2 to {args.artifact} (the demo's artifact) ...")
-        subprocess.run([str(BIN / "tlaloc"), "export", "smollm2", str(args.artifact),
+    if not (DEFAULT_ARTIFACT / "tlaloc-serving.json").exists() and DEFAULT_ARTIFACT in \
+            artifacts.values():
+        log(f"exporting SmolLM2 to {DEFAULT_ARTIFACT} (the demo's artifact) ...")
+        subprocess.run([str(BIN / "tlaloc"), "export", "smollm2", str(DEFAULT_ARTIFACT),
                         "--num-blocks", "257"], check=True)
-    tokenizer = args.artifact / "tokenizer"
+    tokenizer = next(iter(artifacts.values())) / "tokenizer"
     ports, procs = {}, []
     try:
         if "vllm" in targets:
@@ -211,10 +242,12 @@ def main() -> None:
                                                 args.work)
             procs += started
             log("vLLM ready")
-        if "tlaloc" in targets:
-            ports["tlaloc"], started = start_tlaloc(args.artifact, args.work)
+        for target, artifact in artifacts.items():
+            if target not in targets:
+                continue
+            ports[target], started = start_tlaloc(artifact, args.work / target, args.timing_log)
             procs += started
-            log("tlaloc ready, every entry compiled")
+            log(f"{target} ({artifact}) ready, every entry compiled")
         results = {}
         for c in concurrencies:
             for t in targets:
@@ -235,6 +268,7 @@ def main() -> None:
     rows = table(results, targets, concurrencies)
     (args.work / "openai_bench.json").write_text(json.dumps(
         {"cores": os.cpu_count(), "input_tokens": args.input_tokens,
+         "artifacts": {t: str(a) for t, a in artifacts.items()},
          "output_tokens": args.output_tokens, "rows": rows}, indent=1))
 
 

@@ -54,7 +54,7 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--prefill-tokens", type=int_list_or_none, default=None,
                    help="tokensPerSeq of smaller prefill entries below each context's largest, "
                         "so short prompts are not padded to the context (default: powers of two "
-                        "from 32; 'none': only the largest)")
+                        "from 32, and 192, 384, 768 ... between them; 'none': only the largest)")
     p.add_argument("--verify-tokens", type=int_list_or_none, default=(3, 5, 9),
                    help="tokensPerSeq of the verify entries for speculative decoding: a "
                         "sequence's next token and a draft of t - 1 tokens checked in one call, "

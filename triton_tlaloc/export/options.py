@@ -27,6 +27,18 @@ class ExportError(ValueError):
     """Export options or a checkpoint the exporter refuses; the message names the problem."""
 
 
+def default_prefill_tokens(top: int) -> list[int]:
+    """The smaller prefill entries' tokensPerSeq below a largest of `top`: powers of two from
+    32, and from 192 also the steps halfway between them in ratio (192, 384, 768, ...). A
+    prompt's call costs about its padded tokens past 128 (SmolLM2 f32: 158 tokens took 410 ms
+    in a 192-token entry, 517 in a 256-token one), and below that mostly a fixed cost per call
+    (30 tokens 183 ms, 62 tokens 276), so finer steps pay only above 128
+    (docs/performance.md#2-prefill-a-token-ladder-instead-of-padding-to-the-context)."""
+    powers = {2 ** k for k in range(5, top.bit_length())}
+    between = {3 * 2 ** k for k in range(6, top.bit_length())}
+    return sorted(t for t in powers | between if t < top)
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     batch_ladder: tuple[int, ...] = (1, 2, 4)
@@ -44,7 +56,7 @@ class ExportOptions:
     model_name: str | None = None
     prefill_chunk: int | None = None  # tokensPerSeq of the prefill entries (None: the context)
     # Smaller prefill entries below the largest, so a short prompt is not padded to a whole
-    # context: tokensPerSeq values (None: powers of two from 32; () none).
+    # context: tokensPerSeq values (None: `default_prefill_tokens`; () none).
     prefill_tokens: tuple[int, ...] | None = None
     # tokensPerSeq of the verify entries (speculative decoding): a sequence's next token and a
     # draft checked in one call; () none. `tlaloc export` asks for 3, 5 and 9 (drafts of 2, 4
@@ -151,7 +163,7 @@ class ExportOptions:
         included (SmolLM2 f32: a 40-token prompt took 542 ms in a 256-token entry)."""
         top = self.tokens_per_seq(context)
         below = (self.prefill_tokens if self.prefill_tokens is not None
-                 else [2 ** k for k in range(5, top.bit_length())])
+                 else default_prefill_tokens(top))
         return sorted({t for t in below if t < top} | {top})
 
     @property
