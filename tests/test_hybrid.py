@@ -189,7 +189,7 @@ def test_two_sequences_batched_equal_their_solo_runs(hybrid):
     engine = Engine(Runtime(art))
     seqs = [engine.new_sequence(p) for p in prompts]
     first = logits = engine.prefill(seqs)
-    assert engine.last_entry == "prefill_b2_c256"
+    assert engine.last_entry == "prefill_b2_c256_t192"  # the 150-token row, 42 padding
     assert len({s.state_slot for s in seqs}) == 2
     ids = [[], []]
     for _ in range(12):
