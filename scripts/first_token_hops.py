@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Where a chat's time to first token goes, hop by hop, one request at a time: the same chat
-prompt sent through `tlaloc openai` (streamed, as aiperf sends it), then straight to the
-generate model over gRPC (the chat's ids, as the front end makes them), and the sequence
-model's calls for it read from its timing log (model parameter timing_log).
+"""Where a chat's time to first token goes, hop by hop, one request at a time: a chat sent
+through `tlaloc openai` (streamed, as aiperf sends it) with the sequence model's calls for it
+read from its timing log (model parameter timing_log), then another chat of the same length
+straight to the generate model over gRPC (its ids as the front end makes them).
 
 Serves the artifact (by default the demo's, artifacts/smollm2) from one tritonserver, every
 entry compiled before the first request, with `tlaloc openai` in front on a free loopback port.
@@ -26,12 +26,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import openai_bench as bench  # noqa: E402
 from triton_tlaloc.frontends.client import generate  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.triton.server import TritonServer, free_port  # noqa: E402
@@ -78,6 +80,14 @@ def main() -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.artifact / "tokenizer"))
     rng = random.Random(args.seed)
+
+    def new_chat() -> tuple[str, list[int]]:
+        """A chat of --words random words, and its ids as the front end makes them."""
+        content = " ".join(rng.choice(WORDS) for _ in range(args.words))
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                            add_generation_prompt=True)
+        return content, list(getattr(ids, "input_ids", ids))
+
     with tempfile.TemporaryDirectory(prefix="tlaloc-hops-") as tmp:
         timing = Path(tmp) / "timing.jsonl"
         repo = Path(tmp) / "repo"
@@ -91,25 +101,15 @@ def main() -> int:
         vllm_procs, vllm_port = [], None
         try:
             if args.vllm:
-                sys.path.insert(0, str(ROOT / "scripts"))
-                import openai_bench as bench
                 args.work.mkdir(parents=True, exist_ok=True)
                 vllm_bin = bench.venv(args.work / "vllm-venv", [bench.VLLM],
                                       remove=bench.VLLM_UNUSABLE)
                 vllm_port, vllm_procs = bench.start_vllm(
                     vllm_bin, bench.hf_folder(args.work / "smollm2-hf"), args.work)
-            for _ in range(100):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                    break
-                except OSError:
-                    time.sleep(0.5)
+            bench.wait_until_up(f"http://127.0.0.1:{port}/v1/models", front, "tlaloc openai", 120)
             rows = []
             for r in range(args.rounds + 1):
-                content = " ".join(rng.choice(WORDS) for _ in range(args.words))
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                                    add_generation_prompt=True)
-                ids = list(getattr(ids, "input_ids", ids))
+                content, ids = new_chat()
                 mark = timing.stat().st_size if timing.exists() else 0
                 chunk_ms, text_ms = openai_first_token_ms(port, content, 8)
                 with timing.open() as f:
@@ -118,12 +118,8 @@ def main() -> int:
                 vllm_ms = (openai_first_token_ms(vllm_port, content, 8)[1] if vllm_port
                            else float("nan"))
                 prefill = [c for c in calls if c["kind"] == "prefill"]
-                # the same ids once more, with a new word first so no block is reused
-                other = " ".join(rng.choice(WORDS) for _ in range(args.words))
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": other}],
-                                                    add_generation_prompt=True)
-                ids = list(getattr(ids, "input_ids", ids))
-                got = generate(server.grpc_url, "smollm2_generate", input_ids=ids,
+                # another chat of the same length, its ids straight to the generate model
+                got = generate(server.grpc_url, "smollm2_generate", input_ids=new_chat()[1],
                                sampling={"max_tokens": 8, "temperature": 0, "ignore_eos": True})
                 if r == 0:
                     continue  # warm-up

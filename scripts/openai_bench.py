@@ -23,7 +23,7 @@ environment is passed on to uv.
 Several `--artifact NAME=DIR` serve several tlaloc targets in the same run (`tlaloc-NAME`, each
 its own `tlaloc serve` and `tlaloc openai`), say the same model exported two ways; every
 tlaloc target's ratios are to vLLM's. `--timing-log` turns on the sequence model's timing log
-(one JSON line per engine call, in the work directory's tritonserver log).
+(one JSON line per engine call, in WORK/TARGET/timing.jsonl).
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ def start_tlaloc(artifact: Path, work: Path, timing_log: bool) -> tuple[int, lis
         config = repo / "smollm2" / "config.pbtxt"
         line = (f'  {{ key: "timing_log" value: {{ string_value: '
                 f'"{(work / "timing.jsonl").resolve()}" }} }},\n')
-        config.write_text(config.read_text().replace("parameters [\n", "parameters [\n" + line, 1))
+        text = config.read_text()
+        assert "parameters [\n" in text, config
+        config.write_text(text.replace("parameters [\n", "parameters [\n" + line, 1))
     http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
     serve = subprocess.Popen([str(BIN / "tlaloc"), "serve", str(repo), "--http-port", str(http),
                               "--grpc-port", str(grpc), "--metrics-port", str(metrics),
@@ -220,19 +222,18 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "artifacts" / "openai-bench")
     args = ap.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    unknown = set(args.targets.split(",")) - {"tlaloc", "vllm"}
-    if unknown:
-        raise SystemExit(f"--targets: unknown {sorted(unknown)} (tlaloc, vllm)")
+    asked = set(args.targets.split(","))
+    if asked - {"tlaloc", "vllm"}:
+        raise SystemExit(f"--targets: unknown {sorted(asked - {'tlaloc', 'vllm'})} (tlaloc, vllm)")
     artifacts = named_artifacts(args.artifact or [str(DEFAULT_ARTIFACT)])
-    targets = ((list(artifacts) if "tlaloc" in args.targets.split(",") else [])
-               + (["vllm"] if "vllm" in args.targets.split(",") else []))
+    targets = (list(artifacts) if "tlaloc" in asked else []) + (["vllm"] if "vllm" in asked else [])
     args.work.mkdir(parents=True, exist_ok=True)
     aiperf_bin = venv(args.work / "aiperf-venv", [AIPERF])
-    if not (DEFAULT_ARTIFACT / "tlaloc-serving.json").exists() and DEFAULT_ARTIFACT in \
-            artifacts.values():
-        log(f"exporting SmolLM2 to {DEFAULT_ARTIFACT} (the demo's artifact) ...")
-        subprocess.run([str(BIN / "tlaloc"), "export", "smollm2", str(DEFAULT_ARTIFACT),
-                        "--num-blocks", "257"], check=True)
+    for artifact in artifacts.values():
+        if not (artifact / "tlaloc-serving.json").exists():
+            log(f"exporting SmolLM2 to {artifact} (the demo's artifact) ...")
+            subprocess.run([str(BIN / "tlaloc"), "export", "smollm2", str(artifact),
+                            "--num-blocks", "257"], check=True)
     tokenizer = next(iter(artifacts.values())) / "tokenizer"
     ports, procs = {}, []
     try:

@@ -18,7 +18,6 @@ Nothing else should run on the machine.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -42,7 +41,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    os.environ.setdefault("TLALOC_COMPILE_ON_FIRST_USE", "1")
 
     from triton_tlaloc.engine.core import Engine
     from triton_tlaloc.kv.sequence import Sequence
