@@ -8,7 +8,9 @@ PASS/FAIL):
    ids equal transformers', first logits within 1e-3 of the largest;
 2. speed: a SmolLM2-135M-shaped random llama (30 layers, hidden 576, vocab 49,152, tied),
    f32 and bf16 weights, one sequence: prompt time and decode ms per token (median of 32)
-   against the weight-bytes floor at the device's copy rate (--bandwidth-gbs, H200 ~4,300);
+   against the weight-bytes floor at the device's copy rate (--bandwidth-gbs, H200 ~4,300),
+   and a decode step of 1, 4 and 8 rows (median of 16) with its parts (the runtime's inputs,
+   executable and copy, and the engine's own), also with the f32 layers unrolled;
 3. programs: a generic program at two row widths batched by shape, nine dtypes plus one, a
    running-sum state kept in place, and a bounded masked mean at every length 1-16;
 4. tensor parallel, when the machine has 2 or more devices: the tiny llama exported for 2 (and
@@ -126,17 +128,53 @@ def speed(work: Path, platform: str, bandwidth_gbs: float) -> list:
     AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_SHAPE)).save_pretrained(ckpt)
     rows = []
     prompt = [(i * 37 + 11) % 49000 + 100 for i in range(48)]
-    for dtype in ("f32", "bf16"):
-        art = export_artifact(ckpt, work / f"art-{dtype}", ExportOptions(
-            batch_ladder=(1,), context_ladder=(256,), prefill_tokens=(64,), weight_dtype=dtype))
+    for dtype, loop in (("f32", True), ("bf16", True), ("f32", False)):
+        name = f"{dtype}{'' if loop else ' unrolled'}"
+        art = export_artifact(ckpt, work / f"art-{dtype}-{loop}", ExportOptions(
+            batch_ladder=ROWS, context_ladder=(256,), prefill_tokens=(64,), weight_dtype=dtype,
+            layer_loop=loop))
         rt = Runtime(art, platform=platform)
         engine = Engine(rt)
         engine.generate_greedy(prompt, 4)  # warm-up
         g = engine.generate_greedy(prompt, 33)
         floor_ms = rt.weight_bytes / (bandwidth_gbs * 1e9) * 1e3
         ms = g.median_ms_per_token
-        rows.append((dtype, rt.weight_bytes / 2**20, g.prefill_ms, ms, floor_ms))
+        steps = {n: decode_step_ms(engine, prompt, n) for n in ROWS}
+        rows.append((name, rt.weight_bytes / 2**20, g.prefill_ms, ms, floor_ms, steps))
     return rows
+
+
+ROWS = (1, 4, 8)  # the speed row's decode batches: rows run as one product each up to 8
+
+
+def decode_step_ms(engine, prompt: list[int], rows: int) -> str:
+    """The median of 16 decode steps of `rows` sequences (after 2 untimed), each sequence the
+    prompt with a token of its own in front; and the mean step's parts in the runtime (inputs
+    put on the device, the executable, the logits copied back) and the rest in the engine."""
+    from triton_tlaloc.kv.sequence import Sequence
+
+    seqs = []
+    for r in range(rows):
+        seq = Sequence([])
+        engine.admit(seq, [100 + r, *prompt])
+        seq.token_ids.append(int(np.argmax(engine.prefill_chunked(seq)[0])))
+        seqs.append(seq)
+    times = []
+    phases = engine.rt.phase_seconds
+    for i in range(18):
+        if i == 2:
+            before = dict(phases)
+        t0 = time.perf_counter()
+        logits = engine.decode(seqs)
+        times.append(time.perf_counter() - t0)
+        for seq, row in zip(seqs, logits):
+            seq.token_ids.append(int(np.argmax(row)))
+    for seq in seqs:
+        engine.free(seq)
+    parts = {k: (phases[k] - before[k]) / 16 * 1e3 for k in ("inputs", "execute", "copy")}
+    parts["engine"] = float(np.mean(times[2:])) * 1e3 - sum(parts.values())
+    return (f"{float(np.median(times[2:])) * 1e3:.2f} ms (" +
+            ", ".join(f"{k} {v:.2f}" for k, v in parts.items()) + ")")
 
 
 def programs_on(work: Path, platform: str):
@@ -228,8 +266,9 @@ def main() -> int:
         def timed():
             speeds.extend(speed(work, args.platform, args.bandwidth_gbs))
             return ("; ".join(f"{d} {mib:.0f} MiB: prompt of 48 {p:.1f} ms, decode {ms:.2f} "
-                              f"ms/token ({ms / floor:.1f}x the {floor:.3f} ms floor)"
-                              for d, mib, p, ms, floor in speeds), True)
+                              f"ms/token ({ms / floor:.1f}x the {floor:.3f} ms floor), a step "
+                              f"of " + ", ".join(f"{n} rows {t}" for n, t in steps.items())
+                              for d, mib, p, ms, floor, steps in speeds), True)
         table.run(f"{args.platform}: SmolLM2-shaped decode", timed)
     ok = all(r["ok"] for r in table.rows)
     print(f"\n{sum(r['ok'] for r in table.rows)} of {len(table.rows)} checks passed")

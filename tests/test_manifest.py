@@ -115,6 +115,35 @@ def test_donation_pair_whose_dtypes_differ(artifact_copy):
         load_artifact(artifact_copy)
 
 
+def take_weight_as(prog_path: Path, slot: str, dtype: str) -> None:
+    """The program at prog_path taking weight `slot` as `dtype`."""
+    prog = json.loads(prog_path.read_text())
+    next(s for s in prog["inputs"] if s.get("slot") == slot)["dtype"] = dtype
+    prog_path.write_text(json.dumps(prog))
+
+
+def test_weight_taken_as_a_type_that_is_not_its_bits(artifact_copy):
+    """An f32 weight has no bits form: a program taking it as ui16 is refused."""
+    take_weight_as(artifact_copy / first_entry(artifact_copy)["program"], "layers.qkv", "ui16")
+    with pytest.raises(ArtifactError, match="weight slot layers.qkv is f32 .* in the weight table "
+                                            "but ui16"):
+        load_artifact(artifact_copy)
+
+
+def test_entries_that_take_a_weight_differently(tiny, tmp_path):
+    """A bf16 loop artifact's stacked weights are taken as their bits (ui16) by every entry; one
+    entry taking a slot as bf16 is refused, since one buffer on the device serves all."""
+    src = tiny.artifact("llama", False, "bf16", batch_ladder=(1,), context_ladder=(32,))
+    art = tmp_path / "art"
+    shutil.copytree(src, art)
+    assert load_artifact(art).weight_input_dtypes()["layers.qkv"] == "ui16"
+    second = json.loads((art / MANIFEST_NAME).read_text())["entries"][1]
+    take_weight_as(art / second["program"], "layers.qkv", "bf16")
+    with pytest.raises(ArtifactError, match="layers.qkv is bf16 in the program but ui16 in an "
+                                            "earlier entry's"):
+        load_artifact(art)
+
+
 def test_cli_reports_a_refusal_without_a_traceback(artifact_copy):
     edit_manifest(artifact_copy, lambda m: m.update(schema="tlaloc-bounded-v1"))
     proc = subprocess.run([sys.executable, "-m", "triton_tlaloc.cli", "run", str(artifact_copy),

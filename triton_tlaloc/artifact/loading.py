@@ -18,7 +18,7 @@ from .manifest import (DONATION_ROLES, ENTRY_KINDS, INPUT_ROLES, KNOWN_UNBUILT_S
                        SCHEMA_V3, SCHEMA_V4, STATE_POOL_IN, SUPPORTED_SCHEMAS, WEIGHT,
                        WINDOW_KV_POOL_IN, Artifact, ArtifactError, Entry, KvPool, LinearState,
                        ModelShape, Program, StatePool, WeightFile, WindowedKv, leading_outputs,
-                       numpy_dtype)
+                       numpy_dtype, takes_as)
 from .sharding import TensorParallel
 from .stablehlo import MainSignature, num_partitions, parse_main_signature
 
@@ -53,10 +53,12 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     state_pools = {p.name: p for p in art.state_pools}
     _check_tensor_parallel(art.tensor_parallel, weights, {**pools, **state_pools}, mpath)
     program_shapes = {w.slot: _program_shape(art.tensor_parallel, w) for w in art.weights}
+    weight_inputs: dict[str, str] = {}  # each slot's and pool's dtype in the programs
+    pool_inputs: dict[str, str] = {}
     for raw in manifest["entries"]:
         entry = _read_entry(root, mpath, raw)
         _check_program(entry, art.model, weights, pools, state_pools, root / entry.program_path,
-                       program_shapes)
+                       program_shapes, weight_inputs, pool_inputs)
         if check_bodies:
             _check_body(entry, root / entry.body, art.devices)
         art.entries[entry.name] = entry
@@ -222,7 +224,8 @@ def _check_linear_state(ls: LinearState, mpath: Path) -> None:
 
 def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFile],
                    pools: dict[str, KvPool], state_pools: dict[str, StatePool],
-                   prog_path: Path, program_shapes: dict[str, tuple[int, ...]]) -> None:
+                   prog_path: Path, program_shapes: dict[str, tuple[int, ...]],
+                   weight_inputs: dict[str, str], pool_inputs: dict[str, str]) -> None:
     prog = entry.program
     for s in prog.inputs:
         if s.role not in INPUT_ROLES:
@@ -232,10 +235,15 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
             if w is None:
                 raise _refuse(f"entry {entry.name}: input {s.name} names weight slot {s.slot}, "
                               f"which the weight table does not have", prog_path)
-            if (w.dtype, program_shapes[s.slot]) != (s.dtype, s.shape):
+            if not takes_as(s.dtype, w.dtype) or program_shapes[s.slot] != s.shape:
                 raise _refuse(f"entry {entry.name}: weight slot {s.slot} is {w.dtype} "
                               f"{list(program_shapes[s.slot])} in the weight table but "
                               f"{s.dtype} {list(s.shape)} in the program", prog_path)
+            # One buffer on the device serves every entry, so all take a slot alike.
+            taken = weight_inputs.setdefault(s.slot, s.dtype)
+            if taken != s.dtype:
+                raise _refuse(f"entry {entry.name}: weight slot {s.slot} is {s.dtype} in the "
+                              f"program but {taken} in an earlier entry's", prog_path)
         if s.role == STATE_POOL_IN:
             sp = state_pools.get(s.pool)
             if sp is None or (sp.dtype, sp.shape) != (s.dtype, s.shape):
@@ -244,9 +252,14 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
         elif s.role in POOL_IN_ROLES:
             p = pools.get(s.pool)
             want_class = "windowed" if s.role == WINDOW_KV_POOL_IN else "full"
-            if p is None or (p.dtype, p.shape, p.pool_class) != (s.dtype, s.shape, want_class):
+            if (p is None or not takes_as(s.dtype, p.dtype)
+                    or (p.shape, p.pool_class) != (s.shape, want_class)):
                 raise _refuse(f"entry {entry.name}: input {s.name} does not match KV pool "
                               f"{s.pool} of the manifest", prog_path)
+            taken = pool_inputs.setdefault(s.pool, s.dtype)
+            if taken != s.dtype:
+                raise _refuse(f"entry {entry.name}: KV pool {s.pool} is {s.dtype} in the "
+                              f"program but {taken} in an earlier entry's", prog_path)
     for s in prog.outputs:
         if s.role not in OUTPUT_ROLES:
             raise _refuse(f"entry {entry.name}: output {s.name} has unknown role {s.role}", prog_path)

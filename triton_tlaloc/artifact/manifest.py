@@ -80,10 +80,26 @@ _NUMPY_DTYPES = {
     "i16": "int16",
     "i8": "int8",
     "ui8": "uint8",
+    "ui16": "uint16",
     "ui32": "uint32",
     "i1": "bool",
     "f8E4M3FN": "float8_e4m3fn",
 }
+
+
+# A tensor a program may take as its bits: unsigned integers of the same width, which the program
+# bitcasts to the tensor's own type where it reads it. XLA's CPU backend has no dynamic slice,
+# gather or scatter of bf16 or f8 values: given the layer loop's stacked bf16 weights it widens
+# every layer to f32 on each call before slicing one out, and given an f8 pool it copies the
+# whole pool on the way in and out, where a slice of integers is read in place
+# (docs/artifact-format.md#tensors-taken-as-their-bits).
+BITS = {"bf16": "ui16", "f8E4M3FN": "ui8"}
+
+
+def takes_as(program_dtype: str, stored_dtype: str) -> bool:
+    """Whether a program's `program_dtype` takes a weight or pool stored as `stored_dtype`: the
+    same type, or its bits (BITS)."""
+    return program_dtype in (stored_dtype, BITS.get(stored_dtype))
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -429,6 +445,22 @@ class Artifact:
     @property
     def state_pools(self) -> tuple[StatePool, ...]:
         return self.linear_state.pools if self.linear_state is not None else ()
+
+    def weight_input_dtypes(self) -> dict[str, str]:
+        """Each weight slot's dtype in the programs: the file's own or its bits (BITS), alike in
+        every entry (the loader checks), so one buffer serves them all."""
+        taken = {w.slot: w.dtype for w in self.weights}
+        for e in self.entries.values():
+            taken.update((s.slot, s.dtype) for s in e.program.inputs if s.role == WEIGHT)
+        return taken
+
+    def pool_input_dtypes(self) -> dict[str, str]:
+        """Each KV and state pool's dtype in the programs (its own, or its bits), as the device
+        holds it."""
+        taken = {p.name: p.dtype for p in (*self.pools, *self.state_pools)}
+        for e in self.entries.values():
+            taken.update((s.pool, s.dtype) for s in e.program.inputs if s.role in POOL_IN_ROLES)
+        return taken
 
     def entries_of(self, kind: str) -> list[Entry]:
         return sorted((e for e in self.entries.values() if e.kind == kind),

@@ -24,33 +24,16 @@ import ml_dtypes
 import numpy as np
 
 
-# An fp8 (e4m3fn) pool inside a program is held as its bytes, uint8. XLA's CPU backend has no
-# f8 arithmetic: its float normalization runs a gather or scatter of an f8 array in f16, which
-# converts the WHOLE pool f8 -> f16 at the start of every call and back at its end (SmolLM2,
-# fp8 KV at context 1,024: 1.7 s a token against 29 ms with f32 KV). On the bytes the scatters
-# and gathers move integers: `as_bits` bitcasts the pool parameter once, `take_pages` bitcasts
-# only the pages it gathers back to e4m3fn (attention widens them to f32), `to_bits` is a
-# write's codes as bytes, and `as_stored` bitcasts the pool the program returns back to its
-# dtype, so the signature and the pools' donation are the pools' own (45 ms a token). The two
-# whole-pool bitcasts are what is left: XLA's CPU backend runs each as a copy of the pool, not
-# in place (the first into a temporary buffer); four codes to a uint32 were measured barely
-# faster. Every other pool passes through each of these functions as itself (the same
-# program, op for op).
+# An fp8 (e4m3fn) pool is held as its bytes, uint8: the programs take and return it so
+# (manifest.BITS). XLA's CPU backend has no f8 arithmetic: its float normalization runs a gather
+# or scatter of an f8 array in f16, which converts the WHOLE pool f8 -> f16 at the start of every
+# call and back at its end (SmolLM2, fp8 KV at context 1,024: 1.7 s a token against 29 ms with
+# f32 KV). On the bytes the scatters and gathers move integers: `take_pages` bitcasts only the
+# pages it gathers back to e4m3fn (attention widens them to f32) and `to_bits` is a write's codes
+# as bytes. A program that took the pool as e4m3fn and bitcast it to bytes inside would copy the
+# whole pool twice a call (XLA's CPU backend runs a whole-array bitcast as a copy): a SmolLM2
+# step over 300 pages took 37 ms against 20 (docs/performance.md#tensors-taken-as-their-bits).
 FP8, FP8_BITS = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8)
-
-
-def as_bits(pool):
-    """A pool parameter as the program moves it: an fp8 pool's bytes, any other pool itself."""
-    from jax import lax
-
-    return lax.bitcast_convert_type(pool, FP8_BITS) if pool.dtype == FP8 else pool
-
-
-def as_stored(pool, dtype):
-    """A pool the program returns, in its own dtype again (`as_bits` undone)."""
-    from jax import lax
-
-    return lax.bitcast_convert_type(pool, dtype) if pool.dtype != dtype else pool
 
 
 def to_bits(codes):

@@ -32,11 +32,11 @@ import numpy as np
 
 from .config import DecoderConfig
 from .quant import code_dtype
-from ..artifact.manifest import (BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS, SEQ_LENS,
-                                 SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS,
-                                 TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES, WINDOW_KV_POOL_IN,
-                                 WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING, KvPool, Program,
-                                 StatePool, TensorSpec, WindowedKv, leading_outputs)
+from ..artifact.manifest import (BITS, BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS,
+                                 SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS,
+                                 TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES,
+                                 WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING, KvPool,
+                                 Program, StatePool, TensorSpec, WindowedKv, leading_outputs)
 from ..artifact.sharding import TensorParallel, mesh_sharding
 
 
@@ -247,18 +247,23 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
             return state_role
         return windowed_role if p.pool_class == "windowed" else kv_role
 
+    # Pools and stacked weights of bf16 or f8 values are taken as their bits (manifest.BITS):
+    # an f8 pool is gathered and scattered as bytes, a stacked weight sliced a layer at a time.
     for p in (*pools, *states):
         inputs.append(TensorSpec(f"{p.name}.in", role_of(p, WINDOW_KV_POOL_IN, KV_POOL_IN,
                                                           STATE_POOL_IN),
-                                 p.dtype, p.shape, pool=p.name))
+                                 BITS.get(p.dtype, p.dtype), p.shape, pool=p.name))
     for s in weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop):
-        inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, s.dtype(weight_dtype), s.shape, slot=s.name))
+        dtype = s.dtype(weight_dtype)
+        if s.name.startswith(STACKED):
+            dtype = BITS.get(dtype, dtype)
+        inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, dtype, s.shape, slot=s.name))
     outputs = list(leading_outputs(kind, b, t, cfg.vocab_size))
     first_pool = len(outputs)
     for p in (*pools, *states):
         outputs.append(TensorSpec(f"{p.name}.out", role_of(p, WINDOW_KV_POOL_OUT, KV_POOL_OUT,
                                                             STATE_POOL_OUT),
-                                  p.dtype, p.shape, pool=p.name))
+                                  BITS.get(p.dtype, p.dtype), p.shape, pool=p.name))
     donation = tuple((first_pool + i, pool_start + i) for i in range(len(pools) + len(states)))
     return Program(name, tuple(inputs), tuple(outputs), donation)
 
@@ -287,7 +292,6 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     tensor-parallel program, whose fused weights hold each device's part of every fused part
     (layers.split_fused)."""
     from . import layers
-    from .attention import as_bits, as_stored
 
     slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop)
     names = [s.name for s in slots]
@@ -310,9 +314,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         token_ids, positions, block_tables, seq_lens, slot_mapping = args[:5]
         window_tables, window_slots = args[5:7] if windowed is not None else (None, None)
         state_slots = args[n_step - 1] if cfg.linear is not None else None
-        # An fp8 pool is moved as its bytes (attention.as_bits), its dtype again on the way out.
-        dtypes = [p.dtype for p in args[n_step:n_step + n_pools]]
-        pools = [as_bits(p) for p in args[n_step:n_step + n_pools]]
+        pools = list(args[n_step:n_step + n_pools])  # an fp8 pool as its bytes
         w = dict(zip(names, args[n_step + n_pools:]))
         # The embedding, then the step's scatter indices: the order of the lowered text.
         x = layers.embed(g, w, token_ids)
@@ -326,7 +328,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                 a, b = pool_of[i]
                 x, new_pools[a], new_pools[b] = layers.decoder_layer(g, step, w, i, x, pools[a],
                                                                      pools[b])
-        return (*outputs(x, w), *(as_stored(p, d) for p, d in zip(new_pools, dtypes)))
+        return (*outputs(x, w), *new_pools)
 
     return fn
 

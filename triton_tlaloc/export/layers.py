@@ -29,7 +29,7 @@ from jax import lax
 from . import linear_attention as la_ops
 from .attention import FP8, FP8_BITS, LayerPool, by_length, one_pass, ring, to_bits
 from .config import DecoderConfig
-from ..artifact.manifest import WindowedKv
+from ..artifact.manifest import WindowedKv, numpy_dtype
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
@@ -185,7 +185,7 @@ def split_fused(g: Graph, x, widths):
 def to_pool(x, dtype):
     """Keys and values as a pool stores them. An fp8 (e4m3fn) pool has no scale: a value is
     stored as itself, clamped to +-448 (e4m3fn has no infinity: a larger value would be NaN),
-    and written as its code's byte: the program holds the pool as bytes (attention.as_bits;
+    and written as its code's byte: the program holds the pool as bytes (manifest.BITS;
     `dtype` is then uint8). Attention widens the codes to f32 as it reads them."""
     if dtype in (FP8, FP8_BITS):
         codes = jnp.clip(x, -448.0, 448.0).astype(FP8)
@@ -221,7 +221,9 @@ def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
     def body(carry, xs):
         x, k_all, v_all = carry
         layer, parts = xs
-        w_layer = {f"l0.{part}": a for part, a in parts.items()}
+        # A bf16 or f8 weight came in as its bits (manifest.BITS): its own type again
+        # here, after the slice, where the product fuses the widening into its reads.
+        w_layer = {f"l0.{part}": stored_type(g, f"l0.{part}", a) for part, a in parts.items()}
         x, k, v = decoder_layer(g, step, w_layer, 0, x, LayerPool(k_all, layer),
                                 LayerPool(v_all, layer))
         return (x, k.stacked, v.stacked), None
@@ -229,6 +231,12 @@ def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
     layer_ids = jnp.arange(g.cfg.num_layers, dtype=jnp.int32)
     (x, k_pool, v_pool), _ = lax.scan(body, (x, k_pool, v_pool), (layer_ids, stacked))
     return x, (k_pool, v_pool)
+
+
+def stored_type(g: Graph, name: str, a):
+    """A weight slot's array in the slot's own dtype (an array of its bits bitcast back)."""
+    dtype = numpy_dtype(g.slot_of[name].dtype("bf16" if g.bf16 else "f32"))
+    return a if a.dtype == dtype else lax.bitcast_convert_type(a, dtype)
 
 
 def decoder_layer(g: Graph, step: Step, w: dict, i: int, x, pool_a, pool_b):

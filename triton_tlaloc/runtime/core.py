@@ -226,8 +226,10 @@ class Runtime:
         total = 0
         tp = self.artifact.tensor_parallel
         n = self.device.size
+        # A file's bytes go up as the programs take them: its dtype, or its bits.
+        as_taken = self.artifact.weight_input_dtypes()
         for w in self.artifact.weights:
-            path, dtype = self.artifact.path / w.file, numpy_dtype(w.dtype)
+            path, dtype = self.artifact.path / w.file, numpy_dtype(as_taken[w.slot])
             split = tp.weights.get(w.slot) if tp is not None else None
             if split is None:
                 out[w.slot] = self.device.put(np.fromfile(path, dtype=dtype).reshape(w.shape))
@@ -259,8 +261,9 @@ class Runtime:
         """The KV pools and the linear-attention state pools (schema v4), zeroed on the device."""
         every = (*self.artifact.pools, *self.artifact.state_pools)
         tp = self.artifact.tensor_parallel
+        held = self.artifact.pool_input_dtypes()  # an f8 pool as its bytes (manifest.BITS)
         specs = [(p.shape if tp is None else tp.pools[p.name].shard_shape(p.shape, tp.devices),
-                  numpy_dtype(p.dtype)) for p in every]
+                  numpy_dtype(held[p.name])) for p in every]
         pools = dict(zip((p.name for p in every), self.device.zeros(specs)))
         for value in pools.values():
             self.device.first(value).block_until_ready()

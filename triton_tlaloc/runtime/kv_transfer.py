@@ -47,8 +47,10 @@ def bucket(n: int) -> int:
 
 
 def pool_specs(art) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Every KV and state pool's (shape, numpy dtype) by name, from the manifest."""
-    return {p.name: (tuple(p.shape), numpy_dtype(p.dtype))
+    """Every KV and state pool's (shape, numpy dtype) by name, as the device holds it: the
+    manifest's shape, the programs' dtype (an f8 pool's bytes, manifest.BITS)."""
+    held = art.pool_input_dtypes()
+    return {p.name: (tuple(p.shape), numpy_dtype(held[p.name]))
             for p in (*art.pools, *art.state_pools)}
 
 
@@ -208,7 +210,8 @@ class PageTransfer:
 def _bytes(x):
     """An fp8 array as its bytes, any other as itself. XLA's CPU backend gathers and scatters f8
     in f16, converting the whole pool there and back on every call; on the bytes it moves
-    integers (the entries hold fp8 pools the same way: export/attention.as_bits)."""
+    integers. The pools of a current artifact are held as bytes already (manifest.BITS); an
+    older artifact's programs take them as e4m3fn."""
     from jax import lax
 
     if "float8" in str(x.dtype):
