@@ -53,12 +53,10 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     state_pools = {p.name: p for p in art.state_pools}
     _check_tensor_parallel(art.tensor_parallel, weights, {**pools, **state_pools}, mpath)
     program_shapes = {w.slot: _program_shape(art.tensor_parallel, w) for w in art.weights}
-    weight_inputs: dict[str, str] = {}  # each slot's and pool's dtype in the programs
-    pool_inputs: dict[str, str] = {}
     for raw in manifest["entries"]:
         entry = _read_entry(root, mpath, raw)
-        _check_program(entry, art.model, weights, pools, state_pools, root / entry.program_path,
-                       program_shapes, weight_inputs, pool_inputs)
+        _check_program(entry, art, weights, pools, state_pools, root / entry.program_path,
+                       program_shapes)
         if check_bodies:
             _check_body(entry, root / entry.body, art.devices)
         art.entries[entry.name] = entry
@@ -222,10 +220,20 @@ def _check_linear_state(ls: LinearState, mpath: Path) -> None:
                           f"imply {list(shape)}", mpath)
 
 
-def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFile],
+def _taken_alike(taken: dict[str, str], name: str, dtype: str, what: str, entry: Entry,
+                 prog_path: Path) -> None:
+    """One buffer on the device serves every entry, so all take a weight or pool alike."""
+    first = taken.setdefault(name, dtype)
+    if first != dtype:
+        raise _refuse(f"entry {entry.name}: {what} is {dtype} in the program but {first} in an "
+                      f"earlier entry's", prog_path)
+
+
+def _check_program(entry: Entry, art: Artifact, weights: dict[str, WeightFile],
                    pools: dict[str, KvPool], state_pools: dict[str, StatePool],
-                   prog_path: Path, program_shapes: dict[str, tuple[int, ...]],
-                   weight_inputs: dict[str, str], pool_inputs: dict[str, str]) -> None:
+                   prog_path: Path, program_shapes: dict[str, tuple[int, ...]]) -> None:
+    """The program against the manifest; records how it takes each weight and KV pool in
+    art.weight_inputs and art.pool_inputs (the first entry's way, which the others must share)."""
     prog = entry.program
     for s in prog.inputs:
         if s.role not in INPUT_ROLES:
@@ -239,11 +247,8 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
                 raise _refuse(f"entry {entry.name}: weight slot {s.slot} is {w.dtype} "
                               f"{list(program_shapes[s.slot])} in the weight table but "
                               f"{s.dtype} {list(s.shape)} in the program", prog_path)
-            # One buffer on the device serves every entry, so all take a slot alike.
-            taken = weight_inputs.setdefault(s.slot, s.dtype)
-            if taken != s.dtype:
-                raise _refuse(f"entry {entry.name}: weight slot {s.slot} is {s.dtype} in the "
-                              f"program but {taken} in an earlier entry's", prog_path)
+            _taken_alike(art.weight_inputs, s.slot, s.dtype, f"weight slot {s.slot}", entry,
+                         prog_path)
         if s.role == STATE_POOL_IN:
             sp = state_pools.get(s.pool)
             if sp is None or (sp.dtype, sp.shape) != (s.dtype, s.shape):
@@ -256,14 +261,12 @@ def _check_program(entry: Entry, model: ModelShape, weights: dict[str, WeightFil
                     or (p.shape, p.pool_class) != (s.shape, want_class)):
                 raise _refuse(f"entry {entry.name}: input {s.name} does not match KV pool "
                               f"{s.pool} of the manifest", prog_path)
-            taken = pool_inputs.setdefault(s.pool, s.dtype)
-            if taken != s.dtype:
-                raise _refuse(f"entry {entry.name}: KV pool {s.pool} is {s.dtype} in the "
-                              f"program but {taken} in an earlier entry's", prog_path)
+            _taken_alike(art.pool_inputs, s.pool, s.dtype, f"KV pool {s.pool}", entry,
+                         prog_path)
     for s in prog.outputs:
         if s.role not in OUTPUT_ROLES:
             raise _refuse(f"entry {entry.name}: output {s.name} has unknown role {s.role}", prog_path)
-    _check_leading_outputs(entry, model, prog_path)
+    _check_leading_outputs(entry, art.model, prog_path)
     for out_i, in_i in prog.donation:
         if not (0 <= out_i < len(prog.outputs) and 0 <= in_i < len(prog.inputs)):
             raise _refuse(f"entry {entry.name}: donation pair ({out_i}, {in_i}) is out of range",

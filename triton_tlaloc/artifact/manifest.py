@@ -431,6 +431,10 @@ class Artifact:
     windowed: WindowedKv | None = None
     linear_state: LinearState | None = None
     tensor_parallel: TensorParallel | None = None  # model.tensorParallel: programs for N devices
+    # Each weight slot's and KV pool's dtype as the programs take it (its own, or its bits:
+    # BITS), alike in every entry: the loader fills them as it checks each program.
+    weight_inputs: dict[str, str] = field(default_factory=dict, repr=False)
+    pool_inputs: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def devices(self) -> int:
@@ -447,20 +451,14 @@ class Artifact:
         return self.linear_state.pools if self.linear_state is not None else ()
 
     def weight_input_dtypes(self) -> dict[str, str]:
-        """Each weight slot's dtype in the programs: the file's own or its bits (BITS), alike in
-        every entry (the loader checks), so one buffer serves them all."""
-        taken = {w.slot: w.dtype for w in self.weights}
-        for e in self.entries.values():
-            taken.update((s.slot, s.dtype) for s in e.program.inputs if s.role == WEIGHT)
-        return taken
+        """Each weight slot's dtype as the device holds it: as the programs take it, the file's
+        own or its bits (BITS), so one buffer serves every entry."""
+        return {w.slot: self.weight_inputs.get(w.slot, w.dtype) for w in self.weights}
 
     def pool_input_dtypes(self) -> dict[str, str]:
-        """Each KV and state pool's dtype in the programs (its own, or its bits), as the device
-        holds it."""
-        taken = {p.name: p.dtype for p in (*self.pools, *self.state_pools)}
-        for e in self.entries.values():
-            taken.update((s.pool, s.dtype) for s in e.program.inputs if s.role in POOL_IN_ROLES)
-        return taken
+        """Each KV and state pool's dtype as the device holds it: its own, or its bits."""
+        return {p.name: self.pool_inputs.get(p.name, p.dtype)
+                for p in (*self.pools, *self.state_pools)}
 
     def entries_of(self, kind: str) -> list[Entry]:
         return sorted((e for e in self.entries.values() if e.kind == kind),

@@ -43,11 +43,18 @@ def to_bits(codes):
     return lax.bitcast_convert_type(codes, FP8_BITS)
 
 
-def from_bits(pages):
-    """Pages read from a pool: an fp8 pool's bytes as e4m3fn codes, any other pool's as read."""
+# What a program reads a tensor held as its bits (manifest.BITS) as: bf16 from uint16, e4m3fn
+# from uint8 (no other weight or pool is held as unsigned integers).
+FROM_BITS = {np.dtype(np.uint16): np.dtype(ml_dtypes.bfloat16), FP8_BITS: FP8}
+
+
+def from_bits(x):
+    """Values held as their bits in their own type again (an fp8 pool's pages, a layer of a
+    stacked bf16 or f8 weight); anything else as it is."""
     from jax import lax
 
-    return lax.bitcast_convert_type(pages, FP8) if pages.dtype == FP8_BITS else pages
+    dtype = FROM_BITS.get(np.dtype(x.dtype))
+    return x if dtype is None else lax.bitcast_convert_type(x, dtype)
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ import numpy as np
 from jax import lax
 
 from . import linear_attention as la_ops
-from .attention import FP8, FP8_BITS, LayerPool, by_length, one_pass, ring, to_bits
+from .attention import FP8, FP8_BITS, LayerPool, by_length, from_bits, one_pass, ring, to_bits
 from .config import DecoderConfig
-from ..artifact.manifest import WindowedKv, numpy_dtype
+from ..artifact.manifest import WindowedKv
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
@@ -223,7 +223,7 @@ def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
         layer, parts = xs
         # A bf16 or f8 weight came in as its bits (manifest.BITS): its own type again
         # here, after the slice, where the product fuses the widening into its reads.
-        w_layer = {f"l0.{part}": stored_type(g, f"l0.{part}", a) for part, a in parts.items()}
+        w_layer = {f"l0.{part}": from_bits(a) for part, a in parts.items()}
         x, k, v = decoder_layer(g, step, w_layer, 0, x, LayerPool(k_all, layer),
                                 LayerPool(v_all, layer))
         return (x, k.stacked, v.stacked), None
@@ -231,12 +231,6 @@ def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
     layer_ids = jnp.arange(g.cfg.num_layers, dtype=jnp.int32)
     (x, k_pool, v_pool), _ = lax.scan(body, (x, k_pool, v_pool), (layer_ids, stacked))
     return x, (k_pool, v_pool)
-
-
-def stored_type(g: Graph, name: str, a):
-    """A weight slot's array in the slot's own dtype (an array of its bits bitcast back)."""
-    dtype = numpy_dtype(g.slot_of[name].dtype("bf16" if g.bf16 else "f32"))
-    return a if a.dtype == dtype else lax.bitcast_convert_type(a, dtype)
 
 
 def decoder_layer(g: Graph, step: Step, w: dict, i: int, x, pool_a, pool_b):
