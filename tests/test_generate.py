@@ -4,8 +4,10 @@ model's client-side greedy ids (generation/sampling.py alone: tests/unit/test_sa
 
 from __future__ import annotations
 
+import json
 import threading
 
+import numpy as np
 import pytest
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, generate, generate_http,
@@ -376,3 +378,165 @@ def test_the_repository_command_names_the_draft_model(tiny, tmp_path):
     assert main(["repository", str(art), str(tmp_path), "--name", "plain"]) == 0
     text = (tmp_path / "plain_generate" / "config.pbtxt").read_text()
     assert '{ key: "draft_model" value: { string_value: "" } }' in text
+
+
+# ------------------------------------------------------------------ structured output
+
+PERSON = {  # held out from the unit tests' schemas: enums, bounds, nested objects, a pattern
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,7}$"},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "job": {"enum": ["baker", "pilot", "nurse", "teacher"]},
+        "skills": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+            "type": "object",
+            "properties": {"skill": {"enum": ["cooking", "flying", "singing"]},
+                           "level": {"type": "integer", "minimum": 1, "maximum": 5}},
+            "required": ["skill", "level"], "additionalProperties": False}},
+    },
+    "required": ["name", "age", "job", "skills"],
+    "additionalProperties": False,
+}
+ASK_PERSON = [{"role": "user", "content": "Invent a person. Answer in JSON."}]
+
+
+def validated(text: str) -> dict:
+    import jsonschema
+
+    answer = json.loads(text)
+    jsonschema.validate(answer, PERSON)
+    return answer
+
+
+def _constrained_reference(model, gguf_tokenizer_json: str, prompt: list[int], schema: dict,
+                           stops: set[int], steps: int, shift: int = 0) -> list[int]:
+    """The oracle: greedy over transformers' logits with llguidance's mask for the schema
+    applied (the end ids allowed exactly when the grammar accepts), built here from
+    llguidance's own API, not the project's. `shift` rolls the mask by that many ids (the
+    negative control)."""
+    import llguidance
+    import llguidance.numpy as llnp
+    import torch
+
+    vocab = model.config.vocab_size
+    tokenizer = llguidance.LLTokenizer(gguf_tokenizer_json, n_vocab=vocab)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        schema, overrides={"whitespace_flexible": False})
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    bits = llnp.allocate_token_bitmask(1, vocab)
+    ids, past, feed = [], None, prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(torch.tensor([feed]), past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1].numpy()
+            llnp.fill_next_token_bitmask(matcher, bits)
+            allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+            allowed[list(stops)] = matcher.is_accepting()
+            allowed[tokenizer.eos_tokens] = matcher.is_accepting()
+            allowed = np.roll(allowed, shift)
+            token = int(np.argmax(np.where(allowed, logits, -np.inf)))
+            if token in stops:
+                return ids
+            ids.append(token)
+            if not matcher.consume_token(token):
+                return ids + [-1]  # the grammar refused it: only the shifted mask gets here
+            feed = [token]
+    return ids
+
+
+@pytest.mark.parametrize("loop", ["", "_bls"], ids=["local loop", "BLS loop"])
+def test_structured_output_gives_json_that_validates_in_every_loop(served, loop):
+    """SmolLM2 asked for a person under a held-out JSON schema, greedy (over gRPC and over
+    HTTP) and sampled (temperature, top-k and top-p, seeded): every answer parses, validates
+    and ends by stop."""
+    server, tok = served
+    prompt = tok.apply_chat_template(ASK_PERSON)
+    model = f"smollm2_generate{loop}"
+    for url, send, sampling in (
+            (server.grpc_url, generate, {}),
+            (server.http_url, generate_http, {}),
+            (server.grpc_url, generate, {"temperature": 1.2, "top_k": 20, "top_p": 0.95,
+                                         "seed": 2})):
+        sampling = {**sampling, "max_tokens": 80,
+                    "structured_output": {"json_schema": PERSON}}
+        got = send(url, model, input_ids=prompt, sampling=sampling)
+        assert got.error is None and got.finish_reason == "stop", (sampling, got)
+        validated(got.text)
+
+
+def test_greedy_structured_ids_equal_transformers_under_the_same_mask(served,
+                                                                      smollm2_transformers):
+    """The ids of a constrained greedy generation equal the argmax of transformers' logits
+    with llguidance's mask for the same schema applied, token for token (the oracle builds
+    its mask from llguidance directly). Negative control: the oracle's mask rolled by one id
+    gives other ids."""
+    from checks.oracle import load_reference
+
+    server, tok = served
+    prompt = tok.apply_chat_template(ASK_PERSON)
+    got = generate(server.grpc_url, "smollm2_generate", input_ids=prompt,
+                   sampling={"max_tokens": 80, "structured_output": {"json_schema": PERSON}})
+    assert got.finish_reason == "stop"
+    model = load_reference(smollm2_transformers)
+    tokenizer_json = (smollm2_transformers / "tokenizer.json").read_text(encoding="utf-8")
+    stops = {tok.eos_token_id}
+    want = _constrained_reference(model, tokenizer_json, prompt, PERSON, stops, 80)
+    assert got.token_ids == want and len(want) > 10
+    wrong = _constrained_reference(model, tokenizer_json, prompt, PERSON, stops, 80, shift=1)
+    assert wrong != got.token_ids
+
+
+@pytest.mark.parametrize("loop", ["", "_bls"], ids=["local loop", "BLS loop"])
+def test_a_constraint_that_cannot_compile_is_refused_by_name(served, loop):
+    server, _ = served
+    prompt = [1, 17, 99]
+    for constraint, says in (({"regex": "[a-"}, "structured_output.regex"),
+                             ({"json_schema": {"type": "strin"}}, "Invalid type: strin"),
+                             ({"choice": []}, "structured_output.choice []"),
+                             ({"grammar": 'root ::= "a'}, "structured_output.grammar")):
+        got = generate(server.grpc_url, f"smollm2_generate{loop}", input_ids=prompt,
+                       sampling={"structured_output": constraint})
+        assert got.status == "INVALID_ARGUMENT" and says in got.error, (constraint, got)
+        assert got.responses == 1
+    # llama's tiny artifact has no tokenizer to constrain with
+    got = generate(server.grpc_url, f"llama_generate{loop}", input_ids=PROMPT,
+                   sampling={"structured_output": {"regex": "a"}})
+    assert got.status == "INVALID_ARGUMENT" and "tokenizer" in got.error
+
+
+def test_the_openai_response_format_gives_json_that_validates(served, openai_url):
+    """response_format json_schema (streamed and not) and json_object through the openai
+    package; vLLM's guided_json alike; a bad schema and two constraints at once are 400s."""
+    import openai
+
+    client = openai.OpenAI(base_url=openai_url, api_key="unused")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                  "strict": True}}
+    chat = client.chat.completions.create(model="smollm2", messages=ASK_PERSON, temperature=0,
+                                          max_tokens=80, response_format=fmt)
+    assert chat.choices[0].finish_reason == "stop"
+    answer = validated(chat.choices[0].message.content)
+    chunks = list(client.chat.completions.create(
+        model="smollm2", messages=ASK_PERSON, temperature=0, max_tokens=80,
+        response_format=fmt, stream=True))
+    assert validated("".join(c.choices[0].delta.content or "" for c in chunks)) == answer
+    guided = client.chat.completions.create(model="smollm2", messages=ASK_PERSON,
+                                            temperature=0, max_tokens=80,
+                                            extra_body={"guided_json": PERSON})
+    assert validated(guided.choices[0].message.content) == answer
+    anything = client.completions.create(model="smollm2", prompt="A JSON object: ",
+                                         max_tokens=60, temperature=0, seed=1,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].text), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert anything.choices[0].text.startswith("{")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    with pytest.raises(openai.BadRequestError, match="Invalid type: strin"):
+        client.chat.completions.create(model="smollm2", messages=ASK_PERSON, response_format=bad)
+    with pytest.raises(openai.BadRequestError, match="at most one constraint"):
+        client.chat.completions.create(model="smollm2", messages=ASK_PERSON, response_format=fmt,
+                                       extra_body={"guided_regex": "a+"})
+    with pytest.raises(openai.BadRequestError, match="response_format.type"):
+        client.chat.completions.create(model="smollm2", messages=ASK_PERSON,
+                                       response_format={"type": "yaml"})

@@ -28,6 +28,7 @@ from .kv.host_tier import HostTier
 from .runtime.kv_transfer import PageTransfer, transfer_buckets
 from .generation.link_server import LocalGenerations
 from .generation.local_generation import Speculation
+from .generation.structured import Grammars
 from .artifact.loading import load_artifact
 from .runtime.memory import resident_bytes
 from .scheduling.observer import TimingLog
@@ -113,9 +114,11 @@ class TritonPythonModel:
         self.local = None
         if parse_bool(params["local_generation"]):
             speculation = Speculation.of(self.batcher.engine, self.batcher.stats.entry_seconds)
+            grammars = Grammars(artifact.tokenizer_dir, artifact.model.vocab,
+                                list(artifact.model.eos_token_ids))
             self.local = LocalGenerations.open(args["model_name"], self.batcher.submit_group,
                                                artifact.max_context, speculation=speculation,
-                                               instance=instance)
+                                               instance=instance, grammars=grammars)
             if self.local is not None:
                 self.batcher.round_listeners.append(self.local.round_ended)
         self.batcher.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -659,3 +660,34 @@ def test_the_command_line_builds_the_options(monkeypatch, capsys):
     out = capsys.readouterr()
     assert KEY not in out.out + out.err and "from-env" not in out.out + out.err
     assert os.environ["TLALOC_API_KEY"] == "from-env"
+
+
+def test_response_format_and_the_guided_fields_become_structured_output():
+    """What a body asks to constrain, as the generate model's structured_output: OpenAI's
+    response_format (strict or not), this server's field, vLLM's guided_* fields; at most one,
+    and anything else a 400 naming the field."""
+    asked = openai_server._structured_output
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert asked({}) is None and asked({"response_format": {"type": "text"}}) is None
+    assert asked({"response_format": {"type": "json_object"}}) == {"json_object": True}
+    assert asked({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema, "strict": True}}}) == {"json_schema": schema,
+                                                              "strict": True}
+    assert asked({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}}}) == {"json_schema": schema, "strict": False}
+    assert asked({"structured_output": {"regex": "a+"}}) == {"regex": "a+"}
+    assert asked({"guided_json": json.dumps(schema)}) == {"json_schema": schema}
+    assert asked({"guided_choice": ["a", "b"]}) == {"choice": ["a", "b"]}
+    for body, says in (
+            ({"response_format": "json"}, "response_format: an object"),
+            ({"response_format": {"type": "yaml"}}, 'response_format.type: "yaml" is not'),
+            ({"response_format": {"type": "json_schema"}}, "response_format.json_schema: req"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+             "response_format.json_schema.schema: a JSON schema object"),
+            ({"guided_json": "{not json"}, "guided_json: not a JSON schema"),
+            ({"guided_regex": "a", "response_format": {"type": "json_object"}},
+             "response_format and guided_regex: at most one constraint")):
+        with pytest.raises(openai_server.APIError, match=re.escape(says)):
+            asked(body)
+    sampling = openai_server._sampling({"response_format": {"type": "json_object"}})
+    assert sampling["structured_output"] == {"json_object": True}

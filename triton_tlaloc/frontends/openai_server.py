@@ -32,6 +32,7 @@ once; the generate model then ends the sequence, which frees its pages.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -139,7 +140,59 @@ def _sampling(body: dict) -> dict:
     # "num_draft_tokens": 6} (checked by the generate model).
     if (speculative := typed(body, "speculative", (dict,), "a JSON object")) is not None:
         out["speculative"] = speculative
+    if (structured := _structured_output(body)) is not None:
+        out["structured_output"] = structured
     return out
+
+
+# vLLM's older extension fields, each the structured_output kind it names.
+GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex",
+                 "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured_output(body: dict) -> dict | None:
+    """The structured_output sampling parameter a request asks for: OpenAI's
+    response_format (json_object, json_schema), this server's structured_output extension or
+    vLLM's guided_* fields; at most one of them. Their contents are checked by the generate
+    model and the grammar compiler, which name what they refuse (a 400)."""
+    asked = {}
+    fmt = typed(body, "response_format", (dict,), "an object")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            asked["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            spec = typed(fmt, "json_schema", (dict,), "an object with name and schema",
+                         "response_format.")
+            if spec is None:
+                raise APIError(400, "response_format.json_schema: required with type "
+                                    "json_schema")
+            schema = typed(spec, "schema", (dict,), "a JSON schema object",
+                           "response_format.json_schema.")
+            strict = typed(spec, "strict", (bool,), "true or false",
+                           "response_format.json_schema.")
+            # OpenAI's strict: every keyword enforced, or the request refused; not strict,
+            # keywords the grammar engine lacks are left out.
+            asked["response_format"] = {"json_schema": schema if schema is not None else {},
+                                        "strict": bool(strict)}
+        elif kind != "text":
+            raise APIError(400, f"response_format.type: {shown(kind)} is not supported: one of "
+                                f"text, json_object, json_schema")
+    given = typed(body, "structured_output", (dict,), "a JSON object")
+    if given is not None:
+        asked["structured_output"] = given
+    for field, kind in GUIDED_FIELDS.items():
+        if field in body and body[field] is not None:
+            value = body[field]
+            if field == "guided_json" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise APIError(400, "guided_json: not a JSON schema") from None
+            asked[field] = {kind: value}
+    if len(asked) > 1:
+        raise APIError(400, f"{' and '.join(asked)}: at most one constraint per request")
+    return next(iter(asked.values()), None)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from .sampling import SamplingError, SamplingParams
 from .generation_link import (LinkError, hang_up, instance_link, knock, listen, receive_frame,
                               send_frame)
 from .local_generation import NO_TOKEN, Generation, Speculation
+from .structured import Grammars
 
 log = logging.getLogger("triton_tlaloc.local_generation")
 
@@ -38,10 +39,11 @@ class LinkConnection:
     def __init__(self, conn, submit: Callable[[list[Request]], None],
                  queue_next: Callable[[list[Request]], None], max_context: int,
                  on_closed: Callable[["LinkConnection"], None],
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, grammars: Grammars | None = None):
         self.conn, self.submit, self.queue_next = conn, submit, queue_next
         self.max_context, self.on_closed = max_context, on_closed
         self.speculation = speculation or Speculation()
+        self.grammars = grammars
         self.generations: dict[int, Generation] = {}
         self.drafts: dict[int, DraftSession] = {}  # a target's draft sequences (draft model)
         self._outbox: list[list] = []
@@ -160,7 +162,7 @@ class LinkConnection:
         stops = {int(t) for t in spec.get("stops", ())}  # the generate model's end ids
         gen = Generation(gen_id, prompt, params, stops, self.max_context, self.emit,
                          self.queue_next, self.speculation, str(spec.get("draft_model") or ""),
-                         self.submit)
+                         self.submit, self.grammars)
         with self._cv:
             self.generations[gen_id] = gen
         return gen
@@ -190,8 +192,12 @@ class LocalGenerations:
 
     def __init__(self, model_name: str, submit: Callable[[list[Request]], None],
                  max_context: int, server_pid: int | None = None,
-                 speculation: Speculation | None = None, instance: int = 0):
+                 speculation: Speculation | None = None, instance: int = 0,
+                 grammars: Grammars | None = None):
+        """`grammars`: what constrains generations that ask for structured output (None:
+        such generations are refused by name)."""
         self.model_name, self.submit, self.max_context = model_name, submit, max_context
+        self.grammars = grammars
         self.drafters = DraftClients(server_pid)  # the draft models its generations draft with
         self.speculation = dataclasses.replace(speculation or Speculation(),
                                                drafters=self.drafters)
@@ -230,7 +236,7 @@ class LocalGenerations:
                 log.warning("local generation link: a connection refused: %s", e)
                 continue
             link = LinkConnection(conn, self.submit, self.queue_next, self.max_context,
-                                  self._closed, self.speculation)
+                                  self._closed, self.speculation, self.grammars)
             with self._lock:
                 self.connections.append(link)
             link.start()
@@ -261,6 +267,8 @@ class LocalGenerations:
         for link in links:
             link.close()
         self.drafters.close()
+        if self.grammars is not None:
+            self.grammars.close()
         try:
             self.listener.close()
         except OSError:

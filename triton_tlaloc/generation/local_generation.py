@@ -36,6 +36,7 @@ from .generation_link import LinkError
 
 if TYPE_CHECKING:
     from .draft_model import DraftClients, ModelDrafter
+    from .structured import Grammars
 
 log = logging.getLogger("triton_tlaloc.local_generation")
 
@@ -67,10 +68,12 @@ class Generation:
                  max_context: int, emit: Callable[[list], None],
                  submit: Callable[[list[Request]], None],
                  speculation: "Speculation | None" = None, draft_model: str = "",
-                 submit_now: Callable[[list[Request]], None] | None = None):
+                 submit_now: Callable[[list[Request]], None] | None = None,
+                 grammars: "Grammars | None" = None):
         """`submit` queues the next step when the round ends (from the batching thread);
         `submit_now` hands it to the batcher at once (from another thread: a draft model's
-        drafts arriving); `draft_model` names the model a draft_model speculation drafts with."""
+        drafts arriving); `draft_model` names the model a draft_model speculation drafts with;
+        `grammars` compiles a structured_output constraint (here, on the caller's thread)."""
         assert prompt, "a generation needs a prompt"
         self.gen_id, self.prompt, self.params = gen_id, prompt, params
         self.stops, self.max_context = stops, max_context
@@ -80,7 +83,12 @@ class Generation:
         self.generated = 0
         self.cancelled = False  # set by the link's reader thread, read by the batching thread
         self.finished = False
-        self.speculator = self.drafter = None
+        self.speculator = self.drafter = self.constraint = None
+        if params.structured_output is not None:
+            if grammars is None:
+                raise SamplingError("sampling parameter structured_output: this sequence model "
+                                    "has no grammar engine")
+            self.constraint = grammars.constraint(params.structured_output, stops)
         if params.speculative is not None:
             speculation = speculation or Speculation()
             if speculation.refused:
@@ -125,6 +133,13 @@ class Generation:
             return
         if reply.accepted_ids is not None:  # a verify call's: the drafts that stood, then one
             tokens = reply.accepted_ids
+        elif self.constraint is not None:
+            logits = self.constraint.masked(reply.logits)
+            if not np.isfinite(logits).any():  # complete, and no end token to end it with
+                self._finish(NO_TOKEN, "stop")
+                return
+            tokens = [int(np.argmax(logits)) if self.params.greedy
+                      else self.sampler.choose(logits)]
         elif self.params.greedy:
             tokens = [int(np.argmax(reply.logits))]
         else:
@@ -143,6 +158,8 @@ class Generation:
                 return
             self.emit([self.gen_id, token, None])
         token = tokens[-1]
+        if self.constraint is not None:
+            self.constraint.took(token)  # the next step's mask computes while it runs
         if self.drafter is None:
             self.submit([self._next_step(token)])
             return

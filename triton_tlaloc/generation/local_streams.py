@@ -17,7 +17,6 @@ Pure Python: the response is built and sent by a function the generate model pas
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -216,7 +215,7 @@ class LocalLoop:
                 s.gen_id = next(self._ids)
                 s.loop = self
                 self.streams[s.gen_id] = s
-                spec = {"prompt": s.prompt, "sampling": dataclasses.asdict(s.params),
+                spec = {"prompt": s.prompt, "sampling": s.params.to_dict(),
                         "stops": sorted(s.stops)}
                 if s.params.speculative is not None and self.draft_model:
                     spec["draft_model"] = self.draft_model

@@ -12,12 +12,14 @@ in time linear in the text (Knuth-Morris-Pratt) however long they are.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from .parameters import SamplingError, checked_cache_salt, integer, real, refused, shown
 from .speculative import SpeculativeParams
+from .structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16  # per request
 MAX_STOP_CHARS = 1024  # per stop string
@@ -41,9 +43,11 @@ class SamplingParams:
     cache_salt: str | None = None
     # Drafts verified in one call (generation/speculative.py); None: one token a step.
     speculative: SpeculativeParams | None = None
+    # A grammar every chosen token must keep to (generation/structured.py); None: free text.
+    structured_output: StructuredOutput | None = None
 
     KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
-            "ignore_eos", "cache_salt", "speculative")
+            "ignore_eos", "cache_salt", "speculative", "structured_output")
 
     @staticmethod
     def from_dict(d: dict) -> "SamplingParams":
@@ -111,11 +115,26 @@ class SamplingParams:
             raise SamplingError(str(e)) from None
 
         speculative = SpeculativeParams.from_dict(given.get("speculative"))
+        structured = StructuredOutput.from_dict(given.get("structured_output"))
+        if structured is not None and speculative is not None:
+            raise SamplingError("sampling parameters structured_output and speculative: "
+                                "not yet together (drafts are not checked against a grammar)")
 
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=seed, stop=tuple(stop),
                               stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                              cache_salt=cache_salt, speculative=speculative)
+                              cache_salt=cache_salt, speculative=speculative,
+                              structured_output=structured)
+
+    def to_dict(self) -> dict:
+        """The parameters as a request's JSON object (from_dict(to_dict()) gives them back)."""
+        d = {k: getattr(self, k) for k in self.KEYS}
+        d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        if self.speculative is not None:
+            d["speculative"] = dataclasses.asdict(self.speculative)
+        if self.structured_output is not None:
+            d["structured_output"] = self.structured_output.as_dict()
+        return d
 
     @property
     def greedy(self) -> bool:

@@ -46,6 +46,7 @@ from .metrics import MetricsWriter
 from ..frontends.client import new_sequence_id
 from ..generation.local_streams import InstanceLoops, LocalStream, Outbound, StreamSenders
 from ..generation.sampling import Sampler, SamplingError, SamplingParams, TextStream
+from ..generation.structured import Grammars, TokenConstraint
 
 log = logging.getLogger("triton_tlaloc.generate")
 
@@ -93,6 +94,12 @@ class TritonPythonModel:
             self.tokenizer = ArtifactTokenizer(Path(params["tokenizer_dir"]))
             if self.tokenizer.eos_token_id is not None:
                 self.eos_ids.add(self.tokenizer.eos_token_id)
+        # Structured output in the BLS loop (the local loop's grammars are the sequence model's)
+        self.grammars = None
+        if self.tokenizer is not None:
+            self.grammars = Grammars(Path(params["tokenizer_dir"]),
+                                     self.tokenizer.tok.get_vocab_size(with_added_tokens=True),
+                                     sorted(self.eos_ids))
         self.threads: set[threading.Thread] = set()
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
@@ -170,6 +177,8 @@ class TritonPythonModel:
                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
+        if self.grammars is not None:
+            self.grammars.close()
         if self.local is not None:
             self.intake.put(None)
             self.local.close()
@@ -323,12 +332,25 @@ class TritonPythonModel:
             raise _GenerateError(message, code or INTERNAL)
         return {t.name(): t.as_numpy().reshape(-1) for t in resp.output_tensors()}
 
+    def _constraint(self, params: SamplingParams, stops: set[int]) -> TokenConstraint | None:
+        """The generation's grammar (compiled before its START takes a page), or None."""
+        if params.structured_output is None:
+            return None
+        if self.grammars is None:
+            raise _GenerateError("sampling_parameters: structured_output needs the artifact's "
+                                 "tokenizer, which this model has not got", INVALID_ARG)
+        try:
+            return self.grammars.constraint(params.structured_output, stops)
+        except SamplingError as e:
+            raise _GenerateError(f"sampling_parameters: {e}", INVALID_ARG) from None
+
     def _generate(self, request, sender, arrived: float):
         prompt, params, stream = self._inputs(request)
         sampler = Sampler(params)
-        outputs = ("ARGMAX",) if params.greedy else ("LOGITS",)
         text = self._text_stream(params)
         stops = self._stops(params)
+        constraint = self._constraint(params, stops)
+        outputs = ("ARGMAX",) if params.greedy and constraint is None else ("LOGITS",)
         seq_id = new_sequence_id()
         generated, pieces, reason = [], [], "length"
         try:
@@ -338,14 +360,21 @@ class TritonPythonModel:
                              cache_salt=params.cache_salt)
             last = None
             while True:
-                token = int(out["ARGMAX"][0]) if params.greedy else sampler.choose(out["LOGITS"])
+                if constraint is not None:
+                    logits = constraint.masked(out["LOGITS"])
+                    token = (None if not np.isfinite(logits).any()  # complete, no end token
+                             else int(np.argmax(logits)) if params.greedy
+                             else sampler.choose(logits))
+                else:
+                    token = (int(out["ARGMAX"][0]) if params.greedy
+                             else sampler.choose(out["LOGITS"]))
                 now = time.perf_counter()
                 if last is None:
                     self.writer.observe(self.ttft, now - arrived)
                 else:
                     self.writer.observe(self.tpot, now - last)
                 last = now
-                if token in stops:  # not part of the text; what was held back goes out
+                if token is None or token in stops:  # not text; what was held back goes out
                     reason, tail = "stop", text.flush()
                     if tail:
                         pieces.append(tail)
@@ -369,6 +398,8 @@ class TritonPythonModel:
                 if self._cancelled(sender):
                     reason = "cancelled"
                     break
+                if constraint is not None:
+                    constraint.took(token)
                 out = self._step(seq_id, [token], outputs=outputs)
         finally:  # END frees the sequence's pages and Triton's slot at once (also after an error)
             try:

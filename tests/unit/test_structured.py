@@ -1,0 +1,269 @@
+"""Structured output (generation/structured.py): the parameter's checks, llguidance's compiles
+and their refusals, and masks applied to logits, over a small byte-level BPE tokenizer trained
+here (the real tokenizers and models: tests/test_generate.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from triton_tlaloc.generation.local_generation import Generation
+from triton_tlaloc.generation.parameters import SamplingError
+from triton_tlaloc.generation.sampling import Sampler, SamplingParams
+from triton_tlaloc.generation.structured import (MAX_CONSTRAINT_BYTES, Grammars,
+                                                 StructuredOutput)
+from triton_tlaloc.scheduling.admission import Reply
+
+EOS = 0
+VOCAB = 360  # more rows than the tokenizer's tokens, as a model's padded vocabulary has
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,6}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Lima", "Oslo"]},
+        "pets": {"type": "array", "maxItems": 2, "items": {
+            "type": "object",
+            "properties": {"kind": {"enum": ["cat", "dog"]},
+                           "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+            "required": ["kind", "legs"], "additionalProperties": False}},
+    },
+    "required": ["name", "age", "city", "pets"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A byte-level BPE of 354 tokens, <eos> id 0 (trained in about 20 ms)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ['{"name":"Ada","age":36,"city":"Paris","pets":[{"kind":"cat","legs":4}]}',
+              "yes no maybe 0123456789 true false null",
+              "The quick brown fox jumps over the lazy dog."] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    directory = tmp_path_factory.mktemp("tokenizer")
+    (directory / "tokenizer.json").write_text(tok.to_str())
+    return directory, tok
+
+
+@pytest.fixture
+def grammars(tokenizer):
+    g = Grammars(tokenizer[0], VOCAB, [EOS])
+    yield g
+    g.close()
+
+
+def spec(**d) -> StructuredOutput:
+    return StructuredOutput.from_dict(d)
+
+
+# ------------------------------------------------------------------ the parameter
+
+@pytest.mark.parametrize("value, says", [
+    ("json", "expected a JSON object with one of"),
+    ({}, "exactly one of json_schema, json_object, regex, choice, grammar (given: none)"),
+    ({"regex": "a", "choice": ["a"]}, "(given: regex, choice)"),
+    ({"regex": "a", "schema": {}}, "(unknown: schema)"),
+    ({"json_schema": "{}"}, "structured_output.json_schema '{}': expected a JSON schema object"),
+    ({"json_object": 1}, "structured_output.json_object 1: expected true"),
+    ({"choice": []}, "structured_output.choice []: expected a non-empty list"),
+    ({"choice": ["a", ""]}, "expected a non-empty list of non-empty strings"),
+    ({"choice": ["a"] * 1025}, "1025 choices: at most 1024"),
+    ({"regex": ""}, "structured_output.regex '': expected a non-empty string"),
+    ({"grammar": 5}, "structured_output.grammar 5: expected a non-empty string"),
+    ({"regex": "a" * (MAX_CONSTRAINT_BYTES + 1)}, f"bytes: at most {MAX_CONSTRAINT_BYTES}"),
+    ({"json_schema": {}, "strict": "yes"}, "structured_output.strict 'yes': expected true or"),
+    ({"regex": "a", "strict": False}, "structured_output.strict: only with json_schema"),
+])
+def test_the_parameter_is_checked_by_name(value, says):
+    with pytest.raises(SamplingError, match=re.escape(says)):
+        SamplingParams.from_dict({"structured_output": value})
+
+
+def test_the_parameter_survives_its_way_to_the_sequence_model():
+    """to_dict is what the generate model sends over the local link: from_dict gives the same
+    parameters back, for every kind (dataclasses.asdict would send the dataclass's fields)."""
+    for d in ({"json_schema": PERSON, "strict": False}, {"json_object": True}, {"regex": "a+"},
+              {"choice": ["yes", "no"]}, {"grammar": 'root ::= "a"'}):
+        params = SamplingParams.from_dict({"structured_output": d, "seed": 3, "stop": ["x"]})
+        assert SamplingParams.from_dict(params.to_dict()) == params
+        assert params.structured_output.as_dict() == (d if "json_schema" not in d
+                                                      else {**d})
+    with pytest.raises(SamplingError, match="structured_output and speculative"):
+        SamplingParams.from_dict({"structured_output": {"regex": "a"},
+                                  "speculative": {"method": "prompt_lookup"}})
+
+
+# ------------------------------------------------------------------ compiling
+
+@pytest.mark.parametrize("d, says", [
+    ({"regex": "[a-"}, "structured_output.regex: "),
+    ({"json_schema": {"type": "strin"}}, "structured_output.json_schema: Invalid type: strin"),
+    ({"json_schema": {"$ref": "#/defs/x"}}, "Pointer '/defs/x' does not exist"),
+    ({"json_schema": {"type": "string", "format": "weird"}}, "Unknown format: weird"),
+    ({"grammar": "start: 'a' | "}, "structured_output.grammar: "),
+])
+def test_a_constraint_llguidance_cannot_compile_is_refused_with_its_reason(grammars, d, says):
+    with pytest.raises(SamplingError, match=re.escape(says)):
+        grammars.constraint(spec(**d), {EOS})
+    assert grammars.compiles == 0
+
+
+def test_not_strict_leaves_out_what_llguidance_lacks_and_compiles_are_cached(tokenizer):
+    grammars = Grammars(tokenizer[0], VOCAB, [EOS], cache_size=2)
+    weird = {"type": "string", "format": "weird"}
+    grammars.constraint(spec(json_schema=weird, strict=False), {EOS})
+    assert grammars.compiles == 1 and grammars.cache_hits == 0
+    grammars.constraint(spec(json_schema=weird, strict=False), {EOS})
+    assert grammars.compiles == 1 and grammars.cache_hits == 1
+    grammars.constraint(spec(regex="a+"), {EOS})
+    grammars.constraint(spec(regex="b+"), {EOS})  # the cache holds 2: the schema goes
+    grammars.constraint(spec(json_schema=weird, strict=False), {EOS})
+    assert grammars.compiles == 4 and grammars.cache_hits == 1
+    grammars.close()
+
+
+def test_a_model_without_a_tokenizer_refuses_structured_output(tmp_path):
+    with pytest.raises(SamplingError, match="has no tokenizer.json to constrain with"):
+        Grammars(tmp_path, VOCAB, [EOS]).constraint(spec(regex="a"), {EOS})
+    with pytest.raises(SamplingError, match="has no grammar engine"):
+        Generation(1, [5], SamplingParams.from_dict({"structured_output": {"regex": "a"}}),
+                   {EOS}, 64, lambda e: None, lambda r: None)
+
+
+# ------------------------------------------------------------------ masks on logits
+
+def run(constraint, params: SamplingParams, rng, steps: int = 300, shift: int = 0) -> list[int]:
+    """Tokens chosen from seeded random logits under the constraint, until an end token."""
+    sampler = Sampler(params)
+    ids = []
+    for _ in range(steps):
+        logits = constraint.masked(rng.standard_normal(VOCAB).astype(np.float32) * 4)
+        if shift:  # the negative control: the mask one token id off
+            allowed = np.roll(np.isfinite(logits), shift)
+            logits = np.where(allowed, rng.standard_normal(VOCAB), -np.inf)
+        token = int(np.argmax(logits)) if params.greedy else sampler.choose(logits)
+        if token == EOS:
+            return ids
+        ids.append(token)
+        constraint.took(token)
+    raise AssertionError(f"no end after {steps} tokens")
+
+
+CASES = [
+    ({"json_schema": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
+    ({"regex": r"[0-9]{3}-[a-z]{2,4}"},
+     lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t) or 1 / 0),
+    ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe") or 1 / 0),
+    ({"grammar": 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'},
+     lambda t: re.fullmatch(r"\([0-9]+(\+[0-9]+)*\)", t) or 1 / 0),
+]
+
+
+@pytest.mark.parametrize("d, check", CASES, ids=[next(iter(c[0])) for c in CASES])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_k": 20, "top_p": 0.9,
+                                           "seed": 1}], ids=["greedy", "sampled"])
+def test_random_logits_under_a_grammar_give_answers_that_parse(grammars, tokenizer, d, check,
+                                                               sampling):
+    """Seeded random logits (no model): whatever they prefer, every answer keeps to its
+    constraint and ends with the end token, for 5 seeds, greedy and sampled."""
+    params = SamplingParams.from_dict({**sampling, "structured_output": d})
+    for seed in range(5):
+        c = grammars.constraint(params.structured_output, {EOS})
+        text = tokenizer[1].decode(run(c, params, np.random.default_rng(seed)))
+        check(text)
+        if "json_schema" in d:  # compact JSON, its keys in the schema's order
+            assert json.dumps(json.loads(text), separators=(",", ":")) == text
+            assert list(json.loads(text)) == list(PERSON["properties"])
+        assert c.mask_seconds and max(c.mask_seconds) < 1.0
+
+
+def test_any_json_object_starts_with_a_brace_and_ends_when_it_closes(grammars, tokenizer):
+    """json_object (random logits would write an object without end, so its steps are
+    written here): only tokens that begin an object come first, and the end is allowed once
+    the object is closed."""
+    c = grammars.constraint(spec(json_object=True), {EOS})
+    first = np.flatnonzero(c.allowed())
+    assert first.size and all(tokenizer[1].decode([int(t)]).startswith("{") for t in first)
+    for token in tokenizer[1].encode('{"a":[1,true,null]}').ids:
+        assert c.allowed()[token] and not c.allowed()[EOS]
+        c.took(token)
+    assert c.allowed()[EOS]
+
+
+def test_end_tokens_are_allowed_exactly_when_the_grammar_accepts(grammars, tokenizer):
+    """The tokenizer's EOS and the generation's other end ids (5 here, a byte token the
+    grammar would never allow) are allowed after a whole answer and never inside one; past
+    the tokenizer's last token nothing is allowed."""
+    c = grammars.constraint(spec(choice=["yes", "yes please"]), {EOS, 5})
+    ids = tokenizer[1].encode("yes please").ids
+    states = []
+    for token in ids:
+        allowed = c.allowed()
+        assert allowed[EOS] == allowed[5] == c.matcher.is_accepting()
+        assert not allowed[tokenizer[1].get_vocab_size():].any()
+        assert allowed[token]
+        states.append(bool(allowed[EOS]))
+        c.took(token)
+    assert c.allowed()[EOS] and c.allowed()[5]  # after "yes please": complete
+    assert c.allowed().sum() == 2  # and nothing may follow but an end
+    # allowed before a token exactly where the text so far is a whole answer ("yes")
+    assert states == [tokenizer[1].decode(ids[:i]) == "yes" for i in range(len(ids))]
+    assert True in states
+
+
+def test_a_mask_one_token_id_off_is_caught(grammars):
+    """The negative control: the same loop with the mask rolled by one id chooses a token the
+    grammar refuses, and took() says so instead of going on."""
+    params = SamplingParams.from_dict({"structured_output": {"json_schema": PERSON}})
+    with pytest.raises(RuntimeError, match="the grammar refused token"):
+        for seed in range(5):
+            run(grammars.constraint(params.structured_output, {EOS}), params,
+                np.random.default_rng(seed), shift=1)
+
+
+def test_a_generation_under_a_grammar_emits_only_what_it_allows(grammars, tokenizer):
+    """Generation (the sequence model's loop) with a constraint and one without, fed the same
+    replies: the constrained one emits the choice's tokens and ends by stop at its end token,
+    the free one emits the logits' argmax. A grammar that is complete with no end token left
+    to end it (ignore_eos and no stop ids) ends by stop too."""
+    events, queued = [], []
+    params = SamplingParams.from_dict({"max_tokens": 20,
+                                       "structured_output": {"choice": ["maybe"]}})
+    gen = Generation(1, [7, 8], params, {EOS}, 64, events.append, queued.extend,
+                     grammars=grammars)
+    free = Generation(2, [7, 8], SamplingParams(max_tokens=3), {EOS}, 64, events.append,
+                      queued.extend)
+    favourite = 300  # a token the choice never allows
+    row = np.zeros(VOCAB, np.float32)
+    row[favourite] = 5.0
+    for _ in range(10):
+        if gen.finished:
+            break
+        gen.on_reply(Reply(logits=row))
+    ids = [e[1] for e in events if e[0] == 1 and e[2] is None]
+    assert tokenizer[1].decode(ids) == "maybe" and events[-1] == [1, -1, "stop"]
+    free.on_reply(Reply(logits=row))
+    assert events[-1] == [2, favourite, None]
+
+    events.clear()
+    params = SamplingParams.from_dict({"structured_output": {"choice": ["no"]},
+                                       "ignore_eos": True})
+    gen = Generation(3, [7], params, set(), 64, events.append, queued.extend,
+                     grammars=grammars)
+    for _ in range(5):
+        if not gen.finished:
+            gen.on_reply(Reply(logits=row))
+    assert tokenizer[1].decode([e[1] for e in events if e[2] is None]) == "no"
+    assert events[-1] == [3, -1, "stop"]

@@ -1,0 +1,286 @@
+"""Structured output (docs/design.md#structured-output): a JSON schema, any JSON object, a
+regular expression, a choice among strings or a Lark / GBNF grammar, enforced token by token
+where the next token is chosen.
+
+- `StructuredOutput`: the `structured_output` sampling parameter, its shape and size checked by
+  name when the request arrives (pure Python: the generate model checks it without llguidance).
+- `Grammars`: one model's grammar compiler. llguidance builds its token trie from the artifact's
+  tokenizer.json (once, on first use) and compiles each constraint; compiled grammars are kept
+  by content in a bounded LRU, so a repeated schema costs nothing. A constraint llguidance
+  cannot compile is refused with its reason (`SamplingError`: INVALID_ARGUMENT, before the
+  generation takes a page).
+- `TokenConstraint`: one generation's matcher. The mask for the next step is computed on a
+  worker thread while that step's call runs (the token it depends on is known when the call is
+  queued), and applied to the call's logits before any sampling: greedy, temperature, top-k and
+  top-p see only the tokens the grammar allows. The generation's end tokens (EOS, stop token
+  ids) are allowed exactly when the grammar accepts what was written.
+
+Why llguidance: one abi3 wheel with no required dependencies, a tokenizer read from
+tokenizer.json text (no transformers in the serving path), JSON schema, regex, Lark and GBNF in
+one engine, a whole vocabulary's mask in microseconds (an Earley parser over a token trie, with
+no per-vocabulary precompilation per grammar, which is what outlines-core spends seconds on for
+a large schema), and rollback and forced ("fast-forward") tokens for speculation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .parameters import SamplingError, shown
+
+log = logging.getLogger("triton_tlaloc.structured")
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema's JSON text, a regex, the choices, a grammar
+MAX_CHOICES = 1024
+CACHE_SIZE = 256  # compiled grammars kept by content
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One request's constraint: `kind` (one of KINDS) and its source text (a schema's JSON
+    text, the regex, the choices as JSON, the grammar). `strict`: a JSON schema keyword
+    llguidance does not implement is refused (else ignored, as OpenAI's non-strict mode)."""
+
+    kind: str
+    text: str
+    strict: bool = True
+
+    @staticmethod
+    def from_dict(d) -> "StructuredOutput | None":
+        """The `structured_output` sampling parameter: None, or an object with exactly one of
+        KINDS ({"json_schema": {...}, "strict": true} | {"json_object": true} |
+        {"regex": "..."} | {"choice": ["a", "b"]} | {"grammar": "..."})."""
+        if d is None:
+            return None
+        where = "sampling parameter structured_output"
+        if not isinstance(d, dict):
+            raise SamplingError(f"{where} {shown(d)}: expected a JSON object with one of "
+                                f"{', '.join(KINDS)}")
+        unknown = sorted(str(k) for k in set(d) - set(KINDS) - {"strict"})
+        kinds = [k for k in KINDS if k in d]
+        if unknown or len(kinds) != 1:
+            raise SamplingError(f"{where}: expected exactly one of {', '.join(KINDS)}"
+                                + (f" (unknown: {', '.join(unknown)})" if unknown else
+                                   f" (given: {', '.join(kinds) or 'none'})"))
+        kind, value = kinds[0], d[kinds[0]]
+        strict = d.get("strict", True)
+        if not isinstance(strict, bool):
+            raise SamplingError(f"{where}.strict {shown(strict)}: expected true or false")
+        if "strict" in d and kind != "json_schema":
+            raise SamplingError(f"{where}.strict: only with json_schema")
+        where = f"{where}.{kind}"
+        if kind == "json_schema":
+            if not isinstance(value, dict):
+                raise SamplingError(f"{where} {shown(value)}: expected a JSON schema object")
+            # Key order kept: llguidance writes properties in the schema's order.
+            text = json.dumps(value, separators=(",", ":"))
+        elif kind == "json_object":
+            if value is not True:
+                raise SamplingError(f"{where} {shown(value)}: expected true")
+            text = '{"type":"object"}'
+        elif kind == "choice":
+            if (not isinstance(value, list) or not value
+                    or not all(isinstance(c, str) and c for c in value)):
+                raise SamplingError(f"{where} {shown(value)}: expected a non-empty list of "
+                                    f"non-empty strings")
+            if len(value) > MAX_CHOICES:
+                raise SamplingError(f"{where}: {len(value)} choices: at most {MAX_CHOICES}")
+            text = json.dumps(value)
+        else:  # regex, grammar
+            if not isinstance(value, str) or not value:
+                raise SamplingError(f"{where} {shown(value)}: expected a non-empty string")
+            text = value
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > MAX_CONSTRAINT_BYTES:
+            raise SamplingError(f"{where}: {size} bytes: at most {MAX_CONSTRAINT_BYTES}")
+        return StructuredOutput(kind, text, strict if kind == "json_schema" else True)
+
+    def as_dict(self) -> dict:
+        """The parameter as a client sends it (from_dict(as_dict()) gives it back)."""
+        if self.kind == "json_schema":
+            return {"json_schema": json.loads(self.text), "strict": self.strict}
+        if self.kind == "json_object":
+            return {"json_object": True}
+        if self.kind == "choice":
+            return {"choice": json.loads(self.text)}
+        return {self.kind: self.text}
+
+    def llguidance_grammar(self) -> str:
+        """llguidance's grammar for this constraint (not yet checked)."""
+        import llguidance
+
+        if self.kind in ("json_schema", "json_object"):
+            # Compact JSON (no whitespace between tokens): nothing to spend tokens on, and no
+            # run of blank lines for a model to stay in; every separator is forced.
+            options = {"whitespace_flexible": False, "lenient": not self.strict}
+            return llguidance.LLMatcher.grammar_from_json_schema(self.text, overrides=options)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.text)
+        if self.kind == "choice":
+            return llguidance.grammar_from("choice", self.text)
+        return llguidance.grammar_from("grammar", self.text)  # Lark or GBNF
+
+
+class Grammars:
+    """A model's grammar compiler over its tokenizer: `constraint(spec, stops)` gives a
+    generation its TokenConstraint or refuses the spec by name. Thread-safe (the link's
+    reader threads compile; the batching thread never does)."""
+
+    def __init__(self, tokenizer_dir: Path | None, vocab: int, eos: list[int],
+                 cache_size: int = CACHE_SIZE):
+        self.tokenizer_dir, self.vocab, self.eos = tokenizer_dir, vocab, list(eos)
+        self.cache_size = cache_size
+        self._tokenizer = None
+        self._compiled: OrderedDict[tuple, str] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = self.cache_hits = 0
+        self.compile_seconds = 0.0
+        # One worker computes every generation's next mask while the call runs (llguidance
+        # releases the GIL while it computes).
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tlaloc-grammar")
+
+    def tokenizer(self):
+        """llguidance's tokenizer, built on first use (about 0.3 s for a 49k vocabulary)."""
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance
+
+                path = self.tokenizer_dir / "tokenizer.json" if self.tokenizer_dir else None
+                if path is None or not path.is_file():
+                    raise SamplingError("sampling parameter structured_output: this model's "
+                                        "artifact has no tokenizer.json to constrain with")
+                t0 = time.perf_counter()
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(
+                        path.read_text(encoding="utf-8"), n_vocab=self.vocab, eos_token=self.eos or None)
+                except Exception as e:  # the generation is refused, the link reads on
+                    log.warning("structured output: llguidance cannot read %s: %s", path, e)
+                    raise SamplingError(f"sampling parameter structured_output: llguidance "
+                                        f"cannot read this model's tokenizer: {e}") from None
+                log.info("structured output: llguidance's tokenizer built in %.2f s "
+                         "(%d tokens)", time.perf_counter() - t0, self.vocab)
+            return self._tokenizer
+
+    def grammar(self, spec: StructuredOutput) -> str:
+        """The compiled grammar of `spec` (cached by content), or SamplingError with
+        llguidance's reason."""
+        key = (spec.kind, spec.text, spec.strict)
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                self.cache_hits += 1
+                return self._compiled[key]
+        import llguidance
+
+        tokenizer = self.tokenizer()
+        t0 = time.perf_counter()
+        try:
+            grammar = spec.llguidance_grammar()
+        except (ValueError, TypeError) as e:
+            raise _refused(spec, str(e)) from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, tokenizer)
+        seconds = time.perf_counter() - t0
+        if is_error:
+            raise _refused(spec, messages[0] if messages else "llguidance refused it")
+        if spec.strict and messages and spec.kind == "json_schema":
+            # An unimplemented keyword is a warning to llguidance; under strict it would leave
+            # part of the schema unenforced, so it is refused.
+            raise _refused(spec, "; ".join(messages))
+        with self._lock:
+            self.compiles += 1
+            self.compile_seconds += seconds
+            self._compiled[key] = grammar
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        log.info("structured output: a %s compiled in %.1f ms", spec.kind, seconds * 1e3)
+        return grammar
+
+    def constraint(self, spec: StructuredOutput, stops: set[int]) -> "TokenConstraint":
+        """A new generation's constraint (its first mask computing already)."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer(), self.grammar(spec))
+        if matcher.is_error():
+            raise _refused(spec, matcher.get_error())
+        return TokenConstraint(matcher, self.vocab, stops, self._worker, self.eos)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def _refused(spec: StructuredOutput, reason: str) -> SamplingError:
+    reason = reason.strip().splitlines()[0] if reason.strip() else "refused"
+    return SamplingError(f"sampling parameter structured_output.{spec.kind}: {reason[:500]}")
+
+
+class TokenConstraint:
+    """One generation's grammar state: `allowed()` is the mask for the coming choice (waiting
+    for the worker if it is still computing), `took(token)` advances the grammar and starts the
+    next mask. Only the batching thread calls these, one after the other; the worker touches
+    the matcher only between them."""
+
+    def __init__(self, matcher, vocab: int, stops: set[int], worker: ThreadPoolExecutor,
+                 grammar_ends: list[int] = ()):
+        """`stops`: the generation's end ids; `grammar_ends`: the ids llguidance allows
+        when the grammar accepts (the tokenizer's EOS), refused here unless they end this
+        generation (ignore_eos)."""
+        self.matcher, self.vocab, self.worker = matcher, vocab, worker
+        self.stops = np.array(sorted(t for t in stops if 0 <= t < vocab), np.int64)
+        self.not_ends = np.array(sorted(t for t in set(grammar_ends) - set(stops)
+                                        if 0 <= t < vocab), np.int64)
+        self.mask_seconds: list[float] = []  # each mask's computing time (a metric)
+        self._pending: Future = worker.submit(self._compute)
+
+    def _compute(self) -> np.ndarray:
+        import llguidance.numpy as llnp
+
+        t0 = time.perf_counter()
+        bits = llnp.allocate_token_bitmask(1, self.vocab)
+        llnp.fill_next_token_bitmask(self.matcher, bits)
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab]
+        allowed = allowed.astype(bool)
+        # The generation's end tokens: exactly when what was written is a whole answer.
+        allowed[self.stops] = self.matcher.is_accepting()
+        allowed[self.not_ends] = False
+        self.mask_seconds.append(time.perf_counter() - t0)
+        return allowed
+
+    def allowed(self) -> np.ndarray:
+        """A bool per token id: those the grammar lets come next."""
+        return self._pending.result()
+
+    def masked(self, logits: np.ndarray) -> np.ndarray:
+        """The logits with every token the grammar refuses at -inf (a new array); ids past
+        the tokenizer's vocabulary (a model's padded rows) are refused too."""
+        logits = np.asarray(logits, np.float32).reshape(-1)
+        allowed = self.allowed()
+        if logits.size != allowed.size:
+            allowed = np.pad(allowed[:logits.size], (0, max(0, logits.size - allowed.size)))
+        return np.where(allowed, logits, np.float32(-np.inf))
+
+    def took(self, token: int) -> None:
+        """`token` was chosen (allowed by the last mask): the grammar moves past it and the
+        next mask starts computing."""
+        if not self.matcher.consume_token(int(token)):
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: "
+                               f"{self.matcher.get_error()}")
+        self._pending = self.worker.submit(self._compute)
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error() if self.matcher.is_error() else ""
+
+
+__all__ = ["CACHE_SIZE", "Grammars", "KINDS", "MAX_CONSTRAINT_BYTES", "StructuredOutput",
+           "TokenConstraint"]
