@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, generate, generate_http,
-                                            metric, scrape_metrics)
+                                            metric, new_sequence_id, scrape_metrics)
+from checks.schemas import ASK_PERSON, PERSON
+
 from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.repository import RepositoryOptions, write_generate_model, write_repository
 from triton_tlaloc.triton.server import TritonServer
@@ -382,22 +384,6 @@ def test_the_repository_command_names_the_draft_model(tiny, tmp_path):
 
 # ------------------------------------------------------------------ structured output
 
-PERSON = {  # held out from the unit tests' schemas: enums, bounds, nested objects, a pattern
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,7}$"},
-        "age": {"type": "integer", "minimum": 18, "maximum": 99},
-        "job": {"enum": ["baker", "pilot", "nurse", "teacher"]},
-        "skills": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
-            "type": "object",
-            "properties": {"skill": {"enum": ["cooking", "flying", "singing"]},
-                           "level": {"type": "integer", "minimum": 1, "maximum": 5}},
-            "required": ["skill", "level"], "additionalProperties": False}},
-    },
-    "required": ["name", "age", "job", "skills"],
-    "additionalProperties": False,
-}
-ASK_PERSON = [{"role": "user", "content": "Invent a person. Answer in JSON."}]
 
 
 def validated(text: str) -> dict:
@@ -408,42 +394,6 @@ def validated(text: str) -> dict:
     return answer
 
 
-def _constrained_reference(model, gguf_tokenizer_json: str, prompt: list[int], schema: dict,
-                           stops: set[int], steps: int, shift: int = 0) -> list[int]:
-    """The oracle: greedy over transformers' logits with llguidance's mask for the schema
-    applied (the end ids allowed exactly when the grammar accepts), built here from
-    llguidance's own API, not the project's. `shift` rolls the mask by that many ids (the
-    negative control)."""
-    import llguidance
-    import llguidance.numpy as llnp
-    import torch
-
-    vocab = model.config.vocab_size
-    tokenizer = llguidance.LLTokenizer(gguf_tokenizer_json, n_vocab=vocab)
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(
-        schema, overrides={"whitespace_flexible": False})
-    matcher = llguidance.LLMatcher(tokenizer, grammar)
-    bits = llnp.allocate_token_bitmask(1, vocab)
-    ids, past, feed = [], None, prompt
-    with torch.no_grad():
-        for _ in range(steps):
-            out = model(torch.tensor([feed]), past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[0, -1].numpy()
-            llnp.fill_next_token_bitmask(matcher, bits)
-            allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)
-            allowed[list(stops)] = matcher.is_accepting()
-            allowed[tokenizer.eos_tokens] = matcher.is_accepting()
-            allowed = np.roll(allowed, shift)
-            token = int(np.argmax(np.where(allowed, logits, -np.inf)))
-            if token in stops:
-                return ids
-            ids.append(token)
-            if not matcher.consume_token(token):
-                return ids + [-1]  # the grammar refused it: only the shifted mask gets here
-            feed = [token]
-    return ids
-
-
 @pytest.mark.parametrize("loop", ["", "_bls"], ids=["local loop", "BLS loop"])
 def test_structured_output_gives_json_that_validates_in_every_loop(served, loop):
     """SmolLM2 asked for a person under a held-out JSON schema, greedy (over gRPC and over
@@ -452,6 +402,7 @@ def test_structured_output_gives_json_that_validates_in_every_loop(served, loop)
     server, tok = served
     prompt = tok.apply_chat_template(ASK_PERSON)
     model = f"smollm2_generate{loop}"
+    before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
     for url, send, sampling in (
             (server.grpc_url, generate, {}),
             (server.http_url, generate_http, {}),
@@ -462,28 +413,71 @@ def test_structured_output_gives_json_that_validates_in_every_loop(served, loop)
         got = send(url, model, input_ids=prompt, sampling=sampling)
         assert got.error is None and got.finish_reason == "stop", (sampling, got)
         validated(got.text)
+    if not loop:  # the local loop's grammars report to the sequence model's metrics
+        def delta(name, **labels):
+            return metric(after, name, **labels) - metric(before, name, **labels)
+        for _ in range(20):  # applied every 250 ms by the model's writer
+            after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+            if delta("tlaloc_structured_generations_total", model="smollm2") >= 3:
+                break
+        kind = {"model": "smollm2", "kind": "json_schema"}
+        assert delta("tlaloc_structured_generations_total", **kind) == 3
+        # one compile (none if an earlier test compiled the schema), the rest from the cache
+        assert delta("tlaloc_grammar_compiles_total", **kind) <= 1
+        assert (delta("tlaloc_grammar_compiles_total", **kind)
+                + delta("tlaloc_grammar_cache_hits_total", **kind)) == 3
+        assert delta("tlaloc_grammar_mask_seconds_count", model="smollm2") >= 3 * 10
 
 
-def test_greedy_structured_ids_equal_transformers_under_the_same_mask(served,
-                                                                      smollm2_transformers):
-    """The ids of a constrained greedy generation equal the argmax of transformers' logits
-    with llguidance's mask for the same schema applied, token for token (the oracle builds
-    its mask from llguidance directly). Negative control: the oracle's mask rolled by one id
+def test_greedy_structured_ids_are_the_served_logits_argmax_under_the_mask(served):
+    """The constrained greedy ids through the generate model equal the argmax of the sequence
+    model's own LOGITS, step by step over the client, under llguidance's mask for the same
+    schema built here from llguidance's API (tests/test_smollm2.py holds the engine's
+    constrained ids to transformers' logits). Negative control: that mask rolled by one id
     gives other ids."""
-    from checks.oracle import load_reference
+    import llguidance
+    import llguidance.numpy as llnp
 
     server, tok = served
     prompt = tok.apply_chat_template(ASK_PERSON)
     got = generate(server.grpc_url, "smollm2_generate", input_ids=prompt,
                    sampling={"max_tokens": 80, "structured_output": {"json_schema": PERSON}})
     assert got.finish_reason == "stop"
-    model = load_reference(smollm2_transformers)
-    tokenizer_json = (smollm2_transformers / "tokenizer.json").read_text(encoding="utf-8")
-    stops = {tok.eos_token_id}
-    want = _constrained_reference(model, tokenizer_json, prompt, PERSON, stops, 80)
+
+    def constrained(shift: int) -> list[int]:
+        vocab = 49152
+        tokenizer = llguidance.LLTokenizer(tok.tok.to_str(), n_vocab=vocab)
+        matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(
+            PERSON, overrides={"whitespace_flexible": False}))
+        bits = llnp.allocate_token_bitmask(1, vocab)
+        ids, feed, start = [], prompt, True
+        with TlalocClient(server.grpc_url, "smollm2") as c:
+            seq = new_sequence_id()
+            try:
+                for _ in range(80):
+                    out = c.request(seq, feed, start=start, outputs=("LOGITS",))
+                    start = False
+                    llnp.fill_next_token_bitmask(matcher, bits)
+                    allowed = np.unpackbits(bits.view(np.uint8),
+                                            bitorder="little")[:vocab].astype(bool)
+                    allowed[tok.eos_token_id] = matcher.is_accepting()
+                    allowed = np.roll(allowed, shift)
+                    logits = np.asarray(out["LOGITS"], np.float32).reshape(-1)
+                    token = int(np.argmax(np.where(allowed, logits, -np.inf)))
+                    if token == tok.eos_token_id:
+                        break
+                    ids.append(token)
+                    if not matcher.consume_token(token):
+                        ids.append(-1)  # refused by the grammar: only the rolled mask
+                        break
+                    feed = [token]
+            finally:
+                c.request(seq, [], end=True, outputs=())
+        return ids
+
+    want = constrained(0)
     assert got.token_ids == want and len(want) > 10
-    wrong = _constrained_reference(model, tokenizer_json, prompt, PERSON, stops, 80, shift=1)
-    assert wrong != got.token_ids
+    assert constrained(1) != got.token_ids
 
 
 @pytest.mark.parametrize("loop", ["", "_bls"], ids=["local loop", "BLS loop"])

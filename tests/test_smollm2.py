@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from checks.oracle import load_reference, logits_error, reference_greedy
+from checks.schemas import ASK_PERSON, PERSON
 
 from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.runtime.core import Runtime
@@ -102,3 +103,83 @@ def test_a_shared_system_prompt_and_a_4_turn_chat_reuse_kv_with_the_same_ids(smo
         assert warm.reused_tokens >= previous // 16 * 16, (question, warm.reused_tokens)
         previous = len(ids)
         messages.append({"role": "assistant", "content": tok.decode(warm.generated_ids)})
+
+
+def _masked_reference(model, tokenizer_json: str, prompt: list[int], eos: int, steps: int,
+                      shift: int = 0) -> list[int]:
+    """The oracle: greedy over transformers' logits under llguidance's mask for PERSON (the
+    end id allowed exactly when the grammar accepts), built from llguidance's API, not the
+    project's. `shift` rolls the mask by that many ids (the negative control)."""
+    import llguidance
+    import llguidance.numpy as llnp
+    import numpy as np
+    import torch
+
+    vocab = model.config.vocab_size
+    matcher = llguidance.LLMatcher(
+        llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab),
+        llguidance.LLMatcher.grammar_from_json_schema(
+            PERSON, overrides={"whitespace_flexible": False}))
+    bits = llnp.allocate_token_bitmask(1, vocab)
+    ids, past, feed = [], None, prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(torch.tensor([feed]), past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1].numpy()
+            llnp.fill_next_token_bitmask(matcher, bits)
+            allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+            allowed[eos] = matcher.is_accepting()
+            token = int(np.argmax(np.where(np.roll(allowed, shift), logits, -np.inf)))
+            if token == eos:
+                return ids
+            ids.append(token)
+            if not matcher.consume_token(token):
+                return ids + [-1]  # refused by the grammar: only the rolled mask gets here
+            feed = [token]
+    return ids
+
+
+def test_structured_greedy_ids_equal_transformers_under_the_same_mask(smollm2, reference,
+                                                                      smollm2_transformers):
+    """The sequence model's loop (local_generation.Generation, its grammar from
+    generation/structured.py) choosing from the engine's logits under a JSON schema gives the
+    ids of transformers' logits under llguidance's mask for the same schema, token for token,
+    and an answer that validates. Negative control: the oracle's mask rolled by one id gives
+    other ids."""
+    import jsonschema
+    from triton_tlaloc.generation.local_generation import Generation
+    from triton_tlaloc.generation.sampling import SamplingParams
+    from triton_tlaloc.generation.structured import Grammars
+    from triton_tlaloc.kv.sequence import Sequence
+    from triton_tlaloc.scheduling.admission import Reply
+
+    _, art = smollm2
+    tok = ArtifactTokenizer(art / "tokenizer")
+    prompt = tok.apply_chat_template(ASK_PERSON)
+    engine = Engine(Runtime(art))
+    grammars = Grammars(art / "tokenizer", engine.art.model.vocab, [tok.eos_token_id])
+    events, queued = [], []
+    params = SamplingParams.from_dict({"max_tokens": 80,
+                                       "structured_output": {"json_schema": PERSON}})
+    gen = Generation(1, prompt, params, {tok.eos_token_id}, engine.art.max_context,
+                     events.append, queued.extend, grammars=grammars)
+    seq = Sequence([])
+    engine.admit(seq, prompt)
+    logits = engine.prefill_chunked(seq)
+    while True:
+        gen.on_reply(Reply(logits=logits[0]))
+        step = queued.pop()
+        if step.end:
+            break
+        seq.token_ids += step.tokens
+        logits = engine.decode([seq])
+    engine.free(seq)
+    grammars.close()
+    ids = [e[1] for e in events if e[2] is None]
+    assert events[-1][2] == "stop"
+    jsonschema.validate(json.loads(tok.decode(ids)), PERSON)
+    tokenizer_json = (smollm2_transformers / "tokenizer.json").read_text(encoding="utf-8")
+    want = _masked_reference(reference, tokenizer_json, prompt, tok.eos_token_id, 80)
+    assert ids == want and len(want) > 10
+    assert _masked_reference(reference, tokenizer_json, prompt, tok.eos_token_id, 80,
+                             shift=1) != ids

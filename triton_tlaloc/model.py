@@ -32,7 +32,7 @@ from .generation.structured import Grammars
 from .artifact.loading import load_artifact
 from .runtime.memory import resident_bytes
 from .scheduling.observer import TimingLog
-from .triton.model_metrics import TritonMetrics
+from .triton.model_metrics import GrammarMetrics, TritonMetrics
 from .model_parameters import DEFAULTS
 from .runtime.pjrt import cpu_devices, instance_devices
 from .triton.outputs import (LOGIT_OUTPUTS, TOP_K_DEFAULT, cache_salt_parameter,
@@ -115,7 +115,8 @@ class TritonPythonModel:
         if parse_bool(params["local_generation"]):
             speculation = Speculation.of(self.batcher.engine, self.batcher.stats.entry_seconds)
             grammars = Grammars(artifact.tokenizer_dir, artifact.model.vocab,
-                                list(artifact.model.eos_token_ids))
+                                list(artifact.model.eos_token_ids),
+                                observer=GrammarMetrics(self.metrics))
             self.local = LocalGenerations.open(args["model_name"], self.batcher.submit_group,
                                                artifact.max_context, speculation=speculation,
                                                instance=instance, grammars=grammars)

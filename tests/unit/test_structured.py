@@ -14,8 +14,8 @@ import pytest
 from triton_tlaloc.generation.local_generation import Generation
 from triton_tlaloc.generation.parameters import SamplingError
 from triton_tlaloc.generation.sampling import Sampler, SamplingParams
-from triton_tlaloc.generation.structured import (MAX_CONSTRAINT_BYTES, Grammars,
-                                                 StructuredOutput)
+from triton_tlaloc.generation.structured import (MAX_CONSTRAINT_BYTES, GrammarObserver,
+                                                 Grammars, StructuredOutput)
 from triton_tlaloc.scheduling.admission import Reply
 
 EOS = 0
@@ -120,8 +120,29 @@ def test_a_constraint_llguidance_cannot_compile_is_refused_with_its_reason(gramm
     assert grammars.compiles == 0
 
 
+class Recorder(GrammarObserver):
+    def __init__(self):
+        self.events = []
+
+    def constrained(self, kind):
+        self.events.append(("constrained", kind))
+
+    def compiled(self, kind, seconds):
+        assert 0 <= seconds < 10
+        self.events.append(("compiled", kind))
+
+    def cache_hit(self, kind):
+        self.events.append(("hit", kind))
+
+    def masked(self, seconds):
+        self.events.append(("masked", None))
+
+
 def test_not_strict_leaves_out_what_llguidance_lacks_and_compiles_are_cached(tokenizer):
-    grammars = Grammars(tokenizer[0], VOCAB, [EOS], cache_size=2)
+    """The cache holds compiled grammars by content, the oldest out first; what happens is
+    reported to the observer (the metrics)."""
+    recorder = Recorder()
+    grammars = Grammars(tokenizer[0], VOCAB, [EOS], cache_size=2, observer=recorder)
     weird = {"type": "string", "format": "weird"}
     grammars.constraint(spec(json_schema=weird, strict=False), {EOS})
     assert grammars.compiles == 1 and grammars.cache_hits == 0
@@ -131,7 +152,19 @@ def test_not_strict_leaves_out_what_llguidance_lacks_and_compiles_are_cached(tok
     grammars.constraint(spec(regex="b+"), {EOS})  # the cache holds 2: the schema goes
     grammars.constraint(spec(json_schema=weird, strict=False), {EOS})
     assert grammars.compiles == 4 and grammars.cache_hits == 1
+    c = grammars.constraint(spec(regex="a+"), {EOS})
+    c.allowed()
+    c.took(int(np.flatnonzero(c.allowed())[0]))
+    c.allowed()
     grammars.close()
+    kinds = [e for e in recorder.events if e[0] != "masked"]
+    assert kinds == [("compiled", "json_schema"), ("constrained", "json_schema"),
+                     ("hit", "json_schema"), ("constrained", "json_schema"),
+                     ("compiled", "regex"), ("constrained", "regex"),
+                     ("compiled", "regex"), ("constrained", "regex"),
+                     ("compiled", "json_schema"), ("constrained", "json_schema"),
+                     ("compiled", "regex"), ("constrained", "regex")]  # a+ went out
+    assert recorder.events.count(("masked", None)) >= 2 + 5
 
 
 def test_a_model_without_a_tokenizer_refuses_structured_output(tmp_path):

@@ -131,15 +131,33 @@ class StructuredOutput:
         return llguidance.grammar_from("grammar", self.text)  # Lark or GBNF
 
 
+class GrammarObserver:
+    """What the grammar engine reports (triton/model_metrics.py shows it as metrics); every
+    method a no-op here. `masked` is called on the worker thread."""
+
+    def constrained(self, kind: str) -> None:
+        """A generation started under a `kind` constraint."""
+
+    def compiled(self, kind: str, seconds: float) -> None:
+        """A constraint compiled (not found in the cache)."""
+
+    def cache_hit(self, kind: str) -> None:
+        """A constraint found compiled."""
+
+    def masked(self, seconds: float) -> None:
+        """One step's mask computed."""
+
+
 class Grammars:
     """A model's grammar compiler over its tokenizer: `constraint(spec, stops)` gives a
     generation its TokenConstraint or refuses the spec by name. Thread-safe (the link's
     reader threads compile; the batching thread never does)."""
 
     def __init__(self, tokenizer_dir: Path | None, vocab: int, eos: list[int],
-                 cache_size: int = CACHE_SIZE):
+                 cache_size: int = CACHE_SIZE, observer: GrammarObserver | None = None):
         self.tokenizer_dir, self.vocab, self.eos = tokenizer_dir, vocab, list(eos)
         self.cache_size = cache_size
+        self.observer = observer or GrammarObserver()
         self._tokenizer = None
         self._compiled: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
@@ -176,10 +194,13 @@ class Grammars:
         llguidance's reason."""
         key = (spec.kind, spec.text, spec.strict)
         with self._lock:
-            if key in self._compiled:
+            grammar = self._compiled.get(key)
+            if grammar is not None:
                 self._compiled.move_to_end(key)
                 self.cache_hits += 1
-                return self._compiled[key]
+        if grammar is not None:
+            self.observer.cache_hit(spec.kind)
+            return grammar
         import llguidance
 
         tokenizer = self.tokenizer()
@@ -204,6 +225,7 @@ class Grammars:
             while len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         log.info("structured output: a %s compiled in %.1f ms", spec.kind, seconds * 1e3)
+        self.observer.compiled(spec.kind, seconds)
         return grammar
 
     def constraint(self, spec: StructuredOutput, stops: set[int]) -> "TokenConstraint":
@@ -213,7 +235,9 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.tokenizer(), self.grammar(spec))
         if matcher.is_error():
             raise _refused(spec, matcher.get_error())
-        return TokenConstraint(matcher, self.vocab, stops, self._worker, self.eos)
+        self.observer.constrained(spec.kind)
+        return TokenConstraint(matcher, self.vocab, stops, self._worker, self.eos,
+                               self.observer)
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -231,11 +255,12 @@ class TokenConstraint:
     the matcher only between them."""
 
     def __init__(self, matcher, vocab: int, stops: set[int], worker: ThreadPoolExecutor,
-                 grammar_ends: list[int] = ()):
+                 grammar_ends: list[int] = (), observer: GrammarObserver | None = None):
         """`stops`: the generation's end ids; `grammar_ends`: the ids llguidance allows
         when the grammar accepts (the tokenizer's EOS), refused here unless they end this
         generation (ignore_eos)."""
         self.matcher, self.vocab, self.worker = matcher, vocab, worker
+        self.observer = observer or GrammarObserver()
         self.stops = np.array(sorted(t for t in stops if 0 <= t < vocab), np.int64)
         self.not_ends = np.array(sorted(t for t in set(grammar_ends) - set(stops)
                                         if 0 <= t < vocab), np.int64)
@@ -253,7 +278,9 @@ class TokenConstraint:
         # The generation's end tokens: exactly when what was written is a whole answer.
         allowed[self.stops] = self.matcher.is_accepting()
         allowed[self.not_ends] = False
-        self.mask_seconds.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.mask_seconds.append(seconds)
+        self.observer.masked(seconds)
         return allowed
 
     def allowed(self) -> np.ndarray:
@@ -282,5 +309,5 @@ class TokenConstraint:
         return self.matcher.get_error() if self.matcher.is_error() else ""
 
 
-__all__ = ["CACHE_SIZE", "Grammars", "KINDS", "MAX_CONSTRAINT_BYTES", "StructuredOutput",
+__all__ = ["CACHE_SIZE", "GrammarObserver", "Grammars", "KINDS", "MAX_CONSTRAINT_BYTES", "StructuredOutput",
            "TokenConstraint"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
+from ..generation.structured import KINDS, GrammarObserver
 from ..scheduling.observer import Observer
 from .metrics import MetricsWriter
 
@@ -239,3 +240,53 @@ class TritonMetrics(Observer):
         self.writer.set(self.host_bytes, nbytes)
         self.writer.set(self.host_cached_bytes, cached_bytes)
         self.writer.set(self.swapped_now, sequences)
+
+
+class GrammarMetrics(GrammarObserver):
+    """Structured output's metrics (generation/structured.py reports to it), beside the
+    model's own: the same writer, labels and families list."""
+
+    MASK_BUCKETS = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.1]
+    COMPILE_BUCKETS = [1e-4, 1e-3, 0.01, 0.1, 1.0, 10.0]
+
+    def __init__(self, metrics: TritonMetrics):
+        F = pb_utils.MetricFamily
+        self.m = metrics
+
+        def family(name, description, kind):
+            metrics.families.append(F(name=name, description=description, kind=kind))
+            return metrics.families[-1]
+
+        def by_kind(name, description):  # made here: the reports come from several threads
+            f = family(name, description, F.COUNTER)
+            return {k: f.Metric(labels={**metrics.labels, "kind": k}) for k in KINDS}
+
+        self.constrained_total = by_kind("tlaloc_structured_generations_total", "Generations "
+                                         "started under a structured_output constraint")
+        self.compiles = by_kind("tlaloc_grammar_compiles_total", "Constraints compiled")
+        self.cache_hits = by_kind("tlaloc_grammar_cache_hits_total", "Constraints found "
+                                  "compiled")
+        self.compile_seconds = self.mask_seconds = None
+        if metrics.has_histograms:
+            self.compile_seconds = family(
+                "tlaloc_grammar_compile_seconds", "Time a constraint takes to compile",
+                F.HISTOGRAM).Metric(labels=metrics.labels, buckets=self.COMPILE_BUCKETS)
+            self.mask_seconds = family(
+                "tlaloc_grammar_mask_seconds", "Time a step's token mask takes to compute (on "
+                "a worker thread, while the step's call runs)", F.HISTOGRAM).Metric(
+                labels=metrics.labels, buckets=self.MASK_BUCKETS)
+
+    def constrained(self, kind: str) -> None:
+        self.m.writer.increment(self.constrained_total[kind], 1)
+
+    def compiled(self, kind: str, seconds: float) -> None:
+        self.m.writer.increment(self.compiles[kind], 1)
+        if self.compile_seconds is not None:
+            self.m.writer.observe(self.compile_seconds, seconds)
+
+    def cache_hit(self, kind: str) -> None:
+        self.m.writer.increment(self.cache_hits[kind], 1)
+
+    def masked(self, seconds: float) -> None:
+        if self.mask_seconds is not None:
+            self.m.writer.observe(self.mask_seconds, seconds)
