@@ -52,11 +52,20 @@ def main() -> int:
     args = ap.parse_args()
 
     from triton_tlaloc.artifact.loading import load_artifact
-    from triton_tlaloc.generation.structured import Grammars, StructuredOutput
+    from triton_tlaloc.generation.structured import (GrammarObserver, Grammars,
+                                                     StructuredOutput)
+
+    class MaskTimes(GrammarObserver):
+        def __init__(self):
+            self.seconds = []
+
+        def masked(self, seconds):
+            self.seconds.append(seconds)
 
     art = load_artifact(args.artifact)
     vocab, eos = art.model.vocab, list(art.model.eos_token_ids)
-    grammars = Grammars(art.tokenizer_dir, vocab, eos)
+    times = MaskTimes()
+    grammars = Grammars(art.tokenizer_dir, vocab, eos, observer=times)
     t0 = time.perf_counter()
     grammars.tokenizer()
     print(f"llguidance's tokenizer: {time.perf_counter() - t0:.2f} s, {vocab} tokens")
@@ -68,7 +77,7 @@ def main() -> int:
         t0 = time.perf_counter()
         grammars.grammar(spec)
         compile_ms = (time.perf_counter() - t0) * 1e3
-        masks, applies, steps = [], [], 0
+        times.seconds, applies, steps = [], [], 0
         for _ in range(args.answers):
             c = grammars.constraint(spec, set(eos))
             for _ in range(500):
@@ -82,8 +91,8 @@ def main() -> int:
                 if token in eos:
                     break
                 c.took(token)
-            masks += c.mask_seconds
-        m = np.array(masks) * 1e6
+        c.allowed()  # the last mask computed
+        m = np.array(times.seconds) * 1e6
         print(f"{name:<12} {steps:>6} {compile_ms:>11.1f} {np.median(m):>15.1f} "
               f"{np.percentile(m, 99):>8.1f} {m.max():>8.1f} "
               f"{np.median(applies) * 1e6:>16.1f}")

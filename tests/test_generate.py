@@ -12,7 +12,7 @@ import pytest
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, generate, generate_http,
                                             metric, new_sequence_id, scrape_metrics)
-from checks.schemas import ASK_PERSON, PERSON
+from checks.schemas import ASK_PERSON, PERSON, masked_greedy
 
 from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.repository import RepositoryOptions, write_generate_model, write_repository
@@ -432,12 +432,9 @@ def test_structured_output_gives_json_that_validates_in_every_loop(served, loop)
 def test_greedy_structured_ids_are_the_served_logits_argmax_under_the_mask(served):
     """The constrained greedy ids through the generate model equal the argmax of the sequence
     model's own LOGITS, step by step over the client, under llguidance's mask for the same
-    schema built here from llguidance's API (tests/test_smollm2.py holds the engine's
-    constrained ids to transformers' logits). Negative control: that mask rolled by one id
-    gives other ids."""
-    import llguidance
-    import llguidance.numpy as llnp
-
+    schema built from llguidance's API (checks/schemas.py; tests/test_smollm2.py holds the
+    engine's constrained ids to transformers' logits). Negative control: that mask rolled by
+    one id gives other ids."""
     server, tok = served
     prompt = tok.apply_chat_template(ASK_PERSON)
     got = generate(server.grpc_url, "smollm2_generate", input_ids=prompt,
@@ -445,35 +442,18 @@ def test_greedy_structured_ids_are_the_served_logits_argmax_under_the_mask(serve
     assert got.finish_reason == "stop"
 
     def constrained(shift: int) -> list[int]:
-        vocab = 49152
-        tokenizer = llguidance.LLTokenizer(tok.tok.to_str(), n_vocab=vocab)
-        matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(
-            PERSON, overrides={"whitespace_flexible": False}))
-        bits = llnp.allocate_token_bitmask(1, vocab)
-        ids, feed, start = [], prompt, True
         with TlalocClient(server.grpc_url, "smollm2") as c:
-            seq = new_sequence_id()
+            seq, started = new_sequence_id(), []
+
+            def next_logits(ids: list[int]) -> np.ndarray:
+                out = c.request(seq, ids, start=not started, outputs=("LOGITS",))
+                started.append(True)
+                return out["LOGITS"]
             try:
-                for _ in range(80):
-                    out = c.request(seq, feed, start=start, outputs=("LOGITS",))
-                    start = False
-                    llnp.fill_next_token_bitmask(matcher, bits)
-                    allowed = np.unpackbits(bits.view(np.uint8),
-                                            bitorder="little")[:vocab].astype(bool)
-                    allowed[tok.eos_token_id] = matcher.is_accepting()
-                    allowed = np.roll(allowed, shift)
-                    logits = np.asarray(out["LOGITS"], np.float32).reshape(-1)
-                    token = int(np.argmax(np.where(allowed, logits, -np.inf)))
-                    if token == tok.eos_token_id:
-                        break
-                    ids.append(token)
-                    if not matcher.consume_token(token):
-                        ids.append(-1)  # refused by the grammar: only the rolled mask
-                        break
-                    feed = [token]
+                return masked_greedy(next_logits, tok.tok.to_str(), 49152, tok.eos_token_id,
+                                     prompt, 80, shift)
             finally:
                 c.request(seq, [], end=True, outputs=())
-        return ids
 
     want = constrained(0)
     assert got.token_ids == want and len(want) > 10

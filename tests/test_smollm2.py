@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Callable
 
+import numpy as np
 import pytest
 from checks.oracle import load_reference, logits_error, reference_greedy
-from checks.schemas import ASK_PERSON, PERSON
+from checks.schemas import ASK_PERSON, PERSON, masked_greedy
 
 from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.runtime.core import Runtime
@@ -105,38 +107,19 @@ def test_a_shared_system_prompt_and_a_4_turn_chat_reuse_kv_with_the_same_ids(smo
         messages.append({"role": "assistant", "content": tok.decode(warm.generated_ids)})
 
 
-def _masked_reference(model, tokenizer_json: str, prompt: list[int], eos: int, steps: int,
-                      shift: int = 0) -> list[int]:
-    """The oracle: greedy over transformers' logits under llguidance's mask for PERSON (the
-    end id allowed exactly when the grammar accepts), built from llguidance's API, not the
-    project's. `shift` rolls the mask by that many ids (the negative control)."""
-    import llguidance
-    import llguidance.numpy as llnp
-    import numpy as np
+def _transformers_logits(model) -> Callable[[list[int]], np.ndarray]:
+    """transformers' next logits after feeding ids, its KV cache kept between calls."""
     import torch
 
-    vocab = model.config.vocab_size
-    matcher = llguidance.LLMatcher(
-        llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab),
-        llguidance.LLMatcher.grammar_from_json_schema(
-            PERSON, overrides={"whitespace_flexible": False}))
-    bits = llnp.allocate_token_bitmask(1, vocab)
-    ids, past, feed = [], None, prompt
-    with torch.no_grad():
-        for _ in range(steps):
-            out = model(torch.tensor([feed]), past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[0, -1].numpy()
-            llnp.fill_next_token_bitmask(matcher, bits)
-            allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)
-            allowed[eos] = matcher.is_accepting()
-            token = int(np.argmax(np.where(np.roll(allowed, shift), logits, -np.inf)))
-            if token == eos:
-                return ids
-            ids.append(token)
-            if not matcher.consume_token(token):
-                return ids + [-1]  # refused by the grammar: only the rolled mask gets here
-            feed = [token]
-    return ids
+    past = None
+
+    @torch.no_grad()
+    def next_logits(ids: list[int]) -> np.ndarray:
+        nonlocal past
+        out = model(torch.tensor([ids]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        return out.logits[0, -1].numpy()
+    return next_logits
 
 
 def test_structured_greedy_ids_equal_transformers_under_the_same_mask(smollm2, reference,
@@ -179,7 +162,11 @@ def test_structured_greedy_ids_equal_transformers_under_the_same_mask(smollm2, r
     assert events[-1][2] == "stop"
     jsonschema.validate(json.loads(tok.decode(ids)), PERSON)
     tokenizer_json = (smollm2_transformers / "tokenizer.json").read_text(encoding="utf-8")
-    want = _masked_reference(reference, tokenizer_json, prompt, tok.eos_token_id, 80)
+    vocab = reference.config.vocab_size
+
+    def oracle(shift: int) -> list[int]:
+        return masked_greedy(_transformers_logits(reference), tokenizer_json, vocab,
+                             tok.eos_token_id, prompt, 80, shift)
+    want = oracle(0)
     assert ids == want and len(want) > 10
-    assert _masked_reference(reference, tokenizer_json, prompt, tok.eos_token_id, 80,
-                             shift=1) != ids
+    assert oracle(1) != ids

@@ -182,8 +182,7 @@ def _structured_output(body: dict) -> dict | None:
     if given is not None:
         asked["structured_output"] = given
     for field, kind in GUIDED_FIELDS.items():
-        if field in body and body[field] is not None:
-            value = body[field]
+        if (value := body.get(field)) is not None:
             if field == "guided_json" and isinstance(value, str):
                 try:
                     value = json.loads(value)

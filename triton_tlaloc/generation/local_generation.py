@@ -133,17 +133,14 @@ class Generation:
             return
         if reply.accepted_ids is not None:  # a verify call's: the drafts that stood, then one
             tokens = reply.accepted_ids
-        elif self.constraint is not None:
-            logits = self.constraint.masked(reply.logits)
-            if not np.isfinite(logits).any():  # complete, and no end token to end it with
-                self._finish(NO_TOKEN, "stop")
-                return
-            tokens = [int(np.argmax(logits)) if self.params.greedy
-                      else self.sampler.choose(logits)]
-        elif self.params.greedy:
-            tokens = [int(np.argmax(reply.logits))]
         else:
-            tokens = [self.sampler.choose(reply.logits)]
+            logits = reply.logits
+            if self.constraint is not None:
+                logits = self.constraint.masked(logits)
+                if logits is None:  # complete, and no end token to end it with
+                    self._finish(NO_TOKEN, "stop")
+                    return
+            tokens = [self.sampler.choose(logits)]  # greedy: the argmax
         if self.speculator is not None:
             self.speculator.took(tokens)
         if self.drafter is not None:

@@ -103,7 +103,7 @@ class StructuredOutput:
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > MAX_CONSTRAINT_BYTES:
             raise SamplingError(f"{where}: {size} bytes: at most {MAX_CONSTRAINT_BYTES}")
-        return StructuredOutput(kind, text, strict if kind == "json_schema" else True)
+        return StructuredOutput(kind, text, strict)
 
     def as_dict(self) -> dict:
         """The parameter as a client sends it (from_dict(as_dict()) gives it back)."""
@@ -162,7 +162,6 @@ class Grammars:
         self._compiled: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = self.cache_hits = 0
-        self.compile_seconds = 0.0
         # One worker computes every generation's next mask while the call runs (llguidance
         # releases the GIL while it computes).
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tlaloc-grammar")
@@ -179,8 +178,9 @@ class Grammars:
                                         "artifact has no tokenizer.json to constrain with")
                 t0 = time.perf_counter()
                 try:
-                    self._tokenizer = llguidance.LLTokenizer(
-                        path.read_text(encoding="utf-8"), n_vocab=self.vocab, eos_token=self.eos or None)
+                    self._tokenizer = llguidance.LLTokenizer(path.read_text(encoding="utf-8"),
+                                                             n_vocab=self.vocab,
+                                                             eos_token=self.eos or None)
                 except Exception as e:  # the generation is refused, the link reads on
                     log.warning("structured output: llguidance cannot read %s: %s", path, e)
                     raise SamplingError(f"sampling parameter structured_output: llguidance "
@@ -220,7 +220,6 @@ class Grammars:
             raise _refused(spec, "; ".join(messages))
         with self._lock:
             self.compiles += 1
-            self.compile_seconds += seconds
             self._compiled[key] = grammar
             while len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
@@ -264,7 +263,6 @@ class TokenConstraint:
         self.stops = np.array(sorted(t for t in stops if 0 <= t < vocab), np.int64)
         self.not_ends = np.array(sorted(t for t in set(grammar_ends) - set(stops)
                                         if 0 <= t < vocab), np.int64)
-        self.mask_seconds: list[float] = []  # each mask's computing time (a metric)
         self._pending: Future = worker.submit(self._compute)
 
     def _compute(self) -> np.ndarray:
@@ -278,22 +276,24 @@ class TokenConstraint:
         # The generation's end tokens: exactly when what was written is a whole answer.
         allowed[self.stops] = self.matcher.is_accepting()
         allowed[self.not_ends] = False
-        seconds = time.perf_counter() - t0
-        self.mask_seconds.append(seconds)
-        self.observer.masked(seconds)
+        self.observer.masked(time.perf_counter() - t0)
         return allowed
 
     def allowed(self) -> np.ndarray:
         """A bool per token id: those the grammar lets come next."""
         return self._pending.result()
 
-    def masked(self, logits: np.ndarray) -> np.ndarray:
+    def masked(self, logits: np.ndarray) -> np.ndarray | None:
         """The logits with every token the grammar refuses at -inf (a new array); ids past
-        the tokenizer's vocabulary (a model's padded rows) are refused too."""
+        the tokenizer's vocabulary (a model's padded rows) are refused too. None when it
+        refuses every token: the answer is complete and no end id is left to end it with
+        (the generation ends by stop)."""
         logits = np.asarray(logits, np.float32).reshape(-1)
         allowed = self.allowed()
         if logits.size != allowed.size:
             allowed = np.pad(allowed[:logits.size], (0, max(0, logits.size - allowed.size)))
+        if not allowed.any():
+            return None
         return np.where(allowed, logits, np.float32(-np.inf))
 
     def took(self, token: int) -> None:
@@ -304,10 +304,6 @@ class TokenConstraint:
                                f"{self.matcher.get_error()}")
         self._pending = self.worker.submit(self._compute)
 
-    @property
-    def error(self) -> str:
-        return self.matcher.get_error() if self.matcher.is_error() else ""
 
-
-__all__ = ["CACHE_SIZE", "GrammarObserver", "Grammars", "KINDS", "MAX_CONSTRAINT_BYTES", "StructuredOutput",
-           "TokenConstraint"]
+__all__ = ["CACHE_SIZE", "GrammarObserver", "Grammars", "KINDS", "MAX_CONSTRAINT_BYTES",
+           "StructuredOutput", "TokenConstraint"]

@@ -361,10 +361,8 @@ class TritonPythonModel:
             last = None
             while True:
                 if constraint is not None:
-                    logits = constraint.masked(out["LOGITS"])
-                    token = (None if not np.isfinite(logits).any()  # complete, no end token
-                             else int(np.argmax(logits)) if params.greedy
-                             else sampler.choose(logits))
+                    logits = constraint.masked(out["LOGITS"])  # None: complete, no end token
+                    token = None if logits is None else sampler.choose(logits)
                 else:
                     token = (int(out["ARGMAX"][0]) if params.greedy
                              else sampler.choose(out["LOGITS"]))
