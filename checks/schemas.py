@@ -31,8 +31,10 @@ def masked_greedy(next_logits: Callable[[list[int]], np.ndarray], tokenizer_json
                   vocab: int, eos: int, prompt: list[int], steps: int,
                   shift: int = 0) -> list[int]:
     """The oracle: greedy ids under llguidance's mask for PERSON, built from llguidance's API
-    (not the project's), the end id allowed exactly when the grammar accepts.
-    `next_logits(ids)` feeds ids to a model (the prompt first, then each chosen id) and gives
+    (not the project's), the end id allowed exactly when the grammar accepts, and the tokens
+    the grammar forces (llguidance's fast-forward tokens) taken as they are, whatever the
+    logits say; once the grammar takes nothing more, the answer ends.
+    `next_logits(ids)` feeds ids to a model (the prompt first, then what came next) and gives
     the logits that follow. `shift` rolls the mask by that many ids (the negative control);
     a token the grammar then refuses ends the ids with -1."""
     import llguidance
@@ -43,8 +45,13 @@ def masked_greedy(next_logits: Callable[[list[int]], np.ndarray], tokenizer_json
         llguidance.LLMatcher.grammar_from_json_schema(
             PERSON, overrides={"whitespace_flexible": False}))
     bits = llnp.allocate_token_bitmask(1, vocab)
-    ids, feed = [], prompt
+    ids, feed = [], list(prompt)
     for _ in range(steps):
+        forced = matcher.compute_ff_tokens()
+        matcher.consume_tokens(forced)
+        ids, feed = ids + forced, feed + forced
+        if matcher.is_stopped():
+            return ids
         logits = np.asarray(next_logits(feed), np.float32).reshape(-1)
         llnp.fill_next_token_bitmask(matcher, bits)
         allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)

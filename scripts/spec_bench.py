@@ -26,6 +26,7 @@ the sequence model's counters. JSON (and, with matplotlib, a PNG) to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -109,6 +110,20 @@ def wait_compiled(server, timeout_s: float = 900.0) -> None:
     raise TimeoutError("the entries did not all compile")
 
 
+@contextlib.contextmanager
+def serving(art: Path):
+    """A tritonserver started here serving `art` as MODEL (and MODEL_generate), every entry
+    compiled; stopped at the end."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_repository(art, Path(tmp) / "repo", MODEL, RepositoryOptions())
+        server = TritonServer(Path(tmp) / "repo", exit_timeout_s=3).start()
+        try:
+            wait_compiled(server)
+            yield server
+        finally:
+            server.stop()
+
+
 def one(server, prompt, tokens: int, speculative: dict | None) -> dict:
     sampling = {"max_tokens": tokens, **({"speculative": speculative} if speculative else {})}
     before = counters(server)
@@ -163,27 +178,21 @@ def main() -> None:
     art = export_if_missing(args.artifact)
     tok = ArtifactTokenizer(art / "tokenizer")
     rows = {(kind, s): [] for kind in PROMPTS for s in chosen}
-    with tempfile.TemporaryDirectory() as tmp:
-        write_repository(art, Path(tmp) / "repo", MODEL, RepositoryOptions())
-        server = TritonServer(Path(tmp) / "repo", exit_timeout_s=3).start()
-        try:
-            wait_compiled(server)
-            for run in range(args.runs + 1):  # run 0 warms up
-                for kind, text in PROMPTS.items():
-                    prompt = tok.apply_chat_template([{"role": "user",
-                                                       "content": f"(request {run}) {text}"}])
-                    names = list(chosen) if run % 2 else list(chosen)[::-1]
-                    ids = None
-                    for name in names:
-                        r = one(server, prompt, args.tokens, chosen[name])
-                        assert ids is None or r["ids"] == ids, f"{kind}, {name}: the ids differ"
-                        ids = r.pop("ids")
-                        if run:
-                            rows[(kind, name)].append(r)
-                print(f"run {run}{' (warm-up)' if run == 0 else ''} done", file=sys.stderr,
-                      flush=True)
-        finally:
-            server.stop()
+    with serving(art) as server:
+        for run in range(args.runs + 1):  # run 0 warms up
+            for kind, text in PROMPTS.items():
+                prompt = tok.apply_chat_template([{"role": "user",
+                                                   "content": f"(request {run}) {text}"}])
+                names = list(chosen) if run % 2 else list(chosen)[::-1]
+                ids = None
+                for name in names:
+                    r = one(server, prompt, args.tokens, chosen[name])
+                    assert ids is None or r["ids"] == ids, f"{kind}, {name}: the ids differ"
+                    ids = r.pop("ids")
+                    if run:
+                        rows[(kind, name)].append(r)
+            print(f"run {run}{' (warm-up)' if run == 0 else ''} done", file=sys.stderr,
+                  flush=True)
     table = []
     for kind in PROMPTS:
         base = statistics.median(r["tokens_per_s"] for r in rows[(kind, "none")])

@@ -427,6 +427,8 @@ def test_structured_output_gives_json_that_validates_in_every_loop(served, loop)
         assert (delta("tlaloc_grammar_compiles_total", **kind)
                 + delta("tlaloc_grammar_cache_hits_total", **kind)) == 3
         assert delta("tlaloc_grammar_mask_seconds_count", model="smollm2") >= 3 * 10
+        # the schema's keys and separators: forced, fed without the model choosing them
+        assert delta("tlaloc_grammar_forced_tokens_total", model="smollm2") >= 3 * 4
 
 
 def test_greedy_structured_ids_are_the_served_logits_argmax_under_the_mask(served):
@@ -514,3 +516,44 @@ def test_the_openai_response_format_gives_json_that_validates(served, openai_url
     with pytest.raises(openai.BadRequestError, match="response_format.type"):
         client.chat.completions.create(model="smollm2", messages=ASK_PERSON,
                                        response_format={"type": "yaml"})
+
+
+def test_speculation_under_a_grammar_keeps_the_constrained_greedy_ids(served):
+    """Prompt lookup under a JSON schema through the local loop: the drafts the grammar
+    refuses are cut, those that stand are allowed, so the greedy ids are the constrained ids
+    without speculation, and the answer validates."""
+    server, tok = served
+    example = '{"name":"Ada","age":36,"city":"Paris","pets":[{"kind":"cat","legs":4}]}'
+    prompt = tok.apply_chat_template([{"role": "user", "content": f"Like {example}, invent a "
+                                                                  f"person. Answer in JSON."}])
+    sampling = {"max_tokens": 80, "structured_output": {"json_schema": PERSON}}
+    plain = generate(server.grpc_url, "smollm2_generate", input_ids=prompt, sampling=sampling)
+    drafted = generate(server.grpc_url, "smollm2_generate", input_ids=prompt, sampling={
+        **sampling, "speculative": {"method": "prompt_lookup", "num_draft_tokens": 4}})
+    assert plain.finish_reason == drafted.finish_reason == "stop"
+    assert drafted.token_ids == plain.token_ids
+    validated(drafted.text)
+
+
+def test_tlaloc_generate_and_the_client_take_a_constraint(served, tmp_path, capsys):
+    """`tlaloc generate --choice` and `--json-schema FILE` answer through NAME_generate under
+    the constraint; TlalocClient.generate(structured_output=) over HTTP alike; a bad regex
+    is the server's refusal, exit status 1."""
+    from triton_tlaloc.cli import main
+
+    server, tok = served
+    base = ["generate", "--url", server.grpc_url, "--model", "smollm2", "--chat", "--prompt",
+            "Is the sky blue? Answer yes or no.", "--max-new-tokens", "8"]
+    assert main(base + ["--choice", "yes,no"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    assert main(base[:-1] + ["80", "--json-schema", str(schema), "--json"]) == 0
+    validated(json.loads(capsys.readouterr().out)["text"])
+    assert main(base + ["--regex", "[a-"]) == 1
+    assert "structured_output.regex" in capsys.readouterr().err
+    with TlalocClient(server.http_url, "smollm2", "http") as client:
+        got = client.generate(tok.apply_chat_template(ASK_PERSON), {"max_tokens": 80},
+                              structured_output={"json_schema": PERSON})
+    assert got.finish_reason == "stop"
+    validated(got.text)

@@ -51,7 +51,8 @@ from .scheduling.admission import Admission, Job, Reply, Request
 from .scheduling.batcher_state import BatcherState
 from .scheduling.policy import BatchPolicy, Cohort, select
 from .scheduling.room import RoomMaker
-from .scheduling.round_plan import RoundPlan, bucket_calls, decode_calls, prefill_calls
+from .scheduling.round_plan import (RoundPlan, bucket_calls, decode_calls, forced_rows_to_decode,
+                                    prefill_calls)
 
 # What the front ends take from here: the batcher, its requests and replies, and reply codes.
 __all__ = ["Batcher", "INTERNAL", "INVALID_ARG", "Job", "Reply", "Request", "UNAVAILABLE"]
@@ -255,6 +256,10 @@ class Batcher:
         self.state.moves = []
         jobs: list[Job] = list(resumed)  # a preempted sequence's job leaves the list
         t0 = time.perf_counter()
+        for r in forced_rows_to_decode(requests, self._call_seconds):
+            # Its forced tokens go unchecked: answered as a verify call keeping none (its
+            # generation feeds them in later steps).
+            r.tokens, r.draft_tokens, r.drafts_unchecked = r.tokens[:-r.draft_tokens], 0, True
         for r in requests:
             job = self.admission.admit(r, jobs)
             if job is not None:
@@ -275,6 +280,18 @@ class Batcher:
             self.max_prefill_batch, self.context_ladder, self.engine.max_call_tokens)
         plan.admit_seconds = time.perf_counter() - t0
         return plan
+
+    def _call_seconds(self, kind: str, rows: int, tokens: int) -> float | None:
+        """The recent time of a call of `kind` over `rows` rows of `tokens` tokens: the mean
+        over contexts of the smallest entry that holds it (None: none timed yet)."""
+        fits = [e for e in self.engine.art.entries.values()
+                if e.kind == kind and e.batch >= rows and e.tokens_per_seq >= tokens]
+        if not fits:
+            return None
+        smallest = min((e.batch, e.tokens_per_seq) for e in fits)
+        times = [t for e in fits if (e.batch, e.tokens_per_seq) == smallest
+                 and (t := self.stats.entry_seconds.get(e.name)) is not None]
+        return sum(times) / len(times) if times else None
 
     def execute(self, plan: RoundPlan) -> None:
         """Run a round's plan: its calls in order, each row answered; then the decode cohort
@@ -358,8 +375,14 @@ class Batcher:
         self._observe("call", kind, self.engine.last_entry, len(jobs), tokens, waits, seconds,
                       self.engine.executions - executions_before)
         if kind == "verify":
-            self._observe("speculation", sum(j.request.draft_tokens for j in jobs),
-                          sum(len(v.accepted) - 1 for v in logits), len(jobs))
+            # A grammar's forced tokens are not drafts: a row of them alone is no speculation.
+            speculating = [(j.request.draft_tokens - j.request.forced_tokens,
+                            len(v.accepted) - 1 - j.request.forced_tokens)
+                           for j, v in zip(jobs, logits)
+                           if j.request.draft_tokens > j.request.forced_tokens]
+            if speculating:
+                self._observe("speculation", sum(d for d, _ in speculating),
+                              sum(a for _, a in speculating), len(speculating))
         broken = self._nonfinite_rows(kind, jobs, logits)
         for j, row, bad in zip(jobs, logits, broken):
             pages = (len(j.seq.pages), len(j.seq.ring))

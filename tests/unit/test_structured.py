@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import numpy as np
 import pytest
 
-from triton_tlaloc.generation.local_generation import Generation
+from triton_tlaloc.engine.speculation import accepted_drafts
+from triton_tlaloc.generation.local_generation import Generation, Speculation
 from triton_tlaloc.generation.parameters import SamplingError
 from triton_tlaloc.generation.sampling import Sampler, SamplingParams
 from triton_tlaloc.generation.structured import (MAX_CONSTRAINT_BYTES, GrammarObserver,
                                                  Grammars, StructuredOutput)
+from triton_tlaloc.generation.speculative import StepCost
 from triton_tlaloc.scheduling.admission import Reply
 
 EOS = 0
@@ -62,6 +65,7 @@ class Recorder(GrammarObserver):
 
     def __init__(self):
         self.events, self.masks = [], []
+        self.forced_tokens = 0
 
     def constrained(self, kind):
         self.events.append(("constrained", kind))
@@ -75,6 +79,9 @@ class Recorder(GrammarObserver):
 
     def masked(self, seconds):
         self.masks.append(seconds)
+
+    def forced(self, tokens):
+        self.forced_tokens += tokens
 
 
 @pytest.fixture
@@ -120,9 +127,6 @@ def test_the_parameter_survives_its_way_to_the_sequence_model():
         assert SamplingParams.from_dict(params.to_dict()) == params
         assert params.structured_output.as_dict() == (d if "json_schema" not in d
                                                       else {**d})
-    with pytest.raises(SamplingError, match="structured_output and speculative"):
-        SamplingParams.from_dict({"structured_output": {"regex": "a"},
-                                  "speculative": {"method": "prompt_lookup"}})
 
 
 # ------------------------------------------------------------------ compiling
@@ -154,9 +158,10 @@ def test_not_strict_leaves_out_what_llguidance_lacks_and_compiles_are_cached(tok
     grammars.constraint(spec(regex="b+"), {EOS})  # the cache holds 2: the schema goes
     grammars.constraint(spec(json_schema=weird, strict=False), {EOS})
     assert grammars.compiles == 4 and grammars.cache_hits == 1
-    c = grammars.constraint(spec(regex="a+"), {EOS})
-    c.allowed()
-    c.took(int(np.flatnonzero(c.allowed())[0]))
+    c = grammars.constraint(spec(regex="a+"), {EOS})  # "a" forced: queued, no mask
+    assert tokenizer[1].decode(c.queued) == "a"
+    c.took(c.queued)
+    c.took([int(np.flatnonzero(c.allowed())[0])])
     c.allowed()
     grammars.close()
     assert recorder.events == [("compiled", "json_schema"), ("constrained", "json_schema"),
@@ -165,7 +170,8 @@ def test_not_strict_leaves_out_what_llguidance_lacks_and_compiles_are_cached(tok
                      ("compiled", "regex"), ("constrained", "regex"),
                      ("compiled", "json_schema"), ("constrained", "json_schema"),
                      ("compiled", "regex"), ("constrained", "regex")]  # a+ went out
-    assert len(recorder.masks) >= 2 + 5
+    assert len(recorder.masks) >= 5 + 1  # one a constraint, one after the chosen token
+    assert recorder.forced_tokens >= 1  # the regex's "a"
 
 
 def test_a_model_without_a_tokenizer_refuses_structured_output(tmp_path):
@@ -183,15 +189,18 @@ def run(constraint, params: SamplingParams, rng, steps: int = 300, shift: int = 
     sampler = Sampler(params)
     ids = []
     for _ in range(steps):
-        logits = constraint.masked(rng.standard_normal(VOCAB).astype(np.float32) * 4)
-        if shift:  # the negative control: the mask one token id off
-            allowed = np.roll(np.isfinite(logits), shift)
-            logits = np.where(allowed, rng.standard_normal(VOCAB), -np.inf)
-        token = int(np.argmax(logits)) if params.greedy else sampler.choose(logits)
+        if constraint.queued:  # forced: whatever the logits say
+            token = constraint.queued[0]
+        else:
+            logits = constraint.masked(rng.standard_normal(VOCAB).astype(np.float32) * 4)
+            if shift:  # the negative control: the mask one token id off
+                allowed = np.roll(np.isfinite(logits), shift)
+                logits = np.where(allowed, rng.standard_normal(VOCAB), -np.inf)
+            token = int(np.argmax(logits)) if params.greedy else sampler.choose(logits)
         if token == EOS:
             return ids
         ids.append(token)
-        constraint.took(token)
+        constraint.took([token])
     raise AssertionError(f"no end after {steps} tokens")
 
 
@@ -225,38 +234,58 @@ def test_random_logits_under_a_grammar_give_answers_that_parse(grammars, tokeniz
         assert masks[before:] and max(masks[before:]) < 1.0
 
 
+def written(c, tok, text: str):
+    """Write `text` under the constraint `c` as a loop would: the queued (forced) tokens as
+    they come, else the first token of what is left. Yields, before each token the model would
+    choose, (the mask, the token, the text so far); forced tokens need no mask."""
+    done = ""
+    while done != text:
+        if c.queued:
+            token = c.queued[0]
+        else:
+            token = tok.encode(text[len(done):]).ids[0]
+            yield c.allowed(), token, done
+        piece = tok.decode([token])
+        assert text.startswith(done + piece), (done, piece, text)
+        done += piece
+        c.took([token])
+
+
 def test_any_json_object_starts_with_a_brace_and_ends_when_it_closes(grammars, tokenizer):
     """json_object (random logits would write an object without end, so its steps are
     written here): only tokens that begin an object come first, and the end is allowed once
     the object is closed."""
+    tok = tokenizer[1]
     c = grammars.constraint(spec(json_object=True), {EOS})
-    first = np.flatnonzero(c.allowed())
-    assert first.size and all(tokenizer[1].decode([int(t)]).startswith("{") for t in first)
-    for token in tokenizer[1].encode('{"a":[1,true,null]}').ids:
-        assert c.allowed()[token] and not c.allowed()[EOS]
-        c.took(token)
-    assert c.allowed()[EOS]
+    if c.queued:
+        assert tok.decode(c.queued).startswith("{")
+    else:
+        first = np.flatnonzero(c.allowed())
+        assert first.size and all(tok.decode([int(t)]).startswith("{") for t in first)
+    steps = 0
+    for allowed, token, _ in written(c, tok, '{"a":[1,true,null]}'):
+        assert allowed[token] and not allowed[EOS]
+        steps += 1
+    assert steps and c.allowed()[EOS]
 
 
 def test_end_tokens_are_allowed_exactly_when_the_grammar_accepts(grammars, tokenizer):
     """The tokenizer's EOS and the generation's other end ids (5 here, a byte token the
     grammar would never allow) are allowed after a whole answer and never inside one; past
     the tokenizer's last token nothing is allowed."""
+    tok = tokenizer[1]
     c = grammars.constraint(spec(choice=["yes", "yes please"]), {EOS, 5})
-    ids = tokenizer[1].encode("yes please").ids
     states = []
-    for token in ids:
-        allowed = c.allowed()
+    for allowed, token, done in written(c, tok, "yes please"):
         assert allowed[EOS] == allowed[5] == c.matcher.is_accepting()
-        assert not allowed[tokenizer[1].get_vocab_size():].any()
+        assert not allowed[tok.get_vocab_size():].any()
         assert allowed[token]
-        states.append(bool(allowed[EOS]))
-        c.took(token)
+        states.append((done, bool(allowed[EOS])))
     assert c.allowed()[EOS] and c.allowed()[5]  # after "yes please": complete
     assert c.allowed().sum() == 2  # and nothing may follow but an end
     # allowed before a token exactly where the text so far is a whole answer ("yes")
-    assert states == [tokenizer[1].decode(ids[:i]) == "yes" for i in range(len(ids))]
-    assert True in states
+    assert all(eos == (done == "yes") for done, eos in states)
+    assert ("yes", True) in states
 
 
 def test_a_mask_one_token_id_off_is_caught(grammars):
@@ -303,3 +332,190 @@ def test_a_generation_under_a_grammar_emits_only_what_it_allows(grammars, tokeni
             gen.on_reply(Reply(logits=row))
     assert tokenizer[1].decode([e[1] for e in events if e[2] is None]) == "no"
     assert events[-1] == [3, -1, "stop"]
+
+
+# ------------------------------------------------------------------ fast-forward, speculation
+
+class RandomModel:
+    """Seeded logits for every history (drawn from its last three tokens), answering a
+    generation's requests as the batcher would: a prompt or decode call with the logits after
+    its last token; a verify call with its row's acceptor (else the argmax rule) over the
+    logits after each position, the sequence cut back to what stood. Counts its calls."""
+
+    def __init__(self, seed: int, ignore_acceptor: bool = False):
+        self.seed, self.history, self.ignore_acceptor = seed, [], ignore_acceptor
+        self.calls = self.verify_calls = 0
+        self.drafts_stood = 0  # speculation's drafts (not forced tokens) that stood
+
+    def logits(self, history: list[int]) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, *history[-3:]])
+        return (rng.standard_normal(VOCAB) * 4).astype(np.float32)
+
+    def answer(self, request) -> Reply:
+        self.calls += 1
+        self.history += request.tokens
+        if not request.draft_tokens:
+            return Reply(logits=self.logits(self.history))
+        self.verify_calls += 1
+        d = request.draft_tokens
+        drafts, before = request.tokens[-d:], len(self.history) - d
+        positions = np.stack([self.logits(self.history[:before + i]) for i in range(d + 1)])
+        if request.acceptor is not None and not self.ignore_acceptor:
+            stood, following = request.acceptor(positions, drafts)
+        else:
+            stood = accepted_drafts(drafts, positions.argmax(axis=1))
+            following = int(np.argmax(positions[stood]))
+        self.drafts_stood += max(0, stood - request.forced_tokens)
+        del self.history[before + stood:]
+        return Reply(accepted_ids=drafts[:stood] + [following])
+
+
+VERIFIES = Speculation(most_drafts=8, refused=None, cost=StepCost((5, 9)))
+
+
+def generate_with(grammars, model: RandomModel, prompt: list[int], params: SamplingParams,
+                  speculation: Speculation | None) -> list[int]:
+    """A local generation answered by `model` until its END: the ids it emitted."""
+    events, queued = [], []
+    gen = Generation(1, prompt, params, {EOS}, 4096, events.append, queued.extend,
+                     speculation, grammars=grammars)
+    queued.append(gen.start_request())
+    while queued and not queued[0].end:
+        gen.on_reply(model.answer(queued.pop(0)))
+    if events[-1][2] != "stop":
+        raise RuntimeError(f"the generation ended by {events[-1][2:]}")
+    return [e[1] for e in events if e[2] is None]
+
+
+def oracle(grammars, model: RandomModel, prompt: list[int]) -> list[int]:
+    """Greedy ids under llguidance's mask with its forced tokens taken as they are, one token
+    a step, from llguidance's API alone."""
+    import llguidance
+    import llguidance.numpy as llnp
+
+    matcher = llguidance.LLMatcher(grammars.tokenizer(), grammars.grammar(spec(
+        json_schema=PERSON)))
+    bits = llnp.allocate_token_bitmask(1, VOCAB)
+    ids = []
+    while True:
+        forced = matcher.compute_ff_tokens()
+        matcher.consume_tokens(forced)
+        ids += forced
+        if matcher.is_stopped():
+            return ids
+        llnp.fill_next_token_bitmask(matcher, bits)
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
+        allowed[EOS] = matcher.is_accepting()
+        token = int(np.argmax(np.where(allowed, model.logits(prompt + ids), -np.inf)))
+        if token == EOS:
+            return ids
+        ids.append(token)
+        assert matcher.consume_token(token)
+
+
+def test_forced_tokens_fed_several_a_call_give_the_ids_of_one_a_step(grammars, tokenizer):
+    """Fast-forward changes how forced tokens reach the model, never which: a generation on a
+    model that verifies (forced tokens fed several in one verify call) emits the ids of one
+    on a model that verifies none (a forced token a decode step, its logits unused), greedy
+    and seeded sampled, in fewer calls; greedy, both equal the oracle built from llguidance
+    alone, and every answer validates."""
+    tok = tokenizer[1]
+    prompt = tok.encode('{"name":"Ada","age":36}').ids
+    for seed in range(4):
+        for sampling in ({}, {"temperature": 1.0, "top_p": 0.9, "seed": seed}):
+            params = SamplingParams.from_dict({**sampling, "max_tokens": 200,
+                                               "structured_output": {"json_schema": PERSON}})
+            one, several = RandomModel(seed), RandomModel(seed)
+            ids = generate_with(grammars, one, prompt, params, None)
+            assert generate_with(grammars, several, prompt, params, VERIFIES) == ids
+            jsonschema.validate(json.loads(tok.decode(ids)), PERSON)
+            assert several.verify_calls and several.calls < one.calls
+            if not sampling:
+                assert ids == oracle(grammars, RandomModel(seed), prompt)
+
+
+def test_speculation_under_a_grammar_keeps_the_greedy_ids(grammars, tokenizer):
+    """Prompt lookup under a grammar: drafts the grammar refuses are cut before the verify
+    call, and drafts stand only where the grammar allows them, so greedy ids are those
+    without speculation; the prompt holds the answer's pieces, so some drafts stand. The
+    control: drafts kept by the model's argmax alone, unmasked, end in a token the grammar
+    refuses or in other ids."""
+    tok = tokenizer[1]
+    prompt = tok.encode('{"name":"Ada","age":36,"city":"Paris","pets":[{"kind":"cat",'
+                        '"legs":4}]}').ids
+    speculating = SamplingParams.from_dict({
+        "max_tokens": 200, "structured_output": {"json_schema": PERSON},
+        "speculative": {"method": "prompt_lookup", "num_draft_tokens": 4,
+                        "adaptive": False}})
+    plain = SamplingParams.from_dict({"max_tokens": 200,
+                                      "structured_output": {"json_schema": PERSON}})
+    stood, caught = 0, 0
+    for seed in range(4):
+        ids = generate_with(grammars, RandomModel(seed), prompt, plain, VERIFIES)
+        model = RandomModel(seed)
+        assert generate_with(grammars, model, prompt, speculating, VERIFIES) == ids
+        stood += model.drafts_stood
+        try:
+            caught += generate_with(grammars, RandomModel(seed, ignore_acceptor=True), prompt,
+                                    speculating, VERIFIES) != ids
+        except RuntimeError as e:
+            assert re.search("the grammar (refused|forced) token", str(e))
+            caught += 1
+    assert stood and caught == 4
+
+
+def batched(grammars, specs: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    """Generations started together through a real batcher over the simulated runtime (a
+    fake artifact of VOCAB tokens, batches 1 and 4, verify entries): the ids each emitted."""
+    from checks.fakes import fake_artifact
+
+    from triton_tlaloc.batcher import Batcher
+    from triton_tlaloc.engine.core import Engine
+    from triton_tlaloc.runtime.simulated import SimulatedRuntime
+    from triton_tlaloc.scheduling.policy import BatchPolicy
+
+    art = fake_artifact(batch_ladder=(1, 4), context_ladder=(128,), vocab=VOCAB,
+                        verify_tokens=(5, 9))
+    batcher = Batcher(Engine(SimulatedRuntime(art, 0.0)), BatchPolicy(prefill_wait_s=0.001))
+    nexts, events = [], []
+
+    def round_ended():
+        if nexts:
+            batcher.submit_group(nexts[:])
+            nexts.clear()
+    batcher.round_listeners.append(round_ended)
+    speculation = Speculation.of(batcher.engine)
+    gens = [Generation(i, prompt, params, {EOS}, art.max_context, events.append,
+                       nexts.extend, speculation, grammars=grammars)
+            for i, (prompt, params) in enumerate(specs)]
+    batcher.start()
+    try:
+        batcher.submit_group([g.start_request() for g in gens])
+        for _ in range(1000):
+            if all(g.finished for g in gens) and not batcher.sequences:
+                break
+            time.sleep(0.005)
+    finally:
+        batcher.stop()
+    assert all(g.finished for g in gens)
+    return [[e[1] for e in events if e[0] == i and e[1] >= 0] for i in range(len(specs))]
+
+
+def test_rows_with_and_without_grammars_batched_together_keep_their_solo_ids(grammars,
+                                                                             tokenizer):
+    """Two generations under a JSON schema and a regex (their forced tokens fed in verify
+    calls or one a step, as the round's times say) and two free ones, started together in
+    shared calls: each gets the ids it gets alone."""
+    json_params = SamplingParams.from_dict({"max_tokens": 100,
+                                            "structured_output": {"json_schema": PERSON}})
+    regex_params = SamplingParams.from_dict({"max_tokens": 40,
+                                             "structured_output": {"regex": "[0-9]{3}-[a-z]+"}})
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    specs = [([7, 8, 9], json_params), ([10, 11], free), ([12, 13, 14, 15], regex_params),
+             ([16], free)]
+    together = batched(grammars, specs)
+    alone = [batched(grammars, [spec])[0] for spec in specs]
+    assert together == alone
+    jsonschema.validate(json.loads(tokenizer[1].decode(alone[0])), PERSON)
+    assert re.fullmatch("[0-9]{3}-[a-z]+", tokenizer[1].decode(alone[2]))
+    assert len(alone[1]) == len(alone[3]) == 12

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -251,6 +252,42 @@ def cmd_openai(args) -> int:
     return 0
 
 
+def _structured_output(args) -> dict | None:
+    """The structured_output a --json-schema, --json-object, --regex, --choice or --grammar
+    flag asks for (None: free text); FileNotFoundError, or ValueError for a schema file that is
+    not JSON."""
+    if args.json_schema:
+        try:
+            return {"json_schema": json.loads(Path(args.json_schema).read_text())}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {args.json_schema}: not JSON: {e}") from None
+    if args.grammar:
+        return {"grammar": Path(args.grammar).read_text()}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": args.choice}
+    return None
+
+
+def _generate_structured(args, client, prompt_ids: list[int], constraint: dict) -> int:
+    """A greedy generation under `constraint` by NAME_generate (the server's loop enforces
+    it), reported as the client's own loop is."""
+    t0 = time.perf_counter()
+    sampling = {"max_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos}
+    if args.speculate:
+        sampling["speculative"] = {"method": "prompt_lookup", "num_draft_tokens": args.speculate}
+    got = client.generate(prompt_ids, sampling, structured_output=constraint)
+    total_ms = (time.perf_counter() - t0) * 1e3
+    first_ms = got.first_token_ms or total_ms
+    per_token = (total_ms - first_ms) / max(1, len(got.token_ids) - 1)
+    report(args, list(prompt_ids), got.token_ids, got.text, got.finish_reason, first_ms,
+           per_token, f"{args.protocol}, {args.model}_generate: ", {})
+    return 0
+
+
 def cmd_generate(args) -> int:
     from ..frontends.client import InferError, TlalocClient
     from ..frontends.tokenizer import ArtifactTokenizer
@@ -273,6 +310,9 @@ def cmd_generate(args) -> int:
         stop = () if args.ignore_eos or tok is None or tok.eos_token_id is None \
             else (tok.eos_token_id,)
         try:
+            constraint = _structured_output(args)
+            if constraint is not None:
+                return _generate_structured(args, client, prompt_ids, constraint)
             gen = client.generate_greedy(prompt_ids, args.max_new_tokens, stop,
                                          speculate=args.speculate)
         except InferError as e:

@@ -284,6 +284,19 @@ def _add_generate_parser(sub) -> None:
                    help="verify up to K drafts a step, found by prompt lookup (the tokens that "
                         "followed the text's last tokens where they occurred before): the same "
                         "greedy ids in fewer calls when the text repeats itself")
+    c = p.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE",
+                   help="answer with JSON that validates against the schema in FILE (through "
+                        "NAME_generate, which enforces it token by token)")
+    c.add_argument("--json-object", action="store_true",
+                   help="answer with any JSON object (through NAME_generate)")
+    c.add_argument("--regex", metavar="R",
+                   help="answer with text matching the regular expression R (through "
+                        "NAME_generate)")
+    c.add_argument("--choice", type=lambda s: s.split(","), metavar="A,B,...",
+                   help="answer with one of these strings (through NAME_generate)")
+    c.add_argument("--grammar", metavar="FILE",
+                   help="answer in the Lark or GBNF grammar in FILE (through NAME_generate)")
     p.set_defaults(fn=commands.cmd_generate)
 
 

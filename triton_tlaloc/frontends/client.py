@@ -59,7 +59,7 @@ class TlalocClient:
     def __init__(self, url: str, model: str, protocol: str = "grpc", timeout_s: float = 120.0):
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol {protocol!r}: expected grpc or http")
-        self.protocol = protocol
+        self.protocol, self.url = protocol, url
         self.model = model
         self.timeout_s = timeout_s
         if protocol == "grpc":
@@ -140,6 +140,23 @@ class TlalocClient:
         out = self.request(seq_id, tokens, start=start, end=end,
                            outputs=("LOGITS", "KV_PAGES") if want_pages else ("LOGITS",))
         return out.get("LOGITS"), out.get("KV_PAGES")
+
+    def generate(self, prompt_ids: list[int], sampling: dict | None = None, *,
+                 structured_output: dict | None = None, stream: bool = True
+                 ) -> "GenerateResult":
+        """One generation by the generate model beside this sequence model (NAME_generate:
+        its loop runs on the server), `sampling` its sampling parameters; structured_output:
+        a constraint the answer keeps to ({"json_schema": {...}}, {"json_object": true},
+        {"regex": "..."}, {"choice": [...]} or {"grammar": "..."}). InferError (with the status
+        name) when it is refused."""
+        sampling = {**(sampling or {}),
+                    **({"structured_output": structured_output} if structured_output else {})}
+        send = generate if self.protocol == "grpc" else generate_http
+        got = send(self.url, f"{self.model}_generate", input_ids=list(prompt_ids),
+                   sampling=sampling, stream=stream, timeout_s=self.timeout_s)
+        if got.error is not None:
+            raise InferError(got.error, got.status)
+        return got
 
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int,
                         stop_ids: tuple[int, ...] = (), seq_id=None,

@@ -31,7 +31,8 @@ import numpy as np
 from ..scheduling.admission import Reply, Request
 from ..codes import INTERNAL, RequestError
 from .sampling import Sampler, SamplingError, SamplingParams
-from .speculative import DraftModelCost, Speculator, StepCost, sampled_acceptance
+from .speculative import (DraftModelCost, Speculator, StepCost, greedy_acceptance,
+                          sampled_acceptance)
 from .generation_link import LinkError
 
 if TYPE_CHECKING:
@@ -84,13 +85,15 @@ class Generation:
         self.cancelled = False  # set by the link's reader thread, read by the batching thread
         self.finished = False
         self.speculator = self.drafter = self.constraint = None
+        self.speculation = speculation or Speculation()  # what fast-forward feeds through
+        self._call_forced = 0  # forced tokens the START fed after the prompt
         if params.structured_output is not None:
             if grammars is None:
                 raise SamplingError("sampling parameter structured_output: this sequence model "
                                     "has no grammar engine")
             self.constraint = grammars.constraint(params.structured_output, stops)
         if params.speculative is not None:
-            speculation = speculation or Speculation()
+            speculation = self.speculation
             if speculation.refused:
                 raise SamplingError(f"sampling parameter speculative: {speculation.refused}")
             cost = speculation.cost
@@ -106,7 +109,14 @@ class Generation:
         return len(self.prompt) + self.generated
 
     def start_request(self) -> Request:
-        return Request(seq_id=self.seq_id, tokens=list(self.prompt), start=True, end=False,
+        """The START: the prompt, and the tokens a grammar forces first (`{"` of a JSON
+        object) after it, computed in the same call."""
+        tokens = list(self.prompt)
+        if self.constraint is not None and len(tokens) + len(self.constraint.queued) < \
+                self.max_context:
+            self._call_forced = len(self.constraint.queued)
+            tokens += self.constraint.queued
+        return Request(seq_id=self.seq_id, tokens=tokens, start=True, end=False,
                        reply_fn=self.on_reply, cache_salt=self.params.cache_salt)
 
     def on_reply(self, reply: Reply) -> None:
@@ -131,32 +141,30 @@ class Generation:
         if self.cancelled:
             self._finish(NO_TOKEN, "cancelled")
             return
-        if reply.accepted_ids is not None:  # a verify call's: the drafts that stood, then one
+        c = self.constraint
+        if reply.accepted_ids is not None:
+            # A verify call's: the forced tokens and drafts that stood, then one more.
             tokens = reply.accepted_ids
+        elif c is not None:
+            tokens = self._next_under_grammar(reply.logits)
         else:
-            logits = reply.logits
-            if self.constraint is not None:
-                logits = self.constraint.masked(logits)
-                if logits is None:  # complete, and no end token to end it with
-                    self._finish(NO_TOKEN, "stop")
-                    return
-            tokens = [self.sampler.choose(logits)]  # greedy: the argmax
+            tokens = [self.sampler.choose(reply.logits)]  # greedy: the argmax
         if self.speculator is not None:
             self.speculator.took(tokens)
         if self.drafter is not None:
             self.drafter.took(tokens)
-        for token in tokens:
-            if token in self.stops:  # not part of the text
-                self._finish(NO_TOKEN, "stop")
-                return
-            self.generated += 1
-            if self.generated >= self.params.max_tokens or self.length >= self.max_context:
-                self._finish(token, "length")  # the next token would pass a limit
-                return
-            self.emit([self.gen_id, token, None])
+        if not self._emit(tokens):
+            return
         token = tokens[-1]
-        if self.constraint is not None:
-            self.constraint.took(token)  # the next step's mask computes while it runs
+        if c is not None:
+            c.took(tokens)
+            if c.complete:  # what is queued ends the answer: no call to make
+                if self._emit(c.queued):
+                    self._finish(NO_TOKEN, "stop")
+                return
+            if c.queued:  # the next step feeds forced tokens, and drafts none
+                self.submit([self._step(token, c.queued[:self._forced_count()], forced=True)])
+                return
         if self.drafter is None:
             self.submit([self._next_step(token)])
             return
@@ -165,7 +173,53 @@ class Generation:
             self.submit([self._step(token, [])])
             return
         self.drafter.ask(k, lambda drafts: self.submit_now(
-            [self._step(token, self.speculator.sending(drafts[:k]))]))
+            [self._step(token, self.speculator.sending(self._cut(drafts[:k])))]))
+
+    def _next_under_grammar(self, logits: np.ndarray) -> list[int]:
+        """The tokens after a decode or prompt call under a grammar: the forced tokens it fed
+        after its own, then the next forced one, or else the model's choice under the mask
+        (NO_TOKEN when the grammar allows none: the answer is complete)."""
+        queued, fed = self.constraint.queued, self._call_forced
+        self._call_forced = 0
+        if len(queued) > fed:
+            return queued[:fed + 1]
+        logits = self.constraint.masked(logits)
+        return queued[:fed] + [NO_TOKEN if logits is None else self.sampler.choose(logits)]
+
+    def _emit(self, tokens: list[int]) -> bool:
+        """Emit a step's tokens, ending the generation at an end id or a limit: whether it
+        goes on."""
+        for token in tokens:
+            if token in self.stops or token == NO_TOKEN:  # not part of the text
+                self._finish(NO_TOKEN, "stop")
+                return False
+            self.generated += 1
+            if self.generated >= self.params.max_tokens or self.length >= self.max_context:
+                self._finish(token, "length")  # the next token would pass a limit
+                return False
+            self.emit([self.gen_id, token, None])
+        return True
+
+    def _forced_count(self) -> int:
+        """How many queued forced tokens the next step feeds after its token (fast-forward):
+        the count whose verify call yields the most tokens for its time (it yields them and
+        the token after them), 0 when a decode step a token does better or the model verifies
+        no drafts; within the largest verify entry and the limits. The ids are the same
+        whatever it is."""
+        spec = self.speculation
+        if spec.refused:
+            return 0
+        cost = spec.cost or StepCost()
+        best, best_rate = 0, 1.0
+        for k in range(1, min(len(self.constraint.queued), spec.most_drafts, self._room()) + 1):
+            rate = (k + 1) / cost(k)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = k, rate
+        return best
+
+    def _cut(self, drafts: list[int]) -> list[int]:
+        """What of `drafts` the next step may carry: under a grammar, those it allows."""
+        return drafts if self.constraint is None else self.constraint.cut(drafts)
 
     def _room(self) -> int:
         """The most drafts the next step may carry: room for them and the token after them
@@ -174,20 +228,44 @@ class Generation:
 
     def _next_step(self, token: int) -> Request:
         """The request that feeds `token`: with prompt lookup's drafts after it when the
-        generation speculates and the lookup finds some, a verify request."""
+        generation speculates and the lookup finds some (those a grammar allows), a verify
+        request."""
         drafts = []
         if self.speculator is not None:
-            drafts = self.speculator.drafts(self._room())
+            drafts = self.speculator.drafts(
+                self._room(), None if self.constraint is None else self.constraint.cut)
         return self._step(token, drafts)
 
-    def _step(self, token: int, drafts: list[int]) -> Request:
+    def _step(self, token: int, drafts: list[int], forced: bool = False) -> Request:
+        """The request feeding `token` and then `drafts`: speculation's, or with `forced`, the
+        grammar's queued forced tokens (they stand whatever the logits say)."""
         if not drafts:
             return Request(seq_id=self.seq_id, tokens=[token], start=False, end=False,
                            reply_fn=self.on_reply)
+        accept = (greedy_acceptance if self.params.greedy else
+                  functools.partial(sampled_acceptance, self.sampler))
+        if self.constraint is not None:
+            accept = self._grammar_acceptor(len(drafts) if forced else 0, accept)
+        elif self.params.greedy:  # the call's argmax decides, on the device
+            accept = None
         return Request(seq_id=self.seq_id, tokens=[token] + drafts, start=False, end=False,
                        reply_fn=self.on_reply, draft_tokens=len(drafts), want_logits=False,
-                       acceptor=(None if self.params.greedy else
-                                 functools.partial(sampled_acceptance, self.sampler)))
+                       acceptor=accept, forced_tokens=len(drafts) if forced else 0)
+
+    def _grammar_acceptor(self, fed: int, rule):
+        """A verify row's acceptor under the grammar: the `fed` forced tokens stand; after
+        them comes the next queued one, or the model's choice (and its drafts that stand)
+        under the grammar's masks."""
+        queued, constraint = list(self.constraint.queued), self.constraint
+
+        def accept(position_logits: np.ndarray, drafts: list[int]) -> tuple[int, int]:
+            if len(drafts) < fed:  # unchecked (its KV was recomputed): its token alone was fed
+                return 0, queued[0]
+            if len(queued) > fed:
+                return fed, queued[fed]
+            stood, following = constraint.accept(position_logits[fed:], drafts[fed:], rule)
+            return fed + stood, following
+        return accept
 
     def _finish(self, token: int, reason: str, code: str | None = None,
                 message: str | None = None) -> None:

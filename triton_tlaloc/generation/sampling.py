@@ -116,9 +116,6 @@ class SamplingParams:
 
         speculative = SpeculativeParams.from_dict(given.get("speculative"))
         structured = StructuredOutput.from_dict(given.get("structured_output"))
-        if structured is not None and speculative is not None:
-            raise SamplingError("sampling parameters structured_output and speculative: "
-                                "not yet together (drafts are not checked against a grammar)")
 
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=seed, stop=tuple(stop),

@@ -202,6 +202,17 @@ def sampled_acceptance(sampler, position_logits: np.ndarray,
     return len(drafts), sampler.choose(position_logits[len(drafts)])
 
 
+def greedy_acceptance(position_logits, drafts: list[int]) -> tuple[int, int]:
+    """Which drafts stand under greedy decoding, read from each position's logits (a verify
+    call's argmax does the same on the device; this is the rule where the logits are changed on
+    the host first: a grammar's mask)."""
+    for i, draft in enumerate(drafts):
+        choice = int(np.argmax(position_logits[i]))
+        if choice != draft:
+            return i, choice
+    return len(drafts), int(np.argmax(position_logits[len(drafts)]))
+
+
 def _position(ids: np.ndarray | None, token: int, n: int) -> int:
     """Where `token` is among the candidates (-1: not one of them)."""
     if ids is None:
@@ -235,12 +246,16 @@ class Speculator:
             k = int(self.plain_steps % PROBE_EVERY == 0)
         return k
 
-    def drafts(self, room: int) -> list[int]:
+    def drafts(self, room: int, cut: Callable[[list[int]], list[int]] | None = None
+               ) -> list[int]:
         """Prompt lookup's drafts for the next step (at most `room`), or [] for a plain decode
-        step."""
+        step. `cut`: what of a list of drafts may be sent (a grammar's: those it allows)."""
         k = self.count(room)
-        self.sent = self.index.lookup(k) if k > 0 else []
-        self.unsent = [] if self.sent or room < 1 else self.index.lookup(1)
+        drafts = self.index.lookup(k) if k > 0 else []
+        unsent = [] if drafts or room < 1 else self.index.lookup(1)
+        if cut is not None:
+            drafts, unsent = cut(drafts), cut(unsent)
+        self.sent, self.unsent = drafts, unsent
         return self.sent
 
     def sending(self, drafts: list[int]) -> list[int]:
@@ -262,4 +277,5 @@ class Speculator:
 
 
 __all__ = ["DRAFT_COST", "DRAFT_MODEL_COST", "DraftLength", "DraftModelCost",
-           "SpeculativeParams", "Speculator", "StepCost", "sampled_acceptance"]
+           "SpeculativeParams", "Speculator", "StepCost", "greedy_acceptance",
+           "sampled_acceptance"]

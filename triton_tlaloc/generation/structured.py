@@ -32,6 +32,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -147,6 +148,12 @@ class GrammarObserver:
     def masked(self, seconds: float) -> None:
         """One step's mask computed."""
 
+    def forced(self, tokens: int) -> None:
+        """`tokens` forced by the grammar were taken, to be emitted without a choice."""
+
+    def waited(self, seconds: float) -> None:
+        """The choosing thread waited for a mask still computing (not hidden by the call)."""
+
 
 class Grammars:
     """A model's grammar compiler over its tokenizer: `constraint(spec, stops)` gives a
@@ -248,10 +255,21 @@ def _refused(spec: StructuredOutput, reason: str) -> SamplingError:
 
 
 class TokenConstraint:
-    """One generation's grammar state: `allowed()` is the mask for the coming choice (waiting
-    for the worker if it is still computing), `took(token)` advances the grammar and starts the
-    next mask. Only the batching thread calls these, one after the other; the worker touches
-    the matcher only between them."""
+    """One generation's grammar state, ahead of what the model has been fed.
+
+    When the grammar forces what comes next (`{"name` after an object opens, `"}` closing
+    one), it takes those tokens at once (llguidance's canonical tokens of the forced bytes,
+    leaving out a last piece a longer token could still extend): they wait in `queued`, and
+    the next tokens are those, whatever the model's logits say; a loop may feed them several
+    in one call (fast-forward) or one a step, and the ids are the same. Once the queue is
+    empty the model chooses: `masked(logits)` applies the mask for that choice (computed on a
+    worker thread while the call runs). `took(tokens)` records the tokens that came next (from
+    the queue, or chosen), takes what the grammar then forces and starts the next mask.
+    `complete`: the grammar takes nothing more (after the queue, only an end may follow).
+
+    The matcher is touched by one thread at a time: the loop's thread (after the pending mask
+    is done) or the worker (computing a mask, or cutting drafts that arrive from another
+    thread: `cut` runs there)."""
 
     def __init__(self, matcher, vocab: int, stops: set[int], worker: ThreadPoolExecutor,
                  grammar_ends: list[int] = (), observer: GrammarObserver | None = None):
@@ -263,7 +281,10 @@ class TokenConstraint:
         self.stops = np.array(sorted(t for t in stops if 0 <= t < vocab), np.int64)
         self.not_ends = np.array(sorted(t for t in set(grammar_ends) - set(stops)
                                         if 0 <= t < vocab), np.int64)
-        self._pending: Future = worker.submit(self._compute)
+        self.queued: list[int] = []  # forced tokens the grammar took, not yet come next
+        self._pending: Future | None = None
+        self.complete = False
+        self._take_forced()
 
     def _compute(self) -> np.ndarray:
         import llguidance.numpy as llnp
@@ -279,30 +300,135 @@ class TokenConstraint:
         self.observer.masked(time.perf_counter() - t0)
         return allowed
 
+    def _idle(self) -> None:
+        """Wait until the worker is done with the matcher."""
+        if self._pending is not None:
+            self._pending.result()
+
+    def _take_forced(self) -> None:
+        """Queue what the grammar now forces, and start the mask of the choice after it."""
+        self._idle()
+        forced = [int(t) for t in self.matcher.compute_ff_tokens()]
+        if forced:
+            if not self.matcher.consume_tokens(forced):
+                raise RuntimeError(f"the grammar refused its own forced tokens {forced}: "
+                                   f"{self.matcher.get_error()}")
+            self.queued += forced
+            self.observer.forced(len(forced))
+        # Whether the grammar takes nothing more: once the queue is out, the answer is whole
+        # and only an end may follow (a loop ends the generation by stop without asking the
+        # model). Read here: the matcher is the worker's while it computes.
+        self.complete = self.matcher.is_stopped()
+        self._pending = None if self.complete else self.worker.submit(self._compute)
+
     def allowed(self) -> np.ndarray:
-        """A bool per token id: those the grammar lets come next."""
+        """A bool per token id: those the grammar lets the model choose next (once the queue
+        is out)."""
+        if self._pending is None:  # complete: only the generation's end ids
+            allowed = np.zeros(self.vocab, bool)
+            allowed[self.stops] = True
+            return allowed
+        if not self._pending.done():
+            t0 = time.perf_counter()
+            self._pending.result()
+            self.observer.waited(time.perf_counter() - t0)
         return self._pending.result()
 
-    def masked(self, logits: np.ndarray) -> np.ndarray | None:
+    def masked(self, logits: np.ndarray, allowed: np.ndarray | None = None
+               ) -> np.ndarray | None:
         """The logits with every token the grammar refuses at -inf (a new array); ids past
         the tokenizer's vocabulary (a model's padded rows) are refused too. None when it
         refuses every token: the answer is complete and no end id is left to end it with
-        (the generation ends by stop)."""
+        (the generation ends by stop). `allowed`: a mask other than the pending one. The
+        choice it masks is the one after the queue."""
         logits = np.asarray(logits, np.float32).reshape(-1)
-        allowed = self.allowed()
+        allowed = self.allowed() if allowed is None else allowed
         if logits.size != allowed.size:
             allowed = np.pad(allowed[:logits.size], (0, max(0, logits.size - allowed.size)))
         if not allowed.any():
             return None
         return np.where(allowed, logits, np.float32(-np.inf))
 
-    def took(self, token: int) -> None:
-        """`token` was chosen (allowed by the last mask): the grammar moves past it and the
-        next mask starts computing."""
-        if not self.matcher.consume_token(int(token)):
+    def took(self, tokens: list[int]) -> None:
+        """`tokens` came next: the queued ones first, then tokens chosen under the masks
+        (which the grammar moves past). After a chosen one, what the grammar then forces is
+        queued and the next mask starts computing."""
+        chosen = False
+        for token in tokens:
+            token = int(token)
+            if self.queued:
+                if token != self.queued[0]:
+                    raise RuntimeError(f"the grammar forced token {self.queued[0]} next, "
+                                       f"not {token}")
+                del self.queued[0]
+                continue
+            self._advance(token)
+            chosen = True
+        if chosen:
+            self._take_forced()
+
+    def _advance(self, token: int) -> None:
+        self._idle()
+        if not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: "
                                f"{self.matcher.get_error()}")
-        self._pending = self.worker.submit(self._compute)
+
+    def cut(self, drafts: list[int]) -> list[int]:
+        """The longest start of `drafts` the grammar allows after the queue (speculation's
+        drafts, checked before the verify call). Runs on the worker, after its mask."""
+        if not drafts:
+            return []
+        n = self.worker.submit(self.matcher.validate_tokens, [int(t) for t in drafts]).result()
+        return list(drafts[:n])
+
+    def accept(self, position_logits: np.ndarray, drafts: list[int],
+               rule: Callable[[Any, list[int]], tuple[int, int]]) -> tuple[int, int]:
+        """Which of a verify row's drafts (fed after the queue) stand under the grammar, and
+        the token after them. `rule(position_logits, drafts) -> (stood, following)` is the
+        rule without a grammar (greedy or sampled acceptance); it is given each position's
+        logits masked in the grammar's state after the drafts before it, so a draft stands
+        only where the grammar allows it and the following token is one it allows (-1 when
+        it allows none: the answer is complete). The grammar is left where it was: `took`
+        moves it past what came next."""
+        positions = _MaskedPositions(self, position_logits, drafts)
+        try:
+            stood, following = rule(positions, drafts)
+        except _NothingAllowed as e:
+            stood, following = e.position, -1
+        assert positions.taken == stood, (positions.taken, stood)
+        if stood and not self.matcher.rollback(stood):
+            raise RuntimeError(f"the grammar cannot go back {stood} tokens: "
+                               f"{self.matcher.get_error()}")
+        return stood, following
+
+
+class _NothingAllowed(Exception):
+    def __init__(self, position: int):
+        self.position = position
+
+
+class _MaskedPositions:
+    """A verify row's logits after each of its positions (`[drafts + 1, vocab]`), read in
+    order, each masked in the grammar's state after the drafts before it: reading position
+    i moves the grammar past draft i - 1, which an acceptor reads only once it stood."""
+
+    def __init__(self, constraint: TokenConstraint, logits: np.ndarray, drafts: list[int]):
+        self.constraint, self.logits, self.drafts = constraint, logits, drafts
+        self.taken = 0  # drafts the grammar moved past
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        c = self.constraint
+        assert self.taken <= i <= len(self.drafts), (self.taken, i)
+        allowed = None  # position 0: the pending mask
+        if i > 0:
+            while self.taken < i:
+                c._advance(self.drafts[self.taken])
+                self.taken += 1
+            allowed = c._compute()
+        row = c.masked(self.logits[i], allowed)
+        if row is None:
+            raise _NothingAllowed(i)
+        return row
 
 
 __all__ = ["CACHE_SIZE", "GrammarObserver", "Grammars", "KINDS", "MAX_CONSTRAINT_BYTES",

@@ -59,6 +59,9 @@ class Request:
     want_logits: bool = True  # a verify call copies logits out only when some row wants them
     # Sampled speculation (a generation in this process): which drafts stand (engine/speculation.py)
     acceptor: Callable[[np.ndarray, list[int]], tuple[int, int]] | None = None
+    # Of the drafts, the first forced_tokens are a grammar's forced tokens (fast-forward): they
+    # always stand, and are not counted as speculation's drafts
+    forced_tokens: int = 0
     # A draft model's step: the sequence is first cut back to its first keep_tokens tokens
     # (the drafts its target rejected dropped; Verifier.rewind)
     keep_tokens: int | None = None

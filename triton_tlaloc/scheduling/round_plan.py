@@ -68,3 +68,27 @@ def prefill_calls(jobs: list[Job], max_batch: int, context_ladder: list[int],
         n = len(job.seq.token_ids) - job.seq.num_cached
         (alone if n > max_call_tokens(job.seq) else fits).append(job)
     return bucket_calls(fits, max_batch, context_ladder) + [[job] for job in alone]
+
+
+def forced_rows_to_decode(requests: list, call_seconds: Callable[[str, int, int], float | None]
+                          ) -> list:
+    """The verify requests of a round that carry a grammar's forced tokens alone and run
+    better as rows of the round's decode call, their forced tokens then fed one a step (the
+    ids are the same). A verify call beside the decode call delays every row of it: the rows
+    join when the decode call with them yields at least the tokens a second of the two calls.
+    None join when the round has no decode row, when a row carries speculation's drafts (its
+    verify call runs anyway) or when a call's time is not measured yet.
+    `call_seconds(kind, rows, tokens)`: a call's recent time."""
+    decode = sum(1 for r in requests if r.is_decode)
+    verify = [r for r in requests if r.is_verify]
+    if not decode or not verify or any(r.forced_tokens < r.draft_tokens for r in verify):
+        return []
+    apart = (call_seconds("decode", decode, 1),
+             call_seconds("verify", len(verify), 1 + max(r.draft_tokens for r in verify)))
+    joined = call_seconds("decode", decode + len(verify), 1)
+    if None in apart or joined is None:
+        return []
+    tokens_apart = decode + sum(1 + r.draft_tokens for r in verify)
+    if (decode + len(verify)) / joined >= tokens_apart / sum(apart):
+        return verify
+    return []

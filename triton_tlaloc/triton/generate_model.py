@@ -360,7 +360,9 @@ class TritonPythonModel:
                              cache_salt=params.cache_salt)
             last = None
             while True:
-                if constraint is not None:
+                if constraint is not None and constraint.queued:
+                    token = constraint.queued[0]  # forced: whatever the logits say
+                elif constraint is not None:
                     logits = constraint.masked(out["LOGITS"])  # None: complete, no end token
                     token = None if logits is None else sampler.choose(logits)
                 else:
@@ -397,7 +399,7 @@ class TritonPythonModel:
                     reason = "cancelled"
                     break
                 if constraint is not None:
-                    constraint.took(token)
+                    constraint.took([token])
                 out = self._step(seq_id, [token], outputs=outputs)
         finally:  # END frees the sequence's pages and Triton's slot at once (also after an error)
             try:

@@ -266,7 +266,11 @@ class GrammarMetrics(GrammarObserver):
         self.compiles = by_kind("tlaloc_grammar_compiles_total", "Constraints compiled")
         self.cache_hits = by_kind("tlaloc_grammar_cache_hits_total", "Constraints found "
                                   "compiled")
-        self.compile_seconds = self.mask_seconds = None
+        self.forced_total = family(
+            "tlaloc_grammar_forced_tokens_total", "Tokens a grammar forced, emitted without the "
+            "model choosing them (fast-forward: fed several in one verify call when that pays)",
+            F.COUNTER).Metric(labels=metrics.labels)
+        self.compile_seconds = self.mask_seconds = self.wait_seconds = None
         if metrics.has_histograms:
             self.compile_seconds = family(
                 "tlaloc_grammar_compile_seconds", "Time a constraint takes to compile",
@@ -275,6 +279,10 @@ class GrammarMetrics(GrammarObserver):
                 "tlaloc_grammar_mask_seconds", "Time a step's token mask takes to compute (on "
                 "a worker thread, while the step's call runs)", F.HISTOGRAM).Metric(
                 labels=metrics.labels, buckets=self.MASK_BUCKETS)
+            self.wait_seconds = family(
+                "tlaloc_grammar_mask_wait_seconds", "Time the thread choosing a token waited "
+                "for its mask, still computing when the call ended (what the call did not "
+                "hide)", F.HISTOGRAM).Metric(labels=metrics.labels, buckets=self.MASK_BUCKETS)
 
     def constrained(self, kind: str) -> None:
         self.m.writer.increment(self.constrained_total[kind], 1)
@@ -290,3 +298,10 @@ class GrammarMetrics(GrammarObserver):
     def masked(self, seconds: float) -> None:
         if self.mask_seconds is not None:
             self.m.writer.observe(self.mask_seconds, seconds)
+
+    def forced(self, tokens: int) -> None:
+        self.m.writer.increment(self.forced_total, tokens)
+
+    def waited(self, seconds: float) -> None:
+        if self.wait_seconds is not None:
+            self.m.writer.observe(self.wait_seconds, seconds)
