@@ -65,10 +65,11 @@ def test_64_sequences_batched_equal_their_solo_runs(tiny, work):
         calls = delta("tlaloc_batch_size_count", model="many")
         rows = delta("tlaloc_batch_size_sum", model="many")
         print(f"generate model: {calls:.0f} calls, {rows / calls:.1f} rows a call")
-        # Alone a stream is 1 row a call. Shared calls measured 5.5 rows a call on an idle
-        # 2-core machine and 2.7 in a loaded CI run (the streams start on their own threads,
-        # so how many overlap depends on the load): 2 is the bound that tells them apart.
-        assert rows / calls >= 2, "the streams decoded in shared calls (alone: 1 row a call)"
+        # Alone a stream is 1 row a call. Shared calls measured 5.5 and 29 rows a call on an
+        # idle 2-core machine, 2.7 and 1.96 in loaded CI runs (the streams start on their own
+        # threads, each with its own channel, so how many overlap depends on the load): 1.5 is
+        # the bound that tells them apart.
+        assert rows / calls >= 1.5, "the streams decoded in shared calls (alone: 1 row a call)"
 
         # Four clients pausing 0-5 ms before each of 15 steps: one call a step (15, and at most
         # one more), each sequence its solo ids. Bounded by the step, the control's cohort splits
