@@ -31,8 +31,8 @@ import numpy as np
 from ..scheduling.admission import Reply, Request
 from ..codes import INTERNAL, RequestError
 from .sampling import Sampler, SamplingError, SamplingParams
-from .speculative import (DraftModelCost, Speculator, StepCost, greedy_acceptance,
-                          sampled_acceptance)
+from .speculative import (DraftModelCost, Speculator, StepCost, best_length,
+                          greedy_acceptance, sampled_acceptance)
 from .generation_link import LinkError
 
 if TYPE_CHECKING:
@@ -209,13 +209,8 @@ class Generation:
         spec = self.speculation
         if spec.refused:
             return 0
-        cost = spec.cost or StepCost()
-        best, best_rate = 0, 1.0
-        for k in range(1, min(len(self.constraint.queued), spec.most_drafts, self._room()) + 1):
-            rate = (k + 1) / cost(k)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = k, rate
-        return best
+        return best_length(min(len(self.constraint.queued), spec.most_drafts, self._room()),
+                           spec.cost or StepCost())
 
     def _cut(self, drafts: list[int]) -> list[int]:
         """What of `drafts` the next step may carry: under a grammar, those it allows."""
@@ -242,15 +237,16 @@ class Generation:
         if not drafts:
             return Request(seq_id=self.seq_id, tokens=[token], start=False, end=False,
                            reply_fn=self.on_reply)
+        fed = len(drafts) if forced else 0
         accept = (greedy_acceptance if self.params.greedy else
                   functools.partial(sampled_acceptance, self.sampler))
         if self.constraint is not None:
-            accept = self._grammar_acceptor(len(drafts) if forced else 0, accept)
+            accept = self._grammar_acceptor(fed, accept)
         elif self.params.greedy:  # the call's argmax decides, on the device
             accept = None
         return Request(seq_id=self.seq_id, tokens=[token] + drafts, start=False, end=False,
                        reply_fn=self.on_reply, draft_tokens=len(drafts), want_logits=False,
-                       acceptor=accept, forced_tokens=len(drafts) if forced else 0)
+                       acceptor=accept, forced_tokens=fed)
 
     def _grammar_acceptor(self, fed: int, rule):
         """A verify row's acceptor under the grammar: the `fed` forced tokens stand; after

@@ -137,6 +137,21 @@ class DraftModelCost:
         return self.step(k) + k * (per / decode if per and decode else DRAFT_MODEL_COST)
 
 
+def best_length(most: int, cost: Callable[[int], float], acceptance: float = 1.0) -> int:
+    """How many tokens after its own a step should feed (at most `most`) when each stands with
+    probability `acceptance` (1: a grammar's forced tokens) and a step feeding k costs
+    `cost(k)` decode steps: the k that yields the most tokens for the time, 0 when none beats
+    a plain step."""
+    best, best_rate = 0, 1.0  # a plain step: one token for one step's time
+    expected = 1.0
+    for k in range(1, most + 1):
+        expected += acceptance ** k  # tokens a step with k drafts yields, on average
+        rate = expected / cost(k)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best
+
+
 class DraftLength:
     """How many drafts the next step carries (see the module's docstring). `observe(tried,
     stood)`: of `tried` draft positions checked, the first `stood` were right.
@@ -164,15 +179,7 @@ class DraftLength:
     def __call__(self) -> int:
         if not self.adaptive:
             return self.most
-        a = self.acceptance
-        best, best_rate = 0, 1.0  # a plain step: one token for one step's time
-        expected = 1.0
-        for k in range(1, self.most + 1):
-            expected += a ** k  # tokens a step with k drafts yields, on average
-            rate = expected / self.cost(k)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = k, rate
-        return best
+        return best_length(self.most, self.cost, self.acceptance)
 
     def observe(self, tried: int, stood: int) -> None:
         assert 0 <= stood <= tried
@@ -277,5 +284,5 @@ class Speculator:
 
 
 __all__ = ["DRAFT_COST", "DRAFT_MODEL_COST", "DraftLength", "DraftModelCost",
-           "SpeculativeParams", "Speculator", "StepCost", "greedy_acceptance",
+           "SpeculativeParams", "Speculator", "StepCost", "best_length", "greedy_acceptance",
            "sampled_acceptance"]

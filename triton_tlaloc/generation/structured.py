@@ -235,7 +235,8 @@ class Grammars:
         return grammar
 
     def constraint(self, spec: StructuredOutput, stops: set[int]) -> "TokenConstraint":
-        """A new generation's constraint (its first mask computing already)."""
+        """A new generation's constraint (the tokens its grammar forces first queued, its
+        first mask computing already)."""
         import llguidance
 
         matcher = llguidance.LLMatcher(self.tokenizer(), self.grammar(spec))
