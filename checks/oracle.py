@@ -9,6 +9,7 @@ import contextlib
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -128,6 +129,21 @@ def load_reference(checkpoint: Path, *, bf16_arithmetic: bool = False, gguf_file
                 module.register_forward_pre_hook(
                     lambda _m, args: (args[0].to(torch.bfloat16).to(torch.float32),) + args[1:])
     return model
+
+
+@torch.no_grad()
+def incremental_logits(model) -> Callable[[list[int]], np.ndarray]:
+    """transformers' next logits after feeding ids (the prompt, then what came next), its KV
+    cache kept between calls."""
+    past = None
+
+    @torch.no_grad()
+    def next_logits(ids: list[int]) -> np.ndarray:
+        nonlocal past
+        out = model(torch.tensor([ids]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        return out.logits[0, -1].numpy()
+    return next_logits
 
 
 @torch.no_grad()

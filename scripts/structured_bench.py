@@ -77,8 +77,8 @@ def main() -> int:
 def mask_bench(args) -> int:
 
     from triton_tlaloc.artifact.loading import load_artifact
-    from triton_tlaloc.generation.structured import (GrammarObserver, Grammars,
-                                                     StructuredOutput)
+    from triton_tlaloc.generation.grammar import GrammarObserver, Grammars
+    from triton_tlaloc.generation.structured import StructuredOutput
 
     class MaskTimes(GrammarObserver):
         def __init__(self):

@@ -12,7 +12,7 @@ import pytest
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, TlalocClient, generate, generate_http,
                                             metric, new_sequence_id, scrape_metrics)
-from checks.schemas import ASK_PERSON, PERSON, masked_greedy
+from checks.schemas import ASK_PERSON, PERSON, TOO_MANY_ALTERNATIVES, masked_greedy
 
 from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.repository import RepositoryOptions, write_generate_model, write_repository
@@ -398,7 +398,7 @@ def validated(text: str) -> dict:
 def test_structured_output_gives_json_that_validates_in_every_loop(served, loop):
     """SmolLM2 asked for a person under a held-out JSON schema, greedy (over gRPC and over
     HTTP) and sampled (temperature, top-k and top-p, seeded): every answer parses, validates
-    and ends by stop."""
+    and ends by stop, and the grammar metrics count them on the model whose loop chose."""
     server, tok = served
     prompt = tok.apply_chat_template(ASK_PERSON)
     model = f"smollm2_generate{loop}"
@@ -413,22 +413,25 @@ def test_structured_output_gives_json_that_validates_in_every_loop(served, loop)
         got = send(url, model, input_ids=prompt, sampling=sampling)
         assert got.error is None and got.finish_reason == "stop", (sampling, got)
         validated(got.text)
-    if not loop:  # the local loop's grammars report to the sequence model's metrics
-        def delta(name, **labels):
-            return metric(after, name, **labels) - metric(before, name, **labels)
-        for _ in range(20):  # applied every 250 ms by the model's writer
-            after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
-            if delta("tlaloc_structured_generations_total", model="smollm2") >= 3:
-                break
-        kind = {"model": "smollm2", "kind": "json_schema"}
-        assert delta("tlaloc_structured_generations_total", **kind) == 3
-        # one compile (none if an earlier test compiled the schema), the rest from the cache
-        assert delta("tlaloc_grammar_compiles_total", **kind) <= 1
-        assert (delta("tlaloc_grammar_compiles_total", **kind)
-                + delta("tlaloc_grammar_cache_hits_total", **kind)) == 3
-        assert delta("tlaloc_grammar_mask_seconds_count", model="smollm2") >= 3 * 10
-        # the schema's keys and separators: forced, fed without the model choosing them
-        assert delta("tlaloc_grammar_forced_tokens_total", model="smollm2") >= 3 * 4
+    # the local loop's grammars report to the sequence model's metrics, the BLS loop's to
+    # its generate model's
+    reporter = "smollm2_generate_bls" if loop else "smollm2"
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+    for _ in range(20):  # applied every 250 ms by the model's writer
+        after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+        if delta("tlaloc_structured_generations_total", model=reporter) >= 3:
+            break
+    kind = {"model": reporter, "kind": "json_schema"}
+    assert delta("tlaloc_structured_generations_total", **kind) == 3
+    # one compile (none if an earlier test compiled the schema), the rest from the cache
+    assert delta("tlaloc_grammar_compiles_total", **kind) <= 1
+    assert (delta("tlaloc_grammar_compiles_total", **kind)
+            + delta("tlaloc_grammar_cache_hits_total", **kind)) == 3
+    assert delta("tlaloc_grammar_mask_seconds_count", model=reporter) >= 3 * 10
+    # the schema's keys and separators: forced, fed without the model choosing them
+    assert delta("tlaloc_grammar_forced_tokens_total", model=reporter) >= 3 * 4
 
 
 def test_greedy_structured_ids_are_the_served_logits_argmax_under_the_mask(served):
@@ -469,11 +472,19 @@ def test_a_constraint_that_cannot_compile_is_refused_by_name(served, loop):
     for constraint, says in (({"regex": "[a-"}, "structured_output.regex"),
                              ({"json_schema": {"type": "strin"}}, "Invalid type: strin"),
                              ({"choice": []}, "structured_output.choice []"),
-                             ({"grammar": 'root ::= "a'}, "structured_output.grammar")):
+                             ({"grammar": 'root ::= "a'}, "structured_output.grammar"),
+                             # past the parser's limits at its first step
+                             ({"grammar": f"start: {TOO_MANY_ALTERNATIVES}\n"}, "max is 2000")):
         got = generate(server.grpc_url, f"smollm2_generate{loop}", input_ids=prompt,
                        sampling={"structured_output": constraint})
         assert got.status == "INVALID_ARGUMENT" and says in got.error, (constraint, got)
         assert got.responses == 1
+    # past them after the model's first choice: the generation ends with the reason (the
+    # token streamed before it, then the one error)
+    got = generate(server.grpc_url, f"smollm2_generate{loop}", input_ids=prompt, sampling={
+        "structured_output": {"grammar": f'start: ("a" | "b") x\nx: {TOO_MANY_ALTERNATIVES}\n'}})
+    assert got.status == "INVALID_ARGUMENT" and "the grammar failed at this step" in got.error
+    assert "max is 2000" in got.error and got.finish_reason == "error"
     # llama's tiny artifact has no tokenizer to constrain with
     got = generate(server.grpc_url, f"llama_generate{loop}", input_ids=PROMPT,
                    sampling={"structured_output": {"regex": "a"}})

@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import Callable
 
-import numpy as np
 import pytest
-from checks.oracle import load_reference, logits_error, reference_greedy
+from checks.oracle import incremental_logits, load_reference, logits_error, reference_greedy
 from checks.schemas import ASK_PERSON, PERSON, masked_greedy
 
 from triton_tlaloc.engine.core import Engine
@@ -107,32 +105,17 @@ def test_a_shared_system_prompt_and_a_4_turn_chat_reuse_kv_with_the_same_ids(smo
         messages.append({"role": "assistant", "content": tok.decode(warm.generated_ids)})
 
 
-def _transformers_logits(model) -> Callable[[list[int]], np.ndarray]:
-    """transformers' next logits after feeding ids, its KV cache kept between calls."""
-    import torch
-
-    past = None
-
-    @torch.no_grad()
-    def next_logits(ids: list[int]) -> np.ndarray:
-        nonlocal past
-        out = model(torch.tensor([ids]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        return out.logits[0, -1].numpy()
-    return next_logits
-
-
 def test_structured_greedy_ids_equal_transformers_under_the_same_mask(smollm2, reference,
                                                                       smollm2_transformers):
     """The sequence model's loop (local_generation.Generation, its grammar from
-    generation/structured.py) choosing from the engine's logits under a JSON schema gives the
+    generation/grammar.py) choosing from the engine's logits under a JSON schema gives the
     ids of transformers' logits under llguidance's mask for the same schema, token for token,
     and an answer that validates. Negative control: the oracle's mask rolled by one id gives
     other ids."""
     import jsonschema
     from triton_tlaloc.generation.local_generation import Generation
     from triton_tlaloc.generation.sampling import SamplingParams
-    from triton_tlaloc.generation.structured import Grammars
+    from triton_tlaloc.generation.grammar import Grammars
     from triton_tlaloc.kv.sequence import Sequence
     from triton_tlaloc.scheduling.admission import Reply
 
@@ -165,7 +148,7 @@ def test_structured_greedy_ids_equal_transformers_under_the_same_mask(smollm2, r
     vocab = reference.config.vocab_size
 
     def oracle(shift: int) -> list[int]:
-        return masked_greedy(_transformers_logits(reference), tokenizer_json, vocab,
+        return masked_greedy(incremental_logits(reference), tokenizer_json, vocab,
                              tok.eos_token_id, prompt, 80, shift)
     want = oracle(0)
     assert ids == want and len(want) > 10

@@ -282,16 +282,7 @@ class Batcher:
         return plan
 
     def _call_seconds(self, kind: str, rows: int, tokens: int) -> float | None:
-        """The recent time of a call of `kind` over `rows` rows of `tokens` tokens: the mean
-        over contexts of the smallest entry that holds it (None: none timed yet)."""
-        fits = [e for e in self.engine.art.entries.values()
-                if e.kind == kind and e.batch >= rows and e.tokens_per_seq >= tokens]
-        if not fits:
-            return None
-        smallest = min((e.batch, e.tokens_per_seq) for e in fits)
-        times = [t for e in fits if (e.batch, e.tokens_per_seq) == smallest
-                 and (t := self.stats.entry_seconds.get(e.name)) is not None]
-        return sum(times) / len(times) if times else None
+        return self.stats.call_seconds(self.engine.art.entries, kind, rows, tokens)
 
     def execute(self, plan: RoundPlan) -> None:
         """Run a round's plan: its calls in order, each row answered; then the decode cohort

@@ -28,7 +28,7 @@ from .kv.host_tier import HostTier
 from .runtime.kv_transfer import PageTransfer, transfer_buckets
 from .generation.link_server import LocalGenerations
 from .generation.local_generation import Speculation
-from .generation.structured import Grammars
+from .generation.grammar import Grammars
 from .artifact.loading import load_artifact
 from .runtime.memory import resident_bytes
 from .scheduling.observer import TimingLog
@@ -113,10 +113,12 @@ class TritonPythonModel:
         self.metrics.memory(*self._device_bytes())
         self.local = None
         if parse_bool(params["local_generation"]):
-            speculation = Speculation.of(self.batcher.engine, self.batcher.stats.entry_seconds)
+            speculation = Speculation.of(self.batcher.engine, self.batcher.stats)
             grammars = Grammars(artifact.tokenizer_dir, artifact.model.vocab,
                                 list(artifact.model.eos_token_ids),
-                                observer=GrammarMetrics(self.metrics))
+                                observer=GrammarMetrics(self.metrics.writer,
+                                                        self.metrics.families,
+                                                        self.metrics.labels))
             self.local = LocalGenerations.open(args["model_name"], self.batcher.submit_group,
                                                artifact.max_context, speculation=speculation,
                                                instance=instance, grammars=grammars)

@@ -276,17 +276,24 @@ def test_a_sampled_generation_hands_the_batcher_its_acceptor():
 
 def test_what_a_sequence_model_can_verify_and_what_its_calls_cost():
     """Speculation.of an engine: the most drafts (its largest verify entry, 9 tokens), the cost
-    of a step from its entries' measured call times (a name that is no entry is passed over);
-    a linear-attention model and one without verify entries refuse, saying why."""
+    of a step from its entries' measured call times, one row's (the smallest timed entry that
+    holds it; a name that is no entry is passed over); a linear-attention model and one
+    without verify entries refuse, saying why."""
     from checks.fakes import FakeRuntime
 
     from triton_tlaloc.engine.core import Engine
+    from triton_tlaloc.scheduling.observer import BatcherStats
 
-    measured = {"decode_b1_c32": 0.01, "decode_b2_c32": 0.03, "verify_b1_c32_t5": 0.04,
-                "swap": 9.0}
-    spec = Speculation.of(Engine(FakeRuntime(fake_artifact())), measured)
+    measured = BatcherStats()
+    measured.entry_seconds.update({"decode_b2_c32": 0.03, "verify_b1_c32_t5": 0.04,
+                                   "swap": 9.0})
+    engine = Engine(FakeRuntime(fake_artifact()))
+    spec = Speculation.of(engine, measured)
+    assert spec.cost(4) == pytest.approx(0.04 / 0.03)  # batch 1 untimed: batch 2's decode
+    measured.entry_seconds["decode_b1_c32"] = 0.01
+    spec = Speculation.of(engine, measured)  # (a StepCost reads the times again every 256)
     assert (spec.most_drafts, spec.refused) == (8, None)
-    assert spec.cost(4) == pytest.approx(0.04 / 0.02) and spec.cost(3) == spec.cost(4)
+    assert spec.cost(4) == pytest.approx(0.04 / 0.01) and spec.cost(3) == spec.cost(4)
     assert spec.cost(8) == pytest.approx(1 + DRAFT_COST * 8)  # the 9-token entry: not timed
     for art, why in ((fake_artifact(state_slots=4), "linear-attention"),
                      (fake_artifact(verify_tokens=()), "no verify entries")):

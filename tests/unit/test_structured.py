@@ -1,6 +1,7 @@
-"""Structured output (generation/structured.py): the parameter's checks, llguidance's compiles
-and their refusals, and masks applied to logits, over a small byte-level BPE tokenizer trained
-here (the real tokenizers and models: tests/test_generate.py)."""
+"""Structured output (generation/structured.py, generation/grammar.py): the parameter's
+checks, llguidance's compiles and their refusals, and masks applied to logits, over a small
+byte-level BPE tokenizer trained here (the real tokenizers and models: tests/test_generate.py,
+tests/test_structured_families.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import jsonschema
 import numpy as np
 import pytest
 
+from checks.schemas import TOO_MANY_ALTERNATIVES, byte_level_bpe, generate_batched
+
 from triton_tlaloc.engine.speculation import accepted_drafts
 from triton_tlaloc.generation.local_generation import Generation, Speculation
 from triton_tlaloc.generation.parameters import SamplingError
 from triton_tlaloc.generation.sampling import Sampler, SamplingParams
-from triton_tlaloc.generation.structured import (MAX_CONSTRAINT_BYTES, GrammarObserver,
-                                                 Grammars, StructuredOutput)
+from triton_tlaloc.generation.grammar import GrammarObserver, Grammars
+from triton_tlaloc.generation.structured import MAX_CONSTRAINT_BYTES, StructuredOutput
 from triton_tlaloc.generation.speculative import StepCost
 from triton_tlaloc.scheduling.admission import Reply
 
@@ -44,17 +47,7 @@ PERSON = {
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """A byte-level BPE of 354 tokens, <eos> id 0 (trained in about 20 ms)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ['{"name":"Ada","age":36,"city":"Paris","pets":[{"kind":"cat","legs":4}]}',
-              "yes no maybe 0123456789 true false null",
-              "The quick brown fox jumps over the lazy dog."] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<eos>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = byte_level_bpe(354, ["<eos>"])
     directory = tmp_path_factory.mktemp("tokenizer")
     (directory / "tokenizer.json").write_text(tok.to_str())
     return directory, tok
@@ -334,6 +327,27 @@ def test_a_generation_under_a_grammar_emits_only_what_it_allows(grammars, tokeni
     assert events[-1] == [3, -1, "stop"]
 
 
+def test_a_grammar_past_the_parsers_limits_is_refused_or_ends_its_generation(grammars,
+                                                                             tokenizer):
+    """PARSER_LIMITS bound a grammar's work at each step, which compiling does not see: a
+    grammar past them at its first step is refused by name before the generation starts; one
+    past them only after the model's first choice ends its generation with the reason,
+    INVALID_ARGUMENT, and ENDs its sequence."""
+    with pytest.raises(SamplingError, match=r"structured_output\.grammar: .*max is 2000"):
+        grammars.constraint(spec(grammar=f"start: {TOO_MANY_ALTERNATIVES}\n"), {EOS})
+    events, queued = [], []
+    params = SamplingParams.from_dict({"structured_output": {
+        "grammar": f'start: ("a" | "b") x\nx: {TOO_MANY_ALTERNATIVES}\n'}})
+    gen = Generation(1, [7], params, {EOS}, 64, events.append, queued.extend,
+                     grammars=grammars)
+    row = np.zeros(VOCAB, np.float32)
+    row[tokenizer[1].token_to_id("a")] = 5.0
+    gen.on_reply(Reply(logits=row))
+    assert events[-1][:4] == [1, -1, "error", "INVALID_ARG"], events
+    assert "the grammar failed at this step" in events[-1][4] and "max is 2000" in events[-1][4]
+    assert gen.finished and queued[-1].end
+
+
 # ------------------------------------------------------------------ fast-forward, speculation
 
 class RandomModel:
@@ -458,7 +472,7 @@ def test_speculation_under_a_grammar_keeps_the_greedy_ids(grammars, tokenizer):
         try:
             caught += generate_with(grammars, RandomModel(seed, ignore_acceptor=True), prompt,
                                     speculating, VERIFIES) != ids
-        except RuntimeError as e:
+        except (RuntimeError, SamplingError) as e:
             assert re.search("the grammar (refused|forced) token", str(e))
             caught += 1
     assert stood and caught == 4
@@ -469,36 +483,12 @@ def batched(grammars, specs: list[tuple[list[int], SamplingParams]]) -> list[lis
     fake artifact of VOCAB tokens, batches 1 and 4, verify entries): the ids each emitted."""
     from checks.fakes import fake_artifact
 
-    from triton_tlaloc.batcher import Batcher
     from triton_tlaloc.engine.core import Engine
     from triton_tlaloc.runtime.simulated import SimulatedRuntime
-    from triton_tlaloc.scheduling.policy import BatchPolicy
 
     art = fake_artifact(batch_ladder=(1, 4), context_ladder=(128,), vocab=VOCAB,
                         verify_tokens=(5, 9))
-    batcher = Batcher(Engine(SimulatedRuntime(art, 0.0)), BatchPolicy(prefill_wait_s=0.001))
-    nexts, events = [], []
-
-    def round_ended():
-        if nexts:
-            batcher.submit_group(nexts[:])
-            nexts.clear()
-    batcher.round_listeners.append(round_ended)
-    speculation = Speculation.of(batcher.engine)
-    gens = [Generation(i, prompt, params, {EOS}, art.max_context, events.append,
-                       nexts.extend, speculation, grammars=grammars)
-            for i, (prompt, params) in enumerate(specs)]
-    batcher.start()
-    try:
-        batcher.submit_group([g.start_request() for g in gens])
-        for _ in range(1000):
-            if all(g.finished for g in gens) and not batcher.sequences:
-                break
-            time.sleep(0.005)
-    finally:
-        batcher.stop()
-    assert all(g.finished for g in gens)
-    return [[e[1] for e in events if e[0] == i and e[1] >= 0] for i in range(len(specs))]
+    return generate_batched(Engine(SimulatedRuntime(art, 0.0)), grammars, specs, EOS)
 
 
 def test_rows_with_and_without_grammars_batched_together_keep_their_solo_ids(grammars,

@@ -26,7 +26,7 @@ from .sampling import SamplingError, SamplingParams
 from .generation_link import (LinkError, hang_up, instance_link, knock, listen, receive_frame,
                               send_frame)
 from .local_generation import NO_TOKEN, Generation, Speculation
-from .structured import Grammars
+from .grammar import Grammars
 
 log = logging.getLogger("triton_tlaloc.local_generation")
 

@@ -29,15 +29,16 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ..scheduling.admission import Reply, Request
-from ..codes import INTERNAL, RequestError
+from ..codes import INTERNAL, INVALID_ARG, RequestError
 from .sampling import Sampler, SamplingError, SamplingParams
 from .speculative import (DraftModelCost, Speculator, StepCost, best_length,
                           greedy_acceptance, sampled_acceptance)
 from .generation_link import LinkError
 
 if TYPE_CHECKING:
+    from ..scheduling.observer import BatcherStats
     from .draft_model import DraftClients, ModelDrafter
-    from .structured import Grammars
+    from .grammar import Grammars
 
 log = logging.getLogger("triton_tlaloc.local_generation")
 
@@ -128,6 +129,10 @@ class Generation:
             return
         try:
             self._on_reply(reply)
+        except SamplingError as e:  # the request's own (its grammar past a limit)
+            log.info("%s: %s", self.seq_id, e)
+            if not self.finished:
+                self._finish(NO_TOKEN, "error", INVALID_ARG, f"generation {self.gen_id}: {e}")
         except Exception as e:
             log.exception("%s: choosing its next token failed", self.seq_id)
             if not self.finished:
@@ -309,21 +314,17 @@ class Speculation:
             raise SamplingError(f"{why}: {e}") from None
 
     @staticmethod
-    def of(engine, entry_seconds: dict[str, float] | None = None) -> "Speculation":
-        """What `engine` can verify; `entry_seconds`, each entry's recent call time (the
-        batcher's stats), weighs a verify call against a decode call."""
+    def of(engine, stats: "BatcherStats | None" = None) -> "Speculation":
+        """What `engine` can verify; `stats` (the batcher's) times its entries' recent calls,
+        by which a verify call of one row is weighed against a decode call."""
         vocab, rewinds = engine.art.model.vocab, engine.blocks.rewinds
         try:
             engine.verifier.check_speculation()
         except RequestError as e:
             return Speculation(0, str(e), vocab=vocab, rewinds=rewinds)
         entries = engine.art.entries
-
-        def seconds(kind: str, tokens: int) -> float | None:
-            times = [s for name, s in list((entry_seconds or {}).items())
-                     if (e := entries.get(name)) is not None and e.kind == kind
-                     and e.tokens_per_seq == tokens]
-            return sum(times) / len(times) if times else None
+        seconds = None if stats is None else (
+            lambda kind, tokens: stats.call_seconds(entries, kind, 1, tokens))
         return Speculation(engine.verifier.most_drafts(), None,
                            StepCost(engine.art.verify_tokens, seconds), vocab, rewinds)
 

@@ -151,6 +151,20 @@ class BatcherStats(Observer):
             old = self.entry_seconds.get(entry)
             self.entry_seconds[entry] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
+    def call_seconds(self, entries: dict, kind: str, rows: int, tokens: int) -> float | None:
+        """The recent time of a call of `kind` over `rows` rows of `tokens` tokens each: the
+        mean over contexts of the smallest timed entry of `entries` (the artifact's, by name)
+        that holds it; None when none is timed yet. Read from other threads: looks up, never
+        iterates, the times the batching thread writes."""
+        timed = [(e, t) for e in entries.values()
+                 if e.kind == kind and e.batch >= rows and e.tokens_per_seq >= tokens
+                 and (t := self.entry_seconds.get(e.name)) is not None]
+        if not timed:
+            return None
+        smallest = min((e.batch, e.tokens_per_seq) for e, _ in timed)
+        times = [t for e, t in timed if (e.batch, e.tokens_per_seq) == smallest]
+        return sum(times) / len(times)
+
     def refusal(self, reason: str) -> None:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
 

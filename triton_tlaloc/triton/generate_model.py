@@ -43,10 +43,11 @@ import triton_python_backend_utils as pb_utils
 from .backend import error_response, model_settings, setup_logging
 from ..codes import CANCELLED, INTERNAL, INVALID_ARG, coded_message, split_coded_message
 from .metrics import MetricsWriter
+from .model_metrics import GrammarMetrics
 from ..frontends.client import new_sequence_id
 from ..generation.local_streams import InstanceLoops, LocalStream, Outbound, StreamSenders
 from ..generation.sampling import Sampler, SamplingError, SamplingParams, TextStream
-from ..generation.structured import Grammars, TokenConstraint
+from ..generation.grammar import Grammars, TokenConstraint
 
 log = logging.getLogger("triton_tlaloc.generate")
 
@@ -94,16 +95,18 @@ class TritonPythonModel:
             self.tokenizer = ArtifactTokenizer(Path(params["tokenizer_dir"]))
             if self.tokenizer.eos_token_id is not None:
                 self.eos_ids.add(self.tokenizer.eos_token_id)
-        # Structured output in the BLS loop (the local loop's grammars are the sequence model's)
-        self.grammars = None
-        if self.tokenizer is not None:
-            self.grammars = Grammars(Path(params["tokenizer_dir"]),
-                                     self.tokenizer.tok.get_vocab_size(with_added_tokens=True),
-                                     sorted(self.eos_ids))
         self.threads: set[threading.Thread] = set()
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
         self._metrics()
+        # Structured output in the BLS loop (the local loop's grammars are the sequence
+        # model's), reporting to this model's metrics
+        self.grammars = None
+        if self.tokenizer is not None:
+            self.grammars = Grammars(Path(params["tokenizer_dir"]),
+                                     self.tokenizer.tok.get_vocab_size(with_added_tokens=True),
+                                     sorted(self.eos_ids), observer=GrammarMetrics(
+                                         self.writer, self.families, {"model": self.model_name}))
         loop = params["generation_loop"]
         if loop not in ("local", "bls"):
             raise ValueError(f"generation_loop {loop!r}: expected local or bls")
@@ -253,6 +256,9 @@ class TritonPythonModel:
         except _GenerateError as e:
             self.writer.increment(self.finished["error"], 1)
             self._send_error(sender, str(e), e.code)
+        except SamplingError as e:  # the request's own (its grammar past a limit at a step)
+            self.writer.increment(self.finished["error"], 1)
+            self._send_error(sender, str(e), INVALID_ARG)
         except Exception as e:  # never leave a request unanswered
             log.exception("generation failed")
             self.writer.increment(self.finished["error"], 1)

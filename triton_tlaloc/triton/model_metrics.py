@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from ..generation.structured import KINDS, GrammarObserver
+from ..generation.grammar import GrammarObserver
+from ..generation.structured import KINDS
 from ..scheduling.observer import Observer
 from .metrics import MetricsWriter
 
@@ -243,23 +244,24 @@ class TritonMetrics(Observer):
 
 
 class GrammarMetrics(GrammarObserver):
-    """Structured output's metrics (generation/structured.py reports to it), beside the
-    model's own: the same writer, labels and families list."""
+    """Structured output's metrics (generation/grammar.py reports to it), beside a
+    model's own: its writer, labels and families list (the sequence model's for the local
+    loop's grammars, the generate model's for the BLS loop's)."""
 
     MASK_BUCKETS = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.1]
     COMPILE_BUCKETS = [1e-4, 1e-3, 0.01, 0.1, 1.0, 10.0]
 
-    def __init__(self, metrics: TritonMetrics):
+    def __init__(self, writer: MetricsWriter, families: list, labels: dict[str, str]):
         F = pb_utils.MetricFamily
-        self.m = metrics
+        self.writer = writer
 
         def family(name, description, kind):
-            metrics.families.append(F(name=name, description=description, kind=kind))
-            return metrics.families[-1]
+            families.append(F(name=name, description=description, kind=kind))
+            return families[-1]
 
         def by_kind(name, description):  # made here: the reports come from several threads
             f = family(name, description, F.COUNTER)
-            return {k: f.Metric(labels={**metrics.labels, "kind": k}) for k in KINDS}
+            return {k: f.Metric(labels={**labels, "kind": k}) for k in KINDS}
 
         self.constrained_total = by_kind("tlaloc_structured_generations_total", "Generations "
                                          "started under a structured_output constraint")
@@ -269,39 +271,39 @@ class GrammarMetrics(GrammarObserver):
         self.forced_total = family(
             "tlaloc_grammar_forced_tokens_total", "Tokens a grammar forced, emitted without the "
             "model choosing them (fast-forward: fed several in one verify call when that pays)",
-            F.COUNTER).Metric(labels=metrics.labels)
+            F.COUNTER).Metric(labels=labels)
         self.compile_seconds = self.mask_seconds = self.wait_seconds = None
-        if metrics.has_histograms:
+        if hasattr(F, "HISTOGRAM"):
             self.compile_seconds = family(
                 "tlaloc_grammar_compile_seconds", "Time a constraint takes to compile",
-                F.HISTOGRAM).Metric(labels=metrics.labels, buckets=self.COMPILE_BUCKETS)
+                F.HISTOGRAM).Metric(labels=labels, buckets=self.COMPILE_BUCKETS)
             self.mask_seconds = family(
                 "tlaloc_grammar_mask_seconds", "Time a step's token mask takes to compute (on "
                 "a worker thread, while the step's call runs)", F.HISTOGRAM).Metric(
-                labels=metrics.labels, buckets=self.MASK_BUCKETS)
+                labels=labels, buckets=self.MASK_BUCKETS)
             self.wait_seconds = family(
                 "tlaloc_grammar_mask_wait_seconds", "Time the thread choosing a token waited "
                 "for its mask, still computing when the call ended (what the call did not "
-                "hide)", F.HISTOGRAM).Metric(labels=metrics.labels, buckets=self.MASK_BUCKETS)
+                "hide)", F.HISTOGRAM).Metric(labels=labels, buckets=self.MASK_BUCKETS)
 
     def constrained(self, kind: str) -> None:
-        self.m.writer.increment(self.constrained_total[kind], 1)
+        self.writer.increment(self.constrained_total[kind], 1)
 
     def compiled(self, kind: str, seconds: float) -> None:
-        self.m.writer.increment(self.compiles[kind], 1)
+        self.writer.increment(self.compiles[kind], 1)
         if self.compile_seconds is not None:
-            self.m.writer.observe(self.compile_seconds, seconds)
+            self.writer.observe(self.compile_seconds, seconds)
 
     def cache_hit(self, kind: str) -> None:
-        self.m.writer.increment(self.cache_hits[kind], 1)
+        self.writer.increment(self.cache_hits[kind], 1)
 
     def masked(self, seconds: float) -> None:
         if self.mask_seconds is not None:
-            self.m.writer.observe(self.mask_seconds, seconds)
+            self.writer.observe(self.mask_seconds, seconds)
 
     def forced(self, tokens: int) -> None:
-        self.m.writer.increment(self.forced_total, tokens)
+        self.writer.increment(self.forced_total, tokens)
 
     def waited(self, seconds: float) -> None:
         if self.wait_seconds is not None:
-            self.m.writer.observe(self.wait_seconds, seconds)
+            self.writer.observe(self.wait_seconds, seconds)
