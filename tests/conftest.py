@@ -156,6 +156,17 @@ def smollm2(run_dir):
 
 
 @pytest.fixture(scope="session")
+def smollm2_chat(run_dir) -> Path:
+    """SmolLM2 with a context of 512: room for prompts that carry tools (their descriptions
+    take about 300 tokens), exported once per run."""
+    from triton_tlaloc.export import ExportOptions, export_artifact
+    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+
+    return built_once(run_dir / "smollm2-chat", lambda p: export_artifact(
+        smollm2_gguf_path(), p, ExportOptions(batch_ladder=(1,), context_ladder=(512,))))
+
+
+@pytest.fixture(scope="session")
 def smollm2_transformers(run_dir) -> Path:
     """SmolLM2 as transformers reads its GGUF (the oracle's weights and tokenizer), saved once
     per run as a checkpoint folder: transformers parses and dequantizes the GGUF in about 15 s,

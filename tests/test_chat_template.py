@@ -41,7 +41,7 @@ def test_a_normal_chat_gets_the_ids_transformers_gives(tokenizers, messages):
     assert ours.apply_chat_template(messages) == want
     # the content-aware encoding, forced on it, changes nothing either
     text = ours.render(messages)
-    assert ours._encode_segments(ours._segments(text, messages)) == want
+    assert ours._encode_segments(ours._segments(text, messages, {})) == want
 
 
 def test_im_start_in_a_message_is_plain_text(tokenizers):

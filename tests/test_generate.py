@@ -36,11 +36,12 @@ def greedy(server, model: str, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny, smollm2, work):
+def served(tiny, smollm2, smollm2_chat, work):
     repo = work / "repo-generate"
     write_repository(tiny.artifact("llama", False), repo, "llama",
                      RepositoryOptions(max_sequence_idle_microseconds=600_000_000))
     write_repository(smollm2[1], repo, "smollm2", RepositoryOptions())
+    write_repository(smollm2_chat, repo, "smollm2_chat", RepositoryOptions())  # tools
     # The same sequence models' generate models with the loop in their own process, a BLS
     # call a token (NAME_generate_bls)
     for name, art in (("llama", tiny.artifact("llama", False)), ("smollm2", smollm2[1])):
@@ -308,12 +309,13 @@ def test_a_draft_model_beside_plain_generations_sampled_and_refused(served):
 
 @pytest.fixture(scope="module")
 def openai_url(served):
-    """`tlaloc openai` in front of smollm2_generate, on a free loopback port."""
+    """`tlaloc openai` in front of smollm2_generate and smollm2_chat_generate (a context of
+    512, for tools), on a free loopback port."""
     from triton_tlaloc.frontends.openai_server import ServedModel, serve_in_thread
 
     server, _ = served
     base_url, stop = serve_in_thread(server.grpc_url, {
-        "smollm2": ServedModel.discover(server.grpc_url, "smollm2")})
+        name: ServedModel.discover(server.grpc_url, name) for name in ("smollm2", "smollm2_chat")})
     yield base_url
     stop()
 
@@ -329,7 +331,7 @@ def test_the_openai_client_gets_the_generate_models_text(served, openai_url):
     want = generate(server.grpc_url, "smollm2_generate",
                     input_ids=tok.apply_chat_template(messages), sampling={"max_tokens": 24})
     client = openai.OpenAI(base_url=openai_url, api_key="unused")
-    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert [m.id for m in client.models.list().data] == ["smollm2", "smollm2_chat"]
     chat = client.chat.completions.create(model="smollm2", messages=messages, temperature=0,
                                           max_tokens=24)
     assert chat.choices[0].message.content == want.text and "Paris" in want.text
@@ -489,6 +491,67 @@ def test_a_constraint_that_cannot_compile_is_refused_by_name(served, loop):
     got = generate(server.grpc_url, f"llama_generate{loop}", input_ids=PROMPT,
                    sampling={"structured_output": {"regex": "a"}})
     assert got.status == "INVALID_ARGUMENT" and "tokenizer" in got.error
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                   "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_required_and_named_tool_calls_validate_and_stream_as_they_answer(openai_url):
+    """SmolLM2 (its template has no tools: hermes' format goes in its prompt) through the
+    openai package: tool_choice required and a named function give calls whose arguments
+    validate against the function's schema, finish_reason tool_calls; streamed, the deltas
+    (the name first, then argument pieces) join to the same call; after the tool's result the
+    model answers in text."""
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=openai_url, api_key="unused")
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        got = client.chat.completions.create(model="smollm2_chat", messages=messages, tools=tools,
+                                             tool_choice=choice, temperature=0, max_tokens=60)
+        answer = got.choices[0]
+        assert answer.finish_reason == "tool_calls", answer
+        assert answer.message.content is None and answer.message.tool_calls
+        for call in answer.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if choice != "required":
+            assert [c.function.name for c in answer.message.tool_calls] == ["get_weather"]
+        calls, finish = {}, None
+        for chunk in client.chat.completions.create(
+                model="smollm2_chat", messages=messages, tools=tools, tool_choice=choice,
+                temperature=0, max_tokens=60, stream=True):
+            for c in chunk.choices[0].delta.tool_calls or []:
+                have = calls.setdefault(c.index, ["", ""])
+                have[0] += c.function.name or ""
+                have[1] += c.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert [tuple(calls[i]) for i in sorted(calls)] == [
+            (c.function.name, c.function.arguments) for c in answer.message.tool_calls]
+    call = answer.message.tool_calls[0]
+    after = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
+    reply = client.chat.completions.create(model="smollm2_chat", messages=after, tools=tools,
+                                           tool_choice="none", temperature=0, max_tokens=30)
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="tool_choice.function.name"):
+        client.chat.completions.create(model="smollm2_chat", messages=messages, tools=[TIME_TOOL],
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "get_weather"}})
 
 
 def test_the_openai_response_format_gives_json_that_validates(served, openai_url):

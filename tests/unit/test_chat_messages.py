@@ -12,7 +12,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from triton_tlaloc.frontends.http_doors import APIError
-from triton_tlaloc.frontends.openai_server import CHAT_ROLES, chat_messages
+from triton_tlaloc.frontends.openai_requests import CHAT_ROLES, chat_messages
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer, LiteralContentError
 
 # ------------------------------------------------------------------ the messages
@@ -109,7 +109,7 @@ def test_a_chat_without_special_token_text_gets_the_ids_of_its_whole_text(chatml
     text = chatml.render(messages)
     assert chatml.apply_chat_template(messages) == ids_of(chatml, text)
     # the content-aware encoding, forced, gives the same ids: only content differs there
-    assert chatml._encode_segments(chatml._segments(text, messages)) == ids_of(chatml, text)
+    assert chatml._encode_segments(chatml._segments(text, messages, {})) == ids_of(chatml, text)
 
 
 def test_special_token_text_in_content_is_plain_text(tmp_path):

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from triton_tlaloc.frontends import openai_server
+from triton_tlaloc.frontends import openai_requests, openai_server
 from triton_tlaloc.frontends.client import GenerateResult
 from triton_tlaloc.frontends.openai_server import ServedModel, ServerOptions, serve_in_thread
 
@@ -111,7 +111,7 @@ class FakeTokenizer:
             self.release.wait(2)
         return [ord(c) for c in text[:64]]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], **variables) -> list[int]:
         return self.encode("".join(str(m.get("content")) for m in messages))
 
 
@@ -624,8 +624,8 @@ def test_the_command_line_builds_the_options(monkeypatch, capsys):
 
     served = []
     monkeypatch.setattr(ServedModel, "discover", staticmethod(
-        lambda url, name, tokenizer_dir=None: ServedModel(name, name + "_generate",
-                                                          FakeTokenizer(), 100)))
+        lambda url, name, tokenizer_dir=None, tool_parser="auto": ServedModel(
+            name, name + "_generate", FakeTokenizer(), 100, tool_parser)))
     monkeypatch.setattr(openai_server, "serve", lambda url, models, host, port, *, options:
                         served.append((host, port, options)))
 
@@ -666,7 +666,7 @@ def test_response_format_and_the_guided_fields_become_structured_output():
     """What a body asks to constrain, as the generate model's structured_output: OpenAI's
     response_format (strict or not), this server's field, vLLM's guided_* fields; at most one,
     and anything else a 400 naming the field."""
-    asked = openai_server._structured_output
+    asked = openai_requests._structured_output
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert asked({}) is None and asked({"response_format": {"type": "text"}}) is None
     assert asked({"response_format": {"type": "json_object"}}) == {"json_object": True}
@@ -687,7 +687,7 @@ def test_response_format_and_the_guided_fields_become_structured_output():
             ({"guided_json": "{not json"}, "guided_json: not a JSON schema"),
             ({"guided_regex": "a", "response_format": {"type": "json_object"}},
              "response_format and guided_regex: at most one constraint")):
-        with pytest.raises(openai_server.APIError, match=re.escape(says)):
+        with pytest.raises(openai_requests.APIError, match=re.escape(says)):
             asked(body)
-    sampling = openai_server._sampling({"response_format": {"type": "json_object"}})
+    sampling = openai_requests._sampling({"response_format": {"type": "json_object"}})
     assert sampling["structured_output"] == {"json_object": True}

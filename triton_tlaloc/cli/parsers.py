@@ -308,6 +308,11 @@ def _add_openai_parser(sub) -> None:
                    help="a served sequence model (its NAME_generate answers); repeatable")
     p.add_argument("--tokenizer", default=None,
                    help="the tokenizer folder (default: the generate model's tokenizer_dir)")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=("auto", "hermes", "llama3_json", "mistral"),
+                   help="the format the model writes tool calls in, read back as tool_calls "
+                        "(default auto: by the chat template's markers; hermes for a "
+                        "template without tools, whose prompt gets hermes' format)")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)

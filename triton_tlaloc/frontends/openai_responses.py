@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 
 from .client import GenerateResult
 from .http_doors import APIError
+from .tool_calls import ToolCallStream
 
 if TYPE_CHECKING:
-    from .openai_server import GenerateCall, Generation
+    from .openai_requests import GenerateCall
+    from .openai_server import Generation
 
 # What a generate model's refusal (its gRPC status) is over HTTP; any other is a 500.
 HTTP_OF_GRPC_STATUS = {
@@ -50,6 +52,20 @@ def choice(chat: bool, text: str | None, finish, delta: bool, first: bool = Fals
     return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
 
+def chat_message(call: GenerateCall, got: GenerateResult) -> dict:
+    """choices[0] of a whole chat completion: its text, or the tool calls read from it
+    (finish_reason tool_calls)."""
+    if call.tools is None:
+        return choice(True, got.text, got.finish_reason, False)
+    content, calls = call.tools.calls(got.text)
+    message = {"role": "assistant", "content": content}
+    finish = got.finish_reason
+    if calls:
+        message["tool_calls"] = [c.as_dict() for c in calls]
+        finish = "tool_calls" if finish == "stop" else finish
+    return {"index": 0, "message": message, "finish_reason": finish}
+
+
 def usage(got: GenerateResult) -> dict:
     return {"prompt_tokens": got.prompt_tokens, "completion_tokens": got.completion_tokens,
             "total_tokens": got.prompt_tokens + got.completion_tokens}
@@ -74,8 +90,9 @@ class Reply:
 
 def completion_body(reply: Reply, got: GenerateResult) -> dict:
     call = reply.call
-    obj = "chat.completion" if call.chat else "text_completion"
-    return {**reply.body(obj, choice(call.chat, got.text, got.finish_reason, False)),
+    if call.chat:
+        return {**reply.body("chat.completion", chat_message(call, got)), "usage": usage(got)}
+    return {**reply.body("text_completion", choice(False, got.text, got.finish_reason, False)),
             "usage": usage(got)}
 
 
@@ -84,16 +101,27 @@ def sse(payload: dict) -> str:
 
 
 async def events(reply: Reply, generation: Generation, item):
-    """The stream's events from its first item on: a chunk per piece of text, a last chunk
-    with the finish reason (and the usage if stream_options.include_usage), or an error event
-    (its code the HTTP status the error would have had); then [DONE]. When the client
-    disconnects, the response sending these (openai_server.GenerationStream) abandons the
-    generation."""
+    """The stream's events from its first item on: a chunk per piece of text (a chat's with
+    tools: the deltas ToolCallStream makes of it), a last chunk with the finish reason (and
+    the usage if stream_options.include_usage), or an error event (its code the HTTP status
+    the error would have had); then [DONE]. When the client disconnects, the response sending
+    these (openai_server.GenerationStream) abandons the generation."""
     chat = reply.call.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
+    tools = ToolCallStream(reply.call.tools) if reply.call.tools is not None else None
     first = True
+
+    def delta_chunk(delta: dict) -> str:
+        nonlocal first
+        if first:
+            delta, first = {"role": "assistant", "content": None, **delta}, False
+        return sse(reply.body(obj, {"index": 0, "delta": delta, "finish_reason": None}))
+
     while isinstance(item, str):
-        if item or first:
+        if tools is not None:
+            for delta in tools.push(item):
+                yield delta_chunk(delta)
+        elif item or first:
             yield sse(reply.body(obj, choice(chat, item, None, True, first)))
             first = False
         item = await generation.items.get()
@@ -101,7 +129,15 @@ async def events(reply: Reply, generation: Generation, item):
     if error is not None:
         yield sse(error.payload())
     else:
-        chunk = reply.body(obj, choice(chat, None, item.finish_reason, True, first))
+        finish = item.finish_reason
+        if tools is not None:
+            for delta in tools.end(item.text):
+                yield delta_chunk(delta)
+            if tools.called and finish == "stop":
+                finish = "tool_calls"
+            if first:
+                yield delta_chunk({})
+        chunk = reply.body(obj, choice(chat, None, finish, True, first))
         if reply.call.include_usage:
             chunk["usage"] = usage(item)
         yield sse(chunk)

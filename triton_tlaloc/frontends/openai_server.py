@@ -32,7 +32,6 @@ once; the generate model then ends the sequence, which frees its pages.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -43,36 +42,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from .client import generate as grpc_generate
+from .openai_requests import (MAX_PROMPT_CHARS, GenerateCall, ServedModel, chat_call,
+                              completion_call)
 from .openai_responses import Reply, completion_body, events, refusal
 from .http_doors import (APIError, GenerationSlots, add_doors, default_allowed_hosts,
-                         guarded_h11_protocol, number, parse_body, shown, typed)
-from .tokenizer import ArtifactTokenizer, LiteralContentError
-
-
-@dataclass
-class ServedModel:
-    name: str  # the name clients use: the sequence model's
-    generate_model: str
-    tokenizer: ArtifactTokenizer  # or anything with encode(text) and apply_chat_template
-    max_context: int
-
-    @staticmethod
-    def discover(url: str, name: str, tokenizer_dir: str | None = None) -> "ServedModel":
-        """NAME as served at `url` (gRPC): its generate model NAME_generate, whose parameters
-        give the tokenizer's directory (unless tokenizer_dir is given) and the largest context."""
-        from pathlib import Path
-
-        from .client import TlalocClient
-        from ..repository import generate_model_name
-
-        gen = generate_model_name(name)
-        with TlalocClient(url, gen, "grpc") as c:
-            params = c.model_parameters()
-        directory = tokenizer_dir or params.get("tokenizer_dir")
-        if not directory:
-            raise ValueError(f"{gen} names no tokenizer directory: pass --tokenizer")
-        return ServedModel(name, gen, ArtifactTokenizer(Path(directory)),
-                           int(params["max_context"]))
+                         guarded_h11_protocol, parse_body)
 
 
 @dataclass(frozen=True)
@@ -84,7 +58,7 @@ class ServerOptions:
     cors_origins: tuple[str, ...] = ()  # none: no CORS headers
     # None: derived from the bind host (for_host), loopback names if never bound
     allowed_hosts: tuple[str, ...] | None = None
-    max_prompt_chars: int = 1_000_000  # a prompt, or the messages' content, over it is a 400
+    max_prompt_chars: int = MAX_PROMPT_CHARS  # a prompt, or the messages' content, over it is a 400
     # Slow clients: a request's headers must all come within header_timeout_s of the
     # connection opening (or of the answer before), its body within body_timeout_s of its
     # headers (408 otherwise); a connection idle keep_alive_s after an answer is closed.
@@ -107,229 +81,6 @@ class ServerOptions:
         if self.allowed_hosts is not None:
             return self
         return replace(self, allowed_hosts=default_allowed_hosts(bind_host))
-
-
-# ------------------------------------------------------------------ request bodies
-
-def _sampling(body: dict) -> dict:
-    """The generate model's sampling_parameters from an OpenAI request body. Each value is
-    passed on as sent once it has the JSON type its parameter takes: the generate model checks
-    its range, and names it when it refuses (a 400)."""
-    out = {"temperature": number(body, "temperature", 1.0), "top_p": number(body, "top_p", 1.0)}
-    max_tokens = number(body, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = number(body, "max_tokens")
-    if max_tokens is not None:
-        out["max_tokens"] = max_tokens
-    for key in ("seed", "top_k"):
-        if (value := number(body, key)) is not None:
-            out[key] = value
-    stop = typed(body, "stop", (str, list), "a string or a list of strings")
-    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-        raise APIError(400, f"stop: a string or a list of strings, not {shown(stop)}")
-    # Refused in both forms, as vLLM refuses them: an empty stop string would match at once,
-    # which no client means (to stop at nothing, leave stop out).
-    if stop == "" or (isinstance(stop, list) and "" in stop):
-        raise APIError(400, "stop: an empty stop string (leave stop out for none)")
-    if stop:
-        out["stop"] = stop
-    # vLLM's extension: prompts of different salts never share cached KV.
-    if (salt := typed(body, "cache_salt", (str,), "a string")) is not None:
-        out["cache_salt"] = salt
-    # This server's extension: drafts verified in one call, e.g. {"method": "prompt_lookup",
-    # "num_draft_tokens": 6} (checked by the generate model).
-    if (speculative := typed(body, "speculative", (dict,), "a JSON object")) is not None:
-        out["speculative"] = speculative
-    if (structured := _structured_output(body)) is not None:
-        out["structured_output"] = structured
-    return out
-
-
-# vLLM's older extension fields, each the structured_output kind it names.
-GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex",
-                 "guided_choice": "choice", "guided_grammar": "grammar"}
-
-
-def _structured_output(body: dict) -> dict | None:
-    """The structured_output sampling parameter a request asks for: OpenAI's
-    response_format (json_object, json_schema), this server's structured_output extension or
-    vLLM's guided_* fields; at most one of them. Their contents are checked by the generate
-    model and the grammar compiler, which name what they refuse (a 400)."""
-    asked = {}
-    fmt = typed(body, "response_format", (dict,), "an object")
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind == "json_object":
-            asked["response_format"] = {"json_object": True}
-        elif kind == "json_schema":
-            spec = typed(fmt, "json_schema", (dict,), "an object with name and schema",
-                         "response_format.")
-            if spec is None:
-                raise APIError(400, "response_format.json_schema: required with type "
-                                    "json_schema")
-            schema = typed(spec, "schema", (dict,), "a JSON schema object",
-                           "response_format.json_schema.")
-            strict = typed(spec, "strict", (bool,), "true or false",
-                           "response_format.json_schema.")
-            # OpenAI's strict: every keyword enforced, or the request refused; not strict,
-            # keywords the grammar engine lacks are left out.
-            asked["response_format"] = {"json_schema": schema if schema is not None else {},
-                                        "strict": bool(strict)}
-        elif kind != "text":
-            raise APIError(400, f"response_format.type: {shown(kind)} is not supported: one of "
-                                f"text, json_object, json_schema")
-    given = typed(body, "structured_output", (dict,), "a JSON object")
-    if given is not None:
-        asked["structured_output"] = given
-    for field, kind in GUIDED_FIELDS.items():
-        if (value := body.get(field)) is not None:
-            if field == "guided_json" and isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError:
-                    raise APIError(400, "guided_json: not a JSON schema") from None
-            asked[field] = {kind: value}
-    if len(asked) > 1:
-        raise APIError(400, f"{' and '.join(asked)}: at most one constraint per request")
-    return next(iter(asked.values()), None)
-
-
-@dataclass
-class GenerateCall:
-    """One OpenAI request as the arguments of one request to its model's generate model."""
-    model: ServedModel
-    prompt_ids: list[int]
-    sampling: dict
-    stream: bool
-    chat: bool  # /v1/chat/completions (else /v1/completions): the shape of the response
-    include_usage: bool  # stream_options.include_usage: the last chunk carries the usage
-
-
-def _served_model(models: dict[str, ServedModel], body: dict) -> ServedModel:
-    """The model a request names (404 if it is not served), with n = 1 (the only n served)."""
-    name = typed(body, "model", (str,), "a model's name")
-    if name not in models:
-        raise APIError(404, f"model {name!r} is not served here (served: {', '.join(models)})",
-                       "not_found_error")
-    n = typed(body, "n", (int,), "an integer")
-    if n not in (None, 1):
-        raise APIError(400, "n other than 1 is not supported")
-    return models[name]
-
-
-def _streaming(body: dict) -> tuple[bool, bool]:
-    """(stream, stream_options.include_usage) of a request body."""
-    stream = typed(body, "stream", (bool,), "true or false")
-    options = typed(body, "stream_options", (dict,), "an object") or {}
-    include_usage = typed(options, "include_usage", (bool,), "true or false", "stream_options.")
-    return bool(stream), bool(include_usage)
-
-
-def _too_long(what: str, length: int, max_chars: int, unit: str = "characters") -> APIError:
-    return APIError(400, f"{what}: {length} {unit}, over the {max_chars} this server takes")
-
-
-# Token ids go to the generate model as int32.
-_MAX_TOKEN_ID = 2**31 - 1
-
-
-def completion_call(models: dict[str, ServedModel], body: dict,
-                    max_prompt_chars: int = ServerOptions.max_prompt_chars) -> GenerateCall:
-    """POST /v1/completions: the prompt is one string or one list of token ids (either may
-    come as a list of one); max_tokens defaults to 16."""
-    model = _served_model(models, body)
-    stream, include_usage = _streaming(body)
-    sampling = {"max_tokens": 16, **_sampling(body)}
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if len(prompt) > max_prompt_chars:
-            raise _too_long("prompt", len(prompt), max_prompt_chars)
-        ids = model.tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and len(prompt) > max_prompt_chars:
-        raise _too_long("prompt", len(prompt), max_prompt_chars, "token ids")
-    elif isinstance(prompt, list) and all(
-            type(t) is int and 0 <= t <= _MAX_TOKEN_ID for t in prompt):
-        ids = list(prompt)
-    else:
-        raise APIError(400, f"prompt: one string or one list of token ids, not "
-                            f"{shown(prompt)}")
-    return GenerateCall(model, ids, sampling, stream, False, include_usage)
-
-
-# The roles a chat template is given; any other would be rendered into it verbatim, a turn
-# of the client's own naming.
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def chat_messages(messages) -> list[dict]:
-    """The request's messages as the chat template takes them: each an object with one of
-    CHAT_ROLES, its content a string (its text parts joined with newlines, as vLLM joins them)
-    or null. Anything else is a 400 naming the message."""
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, f"messages: a non-empty list, not {shown(messages)}")
-    return [_chat_message(i, m) for i, m in enumerate(messages)]
-
-
-def _chat_message(i: int, message) -> dict:
-    if not isinstance(message, dict):
-        raise APIError(400, f"messages[{i}]: an object with role and content, not "
-                            f"{shown(message)}")
-    role = message.get("role")
-    if not isinstance(role, str) or role not in CHAT_ROLES:
-        raise APIError(400, f"messages[{i}].role: {shown(role)} is not supported: one of "
-                            f"{', '.join(CHAT_ROLES)}")
-    content = message.get("content")
-    if isinstance(content, list):
-        return {**message, "content": _text_of_parts(i, content)}
-    if content is not None and not isinstance(content, str):
-        raise APIError(400, f"messages[{i}].content: a string or a list of parts, not "
-                            f"{shown(content)}")
-    return message
-
-
-def _text_of_parts(i: int, parts: list) -> str:
-    """A message's content parts, text only, as one text."""
-    texts = []
-    for j, part in enumerate(parts):
-        where = f"messages[{i}].content[{j}]"
-        if not isinstance(part, dict):
-            raise APIError(400, f"{where}: a part object, not {shown(part)}")
-        kind = part.get("type")
-        if kind != "text":
-            name = kind if isinstance(kind, str) else shown(kind)
-            raise APIError(400, f"{where}: part type {name} is not supported: text only")
-        if not isinstance(part.get("text"), str):
-            raise APIError(400, f"{where}.text: a string, not {shown(part.get('text'))}")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _content_chars(messages: list[dict]) -> int:
-    """The characters of the messages' content (chat_messages': strings or null)."""
-    return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-
-
-def chat_call(models: dict[str, ServedModel], body: dict,
-              max_prompt_chars: int = ServerOptions.max_prompt_chars) -> GenerateCall:
-    """POST /v1/chat/completions: the messages rendered with the chat template; max_tokens
-    defaults to what the largest context leaves after the prompt."""
-    model = _served_model(models, body)
-    stream, include_usage = _streaming(body)
-    sampling = _sampling(body)
-    messages = chat_messages(body.get("messages"))
-    chars = _content_chars(messages)
-    if chars > max_prompt_chars:
-        raise _too_long("messages' content", chars, max_prompt_chars)
-    try:
-        ids = model.tokenizer.apply_chat_template(messages)
-    except LiteralContentError as e:  # names the message itself
-        raise APIError(400, str(e))
-    except Exception as e:
-        raise APIError(400, f"messages: the chat template failed: {e}")
-    sampling.setdefault("max_tokens", max(1, model.max_context - len(ids)))
-    return GenerateCall(model, ids, sampling, stream, True, include_usage)
 
 
 # ------------------------------------------------------------------ generations

@@ -67,20 +67,26 @@ class ArtifactTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], **variables) -> list[int]:
         """Render the template as transformers does (sandboxed Jinja, trim and lstrip blocks)
         with the generation prompt, and tokenize without adding special tokens again. Content
         that holds special-token text is tokenized as plain text (literal_content); other
-        prompts tokenize exactly as the whole rendered text does."""
-        text = self.render(messages)
+        prompts tokenize exactly as the whole rendered text does. `variables`: more of the
+        template's variables (`tools`, a template's own switches such as enable_thinking)."""
+        text = self.render(messages, **variables)
         if self._plain is None or not any(self._holds_special(m) for m in messages):
             return self.encode(text, add_special_tokens=False)
-        return self._encode_segments(self._segments(text, messages))
+        return self._encode_segments(self._segments(text, messages, variables))
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], **variables) -> str:
         return self._template().render(
-            messages=messages, add_generation_prompt=True,
+            **variables, messages=messages, add_generation_prompt=True,
             bos_token=self._special("bos_token") or "", eos_token=self._special("eos_token") or "")
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` variable (its own tool format)."""
+        return bool(self.chat_template) and re.search(r"\btools\b", self.chat_template) is not None
 
     def _template(self):
         """The compiled template (once: compiling is most of a short prompt's rendering)."""
@@ -104,7 +110,8 @@ class ArtifactTokenizer:
         content = message.get("content") if isinstance(message, dict) else None
         return isinstance(content, str) and self._special_text.search(content) is not None
 
-    def _segments(self, text: str, messages: list[dict]) -> list[tuple[str, bool]]:
+    def _segments(self, text: str, messages: list[dict],
+                  variables: dict) -> list[tuple[str, bool]]:
         """The rendered `text` as (piece, is_content) in order: the template rendered again
         with a mark in place of each message's content tells which pieces are content. The
         marks hold a random nonce, so no content can pass for one; if putting the content back
@@ -118,7 +125,7 @@ class ArtifactTokenizer:
                 contents[mark] = m["content"]
                 m = {**m, "content": mark}
             marked.append(m)
-        parts = re.split(f"(\ue000{nonce}:\\d+\ue001)", self.render(marked))
+        parts = re.split(f"(\ue000{nonce}:\\d+\ue001)", self.render(marked, **variables))
         segments = [(contents.get(p, p), True) if k % 2 else (p, False)
                     for k, p in enumerate(parts)]
         if "".join(piece for piece, _ in segments) != text:
