@@ -554,11 +554,19 @@ def check_donation(server, model, control):
     for name in (model, control):
         with TlalocClient(server.grpc_url, name, "grpc") as c:
             ids[name] = c.generate_greedy([1, 5, 9], 101).generated_ids
-    log = server.log_text()
-    in_place = (f"[tlaloc {model}] KV pools over the first 100 runs: in place 100/100, copied "
-                f"0/100" in log)
-    copied = (f"[tlaloc {control}] KV pools over the first 100 runs: in place 0/100, copied "
-              f"100/100" in log)
+    want_in_place = (f"[tlaloc {model}] KV pools over the first 100 runs: in place 100/100, "
+                     f"copied 0/100")
+    want_copied = (f"[tlaloc {control}] KV pools over the first 100 runs: in place 0/100, "
+                   f"copied 100/100")
+    # The model process logs its line after the 100th run's reply: on loaded cores it can
+    # reach the server's log after the client has its ids (a fresh-clone run read it too early).
+    deadline = time.monotonic() + 10
+    while True:
+        log = server.log_text()
+        in_place, copied = want_in_place in log, want_copied in log
+        if (in_place and copied) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     same = ids[model] == ids[control]
     return (f"in place 100/100: {in_place}; control copied 100/100: {copied}; same ids: "
             f"{same}", in_place and copied and same)

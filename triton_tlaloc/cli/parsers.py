@@ -313,6 +313,11 @@ def _add_openai_parser(sub) -> None:
                    help="the format the model writes tool calls in, read back as tool_calls "
                         "(default auto: by the chat template's markers; hermes for a "
                         "template without tools, whose prompt gets hermes' format)")
+    p.add_argument("--reasoning-parser", default="auto",
+                   choices=("auto", "none", "qwen3", "deepseek_r1"),
+                   help="how the model's answer holds its reasoning, returned as "
+                        "reasoning_content (default auto: qwen3 for a chat template with "
+                        "<think>, else none)")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .http_doors import APIError, number, shown, typed
+from . import reasoning
 from .tokenizer import ArtifactTokenizer, LiteralContentError
 from .tool_calls import PARSERS, ToolPlan, parser_for_template
 
@@ -31,17 +32,27 @@ class ServedModel:
     tokenizer: ArtifactTokenizer  # or anything with encode(text) and apply_chat_template
     max_context: int
     tool_parser: str = "auto"  # the format its model writes tool calls in (tool_calls.PARSERS)
+    # How its model's answer holds its reasoning (reasoning.PARSERS; None: it holds none)
+    reasoning_parser: str | None = "auto"
 
     def __post_init__(self):
+        template = getattr(self.tokenizer, "chat_template", None)
         if self.tool_parser == "auto":
-            self.tool_parser = parser_for_template(getattr(self.tokenizer, "chat_template", None))
+            self.tool_parser = parser_for_template(template)
         if self.tool_parser not in PARSERS:
             raise ValueError(f"tool-call parser {self.tool_parser!r}: one of auto, "
                              f"{', '.join(PARSERS)}")
+        if self.reasoning_parser == "auto":
+            self.reasoning_parser = reasoning.parser_for_template(template)
+        elif self.reasoning_parser == "none":
+            self.reasoning_parser = None
+        if self.reasoning_parser not in (None, *reasoning.PARSERS):
+            raise ValueError(f"reasoning parser {self.reasoning_parser!r}: one of auto, none, "
+                             f"{', '.join(reasoning.PARSERS)}")
 
     @staticmethod
     def discover(url: str, name: str, tokenizer_dir: str | None = None,
-                 tool_parser: str = "auto") -> "ServedModel":
+                 tool_parser: str = "auto", reasoning_parser: str = "auto") -> "ServedModel":
         """NAME as served at `url` (gRPC): its generate model NAME_generate, whose parameters
         give the tokenizer's directory (unless tokenizer_dir is given) and the largest context."""
         from .client import TlalocClient
@@ -54,7 +65,7 @@ class ServedModel:
         if not directory:
             raise ValueError(f"{gen} names no tokenizer directory: pass --tokenizer")
         return ServedModel(name, gen, ArtifactTokenizer(Path(directory)),
-                           int(params["max_context"]), tool_parser)
+                           int(params["max_context"]), tool_parser, reasoning_parser)
 
 
 
@@ -151,6 +162,7 @@ class GenerateCall:
     chat: bool  # /v1/chat/completions (else /v1/completions): the shape of the response
     include_usage: bool  # stream_options.include_usage: the last chunk carries the usage
     tools: ToolPlan | None = None  # a chat's tools: how its answer is read back
+    reasoning: str | None = None  # a chat's reasoning parser (reasoning.py)
 
 
 def _served_model(models: dict[str, ServedModel], body: dict) -> ServedModel:
@@ -271,15 +283,15 @@ def chat_call(models: dict[str, ServedModel], body: dict,
     if chars > max_prompt_chars:
         raise _too_long("messages' content", chars, max_prompt_chars)
     tools = ToolPlan.of(body, model.tool_parser)
-    variables = {}
+    variables = _template_kwargs(body)
     if tools is not None:
         if (constraint := tools.structured_output()) is not None:
             if "structured_output" in sampling:
                 raise APIError(400, f"tool_choice {tools.choice} and a response format: at "
                                     f"most one constraint per request")
             sampling["structured_output"] = constraint
-        messages, variables = tools.prompt(messages,
-                                           getattr(model.tokenizer, "takes_tools", False))
+        messages, more = tools.prompt(messages, getattr(model.tokenizer, "takes_tools", False))
+        variables.update(more)
     try:
         ids = model.tokenizer.apply_chat_template(messages, **variables)
     except LiteralContentError as e:  # names the message itself
@@ -287,4 +299,24 @@ def chat_call(models: dict[str, ServedModel], body: dict,
     except Exception as e:
         raise APIError(400, f"messages: the chat template failed: {e}")
     sampling.setdefault("max_tokens", max(1, model.max_context - len(ids)))
-    return GenerateCall(model, ids, sampling, stream, True, include_usage, tools)
+    return GenerateCall(model, ids, sampling, stream, True, include_usage, tools,
+                        model.reasoning_parser)
+
+
+# The template's variables a request cannot set through chat_template_kwargs
+TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs (vLLM's field): more variables for the chat template, such as
+    qwen3's enable_thinking; at most 32, not the ones the server sets."""
+    given = typed(body, "chat_template_kwargs", (dict,), "an object")
+    if not given:
+        return {}
+    if len(given) > 32:
+        raise APIError(400, f"chat_template_kwargs: {len(given)} variables, at most 32")
+    for key in given:
+        if not isinstance(key, str) or not key.isidentifier() or key in TEMPLATE_OWN:
+            raise APIError(400, f"chat_template_kwargs: {shown(key)} is not a variable a "
+                                f"request may set")
+    return dict(given)

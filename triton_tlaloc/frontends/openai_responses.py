@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .client import GenerateResult
+from . import reasoning
 from .http_doors import APIError
 from .tool_calls import ToolCallStream
 
@@ -53,12 +54,17 @@ def choice(chat: bool, text: str | None, finish, delta: bool, first: bool = Fals
 
 
 def chat_message(call: GenerateCall, got: GenerateResult) -> dict:
-    """choices[0] of a whole chat completion: its text, or the tool calls read from it
-    (finish_reason tool_calls)."""
-    if call.tools is None:
-        return choice(True, got.text, got.finish_reason, False)
-    content, calls = call.tools.calls(got.text)
+    """choices[0] of a whole chat completion: its text, or its reasoning and the answer after
+    it, and the tool calls read from the answer (finish_reason tool_calls)."""
+    thought, content = None, got.text
+    if call.reasoning is not None:
+        thought, content = reasoning.split(call.reasoning, got.text)
+    calls = []
+    if call.tools is not None and content is not None:
+        content, calls = call.tools.calls(content)
     message = {"role": "assistant", "content": content}
+    if thought is not None:
+        message["reasoning_content"] = thought
     finish = got.finish_reason
     if calls:
         message["tool_calls"] = [c.as_dict() for c in calls]
@@ -100,15 +106,55 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+class ChatDeltas:
+    """A streamed chat answer's pieces as the deltas of its chunks: its reasoning as
+    reasoning_content (reasoning.ReasoningStream), the answer as content or, with tools, as
+    ToolCallStream makes it."""
+
+    def __init__(self, call: GenerateCall):
+        self.reasoning = (reasoning.ReasoningStream(call.reasoning)
+                          if call.reasoning is not None else None)
+        self.tools = ToolCallStream(call.tools) if call.tools is not None else None
+        self.answer = []  # the content's text so far (the tool calls are read from it)
+
+    def _answer(self, text: str) -> list[dict]:
+        self.answer.append(text)
+        if self.tools is not None:
+            return self.tools.push(text)
+        return [{"content": text}] if text else []
+
+    def _parts(self, parts) -> list[dict]:
+        out = []
+        for kind, text in parts:
+            out += [{kind: text}] if kind == "reasoning_content" else self._answer(text)
+        return out
+
+    def push(self, piece: str) -> list[dict]:
+        if self.reasoning is None:
+            return self._answer(piece)
+        return self._parts(self.reasoning.push(piece))
+
+    def end(self) -> list[dict]:
+        out = self._parts(self.reasoning.end()) if self.reasoning is not None else []
+        if self.tools is not None:
+            out += self.tools.end("".join(self.answer))
+        return out
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.called
+
+
 async def events(reply: Reply, generation: Generation, item):
     """The stream's events from its first item on: a chunk per piece of text (a chat's with
-    tools: the deltas ToolCallStream makes of it), a last chunk with the finish reason (and
-    the usage if stream_options.include_usage), or an error event (its code the HTTP status
-    the error would have had); then [DONE]. When the client disconnects, the response sending
-    these (openai_server.GenerationStream) abandons the generation."""
-    chat = reply.call.chat
+    reasoning or tools: the deltas ChatDeltas makes of it), a last chunk with the finish reason
+    (and the usage if stream_options.include_usage), or an error event (its code the HTTP
+    status the error would have had); then [DONE]. When the client disconnects, the response
+    sending these (openai_server.GenerationStream) abandons the generation."""
+    call = reply.call
+    chat = call.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
-    tools = ToolCallStream(reply.call.tools) if reply.call.tools is not None else None
+    deltas = ChatDeltas(call) if call.tools is not None or call.reasoning is not None else None
     first = True
 
     def delta_chunk(delta: dict) -> str:
@@ -118,8 +164,8 @@ async def events(reply: Reply, generation: Generation, item):
         return sse(reply.body(obj, {"index": 0, "delta": delta, "finish_reason": None}))
 
     while isinstance(item, str):
-        if tools is not None:
-            for delta in tools.push(item):
+        if deltas is not None:
+            for delta in deltas.push(item):
                 yield delta_chunk(delta)
         elif item or first:
             yield sse(reply.body(obj, choice(chat, item, None, True, first)))
@@ -130,15 +176,15 @@ async def events(reply: Reply, generation: Generation, item):
         yield sse(error.payload())
     else:
         finish = item.finish_reason
-        if tools is not None:
-            for delta in tools.end(item.text):
+        if deltas is not None:
+            for delta in deltas.end():
                 yield delta_chunk(delta)
-            if tools.called and finish == "stop":
+            if deltas.called and finish == "stop":
                 finish = "tool_calls"
             if first:
                 yield delta_chunk({})
         chunk = reply.body(obj, choice(chat, None, finish, True, first))
-        if reply.call.include_usage:
+        if call.include_usage:
             chunk["usage"] = usage(item)
         yield sse(chunk)
     yield "data: [DONE]\n\n"
