@@ -165,7 +165,7 @@ class GenerateCall:
     reasoning: str | None = None  # a chat's reasoning parser (reasoning.py)
 
 
-def _served_model(models: dict[str, ServedModel], body: dict) -> ServedModel:
+def served_model(models: dict[str, ServedModel], body: dict) -> ServedModel:
     """The model a request names (404 if it is not served), with n = 1 (the only n served)."""
     name = typed(body, "model", (str,), "a model's name")
     if name not in models:
@@ -185,19 +185,19 @@ def _streaming(body: dict) -> tuple[bool, bool]:
     return bool(stream), bool(include_usage)
 
 
-def _too_long(what: str, length: int, max_chars: int, unit: str = "characters") -> APIError:
+def too_long(what: str, length: int, max_chars: int, unit: str = "characters") -> APIError:
     return APIError(400, f"{what}: {length} {unit}, over the {max_chars} this server takes")
 
 
 # Token ids go to the generate model as int32.
-_MAX_TOKEN_ID = 2**31 - 1
+MAX_TOKEN_ID = 2**31 - 1
 
 
 def completion_call(models: dict[str, ServedModel], body: dict,
                     max_prompt_chars: int = MAX_PROMPT_CHARS) -> GenerateCall:
     """POST /v1/completions: the prompt is one string or one list of token ids (either may
     come as a list of one); max_tokens defaults to 16."""
-    model = _served_model(models, body)
+    model = served_model(models, body)
     stream, include_usage = _streaming(body)
     sampling = {"max_tokens": 16, **_sampling(body)}
     prompt = body.get("prompt")
@@ -205,12 +205,12 @@ def completion_call(models: dict[str, ServedModel], body: dict,
         prompt = prompt[0]
     if isinstance(prompt, str):
         if len(prompt) > max_prompt_chars:
-            raise _too_long("prompt", len(prompt), max_prompt_chars)
+            raise too_long("prompt", len(prompt), max_prompt_chars)
         ids = model.tokenizer.encode(prompt)
     elif isinstance(prompt, list) and len(prompt) > max_prompt_chars:
-        raise _too_long("prompt", len(prompt), max_prompt_chars, "token ids")
+        raise too_long("prompt", len(prompt), max_prompt_chars, "token ids")
     elif isinstance(prompt, list) and all(
-            type(t) is int and 0 <= t <= _MAX_TOKEN_ID for t in prompt):
+            type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt):
         ids = list(prompt)
     else:
         raise APIError(400, f"prompt: one string or one list of token ids, not "
@@ -275,13 +275,13 @@ def chat_call(models: dict[str, ServedModel], body: dict,
               max_prompt_chars: int = MAX_PROMPT_CHARS) -> GenerateCall:
     """POST /v1/chat/completions: the messages rendered with the chat template; max_tokens
     defaults to what the largest context leaves after the prompt."""
-    model = _served_model(models, body)
+    model = served_model(models, body)
     stream, include_usage = _streaming(body)
     sampling = _sampling(body)
     messages = chat_messages(body.get("messages"))
     chars = _content_chars(messages)
     if chars > max_prompt_chars:
-        raise _too_long("messages' content", chars, max_prompt_chars)
+        raise too_long("messages' content", chars, max_prompt_chars)
     tools = ToolPlan.of(body, model.tool_parser)
     variables = _template_kwargs(body)
     if tools is not None:
