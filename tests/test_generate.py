@@ -493,6 +493,35 @@ def test_a_constraint_that_cannot_compile_is_refused_by_name(served, loop):
     assert got.status == "INVALID_ARGUMENT" and "tokenizer" in got.error
 
 
+def test_penalties_give_the_same_ids_in_both_loops_and_through_openai(served, openai_url):
+    """SmolLM2, greedy under every sampling control: the local loop and the BLS loop give the
+    same ids, other than without them (the control), and `tlaloc openai` passes OpenAI's and
+    vLLM's fields on (the same text); a logit_bias id outside the vocabulary is a 400."""
+    import openai
+
+    server, tok = served
+    messages = [{"role": "user", "content": "List three colours."}]
+    prompt = tok.apply_chat_template(messages)
+    controls = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.4,
+                "logit_bias": {"28": 3.0}, "min_tokens": 6}
+    sampling = {"max_tokens": 16, **controls}
+    local = generate(server.grpc_url, "smollm2_generate", input_ids=prompt, sampling=sampling)
+    bls = generate(server.grpc_url, "smollm2_generate_bls", input_ids=prompt,
+                   sampling=sampling)
+    plain = generate(server.grpc_url, "smollm2_generate", input_ids=prompt,
+                     sampling={"max_tokens": 16})
+    assert local.error is None and local.token_ids == bls.token_ids != plain.token_ids
+    client = openai.OpenAI(base_url=openai_url, api_key="unused")
+    chat = client.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, max_tokens=16,
+        frequency_penalty=0.5, presence_penalty=0.4, logit_bias={"28": 3},
+        user="tester", extra_body={"repetition_penalty": 1.3, "min_tokens": 6})
+    assert chat.choices[0].message.content == local.text
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.chat.completions.create(model="smollm2", messages=messages,
+                                       logit_bias={"49152": 5})
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {

@@ -14,6 +14,7 @@ parameters (`GenerateCall`), every field checked by name (a 400 naming it otherw
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from .http_doors import APIError, number, shown, typed
 from . import reasoning
 from .tokenizer import ArtifactTokenizer, LiteralContentError
 from .tool_calls import PARSERS, ToolPlan, parser_for_template
+
+log = logging.getLogger("triton_tlaloc.openai")
 
 MAX_PROMPT_CHARS = 1_000_000  # a prompt, or the messages' content, over it is a 400
 
@@ -79,9 +82,14 @@ def _sampling(body: dict) -> dict:
         max_tokens = number(body, "max_tokens")
     if max_tokens is not None:
         out["max_tokens"] = max_tokens
-    for key in ("seed", "top_k"):
+    for key in ("seed", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                "min_p", "min_tokens"):
         if (value := number(body, key)) is not None:
             out[key] = value
+    if (bias := typed(body, "logit_bias", (dict,), "an object of token id: bias")) is not None:
+        out["logit_bias"] = bias
+    if (user := typed(body, "user", (str,), "a string")) is not None:
+        log.info("a request for user %s", shown(user[:64]))
     stop = typed(body, "stop", (str, list), "a string or a list of strings")
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise APIError(400, f"stop: a string or a list of strings, not {shown(stop)}")

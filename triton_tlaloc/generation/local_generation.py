@@ -30,6 +30,7 @@ import numpy as np
 
 from ..scheduling.admission import Reply, Request
 from ..codes import INTERNAL, INVALID_ARG, RequestError
+from .penalties import check_vocabulary
 from .sampling import Sampler, SamplingError, SamplingParams
 from .speculative import (DraftModelCost, Speculator, StepCost, best_length,
                           greedy_acceptance, sampled_acceptance)
@@ -80,13 +81,15 @@ class Generation:
         self.gen_id, self.prompt, self.params = gen_id, prompt, params
         self.stops, self.max_context = stops, max_context
         self.emit, self.submit, self.submit_now = emit, submit, submit_now or submit
-        self.sampler = Sampler(params)
+        self.sampler = Sampler(params, prompt, stops)
         self.seq_id = LocalSequenceId(next(_numbers))
         self.generated = 0
         self.cancelled = False  # set by the link's reader thread, read by the batching thread
         self.finished = False
         self.speculator = self.drafter = self.constraint = None
         self.speculation = speculation or Speculation()  # what fast-forward feeds through
+        if self.speculation.vocab:
+            check_vocabulary(params.logit_bias, self.speculation.vocab)
         self._call_forced = 0  # forced tokens the START fed after the prompt
         if params.structured_output is not None:
             if grammars is None:
@@ -154,6 +157,7 @@ class Generation:
             tokens = self._next_under_grammar(reply.logits)
         else:
             tokens = [self.sampler.choose(reply.logits)]  # greedy: the argmax
+        self.sampler.took(tokens)
         if self.speculator is not None:
             self.speculator.took(tokens)
         if self.drafter is not None:

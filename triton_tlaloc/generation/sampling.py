@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import penalties
 from .parameters import SamplingError, checked_cache_salt, integer, real, refused, shown
 from .speculative import SpeculativeParams
 from .structured import StructuredOutput
@@ -45,9 +46,17 @@ class SamplingParams:
     speculative: SpeculativeParams | None = None
     # A grammar every chosen token must keep to (generation/structured.py); None: free text.
     structured_output: StructuredOutput | None = None
+    # What the logits get before a choice (generation/penalties.py), and min_p's cut
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
-            "ignore_eos", "cache_salt", "speculative", "structured_output")
+            "ignore_eos", "cache_salt", "speculative", "structured_output", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens")
 
     @staticmethod
     def from_dict(d: dict) -> "SamplingParams":
@@ -116,12 +125,22 @@ class SamplingParams:
 
         speculative = SpeculativeParams.from_dict(given.get("speculative"))
         structured = StructuredOutput.from_dict(given.get("structured_output"))
+        adjusted = penalties.checked(given)
+        if adjusted["min_tokens"] > max_tokens:
+            raise SamplingError(f"sampling parameter min_tokens {adjusted['min_tokens']}: "
+                                f"more than max_tokens {max_tokens}")
 
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed, stop=tuple(stop),
-                              stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                              cache_salt=cache_salt, speculative=speculative,
-                              structured_output=structured)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                top_p=top_p, seed=seed, stop=tuple(stop),
+                                stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                                cache_salt=cache_salt, speculative=speculative,
+                                structured_output=structured, **adjusted)
+        if speculative is not None and (penalties.adjusts(params) or params.min_p):
+            # A verify call's positions would each need the counts after the drafts before
+            # them; not built.
+            raise SamplingError("sampling parameter speculative: not with penalties, "
+                                "logit_bias, min_tokens or min_p")
+        return params
 
     def to_dict(self) -> dict:
         """The parameters as a request's JSON object (from_dict(to_dict()) gives them back)."""
@@ -131,6 +150,7 @@ class SamplingParams:
             d["speculative"] = dataclasses.asdict(self.speculative)
         if self.structured_output is not None:
             d["structured_output"] = self.structured_output.as_dict()
+        d["logit_bias"] = {str(t): b for t, b in self.logit_bias}
         return d
 
     @property
@@ -150,15 +170,26 @@ class Sampler:
     sample on the batcher's thread, where a row's cost is paid by every sequence in the call.
     """
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, prompt=(), ends=()):
+        """`prompt` and `ends` (the generation's end ids) for the penalties and min_tokens,
+        when the parameters ask for them."""
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self.adjuster = (penalties.LogitsAdjuster(params, prompt, ends)
+                         if penalties.adjusts(params) else None)
 
     def choose(self, logits: np.ndarray) -> int:
+        if self.adjuster is not None:
+            logits = self.adjuster.adjust(logits)
         if self.params.greedy:
             return int(np.argmax(logits))
         ids, weights = self.distribution(logits)
         return self.draw(ids, weights)
+
+    def took(self, tokens) -> None:
+        """`tokens` came next (chosen or not): the penalties count them."""
+        if self.adjuster is not None:
+            self.adjuster.took(tokens)
 
     def distribution(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """What a draw chooses from (not greedy): the candidates' token ids, ascending (None:
@@ -167,6 +198,8 @@ class Sampler:
         p = self.params
         # float32, as the logits are (a float64 exp took ten times as long here)
         z = np.asarray(logits, np.float32) / np.float32(p.temperature)
+        if p.min_p > 0:  # below min_p times the most likely token's probability: out
+            z = np.where(z >= z.max() + np.float32(np.log(p.min_p)), z, np.float32(-np.inf))
         ids = None
         if p.top_k and p.top_k < z.size:
             ids = top_k_ids(z, p.top_k)

@@ -46,6 +46,7 @@ from .metrics import MetricsWriter
 from .model_metrics import GrammarMetrics
 from ..frontends.client import new_sequence_id
 from ..generation.local_streams import InstanceLoops, LocalStream, Outbound, StreamSenders
+from ..generation.penalties import check_vocabulary
 from ..generation.sampling import Sampler, SamplingError, SamplingParams, TextStream
 from ..generation.grammar import Grammars, TokenConstraint
 
@@ -276,6 +277,9 @@ class TritonPythonModel:
                                  f"{MAX_SAMPLING_PARAMETERS_CHARS}", bad)
         try:
             params = SamplingParams.from_dict(json.loads(sampling))
+            if self.tokenizer is not None:  # the sequence model checks it too
+                check_vocabulary(params.logit_bias, self.tokenizer.tok.get_vocab_size(
+                    with_added_tokens=True))
         except (SamplingError, json.JSONDecodeError, TypeError, ValueError) as e:
             raise _GenerateError(f"sampling_parameters: {e}", bad) from None
         if (params.speculative is not None and params.speculative.method == "draft_model"
@@ -352,11 +356,13 @@ class TritonPythonModel:
 
     def _generate(self, request, sender, arrived: float):
         prompt, params, stream = self._inputs(request)
-        sampler = Sampler(params)
         text = self._text_stream(params)
         stops = self._stops(params)
+        sampler = Sampler(params, prompt, stops)
         constraint = self._constraint(params, stops)
-        outputs = ("ARGMAX",) if params.greedy and constraint is None else ("LOGITS",)
+        # The device's argmax serves a greedy choice unless the logits are changed first
+        outputs = (("ARGMAX",) if params.greedy and constraint is None
+                   and sampler.adjuster is None else ("LOGITS",))
         seq_id = new_sequence_id()
         generated, pieces, reason = [], [], "length"
         try:
@@ -372,8 +378,9 @@ class TritonPythonModel:
                     logits = constraint.masked(out["LOGITS"])  # None: complete, no end token
                     token = None if logits is None else sampler.choose(logits)
                 else:
-                    token = (int(out["ARGMAX"][0]) if params.greedy
+                    token = (int(out["ARGMAX"][0]) if outputs == ("ARGMAX",)
                              else sampler.choose(out["LOGITS"]))
+                sampler.took([] if token is None else [token])
                 now = time.perf_counter()
                 if last is None:
                     self.writer.observe(self.ttft, now - arrived)
