@@ -522,6 +522,72 @@ def test_penalties_give_the_same_ids_in_both_loops_and_through_openai(served, op
                                        logit_bias={"49152": 5})
 
 
+def test_logprobs_are_transformers_log_softmax_in_both_loops_and_through_openai(
+        served, openai_url, smollm2_transformers):
+    """SmolLM2, greedy and sampled with logprobs 5: each token's log-probability and its top
+    five are transformers' log-softmax over the raw logits at that position, within 1e-4
+    (measured: 4e-5), in the local loop and the BLS loop; greedy's chosen token is the top one. Control: log-probabilities after
+    the temperature (a wrong reading of OpenAI's) fail the same check. Through the openai
+    package, a chat's logprobs content has the same numbers, whole and streamed."""
+    import openai
+    import torch
+    from checks.oracle import load_reference
+
+    server, tok = served
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    prompt = tok.apply_chat_template(messages)
+    reference = load_reference(smollm2_transformers)
+
+    def log_softmax_of(ids: list[int], temperature: float = 1.0) -> np.ndarray:
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:]
+        z = logits.double().numpy() / temperature
+        z = z - z.max(axis=1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=1, keepdims=True)), float(logits.abs().max())
+
+    def error(got, temperature: float = 1.0) -> tuple[float, float]:
+        want, scale = log_softmax_of(got.token_ids, temperature)
+        worst = 0.0
+        for i, (token, (lp, top)) in enumerate(zip(got.token_ids, got.logprobs)):
+            worst = max(worst, abs(lp - want[i, token]),
+                        *(abs(v - want[i, t]) for t, v in top))
+            fifth = np.sort(want[i])[-5]  # the top five (up to near ties)
+            assert len(top) == 5 and all(want[i, t] >= fifth - 1e-3 for t, _ in top)
+        return worst / max(1.0, scale), worst
+    for model, sampling in (("smollm2_generate", {}),
+                            ("smollm2_generate_bls", {}),
+                            ("smollm2_generate", {"temperature": 0.7, "seed": 3})):
+        got = generate(server.grpc_url, model, input_ids=prompt,
+                       sampling={"max_tokens": 12, "ignore_eos": True, "logprobs": 5,
+                                 **sampling})
+        assert got.error is None and len(got.logprobs) == len(got.token_ids) == 12
+        relative, absolute = error(got)
+        print(f"{model} {sampling}: logprobs error {absolute:.2e} ({relative:.2e} relative)")
+        assert absolute <= 1e-4
+        if not sampling:
+            assert all(token == top[0][0] for token, (_, top) in zip(got.token_ids, got.logprobs))
+        else:
+            assert error(got, 0.7)[1] > 1e-4  # the control
+    client = openai.OpenAI(base_url=openai_url, api_key="unused")
+    chat = client.chat.completions.create(model="smollm2", messages=messages, temperature=0,
+                                          max_tokens=12, logprobs=True, top_logprobs=5)
+    want = generate(server.grpc_url, "smollm2_generate", input_ids=prompt,
+                    sampling={"max_tokens": 12, "logprobs": 5})
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [lp for lp, _ in want.logprobs]
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == [
+        [v for _, v in top] for _, top in want.logprobs]
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    streamed = [c for chunk in client.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, max_tokens=12, logprobs=True,
+        top_logprobs=5, stream=True) if chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == [c.logprob for c in content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs: 21"):
+        client.chat.completions.create(model="smollm2", messages=messages, logprobs=True,
+                                       top_logprobs=21)
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {

@@ -225,6 +225,16 @@ class GenerateResult:
     # The error's gRPC status name (INVALID_ARGUMENT: a bad request; UNAVAILABLE: the server
     # is full or unloading; CANCELLED; INTERNAL), as the generate model answered it.
     status: str | None = None
+    # With sampling parameter logprobs: a [log-probability, [[id, log-probability], ...]]
+    # for each of token_ids
+    logprobs: list | None = None
+
+
+class Piece(str):
+    """A response's new text, as on_text gets it, with the ids and log-probabilities of the
+    tokens that came with it (`logprobs` None unless asked for)."""
+    token_ids: list[int] = []
+    logprobs: list | None = None
 
 
 # How often a generation waiting for its next response looks at its `cancel` event.
@@ -274,7 +284,7 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
     t.set_data_from_numpy(np.array([stream]))
     inputs.append(t)
     pieces, ids, final, count = [], [], {}, 0
-    first_ms, error, status = None, None, None
+    first_ms, error, status, logprobs = None, None, None, None
     t0 = time.perf_counter()
 
     def cancelled() -> bool:
@@ -305,12 +315,18 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
                 break
             piece = result.as_numpy("text_output")
             new_ids = result.as_numpy("token_ids")
+            new_ids = [] if new_ids is None else [int(x) for x in new_ids.reshape(-1)]
+            new_logprobs = result.as_numpy("logprobs")
+            if new_logprobs is not None:
+                new_logprobs = json.loads(new_logprobs[0])
+                logprobs = (logprobs or []) + new_logprobs
             if piece is not None and len(piece):
                 pieces.append(piece[0].decode())
-                if on_text is not None:
-                    on_text(pieces[-1])
-            if new_ids is not None:
-                ids += [int(x) for x in new_ids.reshape(-1)]
+                if on_text is not None and (pieces[-1] or new_logprobs):
+                    got = Piece(pieces[-1])
+                    got.token_ids, got.logprobs = new_ids, new_logprobs
+                    on_text(got)
+            ids += new_ids
             if first_ms is None and (pieces and pieces[-1] or ids):
                 first_ms = (time.perf_counter() - t0) * 1e3
             reason = result.as_numpy("finish_reason")
@@ -330,7 +346,7 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
         client.close()
     return GenerateResult("".join(pieces), ids, final.get("finish_reason", "error"),
                           final.get("prompt_tokens", 0), final.get("completion_tokens", 0),
-                          count, first_ms, error, status)
+                          count, first_ms, error, status, logprobs)
 
 
 def generate_http(url: str, model: str, *, text: str | None = None, input_ids=None,

@@ -88,6 +88,11 @@ def _sampling(body: dict) -> dict:
             out[key] = value
     if (bias := typed(body, "logit_bias", (dict,), "an object of token id: bias")) is not None:
         out["logit_bias"] = bias
+    if (asked := _logprobs(body)) is not None:
+        out["logprobs"] = asked
+    for key in ("echo", "prompt_logprobs"):  # the prompt's own log-probabilities: not built
+        if body.get(key) not in (None, False):
+            raise APIError(400, f"{key}: not supported by this server")
     if (user := typed(body, "user", (str,), "a string")) is not None:
         log.info("a request for user %s", shown(user[:64]))
     stop = typed(body, "stop", (str, list), "a string or a list of strings")
@@ -109,6 +114,23 @@ def _sampling(body: dict) -> dict:
     if (structured := _structured_output(body)) is not None:
         out["structured_output"] = structured
     return out
+
+
+def _logprobs(body: dict) -> int | None:
+    """The most likely tokens to give beside each chosen one's log-probability: a chat's
+    logprobs (true) and top_logprobs (0-20), a completion's logprobs (0-20); None: none."""
+    given = body.get("logprobs")
+    if isinstance(given, bool) or given is None:  # a chat's
+        top = typed(body, "top_logprobs", (int,), "an integer")
+        if top is not None and not 0 <= top <= 20:
+            raise APIError(400, f"top_logprobs: {top}: from 0 to 20")
+        if top and not given:
+            raise APIError(400, "top_logprobs: only with logprobs true")
+        return (top or 0) if given else None
+    n = typed(body, "logprobs", (int,), "true or false, or an integer")
+    if not 0 <= n <= 20:
+        raise APIError(400, f"logprobs: {n}: from 0 to 20")
+    return n
 
 
 # vLLM's older extension fields, each the structured_output kind it names.

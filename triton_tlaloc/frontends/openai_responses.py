@@ -72,6 +72,30 @@ def chat_message(call: GenerateCall, got: GenerateResult) -> dict:
     return {"index": 0, "message": message, "finish_reason": finish}
 
 
+def logprobs_body(call: GenerateCall, ids: list[int], entries: list | None) -> dict | None:
+    """choices[0].logprobs of `ids` (the tokens a response or a chunk carries) from the
+    generate model's entries ([log-probability, [[id, log-probability], ...]] a token): a
+    chat's {"content": [...]}, a completion's {"tokens", "token_logprobs", "top_logprobs",
+    "text_offset"}; None when the request asked for none."""
+    if entries is None or "logprobs" not in call.sampling:
+        return None
+    text = call.model.tokenizer.token_text
+    if call.chat:
+        def item(token: int, lp: float) -> dict:
+            t = text(token)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+        return {"content": [{**item(token, lp), "top_logprobs": [item(i, v) for i, v in top]}
+                            for token, (lp, top) in zip(ids, entries)]}
+    tokens = [text(t) for t in ids]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [{text(i): v for i, v in top} for _, top in entries],
+            "text_offset": offsets}
+
+
 def usage(got: GenerateResult) -> dict:
     return {"prompt_tokens": got.prompt_tokens, "completion_tokens": got.completion_tokens,
             "total_tokens": got.prompt_tokens + got.completion_tokens}
@@ -96,10 +120,12 @@ class Reply:
 
 def completion_body(reply: Reply, got: GenerateResult) -> dict:
     call = reply.call
-    if call.chat:
-        return {**reply.body("chat.completion", chat_message(call, got)), "usage": usage(got)}
-    return {**reply.body("text_completion", choice(False, got.text, got.finish_reason, False)),
-            "usage": usage(got)}
+    first = (chat_message(call, got) if call.chat else
+             choice(False, got.text, got.finish_reason, False))
+    if (lp := logprobs_body(call, got.token_ids, got.logprobs)) is not None:
+        first["logprobs"] = lp
+    obj = "chat.completion" if call.chat else "text_completion"
+    return {**reply.body(obj, first), "usage": usage(got)}
 
 
 def sse(payload: dict) -> str:
@@ -157,19 +183,30 @@ async def events(reply: Reply, generation: Generation, item):
     deltas = ChatDeltas(call) if call.tools is not None or call.reasoning is not None else None
     first = True
 
-    def delta_chunk(delta: dict) -> str:
+    def delta_chunk(delta: dict, logprobs: dict | None = None) -> str:
         nonlocal first
         if first:
             delta, first = {"role": "assistant", "content": None, **delta}, False
-        return sse(reply.body(obj, {"index": 0, "delta": delta, "finish_reason": None}))
+        body = {"index": 0, "delta": delta, "finish_reason": None}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        return sse(reply.body(obj, body))
 
     while isinstance(item, str):
+        lp = logprobs_body(call, getattr(item, "token_ids", []), getattr(item, "logprobs", None))
+        chunks = []
         if deltas is not None:
-            for delta in deltas.push(item):
-                yield delta_chunk(delta)
-        elif item or first:
-            yield sse(reply.body(obj, choice(chat, item, None, True, first)))
-            first = False
+            chunks = [delta_chunk(delta, lp if i == 0 else None)
+                      for i, delta in enumerate(deltas.push(item))]
+            if lp is not None and not chunks:  # tokens that made no text yet
+                chunks = [delta_chunk({}, lp)]
+        elif item or first or lp is not None:
+            body = choice(chat, item, None, True, first)
+            if lp is not None:
+                body["logprobs"] = lp
+            chunks, first = [sse(reply.body(obj, body))], False
+        for chunk in chunks:
+            yield chunk
         item = await generation.items.get()
     error = refusal(item)
     if error is not None:

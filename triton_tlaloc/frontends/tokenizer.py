@@ -67,6 +67,10 @@ class ArtifactTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special or not (a piece of a character shows as U+FFFD)."""
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict], **variables) -> list[int]:
         """Render the template as transformers does (sandboxed Jinja, trim and lstrip blocks)
         with the generation prompt, and tokenize without adding special tokens again. Content

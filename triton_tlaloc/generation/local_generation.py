@@ -30,6 +30,7 @@ import numpy as np
 
 from ..scheduling.admission import Reply, Request
 from ..codes import INTERNAL, INVALID_ARG, RequestError
+from .logprobs import logprob_entry
 from .penalties import check_vocabulary
 from .sampling import Sampler, SamplingError, SamplingParams
 from .speculative import (DraftModelCost, Speculator, StepCost, best_length,
@@ -91,6 +92,7 @@ class Generation:
         if self.speculation.vocab:
             check_vocabulary(params.logit_bias, self.speculation.vocab)
         self._call_forced = 0  # forced tokens the START fed after the prompt
+        self._logprob = None  # the chosen token's (logprobs.logprob_entry), when asked for
         if params.structured_output is not None:
             if grammars is None:
                 raise SamplingError("sampling parameter structured_output: this sequence model "
@@ -157,6 +159,8 @@ class Generation:
             tokens = self._next_under_grammar(reply.logits)
         else:
             tokens = [self.sampler.choose(reply.logits)]  # greedy: the argmax
+            if self.params.logprobs is not None:  # (refused with speculation and grammars)
+                self._logprob = logprob_entry(reply.logits, tokens[0], self.params.logprobs)
         self.sampler.took(tokens)
         if self.speculator is not None:
             self.speculator.took(tokens)
@@ -206,7 +210,8 @@ class Generation:
             if self.generated >= self.params.max_tokens or self.length >= self.max_context:
                 self._finish(token, "length")  # the next token would pass a limit
                 return False
-            self.emit([self.gen_id, token, None])
+            self.emit([self.gen_id, token, None] if self._logprob is None else
+                      [self.gen_id, token, None, None, None, self._logprob])
         return True
 
     def _forced_count(self) -> int:
@@ -277,7 +282,10 @@ class Generation:
         self.finished = True
         if self.drafter is not None:
             self.drafter.close()
-        self.emit([self.gen_id, token, reason] + ([code, message] if code else []))
+        event = [self.gen_id, token, reason] + ([code, message] if code else [])
+        if self._logprob is not None and token >= 0:
+            event = [self.gen_id, token, reason, code, message, self._logprob]
+        self.emit(event)
         # END frees the sequence's hold (kept for a next turn while pages allow); an END for a
         # sequence already gone (its START refused) is acknowledged.
         self.submit([end_request(self.seq_id)])

@@ -44,6 +44,7 @@ class Outbound:
     token_ids: list[int]
     finish: str | None = None
     error: tuple[str, str] | None = None  # (code, message)
+    logprobs: list | None = None  # one entry a token id, when the request asked for them
 
     @property
     def final(self) -> bool:
@@ -60,6 +61,7 @@ class LocalStream:
         self.lock = threading.Lock()
         self.pieces: list[str] = []  # not yet sent (all of them when not streaming)
         self.ids: list[int] = []
+        self.logprobs: list | None = [] if params.logprobs is not None else None
         self.generated = 0
         self.finish: str | None = None
         self.error: tuple[str, str] | None = None
@@ -82,8 +84,9 @@ class LocalStream:
         """What goes out now (under the lock): nothing until the end when not streaming."""
         if not self.has_output:
             return None
-        out = Outbound("".join(self.pieces), self.ids, self.finish, self.error)
+        out = Outbound("".join(self.pieces), self.ids, self.finish, self.error, self.logprobs)
         self.pieces, self.ids = [], []
+        self.logprobs = None if self.logprobs is None else []
         return out
 
     def has_news(self, now: float) -> bool:
@@ -252,7 +255,7 @@ class LocalLoop:
                     log.exception("local generation event %s failed", event)
 
     def _event(self, gen_id: int, token: int, reason: str | None, code: str | None = None,
-               message: str | None = None) -> None:
+               message: str | None = None, logprob: list | None = None) -> None:
         with self._lock:
             stream = self.streams.get(gen_id)
             if stream is not None and reason is not None:
@@ -267,6 +270,8 @@ class LocalLoop:
             if token >= 0:
                 stream.generated += 1
                 stream.ids.append(token)
+                if stream.logprobs is not None:
+                    stream.logprobs.append(logprob)
                 piece = stream.text.push(token)
                 if stream.text.stopped:
                     stream.finish = "stop"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import penalties
+from .logprobs import MAX_TOP_LOGPROBS
 from .parameters import SamplingError, checked_cache_salt, integer, real, refused, shown
 from .speculative import SpeculativeParams
 from .structured import StructuredOutput
@@ -53,10 +54,14 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    # Each chosen token's log-probability and this many most likely (generation/logprobs.py);
+    # None: none
+    logprobs: int | None = None
 
     KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
             "ignore_eos", "cache_salt", "speculative", "structured_output", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens")
+            "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
+            "logprobs")
 
     @staticmethod
     def from_dict(d: dict) -> "SamplingParams":
@@ -130,11 +135,21 @@ class SamplingParams:
             raise SamplingError(f"sampling parameter min_tokens {adjusted['min_tokens']}: "
                                 f"more than max_tokens {max_tokens}")
 
+        logprobs = given.get("logprobs")
+        if logprobs is not None:
+            logprobs = integer("logprobs", logprobs, 0, MAX_TOP_LOGPROBS,
+                               f"must be in [0, {MAX_TOP_LOGPROBS}] (the most likely tokens "
+                               f"given beside each chosen one)")
+            if speculative is not None or structured is not None:
+                # Tokens that come without their own row's logits (drafts kept, forced
+                # tokens fed ahead) would have none; not built.
+                raise SamplingError("sampling parameter logprobs: not with speculative or "
+                                    "structured_output")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=tuple(stop),
                                 stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                                 cache_salt=cache_salt, speculative=speculative,
-                                structured_output=structured, **adjusted)
+                                structured_output=structured, logprobs=logprobs, **adjusted)
         if speculative is not None and (penalties.adjusts(params) or params.min_p):
             # A verify call's positions would each need the counts after the drafts before
             # them; not built.

@@ -46,6 +46,7 @@ from .metrics import MetricsWriter
 from .model_metrics import GrammarMetrics
 from ..frontends.client import new_sequence_id
 from ..generation.local_streams import InstanceLoops, LocalStream, Outbound, StreamSenders
+from ..generation.logprobs import logprob_entry
 from ..generation.penalties import check_vocabulary
 from ..generation.sampling import Sampler, SamplingError, SamplingParams, TextStream
 from ..generation.grammar import Grammars, TokenConstraint
@@ -230,7 +231,7 @@ class TritonPythonModel:
             ended = out.finish is not None
             response = self._response(out.text, out.token_ids, out.finish,
                                       len(stream.prompt) if ended else None,
-                                      stream.generated if ended else None)
+                                      stream.generated if ended else None, out.logprobs)
         self._send(stream.sender, response,
                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.final else 0)
 
@@ -362,7 +363,8 @@ class TritonPythonModel:
         constraint = self._constraint(params, stops)
         # The device's argmax serves a greedy choice unless the logits are changed first
         outputs = (("ARGMAX",) if params.greedy and constraint is None
-                   and sampler.adjuster is None else ("LOGITS",))
+                   and sampler.adjuster is None and params.logprobs is None else ("LOGITS",))
+        logprobs = [] if params.logprobs is not None else None
         seq_id = new_sequence_id()
         generated, pieces, reason = [], [], "length"
         try:
@@ -395,6 +397,10 @@ class TritonPythonModel:
                             self._send(sender, self._response(tail, []))
                     break
                 generated.append(token)
+                entry = None
+                if logprobs is not None:
+                    entry = [logprob_entry(out["LOGITS"], token, params.logprobs)]
+                    logprobs += entry
                 piece = text.push(token)
                 if text.stopped:
                     reason = "stop"
@@ -402,7 +408,7 @@ class TritonPythonModel:
                       or len(prompt) + len(generated) >= self.max_context):
                     piece += text.flush()
                 if stream:  # every step: its token, and the text it completes (maybe none)
-                    self._send(sender, self._response(piece, [token]))
+                    self._send(sender, self._response(piece, [token], logprobs=entry))
                 pieces.append(piece)
                 if text.stopped or len(generated) >= params.max_tokens:
                     break
@@ -424,14 +430,19 @@ class TritonPythonModel:
             self._send_error(sender, "the request was cancelled", CANCELLED)
             return
         final = self._response("" if stream else "".join(pieces),
-                               [] if stream else generated, reason, len(prompt), len(generated))
+                               [] if stream else generated, reason, len(prompt), len(generated),
+                               None if stream or logprobs is None else logprobs)
         self._send(sender, final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     @staticmethod
     def _response(text: str, token_ids: list[int], finish_reason: str | None = None,
-                  prompt_tokens: int | None = None, completion_tokens: int | None = None):
+                  prompt_tokens: int | None = None, completion_tokens: int | None = None,
+                  logprobs: list | None = None):
         outputs = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
                    pb_utils.Tensor("token_ids", np.asarray(token_ids, np.int32))]
+        if logprobs is not None:  # one entry a token id (logprobs.logprob_entry)
+            outputs.append(pb_utils.Tensor("logprobs", np.array(
+                [json.dumps(logprobs).encode()], dtype=np.object_)))
         if finish_reason is not None:
             outputs += [
                 pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], np.object_)),
