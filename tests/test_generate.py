@@ -588,6 +588,41 @@ def test_logprobs_are_transformers_log_softmax_in_both_loops_and_through_openai(
                                        top_logprobs=21)
 
 
+def test_n_choices_share_the_prompts_computation(served, openai_url):
+    """Through the openai package: n=2 greedy gives two choices equal to n=1's; n=4 sampled
+    (seeded) gives four, and the sequence model computes the prompt about once: choice 0
+    starts first, the other three once it has its first token, reusing its prompt's blocks
+    (the prefill tokens run for the four are fewer than twice the prompt)."""
+    import openai
+
+    server, tok = served
+    client = openai.OpenAI(base_url=openai_url, api_key="unused")
+    question = [{"role": "user", "content": "Say something about the sea."}]
+    one = client.chat.completions.create(model="smollm2_chat", messages=question,
+                                         temperature=0, max_tokens=8)
+    two = client.chat.completions.create(model="smollm2_chat", messages=question,
+                                         temperature=0, max_tokens=8, n=2)
+    assert [c.message.content for c in two.choices] == [one.choices[0].message.content] * 2
+    long = [{"role": "user", "content": " ".join(
+        f"Line {i}: the tide rose over stone number {i * 7} near the harbour." for i in range(12))
+        + " Write one sentence about it."}]
+    prompt = len(tok.apply_chat_template(long))
+    before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+    four = client.chat.completions.create(model="smollm2_chat", messages=long, temperature=1.0,
+                                          seed=7, max_tokens=8, n=4)
+    assert sorted(c.index for c in four.choices) == [0, 1, 2, 3]
+    assert len({c.message.content for c in four.choices}) > 1  # their own seeds
+    assert four.usage.prompt_tokens == prompt
+    for _ in range(20):  # applied every 250 ms by the model's writer
+        after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+        prefill = (metric(after, "tlaloc_tokens_total", model="smollm2_chat", kind="prefill")
+                   - metric(before, "tlaloc_tokens_total", model="smollm2_chat", kind="prefill"))
+        if prefill >= prompt:
+            break
+    print(f"n=4: {prefill:.0f} prefill tokens for a prompt of {prompt}")
+    assert prompt <= prefill < 2 * prompt
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {

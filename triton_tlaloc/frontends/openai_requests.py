@@ -193,18 +193,34 @@ class GenerateCall:
     include_usage: bool  # stream_options.include_usage: the last chunk carries the usage
     tools: ToolPlan | None = None  # a chat's tools: how its answer is read back
     reasoning: str | None = None  # a chat's reasoning parser (reasoning.py)
+    n: int = 1  # choices: generations of the same prompt, each its own seed
+
+    def choice_sampling(self, i: int) -> dict:
+        """Choice i's sampling parameters: a given seed advanced by i (each choice its own
+        draws; greedy choices are the same)."""
+        if i == 0 or self.sampling.get("seed") is None:
+            return self.sampling
+        return {**self.sampling, "seed": (self.sampling["seed"] + i) % 2**64}
+
+
+MAX_CHOICES = 16  # n
 
 
 def served_model(models: dict[str, ServedModel], body: dict) -> ServedModel:
-    """The model a request names (404 if it is not served), with n = 1 (the only n served)."""
+    """The model a request names (404 if it is not served)."""
     name = typed(body, "model", (str,), "a model's name")
     if name not in models:
         raise APIError(404, f"model {name!r} is not served here (served: {', '.join(models)})",
                        "not_found_error")
-    n = typed(body, "n", (int,), "an integer")
-    if n not in (None, 1):
-        raise APIError(400, "n other than 1 is not supported")
     return models[name]
+
+
+def choices_asked(body: dict) -> int:
+    """n: the choices a request asks for, 1 to MAX_CHOICES."""
+    n = typed(body, "n", (int,), "an integer")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"n: {n}: from 1 to {MAX_CHOICES}")
+    return n or 1
 
 
 def _streaming(body: dict) -> tuple[bool, bool]:
@@ -245,7 +261,8 @@ def completion_call(models: dict[str, ServedModel], body: dict,
     else:
         raise APIError(400, f"prompt: one string or one list of token ids, not "
                             f"{shown(prompt)}")
-    return GenerateCall(model, ids, sampling, stream, False, include_usage)
+    return GenerateCall(model, ids, sampling, stream, False, include_usage,
+                        n=choices_asked(body))
 
 
 # The roles a chat template is given; any other would be rendered into it verbatim, a turn
@@ -330,7 +347,7 @@ def chat_call(models: dict[str, ServedModel], body: dict,
         raise APIError(400, f"messages: the chat template failed: {e}")
     sampling.setdefault("max_tokens", max(1, model.max_context - len(ids)))
     return GenerateCall(model, ids, sampling, stream, True, include_usage, tools,
-                        model.reasoning_parser)
+                        model.reasoning_parser, choices_asked(body))
 
 
 # The template's variables a request cannot set through chat_template_kwargs

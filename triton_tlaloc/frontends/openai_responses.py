@@ -4,6 +4,7 @@ a bad request 400, a full pool 503)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -96,9 +97,11 @@ def logprobs_body(call: GenerateCall, ids: list[int], entries: list | None) -> d
             "text_offset": offsets}
 
 
-def usage(got: GenerateResult) -> dict:
-    return {"prompt_tokens": got.prompt_tokens, "completion_tokens": got.completion_tokens,
-            "total_tokens": got.prompt_tokens + got.completion_tokens}
+def usage(*results: GenerateResult) -> dict:
+    prompt = results[0].prompt_tokens
+    completion = sum(got.completion_tokens for got in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 @dataclass
@@ -118,14 +121,19 @@ class Reply:
                 "model": self.call.model.name, "choices": [choice]}
 
 
-def completion_body(reply: Reply, got: GenerateResult) -> dict:
+def completion_body(reply: Reply, *results: GenerateResult) -> dict:
+    """The whole response: a choice for each result, by index; the usage counts the prompt
+    once and every choice's tokens."""
     call = reply.call
-    first = (chat_message(call, got) if call.chat else
+    choices = []
+    for i, got in enumerate(results):
+        c = (chat_message(call, got) if call.chat else
              choice(False, got.text, got.finish_reason, False))
-    if (lp := logprobs_body(call, got.token_ids, got.logprobs)) is not None:
-        first["logprobs"] = lp
+        if (lp := logprobs_body(call, got.token_ids, got.logprobs)) is not None:
+            c["logprobs"] = lp
+        choices.append({**c, "index": i})
     obj = "chat.completion" if call.chat else "text_completion"
-    return {**reply.body(obj, first), "usage": usage(got)}
+    return {**reply.body(obj, choices[0]), "choices": choices, "usage": usage(*results)}
 
 
 def sse(payload: dict) -> str:
@@ -171,17 +179,60 @@ class ChatDeltas:
         return self.tools is not None and self.tools.called
 
 
-async def events(reply: Reply, generation: Generation, item):
+async def choice_events(reply: Reply, generations: list[Generation], firsts: list):
+    """A stream of n choices: each choice's chunks (events, by its index) as they come, then
+    one usage chunk if stream_options.include_usage (the prompt once, every choice's tokens)
+    and [DONE]."""
+    if len(generations) == 1:
+        async for chunk in events(reply, generations[0], firsts[0]):
+            yield chunk
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+    ended: list[GenerateResult] = []
+
+    async def pump(i: int) -> None:
+        try:
+            async for chunk in events(reply, generations[i], firsts[i], i, ended):
+                await merged.put(chunk)
+        finally:
+            await merged.put(None)
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(generations))]
+    try:
+        left = len(tasks)
+        while left:
+            chunk = await merged.get()
+            if chunk is None:
+                left -= 1
+            else:
+                yield chunk
+        if reply.call.include_usage and len(ended) == len(generations):
+            obj = "chat.completion.chunk" if reply.call.chat else "text_completion"
+            yield sse({**reply.body(obj, {}), "choices": [], "usage": usage(*ended)})
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def events(reply: Reply, generation: Generation, item, index: int | None = None,
+                 ended: list | None = None):
     """The stream's events from its first item on: a chunk per piece of text (a chat's with
     reasoning or tools: the deltas ChatDeltas makes of it), a last chunk with the finish reason
     (and the usage if stream_options.include_usage), or an error event (its code the HTTP
     status the error would have had); then [DONE]. When the client disconnects, the response
-    sending these (openai_server.GenerationStream) abandons the generation."""
+    sending these (openai_server.GenerationStream) abandons the generation. `index`: the
+    choice's, one of n (its final chunk then carries no usage, its outcome goes to `ended`,
+    and no [DONE] follows: choice_events sends them)."""
     call = reply.call
     chat = call.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
     deltas = ChatDeltas(call) if call.tools is not None or call.reasoning is not None else None
     first = True
+
+    def chunk_of(body: dict) -> dict:
+        if index is not None:
+            body["index"] = index
+        return reply.body(obj, body)
 
     def delta_chunk(delta: dict, logprobs: dict | None = None) -> str:
         nonlocal first
@@ -190,7 +241,7 @@ async def events(reply: Reply, generation: Generation, item):
         body = {"index": 0, "delta": delta, "finish_reason": None}
         if logprobs is not None:
             body["logprobs"] = logprobs
-        return sse(reply.body(obj, body))
+        return sse(chunk_of(body))
 
     while isinstance(item, str):
         lp = logprobs_body(call, getattr(item, "token_ids", []), getattr(item, "logprobs", None))
@@ -204,7 +255,7 @@ async def events(reply: Reply, generation: Generation, item):
             body = choice(chat, item, None, True, first)
             if lp is not None:
                 body["logprobs"] = lp
-            chunks, first = [sse(reply.body(obj, body))], False
+            chunks, first = [sse(chunk_of(body))], False
         for chunk in chunks:
             yield chunk
         item = await generation.items.get()
@@ -220,8 +271,11 @@ async def events(reply: Reply, generation: Generation, item):
                 finish = "tool_calls"
             if first:
                 yield delta_chunk({})
-        chunk = reply.body(obj, choice(chat, None, finish, True, first))
-        if call.include_usage:
+        chunk = chunk_of(choice(chat, None, finish, True, first))
+        if call.include_usage and index is None:
             chunk["usage"] = usage(item)
+        if ended is not None:
+            ended.append(item)
         yield sse(chunk)
-    yield "data: [DONE]\n\n"
+    if index is None:
+        yield "data: [DONE]\n\n"

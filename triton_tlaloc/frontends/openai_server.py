@@ -45,7 +45,7 @@ from starlette.concurrency import run_in_threadpool
 from .client import generate as grpc_generate
 from .openai_requests import (MAX_PROMPT_CHARS, GenerateCall, ServedModel, chat_call,
                               completion_call)
-from .openai_responses import Reply, completion_body, events, refusal
+from .openai_responses import Reply, choice_events, completion_body, refusal
 from .openai_utility import grpc_ready
 from .openai_utility import router as utility_router
 from .http_doors import (APIError, GenerationSlots, add_doors, default_allowed_hosts,
@@ -103,12 +103,15 @@ class Generation:
     `cancel` stops it; `release` (its slot's, idempotent) is called when it ends, however it
     ends, or when abandoned, whichever comes first."""
 
-    def __init__(self, generate, url: str, call: GenerateCall, release):
+    def __init__(self, generate, url: str, call: GenerateCall, release, index: int = 0,
+                 stream: bool | None = None):
+        """Choice `index` of the call (its own seed); `stream`: whether its pieces come (the
+        call's own, unless given)."""
         self.items: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.release = release
         self._loop = asyncio.get_running_loop()
-        self._args = (generate, url, call)
+        self._args = (generate, url, call, index, call.stream if stream is None else stream)
         threading.Thread(target=self._run, daemon=True, name="tlaloc-generation").start()
 
     def abandon(self) -> None:
@@ -125,12 +128,12 @@ class Generation:
             pass
 
     def _run(self) -> None:
-        generate, url, call = self._args
+        generate, url, call, index, stream = self._args
         try:
             try:
                 item = generate(url, call.model.generate_model, input_ids=call.prompt_ids,
-                                sampling=call.sampling, stream=call.stream,
-                                on_text=self._put if call.stream else None, cancel=self.cancel)
+                                sampling=call.choice_sampling(index), stream=stream,
+                                on_text=self._put if stream else None, cancel=self.cancel)
             except Exception as e:  # answered as a 500 (a TimeoutError: 504)
                 item = e
         finally:
@@ -162,7 +165,7 @@ class GenerationStream(StreamingResponse):
     client goes, and a generator cancelled before it first ran, or while the chunk it yielded
     was being sent, does not run its `finally` then."""
 
-    def __init__(self, content, generation: Generation):
+    def __init__(self, content, generation: "Generation | Generations"):
         super().__init__(content, media_type="text/event-stream")
         self.generation = generation
 
@@ -179,30 +182,70 @@ router = APIRouter()
 
 
 async def _generation(request: Request, parse) -> Response:
-    """Every generation request passes here: a slot taken (429 if none is free), its body
-    parsed into a GenerateCall by `parse` and its prompt tokenized off the event loop, the
-    generation started; then answered once it ends (a JSON body) or its first piece comes (a
-    stream), so that an error at the start is answered with its HTTP status."""
+    """Every generation request passes here: a slot taken for each choice (429 if one is not
+    free), its body parsed into a GenerateCall by `parse` and its prompt tokenized off the
+    event loop, the generations started; then answered once they end (a JSON body) or their
+    first pieces come (a stream), so that an error at the start is answered with its HTTP
+    status. With n > 1 choice 0 starts first and the others once it has its first token: its
+    prompt's blocks are then registered, and the others reuse them rather than compute the
+    prompt again."""
     state = request.app.state
-    release = state.slots.take()
+    releases = [state.slots.take()]
     try:
         raw = await request.body()
         call = await run_in_threadpool(
             lambda: parse(state.models, parse_body(raw), state.options.max_prompt_chars))
-        generation = Generation(state.generate, state.url, call, release)
+        releases += [state.slots.take() for _ in range(call.n - 1)]
+        generations = [Generation(state.generate, state.url, call, releases[0],
+                                  stream=call.stream or call.n > 1)]
     except BaseException:
-        release()  # no generation started to release it
+        for release in releases:
+            release()  # no generation started to release it
         raise
+    firsts = []
     try:
-        first = await generation.next_item(request)
-    except ClientGone:
-        return Response(status_code=499)  # nginx's "client closed request": no one reads it
-    if not isinstance(first, str) and (error := refusal(first)) is not None:
-        raise error
+        for i in range(call.n):
+            if i == 1:  # choice 0 has its first token: its prompt is computed
+                generations += [Generation(state.generate, state.url, call, releases[j], j)
+                                for j in range(1, call.n)]
+            firsts.append(await generations[i].next_item(request))
+            if not isinstance(firsts[-1], str) and (error := refusal(firsts[-1])) is not None:
+                raise error
+    except BaseException as e:
+        for g in generations:
+            g.abandon()
+        for release in releases[len(generations):]:
+            release()
+        if isinstance(e, ClientGone):
+            return Response(status_code=499)  # nginx's "client closed request"
+        raise
     reply = Reply.to(call)
     if call.stream:
-        return GenerationStream(events(reply, generation, first), generation)
-    return JSONResponse(completion_body(reply, first))
+        together = Generations(generations)
+        return GenerationStream(choice_events(reply, generations, firsts), together)
+    results = [await _result(g, first, request) for g, first in zip(generations, firsts)]
+    for got in results:
+        if (error := refusal(got)) is not None:
+            raise error
+    return JSONResponse(completion_body(reply, *results))
+
+
+async def _result(generation: Generation, item, request: Request):
+    """A generation's outcome, its pieces (choice 0 of n streams them) passed over."""
+    while isinstance(item, str):
+        item = await generation.next_item(request)
+    return item
+
+
+class Generations:
+    """The choices of one request, abandoned together."""
+
+    def __init__(self, generations: list[Generation]):
+        self.generations = generations
+
+    def abandon(self) -> None:
+        for g in self.generations:
+            g.abandon()
 
 
 @router.get("/v1/models")
