@@ -71,7 +71,6 @@ class ServedModel:
                            int(params["max_context"]), tool_parser, reasoning_parser)
 
 
-
 def _sampling(body: dict) -> dict:
     """The generate model's sampling_parameters from an OpenAI request body. Each value is
     passed on as sent once it has the JSON type its parameter takes: the generate model checks

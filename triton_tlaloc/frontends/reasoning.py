@@ -68,7 +68,7 @@ class ReasoningStream:
                         out.append(("reasoning_content", self.held[:at]))
                     self.held, self.state = self.held[at + len(CLOSE):], "answer"
                     continue
-                keep = _tail_of(self.held, CLOSE)
+                keep = partial_tag(self.held, CLOSE)
                 if len(self.held) > keep:
                     out.append(("reasoning_content", self.held[:len(self.held) - keep]))
                     self.held = self.held[len(self.held) - keep:]
@@ -86,10 +86,11 @@ class ReasoningStream:
         return [("reasoning_content" if self.state == "thinking" else "content", held)]
 
 
-def _tail_of(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
+def partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (what a stream holds back
+    until it knows whether the tag comes; tool_calls.py's markers too)."""
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1)
                  if tag.startswith(text[-k:])), 0)
 
 
-__all__ = ["PARSERS", "ReasoningStream", "parser_for_template", "split"]
+__all__ = ["PARSERS", "ReasoningStream", "parser_for_template", "partial_tag", "split"]

@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from .http_doors import APIError, shown, typed
+from .reasoning import partial_tag
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 MAX_TOOLS = 128
@@ -380,9 +381,7 @@ class ToolCallStream:
             self.in_call = True
             return self._content(at)
         # hold back a tail that may be the start of the marker
-        keep = next((k for k in range(min(len(HERMES_OPEN) - 1, len(self.held)), 0, -1)
-                     if HERMES_OPEN.startswith(self.held[-k:])), 0)
-        return self._content(len(self.held) - keep)
+        return self._content(len(self.held) - partial_tag(self.held, HERMES_OPEN))
 
     def _content(self, upto: int) -> list[dict]:
         text, self.held = self.held[:upto], self.held[upto:]

@@ -210,9 +210,16 @@ class Generation:
             if self.generated >= self.params.max_tokens or self.length >= self.max_context:
                 self._finish(token, "length")  # the next token would pass a limit
                 return False
-            self.emit([self.gen_id, token, None] if self._logprob is None else
-                      [self.gen_id, token, None, None, None, self._logprob])
+            self.emit(self._event(token, None))
         return True
+
+    def _event(self, token: int, reason: str | None, code: str | None = None,
+               message: str | None = None) -> list:
+        """The event of a token (NO_TOKEN: none) or an end: [gen_id, token, reason] (or with
+        code and message), and a token's log-probability entry when asked for."""
+        if self._logprob is not None and token >= 0:
+            return [self.gen_id, token, reason, code, message, self._logprob]
+        return [self.gen_id, token, reason] + ([code, message] if code else [])
 
     def _forced_count(self) -> int:
         """How many queued forced tokens the next step feeds after its token (fast-forward):
@@ -282,10 +289,7 @@ class Generation:
         self.finished = True
         if self.drafter is not None:
             self.drafter.close()
-        event = [self.gen_id, token, reason] + ([code, message] if code else [])
-        if self._logprob is not None and token >= 0:
-            event = [self.gen_id, token, reason, code, message, self._logprob]
-        self.emit(event)
+        self.emit(self._event(token, reason, code, message))
         # END frees the sequence's hold (kept for a next turn while pages allow); an END for a
         # sequence already gone (its START refused) is acknowledged.
         self.submit([end_request(self.seq_id)])

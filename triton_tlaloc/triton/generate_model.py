@@ -105,8 +105,8 @@ class TritonPythonModel:
         # model's), reporting to this model's metrics
         self.grammars = None
         if self.tokenizer is not None:
-            self.grammars = Grammars(Path(params["tokenizer_dir"]),
-                                     self.tokenizer.tok.get_vocab_size(with_added_tokens=True),
+            self.vocab = self.tokenizer.tok.get_vocab_size(with_added_tokens=True)
+            self.grammars = Grammars(Path(params["tokenizer_dir"]), self.vocab,
                                      sorted(self.eos_ids), observer=GrammarMetrics(
                                          self.writer, self.families, {"model": self.model_name}))
         loop = params["generation_loop"]
@@ -279,8 +279,7 @@ class TritonPythonModel:
         try:
             params = SamplingParams.from_dict(json.loads(sampling))
             if self.tokenizer is not None:  # the sequence model checks it too
-                check_vocabulary(params.logit_bias, self.tokenizer.tok.get_vocab_size(
-                    with_added_tokens=True))
+                check_vocabulary(params.logit_bias, self.vocab)
         except (SamplingError, json.JSONDecodeError, TypeError, ValueError) as e:
             raise _GenerateError(f"sampling_parameters: {e}", bad) from None
         if (params.speculative is not None and params.speculative.method == "draft_model"
