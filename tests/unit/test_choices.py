@@ -77,3 +77,25 @@ def test_n_out_of_range_is_refused_and_nothing_generated(served, n):
     with pytest.raises(openai.BadRequestError, match=f"n: {n}: from 1 to 16"):
         client.chat.completions.create(model="m", messages=MESSAGES, n=n)
     assert log == []
+
+
+def test_n_over_the_free_slots_is_a_429_that_gives_back_the_slots_it_took():
+    """With 2 generations allowed, n=3 takes two slots and is refused at the third: the two
+    are given back, so a request of n=2 right after is served."""
+    def generate(url, model, *, input_ids, sampling, stream, on_text, cancel):
+        if stream:
+            on_text("ok")
+        return GenerateResult("ok", [1], "stop", 3, 1, 1, 1.0)
+    from triton_tlaloc.frontends.openai_server import ServerOptions
+
+    base, stop = serve_in_thread("unused:8001", {"m": ServedModel("m", "m_generate",
+                                                                  FakeTokenizer(), 100)},
+                                 options=ServerOptions(max_concurrent=2), generate=generate)
+    try:
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model="m", messages=MESSAGES, n=3)
+        got = client.chat.completions.create(model="m", messages=MESSAGES, n=2)
+        assert [c.message.content for c in got.choices] == ["ok", "ok"]
+    finally:
+        stop()

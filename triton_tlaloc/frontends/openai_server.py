@@ -195,7 +195,8 @@ async def _generation(request: Request, parse) -> Response:
         raw = await request.body()
         call = await run_in_threadpool(
             lambda: parse(state.models, parse_body(raw), state.options.max_prompt_chars))
-        releases += [state.slots.take() for _ in range(call.n - 1)]
+        for _ in range(call.n - 1):  # one at a time: a 429 at the last gives back the rest
+            releases.append(state.slots.take())
         generations = [Generation(state.generate, state.url, call, releases[0],
                                   stream=call.stream or call.n > 1)]
     except BaseException:
