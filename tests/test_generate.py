@@ -588,6 +588,74 @@ def test_logprobs_are_transformers_log_softmax_in_both_loops_and_through_openai(
                                        top_logprobs=21)
 
 
+def test_prompt_logprobs_are_transformers_through_echo_and_prompt_logprobs(
+        served, openai_url, smollm2_transformers):
+    """The prompt's own log-probabilities, through the openai package, against transformers'
+    log-softmax at each prompt position within 1e-4: a completion with echo and logprobs
+    (SmolLM2 with verify entries: the prompt fed up to 9 tokens a verify call) and a chat with
+    prompt_logprobs (smollm2_chat has none: one token a decode step). Each prompt token's rank
+    is transformers'; the generated text is the one without them. Control: the entries read one
+    position late fail. The BLS loop refuses them by name."""
+    import openai
+    import torch
+    from checks.oracle import load_reference
+
+    server, tok = served
+    reference = load_reference(smollm2_transformers)
+    client = openai.OpenAI(base_url=openai_url, api_key="unused")
+
+    def log_softmax(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            z = reference(torch.tensor([ids])).logits[0].double().numpy()
+        z = z - z.max(axis=1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+    def check(ids: list[int], body: list, late: int = 0) -> float:
+        """The worst error of vLLM-shaped prompt_logprobs `body` against the reference (read
+        `late` positions late: the control), each prompt token's rank checked."""
+        want, worst = log_softmax(ids), 0.0
+        assert body[0] is None and len(body) == len(ids)
+        for i, at in enumerate(body[1:len(ids) - late], 1):
+            row = want[i - 1 + late]
+            for token, v in at.items():
+                worst = max(worst, abs(v["logprob"] - row[int(token)]))
+            w, rank = row[ids[i]], at[str(ids[i])]["rank"]
+            assert late or 1 + np.sum(row > w + 1e-3) <= rank <= 1 + np.sum(row > w - 1e-3)
+        return worst
+
+    text = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles "
+            "begins with a single step, and the capital of France is")
+    ids = tok.encode(text)
+    assert len(ids) > 2 * 9  # several verify calls
+    got = client.completions.create(model="smollm2", prompt=text, echo=True, logprobs=2,
+                                    max_tokens=6, temperature=0,
+                                    extra_body={"prompt_logprobs": 3})
+    plain = client.completions.create(model="smollm2", prompt=text, max_tokens=6,
+                                      temperature=0)
+    choice = got.choices[0]
+    assert choice.text == text + plain.choices[0].text
+    body = choice.model_extra["prompt_logprobs"]
+    worst = check(ids, body)
+    print(f"prompt logprobs, verify calls: error {worst:.2e}")
+    assert worst <= 1e-4
+    assert check(ids, body, late=1) > 0.1  # the control
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) + 6
+    assert lp.token_logprobs[1:len(ids)] == [body[i][str(ids[i])]["logprob"]
+                                             for i in range(1, len(ids))]
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    chat_ids = tok.apply_chat_template(messages)
+    chat = client.chat.completions.create(model="smollm2_chat", messages=messages,
+                                          max_tokens=4, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    worst = check(chat_ids, chat.model_extra["prompt_logprobs"])
+    print(f"prompt logprobs, decode steps: error {worst:.2e}")
+    assert worst <= 1e-4
+    bls = generate(server.grpc_url, "smollm2_generate_bls", input_ids=ids,
+                   sampling={"max_tokens": 2, "prompt_logprobs": 0})
+    assert bls.status == "INVALID_ARGUMENT" and "prompt_logprobs" in bls.error
+
+
 def test_n_choices_share_the_prompts_computation(served, openai_url):
     """Through the openai package: n=2 greedy gives two choices equal to n=1's; n=4 sampled
     (seeded) gives four, and the sequence model computes the prompt about once: choice 0

@@ -228,13 +228,18 @@ class GenerateResult:
     # With sampling parameter logprobs: a [log-probability, [[id, log-probability], ...]]
     # for each of token_ids
     logprobs: list | None = None
+    # With sampling parameter prompt_logprobs: the same for each prompt token (None for the
+    # first, which follows nothing)
+    prompt_logprobs: list | None = None
 
 
 class Piece(str):
     """A response's new text, as on_text gets it, with the ids and log-probabilities of the
-    tokens that came with it (`logprobs` None unless asked for)."""
+    tokens that came with it (`logprobs` None unless asked for), and on the first, the
+    prompt's (`prompt_logprobs`, when asked for)."""
     token_ids: list[int] = []
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 # How often a generation waiting for its next response looks at its `cancel` event.
@@ -284,7 +289,7 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
     t.set_data_from_numpy(np.array([stream]))
     inputs.append(t)
     pieces, ids, final, count = [], [], {}, 0
-    first_ms, error, status, logprobs = None, None, None, None
+    first_ms, error, status, logprobs, prompt_logprobs = None, None, None, None, None
     t0 = time.perf_counter()
 
     def cancelled() -> bool:
@@ -320,11 +325,15 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
             if new_logprobs is not None:
                 new_logprobs = json.loads(new_logprobs[0])
                 logprobs = (logprobs or []) + new_logprobs
+            new_prompt_logprobs = result.as_numpy("prompt_logprobs")
+            if new_prompt_logprobs is not None:
+                new_prompt_logprobs = prompt_logprobs = json.loads(new_prompt_logprobs[0])
             if piece is not None and len(piece):
                 pieces.append(piece[0].decode())
-                if on_text is not None and (pieces[-1] or new_logprobs):
+                if on_text is not None and (pieces[-1] or new_logprobs or new_prompt_logprobs):
                     got = Piece(pieces[-1])
                     got.token_ids, got.logprobs = new_ids, new_logprobs
+                    got.prompt_logprobs = new_prompt_logprobs
                     on_text(got)
             ids += new_ids
             if first_ms is None and (pieces and pieces[-1] or ids):
@@ -346,7 +355,7 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
         client.close()
     return GenerateResult("".join(pieces), ids, final.get("finish_reason", "error"),
                           final.get("prompt_tokens", 0), final.get("completion_tokens", 0),
-                          count, first_ms, error, status, logprobs)
+                          count, first_ms, error, status, logprobs, prompt_logprobs)
 
 
 def generate_http(url: str, model: str, *, text: str | None = None, input_ids=None,

@@ -89,9 +89,11 @@ def _sampling(body: dict) -> dict:
         out["logit_bias"] = bias
     if (asked := _logprobs(body)) is not None:
         out["logprobs"] = asked
-    for key in ("echo", "prompt_logprobs"):  # the prompt's own log-probabilities: not built
-        if body.get(key) not in (None, False):
-            raise APIError(400, f"{key}: not supported by this server")
+    # vLLM's extension: each prompt token's log-probability and the most likely there
+    if (top := typed(body, "prompt_logprobs", (int,), "an integer")) is not None:
+        if isinstance(top, bool) or not 0 <= top <= 20:
+            raise APIError(400, f"prompt_logprobs: {top}: from 0 to 20")
+        out["prompt_logprobs"] = top
     if (user := typed(body, "user", (str,), "a string")) is not None:
         log.info("a request for user %s", shown(user[:64]))
     stop = typed(body, "stop", (str, list), "a string or a list of strings")
@@ -193,13 +195,19 @@ class GenerateCall:
     tools: ToolPlan | None = None  # a chat's tools: how its answer is read back
     reasoning: str | None = None  # a chat's reasoning parser (reasoning.py)
     n: int = 1  # choices: generations of the same prompt, each its own seed
+    echo: str | None = None  # a completion's prompt text, given back before each choice's
+    prompt_top: int | None = None  # prompt_logprobs as the client asked (echo may ask too)
 
     def choice_sampling(self, i: int) -> dict:
         """Choice i's sampling parameters: a given seed advanced by i (each choice its own
-        draws; greedy choices are the same)."""
-        if i == 0 or self.sampling.get("seed") is None:
+        draws; greedy choices are the same). Only choice 0 computes the prompt's
+        log-probabilities: the others share them (and its prompt's KV)."""
+        if i == 0:
             return self.sampling
-        return {**self.sampling, "seed": (self.sampling["seed"] + i) % 2**64}
+        sampling = {k: v for k, v in self.sampling.items() if k != "prompt_logprobs"}
+        if sampling.get("seed") is not None:
+            sampling["seed"] = (sampling["seed"] + i) % 2**64
+        return sampling
 
 
 MAX_CHOICES = 16  # n
@@ -260,8 +268,26 @@ def completion_call(models: dict[str, ServedModel], body: dict,
     else:
         raise APIError(400, f"prompt: one string or one list of token ids, not "
                             f"{shown(prompt)}")
+    prompt_top = _prompt_logprobs(sampling, stream)
+    echo = None
+    if typed(body, "echo", (bool,), "true or false"):
+        echo = prompt if isinstance(prompt, str) else model.tokenizer.decode(ids)
+        if "logprobs" in sampling:  # the echoed tokens' are the prompt's
+            if stream:
+                raise APIError(400, "echo with logprobs: not with stream (the prompt's "
+                                    "log-probabilities are not streamed)")
+            sampling["prompt_logprobs"] = max(prompt_top or 0, sampling["logprobs"])
     return GenerateCall(model, ids, sampling, stream, False, include_usage,
-                        n=choices_asked(body))
+                        n=choices_asked(body), echo=echo, prompt_top=prompt_top)
+
+
+def _prompt_logprobs(sampling: dict, stream: bool) -> int | None:
+    """prompt_logprobs as asked, refused with stream (as vLLM refuses it)."""
+    top = sampling.get("prompt_logprobs")
+    if top is not None and stream:
+        raise APIError(400, "prompt_logprobs: not with stream (the prompt's log-probabilities "
+                            "are not streamed)")
+    return top
 
 
 # The roles a chat template is given; any other would be rendered into it verbatim, a turn
@@ -325,6 +351,9 @@ def chat_call(models: dict[str, ServedModel], body: dict,
     stream, include_usage = _streaming(body)
     sampling = _sampling(body)
     messages = chat_messages(body.get("messages"))
+    if body.get("echo") not in (None, False):
+        raise APIError(400, "echo: only on /v1/completions")
+    prompt_top = _prompt_logprobs(sampling, stream)
     chars = _content_chars(messages)
     if chars > max_prompt_chars:
         raise too_long("messages' content", chars, max_prompt_chars)
@@ -346,7 +375,7 @@ def chat_call(models: dict[str, ServedModel], body: dict,
         raise APIError(400, f"messages: the chat template failed: {e}")
     sampling.setdefault("max_tokens", max(1, model.max_context - len(ids)))
     return GenerateCall(model, ids, sampling, stream, True, include_usage, tools,
-                        model.reasoning_parser, choices_asked(body))
+                        model.reasoning_parser, choices_asked(body), prompt_top=prompt_top)
 
 
 # The template's variables a request cannot set through chat_template_kwargs

@@ -75,9 +75,10 @@ def chat_message(call: GenerateCall, got: GenerateResult) -> dict:
 
 def logprobs_body(call: GenerateCall, ids: list[int], entries: list | None) -> dict | None:
     """choices[0].logprobs of `ids` (the tokens a response or a chunk carries) from the
-    generate model's entries ([log-probability, [[id, log-probability], ...]] a token): a
-    chat's {"content": [...]}, a completion's {"tokens", "token_logprobs", "top_logprobs",
-    "text_offset"}; None when the request asked for none."""
+    generate model's entries ([log-probability, [[id, log-probability], ...]] a token; None
+    for an echoed prompt's first token): a chat's {"content": [...]}, a completion's
+    {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; None when the request asked
+    for none."""
     if entries is None or "logprobs" not in call.sampling:
         return None
     text = call.model.tokenizer.token_text
@@ -92,9 +93,38 @@ def logprobs_body(call: GenerateCall, ids: list[int], entries: list | None) -> d
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{text(i): v for i, v in top} for _, top in entries],
+    return {"tokens": tokens,
+            "token_logprobs": [None if e is None else e[0] for e in entries],
+            "top_logprobs": [None if e is None else {text(i): v for i, v in e[1]}
+                             for e in entries],
             "text_offset": offsets}
+
+
+def prompt_logprobs_body(call: GenerateCall, entries: list | None) -> list | None:
+    """vLLM's prompt_logprobs: for each prompt token (None for the first) an object of token
+    id: {logprob, rank, decoded_token}, the prompt token's and the most likely ones'."""
+    if entries is None:
+        return None
+    text = call.model.tokenizer.token_text
+    out = [None]
+    for token, entry in zip(call.prompt_ids[1:], entries[1:]):
+        lp, top, rank = entry
+        at = {str(i): {"logprob": v, "rank": r, "decoded_token": text(i)}
+              for r, (i, v) in enumerate(top[:call.prompt_top], 1)}
+        at[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": text(token)}
+        out.append(at)
+    return out
+
+
+def _echoed(call: GenerateCall, got: GenerateResult, prompt_entries: list | None
+            ) -> tuple[list[int], list | None]:
+    """The ids and logprob entries a completion's logprobs cover: with echo, the prompt's
+    first (their most likely cut to the request's logprobs)."""
+    if call.echo is None or got.logprobs is None or prompt_entries is None:
+        return got.token_ids, got.logprobs
+    k = call.sampling["logprobs"]
+    prompt = [None if e is None else [e[0], e[1][:k]] for e in prompt_entries]
+    return call.prompt_ids + got.token_ids, prompt + got.logprobs
 
 
 def usage(*results: GenerateResult) -> dict:
@@ -125,15 +155,23 @@ def completion_body(reply: Reply, *results: GenerateResult) -> dict:
     """The whole response: a choice for each result, by index; the usage counts the prompt
     once and every choice's tokens."""
     call = reply.call
+    prompt_entries = results[0].prompt_logprobs  # choice 0's: the others share its prompt
+    prompt_body = (prompt_logprobs_body(call, prompt_entries) if call.prompt_top is not None
+                   else None)
     choices = []
     for i, got in enumerate(results):
         c = (chat_message(call, got) if call.chat else
-             choice(False, got.text, got.finish_reason, False))
-        if (lp := logprobs_body(call, got.token_ids, got.logprobs)) is not None:
+             choice(False, (call.echo or "") + got.text, got.finish_reason, False))
+        if (lp := logprobs_body(call, *_echoed(call, got, prompt_entries))) is not None:
             c["logprobs"] = lp
+        if prompt_body is not None and not call.chat:  # vLLM: a completion's choice's
+            c["prompt_logprobs"] = prompt_body
         choices.append({**c, "index": i})
     obj = "chat.completion" if call.chat else "text_completion"
-    return {**reply.body(obj, choices[0]), "choices": choices, "usage": usage(*results)}
+    body = {**reply.body(obj, choices[0]), "choices": choices, "usage": usage(*results)}
+    if prompt_body is not None and call.chat:  # vLLM: a chat completion's own
+        body["prompt_logprobs"] = prompt_body
+    return body
 
 
 def sse(payload: dict) -> str:
@@ -252,6 +290,8 @@ async def events(reply: Reply, generation: Generation, item, index: int | None =
             if lp is not None and not chunks:  # tokens that made no text yet
                 chunks = [delta_chunk({}, lp)]
         elif item or first or lp is not None:
+            if first and call.echo is not None:
+                item = call.echo + item
             body = choice(chat, item, None, True, first)
             if lp is not None:
                 body["logprobs"] = lp
@@ -271,7 +311,7 @@ async def events(reply: Reply, generation: Generation, item, index: int | None =
                 finish = "tool_calls"
             if first:
                 yield delta_chunk({})
-        chunk = chunk_of(choice(chat, None, finish, True, first))
+        chunk = chunk_of(choice(chat, call.echo if first else None, finish, True, first))
         if call.include_usage and index is None:
             chunk["usage"] = usage(item)
         if ended is not None:

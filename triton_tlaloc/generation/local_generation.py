@@ -30,7 +30,7 @@ import numpy as np
 
 from ..scheduling.admission import Reply, Request
 from ..codes import INTERNAL, INVALID_ARG, RequestError
-from .logprobs import logprob_entry
+from .logprobs import PromptScoring, logprob_entry
 from .penalties import check_vocabulary
 from .sampling import Sampler, SamplingError, SamplingParams
 from .speculative import (DraftModelCost, Speculator, StepCost, best_length,
@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("triton_tlaloc.local_generation")
 
 NO_TOKEN = -1
+# The reason of the event that carries the prompt's log-probabilities (not an end): the
+# generation goes on.
+PROMPT_LOGPROBS = "prompt_logprobs"
 
 
 class LocalSequenceId:
@@ -93,6 +96,11 @@ class Generation:
             check_vocabulary(params.logit_bias, self.speculation.vocab)
         self._call_forced = 0  # forced tokens the START fed after the prompt
         self._logprob = None  # the chosen token's (logprobs.logprob_entry), when asked for
+        self.scoring = None  # the prompt fed a few tokens a step, when its logprobs are asked for
+        if params.prompt_logprobs is not None:  # (refused with speculation and grammars)
+            spec = self.speculation
+            self.scoring = PromptScoring(prompt, params.prompt_logprobs,
+                                         1 if spec.refused else spec.most_drafts + 1)
         if params.structured_output is not None:
             if grammars is None:
                 raise SamplingError("sampling parameter structured_output: this sequence model "
@@ -118,6 +126,8 @@ class Generation:
         """The START: the prompt, and the tokens a grammar forces first (`{"` of a JSON
         object) after it, computed in the same call."""
         tokens = list(self.prompt)
+        if self.scoring is not None:
+            tokens = tokens[:1]
         if self.constraint is not None and len(tokens) + len(self.constraint.queued) < \
                 self.max_context:
             self._call_forced = len(self.constraint.queued)
@@ -151,6 +161,9 @@ class Generation:
         if self.cancelled:
             self._finish(NO_TOKEN, "cancelled")
             return
+        if self.scoring is not None and not self.scoring.done:
+            if self._scored(reply):
+                return
         c = self.constraint
         if reply.accepted_ids is not None:
             # A verify call's: the forced tokens and drafts that stood, then one more.
@@ -187,6 +200,26 @@ class Generation:
             return
         self.drafter.ask(k, lambda drafts: self.submit_now(
             [self._step(token, self.speculator.sending(self._cut(drafts[:k])))]))
+
+    def _scored(self, reply: Reply) -> bool:
+        """A step of the prompt's scoring answered: whether another is queued (False: the
+        prompt is all fed, and `reply`'s logits choose the first token)."""
+        scoring = self.scoring
+        if reply.accepted_ids is None:  # (a verify step's acceptor took its logits)
+            scoring.took_logits(reply.logits)
+        if scoring.done:
+            self.emit([self.gen_id, NO_TOKEN, PROMPT_LOGPROBS, None, None, scoring.entries])
+            return False
+        feed = scoring.next_feed()
+        if len(feed) == 1:
+            self.submit([Request(seq_id=self.seq_id, tokens=feed, start=False, end=False,
+                                 reply_fn=self.on_reply)])
+        else:
+            self.submit([Request(seq_id=self.seq_id, tokens=feed, start=False, end=False,
+                                 reply_fn=self.on_reply, draft_tokens=len(feed) - 1,
+                                 want_logits=False, acceptor=scoring.accept,
+                                 forced_tokens=len(feed) - 1)])
+        return True
 
     def _next_under_grammar(self, logits: np.ndarray) -> list[int]:
         """The tokens after a decode or prompt call under a grammar: the forced tokens it fed
@@ -345,4 +378,4 @@ class Speculation:
                            StepCost(engine.art.verify_tokens, seconds), vocab, rewinds)
 
 
-__all__ = ["Generation", "LocalSequenceId", "NO_TOKEN", "Speculation", "end_request"]
+__all__ = ["Generation", "LocalSequenceId", "NO_TOKEN", "PROMPT_LOGPROBS", "Speculation", "end_request"]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..codes import CANCELLED, UNAVAILABLE
+from .local_generation import PROMPT_LOGPROBS
 from .generation_link import (LinkError, connect, hang_up, instance_link, receive_frame, send_frame)
 from .sampling import SamplingParams, TextStream
 
@@ -45,6 +46,7 @@ class Outbound:
     finish: str | None = None
     error: tuple[str, str] | None = None  # (code, message)
     logprobs: list | None = None  # one entry a token id, when the request asked for them
+    prompt_logprobs: list | None = None  # one entry a prompt token, on the first response
 
     @property
     def final(self) -> bool:
@@ -62,6 +64,7 @@ class LocalStream:
         self.pieces: list[str] = []  # not yet sent (all of them when not streaming)
         self.ids: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = None  # until they are sent
         self.generated = 0
         self.finish: str | None = None
         self.error: tuple[str, str] | None = None
@@ -84,8 +87,9 @@ class LocalStream:
         """What goes out now (under the lock): nothing until the end when not streaming."""
         if not self.has_output:
             return None
-        out = Outbound("".join(self.pieces), self.ids, self.finish, self.error, self.logprobs)
-        self.pieces, self.ids = [], []
+        out = Outbound("".join(self.pieces), self.ids, self.finish, self.error, self.logprobs,
+                       self.prompt_logprobs)
+        self.pieces, self.ids, self.prompt_logprobs = [], [], None
         self.logprobs = None if self.logprobs is None else []
         return out
 
@@ -258,12 +262,15 @@ class LocalLoop:
                message: str | None = None, logprob: list | None = None) -> None:
         with self._lock:
             stream = self.streams.get(gen_id)
-            if stream is not None and reason is not None:
+            if stream is not None and reason not in (None, PROMPT_LOGPROBS):
                 del self.streams[gen_id]  # the sequence model is done with it
         if stream is None:
             return
         with stream.lock:
             if stream.ended:  # ended here already (a stop string): what follows is dropped
+                return
+            if reason == PROMPT_LOGPROBS:  # they go with the next response
+                stream.prompt_logprobs = logprob
                 return
             if token >= 0 or reason in ("stop", "length"):
                 self.observe_token(stream, self.clock())

@@ -1,7 +1,10 @@
 """Log-probabilities of the chosen tokens (docs/serving.md#log-probabilities): the model's
 log-softmax over the raw logits of the row that chose them, before temperature, penalties,
 logit_bias or a grammar's mask (vLLM's default, `raw_logprobs`), so they say what the model
-thinks whatever the request did to the choice. Pure numpy."""
+thinks whatever the request did to the choice. And the prompt's own (`PromptScoring`): a prefill
+call gives only its last position's logits, so a generation asking for them feeds its prompt a
+few tokens a verify call (every position's logits come back) or one a decode step. Pure
+numpy."""
 
 from __future__ import annotations
 
@@ -24,4 +27,53 @@ def logprob_entry(logits: np.ndarray, token: int, top: int) -> list:
     return [chosen, [[int(i), float(z[i] - lse)] for i in ids]]
 
 
-__all__ = ["MAX_TOP_LOGPROBS", "logprob_entry"]
+def ranked_entry(logits: np.ndarray, token: int, top: int) -> list:
+    """logprob_entry with the token's rank appended: 1 + how many tokens are more likely."""
+    z = np.asarray(logits, np.float32).reshape(-1)
+    return logprob_entry(z, token, top) + [1 + int(np.count_nonzero(z > z[token]))]
+
+
+class PromptScoring:
+    """A generation's prompt fed so that each position's logits are seen: its START feeds the
+    first token, then each step feeds the next tokens, several at once as a verify call's
+    forced tokens when the model verifies (`per_call` tokens at most), the last alone as a
+    decode step, whose logits choose the first generated token. `entries[i]` is prompt token
+    i's logprob_entry given the tokens before it, with its rank among all (1: the most likely)
+    appended (None for the first, which follows nothing)."""
+
+    def __init__(self, prompt: list[int], top: int, per_call: int):
+        assert prompt and per_call >= 1
+        self.prompt, self.top, self.per_call = prompt, top, per_call
+        self.fed = 0  # prompt tokens fed and answered
+        self.entries: list = [None]
+
+    @property
+    def done(self) -> bool:
+        """Whether the whole prompt is fed: the last reply's logits are the answer's."""
+        return self.fed == len(self.prompt)
+
+    def next_feed(self) -> list[int]:
+        """The tokens the next step feeds: up to `per_call`, never the last prompt token with
+        others (its logits are the generation's, and come from a decode step)."""
+        assert 0 < self.fed < len(self.prompt)
+        end = min(self.fed + self.per_call, len(self.prompt) - 1)
+        return self.prompt[self.fed:max(end, self.fed + 1)]
+
+    def took_logits(self, logits: np.ndarray) -> None:
+        """A prefill or decode step fed one more prompt token; `logits` follow it."""
+        self.fed += 1
+        if not self.done:
+            self.entries.append(ranked_entry(logits, self.prompt[self.fed], self.top))
+
+    def accept(self, position_logits: np.ndarray, forced: list[int]) -> tuple[int, int]:
+        """A verify step's acceptor: the step fed prompt token `fed` and `forced` after it
+        (fewer than were sent when the batcher ran the row as a decode step), and
+        `position_logits` follow each; all stand, and the next prompt token follows them."""
+        assert forced == self.prompt[self.fed + 1:self.fed + 1 + len(forced)]
+        for row in position_logits[:len(forced) + 1]:
+            self.fed += 1
+            self.entries.append(ranked_entry(row, self.prompt[self.fed], self.top))
+        return len(forced), self.prompt[self.fed]
+
+
+__all__ = ["MAX_TOP_LOGPROBS", "PromptScoring", "logprob_entry", "ranked_entry"]

@@ -57,11 +57,15 @@ class SamplingParams:
     # Each chosen token's log-probability and this many most likely (generation/logprobs.py);
     # None: none
     logprobs: int | None = None
+    # Every prompt token's log-probability (the first has none) and this many most likely at
+    # its position, computed by feeding the prompt a few tokens a call (generation/logprobs.py's
+    # PromptScoring); None: none
+    prompt_logprobs: int | None = None
 
     KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
             "ignore_eos", "cache_salt", "speculative", "structured_output", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
-            "logprobs")
+            "logprobs", "prompt_logprobs")
 
     @staticmethod
     def from_dict(d: dict) -> "SamplingParams":
@@ -135,21 +139,19 @@ class SamplingParams:
             raise SamplingError(f"sampling parameter min_tokens {adjusted['min_tokens']}: "
                                 f"more than max_tokens {max_tokens}")
 
-        logprobs = given.get("logprobs")
-        if logprobs is not None:
-            logprobs = integer("logprobs", logprobs, 0, MAX_TOP_LOGPROBS,
-                               f"must be in [0, {MAX_TOP_LOGPROBS}] (the most likely tokens "
-                               f"given beside each chosen one)")
-            if speculative is not None or structured is not None:
-                # Tokens that come without their own row's logits (drafts kept, forced
-                # tokens fed ahead) would have none; not built.
-                raise SamplingError("sampling parameter logprobs: not with speculative or "
-                                    "structured_output")
+        # Not with speculative or structured_output: tokens that come without their own row's
+        # logits (drafts kept, forced tokens fed ahead) would have none, and a prompt fed as a
+        # verify call's forced tokens would share the call with theirs; not built.
+        logprobs, prompt_logprobs = (
+            _top_count(given, key, speculative is not None or structured is not None, beside)
+            for key, beside in (("logprobs", "each chosen one"),
+                                ("prompt_logprobs", "each prompt token")))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=tuple(stop),
                                 stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                                 cache_salt=cache_salt, speculative=speculative,
-                                structured_output=structured, logprobs=logprobs, **adjusted)
+                                structured_output=structured, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs, **adjusted)
         if speculative is not None and (penalties.adjusts(params) or params.min_p):
             # A verify call's positions would each need the counts after the drafts before
             # them; not built.
@@ -171,6 +173,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _top_count(given: dict, key: str, constrained: bool, beside: str) -> int | None:
+    """A logprobs parameter: how many most likely tokens go `beside` each one, or None."""
+    value = given.get(key)
+    if value is None:
+        return None
+    value = integer(key, value, 0, MAX_TOP_LOGPROBS, f"must be in [0, {MAX_TOP_LOGPROBS}] "
+                                                     f"(the most likely tokens given {beside})")
+    if constrained:
+        raise SamplingError(f"sampling parameter {key}: not with speculative or "
+                            f"structured_output")
+    return value
 
 
 class Sampler:

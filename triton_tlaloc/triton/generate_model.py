@@ -231,7 +231,8 @@ class TritonPythonModel:
             ended = out.finish is not None
             response = self._response(out.text, out.token_ids, out.finish,
                                       len(stream.prompt) if ended else None,
-                                      stream.generated if ended else None, out.logprobs)
+                                      stream.generated if ended else None, out.logprobs,
+                                      out.prompt_logprobs)
         self._send(stream.sender, response,
                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.final else 0)
 
@@ -356,6 +357,11 @@ class TritonPythonModel:
 
     def _generate(self, request, sender, arrived: float):
         prompt, params, stream = self._inputs(request)
+        if params.prompt_logprobs is not None:
+            # Feeding the prompt a few tokens a call is the local loop's (PromptScoring)
+            raise _GenerateError("sampling_parameters: prompt_logprobs: computed by the local "
+                                 "loop only, and this generation runs over BLS (the local "
+                                 "link is not up, or generation_loop is bls)", INVALID_ARG)
         text = self._text_stream(params)
         stops = self._stops(params)
         sampler = Sampler(params, prompt, stops)
@@ -436,12 +442,13 @@ class TritonPythonModel:
     @staticmethod
     def _response(text: str, token_ids: list[int], finish_reason: str | None = None,
                   prompt_tokens: int | None = None, completion_tokens: int | None = None,
-                  logprobs: list | None = None):
+                  logprobs: list | None = None, prompt_logprobs: list | None = None):
         outputs = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
                    pb_utils.Tensor("token_ids", np.asarray(token_ids, np.int32))]
-        if logprobs is not None:  # one entry a token id (logprobs.logprob_entry)
-            outputs.append(pb_utils.Tensor("logprobs", np.array(
-                [json.dumps(logprobs).encode()], dtype=np.object_)))
+        for name, entries in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if entries is not None:  # one entry a token id (logprobs.logprob_entry)
+                outputs.append(pb_utils.Tensor(name, np.array(
+                    [json.dumps(entries).encode()], dtype=np.object_)))
         if finish_reason is not None:
             outputs += [
                 pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], np.object_)),
