@@ -167,6 +167,18 @@ def smollm2_chat(run_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def taught(run_dir) -> Path:
+    """A tiny qwen3 taught a hermes tool call and a <think> block by heart
+    (checks/taught_model.py), exported once per run."""
+    from checks.taught_model import make_taught_checkpoint
+    from triton_tlaloc.export import ExportOptions, export_artifact
+
+    ckpt = built_once(run_dir / "ckpt-taught", make_taught_checkpoint)
+    return built_once(run_dir / "art-taught", lambda p: export_artifact(ckpt, p, ExportOptions(
+        batch_ladder=(1,), context_ladder=(256,))))
+
+
+@pytest.fixture(scope="session")
 def smollm2_transformers(run_dir) -> Path:
     """SmolLM2 as transformers reads its GGUF (the oracle's weights and tokenizer), saved once
     per run as a checkpoint folder: transformers parses and dequantizes the GGUF in about 15 s,

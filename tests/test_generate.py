@@ -36,12 +36,13 @@ def greedy(server, model: str, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny, smollm2, smollm2_chat, work):
+def served(tiny, smollm2, smollm2_chat, taught, work):
     repo = work / "repo-generate"
     write_repository(tiny.artifact("llama", False), repo, "llama",
                      RepositoryOptions(max_sequence_idle_microseconds=600_000_000))
     write_repository(smollm2[1], repo, "smollm2", RepositoryOptions())
     write_repository(smollm2_chat, repo, "smollm2_chat", RepositoryOptions())  # tools
+    write_repository(taught, repo, "taught", RepositoryOptions())  # a model's own tool call
     # The same sequence models' generate models with the loop in their own process, a BLS
     # call a token (NAME_generate_bls)
     for name, art in (("llama", tiny.artifact("llama", False)), ("smollm2", smollm2[1])):
@@ -99,6 +100,15 @@ def test_text_input_stops_at_end_of_sequence_and_at_a_stop_string(served, loop):
                    sampling={"max_tokens": 64, "stop": ["Paris"]})
     assert cut.finish_reason == "stop" and "Paris" not in cut.text
     assert got.text.startswith(cut.text) and got.text[len(cut.text):].startswith("Paris")
+    # Past its end (ignore_eos), the end token's text is left out unless skip_special_tokens
+    # is false
+    past = {"max_tokens": got.completion_tokens + 2, "ignore_eos": True}
+    skipped = generate(server.grpc_url, f"smollm2_generate{loop}", text=chat, sampling=past)
+    kept = generate(server.grpc_url, f"smollm2_generate{loop}", text=chat,
+                    sampling={**past, "skip_special_tokens": False})
+    end = tok.token_text(kept.token_ids[got.completion_tokens])
+    assert end.startswith("<|") and kept.token_ids == skipped.token_ids
+    assert kept.text.startswith(got.text + end) and end not in skipped.text
 
 
 def test_seeded_sampling_repeats_exactly(served):
@@ -309,13 +319,14 @@ def test_a_draft_model_beside_plain_generations_sampled_and_refused(served):
 
 @pytest.fixture(scope="module")
 def openai_url(served):
-    """`tlaloc openai` in front of smollm2_generate and smollm2_chat_generate (a context of
-    512, for tools), on a free loopback port."""
+    """`tlaloc openai` in front of smollm2_generate, smollm2_chat_generate (a context of 512,
+    for tools) and taught_generate (its parsers auto), on a free loopback port."""
     from triton_tlaloc.frontends.openai_server import ServedModel, serve_in_thread
 
     server, _ = served
     base_url, stop = serve_in_thread(server.grpc_url, {
-        name: ServedModel.discover(server.grpc_url, name) for name in ("smollm2", "smollm2_chat")})
+        name: ServedModel.discover(server.grpc_url, name)
+        for name in ("smollm2", "smollm2_chat", "taught")})
     yield base_url
     stop()
 
@@ -331,7 +342,7 @@ def test_the_openai_client_gets_the_generate_models_text(served, openai_url):
     want = generate(server.grpc_url, "smollm2_generate",
                     input_ids=tok.apply_chat_template(messages), sampling={"max_tokens": 24})
     client = openai.OpenAI(base_url=openai_url, api_key="unused")
-    assert [m.id for m in client.models.list().data] == ["smollm2", "smollm2_chat"]
+    assert [m.id for m in client.models.list().data] == ["smollm2", "smollm2_chat", "taught"]
     chat = client.chat.completions.create(model="smollm2", messages=messages, temperature=0,
                                           max_tokens=24)
     assert chat.choices[0].message.content == want.text and "Paris" in want.text
@@ -703,6 +714,19 @@ TIME_TOOL = {"type": "function", "function": {
                    "required": ["zone"], "additionalProperties": False}}}
 
 
+def streamed_calls(chunks) -> tuple[list[tuple[str, str]], str | None]:
+    """A streamed chat's tool calls as a client joins them from the deltas (name, arguments by
+    index), and its finish reason."""
+    calls, finish = {}, None
+    for chunk in chunks:
+        for c in chunk.choices[0].delta.tool_calls or []:
+            have = calls.setdefault(c.index, ["", ""])
+            have[0] += c.function.name or ""
+            have[1] += c.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
 def test_required_and_named_tool_calls_validate_and_stream_as_they_answer(openai_url):
     """SmolLM2 (its template has no tools: hermes' format goes in its prompt) through the
     openai package: tool_choice required and a named function give calls whose arguments
@@ -726,18 +750,12 @@ def test_required_and_named_tool_calls_validate_and_stream_as_they_answer(openai
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
         if choice != "required":
             assert [c.function.name for c in answer.message.tool_calls] == ["get_weather"]
-        calls, finish = {}, None
-        for chunk in client.chat.completions.create(
-                model="smollm2_chat", messages=messages, tools=tools, tool_choice=choice,
-                temperature=0, max_tokens=60, stream=True):
-            for c in chunk.choices[0].delta.tool_calls or []:
-                have = calls.setdefault(c.index, ["", ""])
-                have[0] += c.function.name or ""
-                have[1] += c.function.arguments or ""
-            finish = chunk.choices[0].finish_reason or finish
+        calls, finish = streamed_calls(client.chat.completions.create(
+            model="smollm2_chat", messages=messages, tools=tools, tool_choice=choice,
+            temperature=0, max_tokens=60, stream=True))
         assert finish == "tool_calls"
-        assert [tuple(calls[i]) for i in sorted(calls)] == [
-            (c.function.name, c.function.arguments) for c in answer.message.tool_calls]
+        assert calls == [(c.function.name, c.function.arguments)
+                         for c in answer.message.tool_calls]
     call = answer.message.tool_calls[0]
     after = messages + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -750,6 +768,62 @@ def test_required_and_named_tool_calls_validate_and_stream_as_they_answer(openai
         client.chat.completions.create(model="smollm2_chat", messages=messages, tools=[TIME_TOOL],
                                        tool_choice={"type": "function",
                                                     "function": {"name": "get_weather"}})
+
+
+def test_auto_reads_the_tool_call_and_the_thinking_the_model_wrote(served, openai_url):
+    """A tiny qwen3 taught a hermes tool call and a <think> block (checks/taught_model.py),
+    through the openai package with both parsers auto (read from its chat template): its
+    greedy text under tool_choice auto (the raw text through /v1/completions: the call as the
+    model wrote it) comes back as message.tool_calls, finish_reason tool_calls, the streamed
+    deltas joining to the same call; its thinking comes back as reasoning_content, the rest as
+    content, streamed alike. Control: with tool_choice none nothing is parsed."""
+    import openai
+    from checks.taught_model import CALL, THOUGHT
+
+    server, _ = served
+    tok = ArtifactTokenizer(served_tokenizer_dir(server, "taught"))
+    client = openai.OpenAI(base_url=openai_url, api_key="unused")
+    messages, tools, answer = CALL
+    raw = client.completions.create(model="taught", temperature=0, max_tokens=80,
+                                    prompt=tok.apply_chat_template(messages, tools=tools))
+    assert raw.choices[0].text == answer  # what the model writes
+    got = client.chat.completions.create(model="taught", messages=messages, tools=tools,
+                                         temperature=0, max_tokens=80)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    calls, finish = streamed_calls(client.chat.completions.create(
+        model="taught", messages=messages, tools=tools, temperature=0, max_tokens=80,
+        stream=True))
+    assert finish == "tool_calls"
+    assert calls == [("get_weather", call.function.arguments)]
+    unparsed = client.chat.completions.create(model="taught", messages=messages, tools=tools,
+                                              tool_choice="none", temperature=0, max_tokens=80)
+    assert unparsed.choices[0].message.content == answer  # the control
+    assert not unparsed.choices[0].message.tool_calls
+    messages, _, answer = THOUGHT
+    thought = client.chat.completions.create(model="taught", messages=messages, temperature=0,
+                                             max_tokens=60).choices[0]
+    assert thought.message.model_extra["reasoning_content"].strip() == "A greeting."
+    assert thought.message.content.strip() == "Hello there!"
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(model="taught", messages=messages,
+                                                temperature=0, max_tokens=60, stream=True):
+        delta = chunk.choices[0].delta
+        parts["content"] += delta.content or ""
+        parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+    assert parts == {"reasoning_content": thought.message.model_extra["reasoning_content"],
+                     "content": thought.message.content}
+
+
+def served_tokenizer_dir(server, name: str) -> str:
+    """The tokenizer directory NAME's generate model names in its parameters."""
+    from triton_tlaloc.repository import generate_model_name
+
+    with TlalocClient(server.grpc_url, generate_model_name(name), "grpc") as c:
+        return c.model_parameters()["tokenizer_dir"]
 
 
 def test_the_openai_response_format_gives_json_that_validates(served, openai_url):

@@ -158,6 +158,7 @@ NAN, INF = float("nan"), float("inf")
     ({"ignore_eos": "yes"}, "ignore_eos 'yes': expected true or false"),
     ({"ignore_eos": 1}, "ignore_eos 1: expected true or false"),
     ({"ignore_eos": []}, "ignore_eos []: expected true or false"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens 0: expected true or false"),
     ({"cache_salt": ""}, "sampling parameter cache_salt: expected a string of 1 to 256"),
     ({"cache_salt": "x" * 257}, "sampling parameter cache_salt: expected a string of 1 to 256"),
     ({"cache_salt": 5}, "sampling parameter cache_salt: expected a string of 1 to 256"),

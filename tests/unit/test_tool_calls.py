@@ -171,6 +171,32 @@ def test_streamed_deltas_join_to_the_whole_answers_calls(split):
     plain = "No tools needed: it is 4 < 5."
     assert streamed(plan(), [plain[i:i + split] for i in range(0, len(plain), split)]) == (
         plain, [])
+    required = plan(tool_choice="required")
+    array = ('[ {"name": "get_weather", "arguments": {"city": "O\\"slo [x]", "unit": "c"}},'
+             '\n{"arguments" : {"zone": "UTC"}, "name":"get_time"} ]')
+    whole_content, whole = required.calls(array)
+    assert whole_content is None and [(c.name, json.loads(c.arguments)) for c in whole] == [
+        ("get_weather", {"city": 'O"slo [x]', "unit": "c"}), ("get_time", {"zone": "UTC"})]
+    assert streamed(required, [array[i:i + split] for i in range(0, len(array), split)]) == (
+        None, [{"name": c.name, "arguments": c.arguments} for c in whole])
+
+
+def test_a_required_call_streams_its_name_then_its_arguments_as_they_come():
+    """A required answer's first call goes out before the array ends: its name once the name's
+    string closes, its arguments' text as it grows (not held to the end); an answer cut short
+    before any name is content."""
+    stream = ToolCallStream(plan(tool_choice="required"))
+    assert stream.push('[{"name": "get_wea') == []
+    named, begun = stream.push('ther", "arguments": {"ci')
+    assert named["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert begun == {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}
+    assert stream.push('ty": "Oslo"') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"'}}]}]
+    first = stream.calls[0].id
+    stream.push("}}]")
+    assert stream.end("") == [] and stream.calls[0].id == first
+    cut = ToolCallStream(plan(tool_choice="required"))
+    assert cut.push('[{"na') == [] and cut.end('[{"na') == [{"content": '[{"na'}]
 
 
 # ------------------------------------------------------------------ through the server
@@ -207,13 +233,13 @@ def scripted(answer: str):
 def served():
     stops = []
 
-    def start(answer: str):
+    def start(answer: str, parser: str = "auto"):
         import openai
 
         generate, asked = scripted(answer)
         tok = Tokenizer()
-        base, stop = serve_in_thread("unused:8001", {"m": ServedModel("m", "m_generate", tok,
-                                                                     100)}, generate=generate)
+        model = ServedModel("m", "m_generate", tok, 100, tool_parser=parser)
+        base, stop = serve_in_thread("unused:8001", {"m": model}, generate=generate)
         stops.append(stop)
         return openai.OpenAI(base_url=base, api_key="unused", max_retries=0), asked, tok
     yield start
@@ -258,6 +284,24 @@ def test_the_openai_client_gets_tool_calls_whole_and_streamed(served):
     assert (call.function.name, call.function.arguments) == ("get_time", '{"zone": "UTC"}')
     assert asked[-1]["structured_output"] == {"json_schema": TIME["function"]["parameters"],
                                               "strict": False}
+
+
+def test_mistral_calls_keep_their_special_marker_in_the_text(served):
+    """Mistral's calls start with the special token [TOOL_CALLS]: under auto its generation's
+    text keeps special tokens (skip_special_tokens false, as vLLM's mistral parser asks), and
+    the call is read; other parsers, and a client's own choice, are left as they are."""
+    answer = '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]'
+    messages = [{"role": "user", "content": "Time?"}]
+    client, asked, _ = served(answer, "mistral")
+    got = client.chat.completions.create(model="m", messages=messages, tools=[TIME])
+    assert asked[-1]["skip_special_tokens"] is False
+    assert got.choices[0].message.tool_calls[0].function.name == "get_time"
+    client.chat.completions.create(model="m", messages=messages, tools=[TIME],
+                                   extra_body={"skip_special_tokens": True})
+    assert asked[-1]["skip_special_tokens"] is True
+    client, asked, _ = served(answer, "hermes")
+    client.chat.completions.create(model="m", messages=messages, tools=[TIME])
+    assert "skip_special_tokens" not in asked[-1]
 
 
 def test_bad_tools_are_a_400_and_nothing_is_generated(served):

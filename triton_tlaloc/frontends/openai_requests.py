@@ -94,6 +94,9 @@ def _sampling(body: dict) -> dict:
         if isinstance(top, bool) or not 0 <= top <= 20:
             raise APIError(400, f"prompt_logprobs: {top}: from 0 to 20")
         out["prompt_logprobs"] = top
+    # vLLM's extension: special tokens kept in the text
+    if (skip := typed(body, "skip_special_tokens", (bool,), "true or false")) is not None:
+        out["skip_special_tokens"] = skip
     if (user := typed(body, "user", (str,), "a string")) is not None:
         log.info("a request for user %s", shown(user[:64]))
     stop = typed(body, "stop", (str, list), "a string or a list of strings")
@@ -367,6 +370,10 @@ def chat_call(models: dict[str, ServedModel], body: dict,
             sampling["structured_output"] = constraint
         messages, more = tools.prompt(messages, getattr(model.tokenizer, "takes_tools", False))
         variables.update(more)
+        if tools.choice == "auto" and tools.parser == "mistral":
+            # Its calls start with the special token [TOOL_CALLS], which the text would leave
+            # out (as vLLM's mistral parser asks, the text keeps special tokens)
+            sampling.setdefault("skip_special_tokens", False)
     try:
         ids = model.tokenizer.apply_chat_template(messages, **variables)
     except LiteralContentError as e:  # names the message itself

@@ -190,11 +190,11 @@ class ToolPlan:
         if self.choice == "named":
             return None, [ToolCall(self.named, text)]
         if self.choice == "required":
-            try:
-                return None, [ToolCall(c["name"], json.dumps(c["arguments"]))
-                              for c in json.loads(text)]
-            except (ValueError, TypeError, KeyError):  # cut short by max_tokens
+            scanner = CallArrayScanner()
+            scanner.push(text)
+            if not scanner.complete:  # cut short by max_tokens
                 return text, []
+            return None, [ToolCall(name, arguments) for name, arguments in scanner.calls]
         return parse(self.parser, text)
 
 
@@ -340,6 +340,91 @@ def _marker(parser: str) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------ streaming
 
+class CallArrayScanner:
+    """A `required` answer, the JSON array of {"name", "arguments"} objects its grammar makes,
+    read as it grows: each call's name once its string ends, then its arguments' text (as the
+    model wrote it) as it comes. `push(piece)` gives what is new: ("name", index, name) and
+    ("arguments", index, text) events."""
+
+    def __init__(self):
+        self.text = ""
+        self.at = 0  # the next character to read
+        self.depth = 0  # of objects and arrays, outside strings
+        self.string_start: int | None = None  # inside a string from here
+        self.escaped = False
+        self.key: str | None = None  # the key of the call object's member being read
+        self.expect_value = False  # after a member's colon, before its value
+        self.in_value = False  # inside a call object's member value
+        self.arguments_from: int | None = None  # the arguments' text starts here
+        self.calls: list[list] = []  # [name, arguments' text] a call
+        self.sent: list[int] = []  # of each call whose name went out: its arguments sent
+        self.complete = False  # the array closed
+
+    def push(self, piece: str) -> list[tuple]:
+        self.text += piece
+        while self.at < len(self.text):
+            self._read(self.text[self.at])
+            self.at += 1
+        if self.arguments_from is not None:  # the arguments so far
+            self.calls[-1][1] = self.text[self.arguments_from:self.at]
+        return self._news()
+
+    def _news(self) -> list[tuple]:
+        out = []
+        for i, (name, arguments) in enumerate(self.calls):
+            if name is None:  # its arguments wait for it
+                break
+            if i == len(self.sent):
+                self.sent.append(0)
+                out.append(("name", i, name))
+            if len(arguments) > self.sent[i]:
+                out.append(("arguments", i, arguments[self.sent[i]:]))
+                self.sent[i] = len(arguments)
+        return out
+
+    def _read(self, ch: str) -> None:
+        if self.string_start is not None:  # inside a string: only its end matters
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self._string_ended(json.loads(self.text[self.string_start:self.at + 1]))
+            return
+        if self.expect_value and not ch.isspace():  # a call object's member value begins
+            self.expect_value, self.in_value = False, True
+            if self.key == "arguments":
+                self.arguments_from = self.at
+        if ch == '"':
+            self.string_start = self.at
+        elif ch in "{[":
+            self.depth += 1
+            if self.depth == 2:  # a call begins
+                self.calls.append([None, ""])
+                self.key, self.in_value = None, False
+        elif ch in "}]":
+            self.depth -= 1
+            if self.depth == 2 and self.arguments_from is not None:  # the arguments end
+                self.calls[-1][1] = self.text[self.arguments_from:self.at + 1]
+                self.arguments_from, self.in_value = None, False
+            elif self.depth == 0:
+                self.complete = True
+        elif self.depth == 2 and ch == ":":
+            self.expect_value = True
+        elif self.depth == 2 and ch == ",":
+            self.in_value = False
+
+    def _string_ended(self, value: str) -> None:
+        self.string_start = None
+        if self.depth != 2:
+            return
+        if not self.in_value:
+            self.key = value
+        elif self.key == "name":
+            self.calls[-1][0] = value
+            self.in_value = False
+
+
 class ToolCallStream:
     """One streamed answer under a ToolPlan: `push(piece)` and `end(text)` give the deltas
     to send (each a `delta` object of a chat.completion.chunk)."""
@@ -347,10 +432,12 @@ class ToolCallStream:
     def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.held = ""  # text not yet sent: maybe a call's start
-        self.in_call = plan.choice in ("required",)
+        self.in_call = False
         self.sent_content = False
         self.named: ToolCall | None = None
         self.calls: list[ToolCall] = []
+        # required: the calls' array read as it comes (names and arguments streamed)
+        self.array = CallArrayScanner() if plan.choice == "required" else None
 
     def push(self, piece: str) -> list[dict]:
         plan = self.plan
@@ -364,6 +451,8 @@ class ToolCallStream:
             if piece:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
             return out
+        if self.array is not None:
+            return self._array_deltas(self.array.push(piece))
         self.held += piece
         if self.in_call:
             return []
@@ -383,6 +472,16 @@ class ToolCallStream:
         # hold back a tail that may be the start of the marker
         return self._content(len(self.held) - partial_tag(self.held, HERMES_OPEN))
 
+    def _array_deltas(self, events: list[tuple]) -> list[dict]:
+        out = []
+        for kind, i, value in events:
+            if kind == "name":
+                self.calls.append(ToolCall(value, ""))
+                out.append({"tool_calls": [{"index": i, **self.calls[i].as_dict()}]})
+            else:
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": value}}]})
+        return out
+
     def _content(self, upto: int) -> list[dict]:
         text, self.held = self.held[:upto], self.held[upto:]
         if text:
@@ -394,6 +493,12 @@ class ToolCallStream:
         """The deltas when the answer ends; `text`: the whole answer."""
         plan = self.plan
         if plan.choice in ("none", "named"):
+            return []
+        if self.array is not None:  # sent as it came; what the calls are, by their ids
+            if not self.calls:  # cut short before a call's name: the text as content
+                return [{"content": text}] if text else []
+            self.calls = [ToolCall(c.name, arguments, c.id)
+                          for c, (_, arguments) in zip(self.calls, self.array.calls)]
             return []
         content, self.calls = plan.calls(text)
         if not self.calls:
@@ -413,4 +518,4 @@ class ToolCallStream:
         return self.named is not None or bool(self.calls)
 
 
-__all__ = ["PARSERS", "ToolCall", "ToolCallStream", "ToolPlan", "parse", "parser_for_template"]
+__all__ = ["CallArrayScanner", "PARSERS", "ToolCall", "ToolCallStream", "ToolPlan", "parse", "parser_for_template"]

@@ -61,11 +61,14 @@ class SamplingParams:
     # its position, computed by feeding the prompt a few tokens a call (generation/logprobs.py's
     # PromptScoring); None: none
     prompt_logprobs: int | None = None
+    # Whether the text leaves out special tokens (vLLM's default); false keeps them, as a
+    # tool-call parser that reads a special marker (mistral's [TOOL_CALLS]) needs
+    skip_special_tokens: bool = True
 
     KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
             "ignore_eos", "cache_salt", "speculative", "structured_output", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
-            "logprobs", "prompt_logprobs")
+            "logprobs", "prompt_logprobs", "skip_special_tokens")
 
     @staticmethod
     def from_dict(d: dict) -> "SamplingParams":
@@ -126,6 +129,9 @@ class SamplingParams:
         ignore_eos = given.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise refused("ignore_eos", ignore_eos, "expected true or false")
+        skip_special_tokens = given.get("skip_special_tokens", True)
+        if not isinstance(skip_special_tokens, bool):
+            raise refused("skip_special_tokens", skip_special_tokens, "expected true or false")
 
         try:
             cache_salt = checked_cache_salt(given.get("cache_salt"), "sampling parameter")
@@ -151,7 +157,8 @@ class SamplingParams:
                                 stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                                 cache_salt=cache_salt, speculative=speculative,
                                 structured_output=structured, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs, **adjusted)
+                                prompt_logprobs=prompt_logprobs,
+                                skip_special_tokens=skip_special_tokens, **adjusted)
         if speculative is not None and (penalties.adjusts(params) or params.min_p):
             # A verify call's positions would each need the counts after the drafts before
             # them; not built.

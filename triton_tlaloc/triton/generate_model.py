@@ -30,6 +30,7 @@ path sends exactly one final response.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
@@ -315,8 +316,11 @@ class TritonPythonModel:
         return prompt, params, stream
 
     def _text_stream(self, params: SamplingParams) -> TextStream:
-        decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
-        return TextStream(decode, params.stop)
+        if self.tokenizer is None:
+            return TextStream(lambda ids: "", params.stop)
+        return TextStream(functools.partial(self.tokenizer.decode,
+                                            skip_special_tokens=params.skip_special_tokens),
+                          params.stop)
 
     def _stops(self, params: SamplingParams) -> set[int]:
         """The ids that end a generation (not part of its text)."""
