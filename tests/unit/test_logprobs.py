@@ -46,11 +46,12 @@ def test_a_generation_sends_each_tokens_entry_with_it():
         assert e[5] == logprob_entry(row, 3, 2) and e[5][1][0][0] == 3
 
 
-@pytest.mark.parametrize("d", [{"logprobs": 2, "speculative": {"method": "prompt_lookup"}},
-                               {"logprobs": 2, "structured_output": {"regex": "a"}},
-                               {"logprobs": 21}, {"prompt_logprobs": 21},
-                               {"prompt_logprobs": 0, "structured_output": {"regex": "a"}}])
+@pytest.mark.parametrize("d", [{"logprobs": 21}, {"prompt_logprobs": 21},
+                               {"prompt_logprobs": 0, "structured_output": {"regex": "a"}},
+                               {"prompt_logprobs": 0,
+                                "speculative": {"method": "prompt_lookup"}}])
 def test_what_logprobs_cannot_come_with_is_refused_by_name(d):
+    """(logprobs come with speculation and grammars: test_a_verify_step_records_the_entries)"""
     with pytest.raises(SamplingError, match="logprobs"):
         SamplingParams.from_dict(d)
 
@@ -150,6 +151,35 @@ class StepLog:
 
 def logits_row(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(16).astype(np.float32)
+
+
+def test_a_verify_step_records_the_entries_of_the_tokens_it_yields():
+    """Under speculation the tokens of a verify call (the drafts that stood and the one after
+    them) each carry the entry of its own position's logits; greedy verify rows read the
+    logits (an acceptor) instead of the device's argmax."""
+    from triton_tlaloc.generation.local_generation import Speculation
+
+    prompt = [5, 6, 7, 5, 6]  # prompt lookup drafts 7 after 5, 6
+    events, steps = [], StepLog()
+    params = SamplingParams.from_dict({"max_tokens": 8, "logprobs": 1, "speculative": {
+        "method": "prompt_lookup", "num_draft_tokens": 2}})
+    gen = Generation(1, prompt, params, {0}, 64, events.append, steps,
+                     speculation=Speculation(3, None))
+    first = logits_row(0)
+    first[7] = 9.0
+    gen.on_reply(Reply(logits=first))
+    r = steps.requests[-1]
+    assert r.tokens[0] == 7 and r.draft_tokens >= 1 and r.acceptor is not None
+    rows = np.stack([logits_row(1 + i) for i in range(len(r.tokens))])
+    rows[0, r.tokens[1]] = 9.0  # the first draft stands, then the argmax of the next row
+    kept, following = r.acceptor(rows, r.tokens[1:])
+    assert kept >= 1 and following == int(np.argmax(rows[kept]))
+    gen.on_reply(Reply(accepted_ids=r.tokens[1:1 + kept] + [following]))
+    tokens = [7] + r.tokens[1:1 + kept] + [following]
+    assert [e[1] for e in events] == tokens
+    assert events[0][5] == logprob_entry(first, 7, 1)
+    for j, e in enumerate(events[1:]):
+        assert e[5] == logprob_entry(rows[j], tokens[1 + j], 1)
 
 
 @pytest.mark.parametrize("most_drafts", [0, 3])

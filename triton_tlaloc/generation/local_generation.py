@@ -95,7 +95,8 @@ class Generation:
         if self.speculation.vocab:
             check_vocabulary(params.logit_bias, self.speculation.vocab)
         self._call_forced = 0  # forced tokens the START fed after the prompt
-        self._logprob = None  # the chosen token's (logprobs.logprob_entry), when asked for
+        self._logprob = None  # the emitted token's (logprobs.logprob_entry), when asked for
+        self._entries: list = []  # those of the step's tokens, in order
         self.scoring = None  # the prompt fed a few tokens a step, when its logprobs are asked for
         if params.prompt_logprobs is not None:  # (refused with speculation and grammars)
             spec = self.speculation
@@ -128,8 +129,9 @@ class Generation:
         tokens = list(self.prompt)
         if self.scoring is not None:
             tokens = tokens[:1]
-        if self.constraint is not None and len(tokens) + len(self.constraint.queued) < \
-                self.max_context:
+        # (with logprobs asked for, forced tokens wait for calls that give their logits)
+        if self.constraint is not None and self.params.logprobs is None and \
+                len(tokens) + len(self.constraint.queued) < self.max_context:
             self._call_forced = len(self.constraint.queued)
             tokens += self.constraint.queued
         return Request(seq_id=self.seq_id, tokens=tokens, start=True, end=False,
@@ -172,8 +174,10 @@ class Generation:
             tokens = self._next_under_grammar(reply.logits)
         else:
             tokens = [self.sampler.choose(reply.logits)]  # greedy: the argmax
-            if self.params.logprobs is not None:  # (refused with speculation and grammars)
-                self._logprob = logprob_entry(reply.logits, tokens[0], self.params.logprobs)
+        if self.params.logprobs is not None and reply.accepted_ids is None:
+            # (a verify call's were taken by its acceptor, _recording)
+            self._entries = [logprob_entry(reply.logits, t, self.params.logprobs)
+                             for t in tokens if t != NO_TOKEN]
         self.sampler.took(tokens)
         if self.speculator is not None:
             self.speculator.took(tokens)
@@ -184,7 +188,9 @@ class Generation:
         token = tokens[-1]
         if c is not None:
             c.took(tokens)
-            if c.complete:  # what is queued ends the answer: no call to make
+            if c.complete and (self.params.logprobs is None or not c.queued):
+                # What is queued ends the answer: no call to make (with logprobs asked for,
+                # the queued tokens are fed first, their logits the entries')
                 if self._emit(c.queued):
                     self._finish(NO_TOKEN, "stop")
                 return
@@ -235,7 +241,9 @@ class Generation:
     def _emit(self, tokens: list[int]) -> bool:
         """Emit a step's tokens, ending the generation at an end id or a limit: whether it
         goes on."""
-        for token in tokens:
+        entries, self._entries = self._entries, []
+        for i, token in enumerate(tokens):
+            self._logprob = entries[i] if i < len(entries) else None
             if token in self.stops or token == NO_TOKEN:  # not part of the text
                 self._finish(NO_TOKEN, "stop")
                 return False
@@ -296,11 +304,24 @@ class Generation:
                   functools.partial(sampled_acceptance, self.sampler))
         if self.constraint is not None:
             accept = self._grammar_acceptor(fed, accept)
-        elif self.params.greedy:  # the call's argmax decides, on the device
+        if self.params.logprobs is not None:
+            accept = self._recording(accept)
+        elif self.params.greedy and self.constraint is None:  # the device's argmax decides
             accept = None
         return Request(seq_id=self.seq_id, tokens=[token] + drafts, start=False, end=False,
                        reply_fn=self.on_reply, draft_tokens=len(drafts), want_logits=False,
                        acceptor=accept, forced_tokens=fed)
+
+    def _recording(self, accept):
+        """`accept` that also takes the log-probability entries of the tokens a verify row
+        yields (those that stood and the one after them) from their positions' raw logits."""
+        def recorded(position_logits: np.ndarray, drafts: list[int]) -> tuple[int, int]:
+            kept, following = accept(position_logits, drafts)
+            tokens = drafts[:kept] + [following]
+            self._entries = [logprob_entry(position_logits[j], t, self.params.logprobs)
+                             for j, t in enumerate(tokens) if t != NO_TOKEN]
+            return kept, following
+        return recorded
 
     def _grammar_acceptor(self, fed: int, rule):
         """A verify row's acceptor under the grammar: the `fed` forced tokens stand; after

@@ -145,13 +145,12 @@ class SamplingParams:
             raise SamplingError(f"sampling parameter min_tokens {adjusted['min_tokens']}: "
                                 f"more than max_tokens {max_tokens}")
 
-        # Not with speculative or structured_output: tokens that come without their own row's
-        # logits (drafts kept, forced tokens fed ahead) would have none, and a prompt fed as a
-        # verify call's forced tokens would share the call with theirs; not built.
-        logprobs, prompt_logprobs = (
-            _top_count(given, key, speculative is not None or structured is not None, beside)
-            for key, beside in (("logprobs", "each chosen one"),
-                                ("prompt_logprobs", "each prompt token")))
+        logprobs = _top_count(given, "logprobs", False, "each chosen one")
+        # Not with speculative or structured_output: a prompt fed as a verify call's forced
+        # tokens would share the call with their drafts and forced tokens; not built.
+        prompt_logprobs = _top_count(given, "prompt_logprobs",
+                                     speculative is not None or structured is not None,
+                                     "each prompt token")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=tuple(stop),
                                 stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
