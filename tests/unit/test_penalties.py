@@ -133,8 +133,6 @@ def test_min_p_keeps_the_tokens_at_least_that_share_of_the_most_likely():
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias: 301 entries: at most 300"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens 20: more than max_tokens 10"),
     ({"min_tokens": -1}, "min_tokens -1"),
-    ({"repetition_penalty": 1.2, "speculative": {"method": "prompt_lookup"}},
-     "speculative: not with penalties"),
 ])
 def test_every_bad_value_is_refused_by_name(d, says):
     with pytest.raises(SamplingError, match=re.escape(says)):
@@ -167,3 +165,52 @@ def test_a_penalized_generation_keeps_its_ids_beside_plain_ones():
     together = run([([3, 4], plain), ([7, 8, 9], penalized), ([5], plain)])
     assert together[1] == alone and len(alone) == 24
     assert run([([7, 8, 9], plain)])[0] != alone
+
+
+def test_a_verify_calls_positions_each_see_the_counts_after_the_drafts_before_them():
+    """Row i of a verify call is adjusted as if drafts[:i] had come: the reference applied to
+    the output so far plus those drafts; the adjuster's counts are left as they were."""
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((4, VOCAB)).astype(np.float32) * 3
+    kw = dict(repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.2,
+              min_tokens=9, max_tokens=20)
+    params = SamplingParams.from_dict(kw)
+    adjuster = LogitsAdjuster(params, PROMPT, ENDS)
+    adjuster.took(OUTPUT)
+    drafts = [7, 30, 7]
+    got = adjuster.adjust_positions(rows, drafts)
+    for i in range(4):
+        want = reference(rows[i], PROMPT, OUTPUT + drafts[:i], presence=0.2, frequency=0.6,
+                         repetition=1.4, min_tokens=9, ends=ENDS)
+        np.testing.assert_allclose(got[i], want, rtol=1e-6)
+    assert adjuster.generated == len(OUTPUT) and adjuster.counts[7] == OUTPUT.count(7)
+    stale = np.stack([adjuster.adjust(r) for r in rows])  # the control: counts not advanced
+    assert not np.allclose(stale[3], got[3])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_penalized_generation_keeps_its_ids_under_speculation(temperature):
+    """Prompt lookup with every adjustment through a real batcher (verify calls): greedy gives
+    the ids of the same generation without speculation; seeded sampling gives the same ids
+    twice, and other ids without the adjustments (the control that they reach verify rows)."""
+    art = fake_artifact(batch_ladder=(1, 4), context_ladder=(128,), vocab=VOCAB)
+
+    verified = []
+
+    def run(d):
+        params = SamplingParams.from_dict({"max_tokens": 30, "ignore_eos": True,
+                                           "temperature": temperature, "seed": 5, **d})
+        runtime = SimulatedRuntime(art, 0.0)
+        positions = runtime.run_positions
+        runtime.run_positions = lambda *a: (verified.append(a[0]), positions(*a))[1]
+        return generate_batched(Engine(runtime), None, [([7, 8, 9, 7, 8, 9, 7, 8], params)],
+                                2)[0]
+    adjust = {"repetition_penalty": 1.2, "frequency_penalty": 0.3, "logit_bias": {"11": 2.0},
+              "min_tokens": 4}
+    spec = {"speculative": {"method": "prompt_lookup", "num_draft_tokens": 3}}
+    with_spec = run({**adjust, **spec})
+    assert verified, "no verify call ran"
+    assert len(with_spec) == 30 and with_spec == run({**adjust, **spec})
+    if temperature == 0:
+        assert with_spec == run(adjust)
+    assert run(spec) != with_spec

@@ -304,10 +304,14 @@ class Generation:
                   functools.partial(sampled_acceptance, self.sampler))
         if self.constraint is not None:
             accept = self._grammar_acceptor(fed, accept)
-        if self.params.logprobs is not None:
+        adjuster = self.sampler.adjuster
+        if adjuster is not None:  # each position's logits as its own counts change them
+            rule = accept
+            accept = lambda rows, drafts: rule(adjuster.adjust_positions(rows, drafts), drafts)
+        if self.params.logprobs is not None:  # (from the raw logits)
             accept = self._recording(accept)
-        elif self.params.greedy and self.constraint is None:  # the device's argmax decides
-            accept = None
+        elif self.params.greedy and self.constraint is None and adjuster is None:
+            accept = None  # the device's argmax decides
         return Request(seq_id=self.seq_id, tokens=[token] + drafts, start=False, end=False,
                        reply_fn=self.on_reply, draft_tokens=len(drafts), want_logits=False,
                        acceptor=accept, forced_tokens=fed)

@@ -90,6 +90,20 @@ class LogitsAdjuster:
             self.counts[int(t)] = self.counts.get(int(t), 0) + 1
         self.generated += len(tokens)
 
+    def adjust_positions(self, rows: np.ndarray, drafts: list[int]) -> np.ndarray:
+        """A verify call's rows adjusted: row i as if `drafts[:i]` had come next (each
+        position's counts after the drafts before it); the counts are left as they were."""
+        counts, generated = dict(self.counts), self.generated
+        try:
+            out = []
+            for i, row in enumerate(rows):
+                out.append(self.adjust(row))
+                if i < len(drafts):
+                    self.took([drafts[i]])
+            return np.stack(out)
+        finally:
+            self.counts, self.generated = counts, generated
+
     def adjust(self, logits: np.ndarray) -> np.ndarray:
         p = self.params
         z = np.array(logits, np.float32).reshape(-1)  # a copy: the reply's stays as it came

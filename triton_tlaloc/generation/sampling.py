@@ -158,11 +158,6 @@ class SamplingParams:
                                 structured_output=structured, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs,
                                 skip_special_tokens=skip_special_tokens, **adjusted)
-        if speculative is not None and (penalties.adjusts(params) or params.min_p):
-            # A verify call's positions would each need the counts after the drafts before
-            # them; not built.
-            raise SamplingError("sampling parameter speculative: not with penalties, "
-                                "logit_bias, min_tokens or min_p")
         return params
 
     def to_dict(self) -> dict:
@@ -217,6 +212,10 @@ class Sampler:
     def choose(self, logits: np.ndarray) -> int:
         if self.adjuster is not None:
             logits = self.adjuster.adjust(logits)
+        return self.pick(logits)
+
+    def pick(self, logits: np.ndarray) -> int:
+        """The choice from logits already adjusted (the penalties applied, or none asked)."""
         if self.params.greedy:
             return int(np.argmax(logits))
         ids, weights = self.distribution(logits)

@@ -194,7 +194,8 @@ def sampled_acceptance(sampler, position_logits: np.ndarray,
                        drafts: list[int]) -> tuple[int, int]:
     """Which drafts stand under speculative sampling, and the token that follows them.
     `position_logits[i]` are the logits after the token before draft i (the last row: after
-    the last draft); `sampler` is the request's (`Sampler`: its parameters and generator)."""
+    the last draft), adjusted by the request's penalties already (LogitsAdjuster.
+    adjust_positions); `sampler` is the request's (`Sampler`: its parameters and generator)."""
     for i, draft in enumerate(drafts):
         ids, weights = sampler.distribution(position_logits[i])
         at = _position(ids, draft, weights.size)
@@ -206,7 +207,7 @@ def sampled_acceptance(sampler, position_logits: np.ndarray,
             weights = weights.copy()
             weights[at] = 0
         return i, sampler.draw(ids, weights)
-    return len(drafts), sampler.choose(position_logits[len(drafts)])
+    return len(drafts), sampler.pick(position_logits[len(drafts)])
 
 
 def greedy_acceptance(position_logits, drafts: list[int]) -> tuple[int, int]:
