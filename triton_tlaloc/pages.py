@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .model_parameters import default_int
 from .kv.cache_kinds import CacheKind, FullPages, RingPages, StateSlots
+from .kv.open_blocks import OpenBlocks, PageCopy
 from .kv.page_pools import (FULL, POOLS, STATE, WINDOWED, PagePool, PagesExhausted, SharedPagePool,
                             block_hash, pages_for, root_hash)
 from .kv.sequence import HELD, SequenceStatus
@@ -83,6 +84,7 @@ class Reuse:
     queried: int = 0
     reused: int = 0  # of them, on the device or on the host
     from_host: int = 0  # of them, written back from the host tier
+    copied: int = 0  # of them, copied from a running sequence's open block
     taken: Sequence | None = field(default=None, repr=False)  # the ended sequence continued
     order: list = field(default_factory=list, repr=False)  # the kept sequences' order before
 
@@ -126,6 +128,11 @@ class BlockManager:
         self.dropped = 0  # ended sequences dropped (for pages, or past keep_ended)
         self.continued = 0  # ended sequences taken over by a new prompt
         self.spill: BlockSpill | None = None  # set by a host tier (prefix reuse only)
+        # Running sequences' open blocks, copied for a prompt that continues into one (set
+        # with `copier`, by a host tier: its page transfers copy; prefix reuse only)
+        self.open_blocks = OpenBlocks(self.block_size)
+        self.copier: PageCopy | None = None
+        self.copied = 0  # tokens a prompt found in another's open block (copied, not computed)
 
     def pools(self) -> dict[str, PagePool | SharedPagePool]:
         return {name: kind.pool for name, kind in self.kinds.items()}
@@ -145,6 +152,9 @@ class BlockManager:
         self._take(seq, self.need(seq, length))
         if seq.from_host:
             self._restore(seq)
+        if seq.copy_from is not None:  # the page after its shared blocks: a running one's copy
+            self.copier.copy_page(seq.copy_from, seq.pages[len(seq.block_hashes)])
+            seq.copy_from = None
         if seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             seq.move_to(SequenceStatus.RUNNING)  # admitted (again)
 
@@ -188,6 +198,8 @@ class BlockManager:
             parent = block_hash(parent, seq.token_ids[b * bs:(b + 1) * bs])
             seq.block_hashes.append(parent)
             self.full.register(seq.pages[b], parent)
+        if self.copier is not None:
+            self.open_blocks.update(seq)
 
     def check_writes(self, seq: Sequence) -> None:
         """A call writes from position num_cached on: never into a block others may share."""
@@ -223,9 +235,33 @@ class BlockManager:
         seq.block_hashes = [self.full.block_of(p) for p in prefix] + [h for h, _ in on_host]
         seq.from_host = [block for _, block in on_host]
         seq.num_cached = len(seq.block_hashes) * self.block_size
+        copied = self._copy_open_block(seq, prompt)
+        seq.num_cached += copied
         seq.reused = seq.num_cached
         return Reuse(len(prompt) if self.prefix_reuse else 0, seq.num_cached,
-                     from_host=len(on_host) * self.block_size)
+                     from_host=len(on_host) * self.block_size, copied=copied)
+
+    def _copy_open_block(self, seq: Sequence, prompt: list[int]) -> int:
+        """When the prompt's positions after its cached blocks (all but its last token) are in
+        a running sequence's page, that page is to be copied by the reservation: its open
+        block, or when the prompt ends a block, that block itself (its last token is computed,
+        so it cannot be shared); how many positions the copy gives (0: none found)."""
+        start, bs = seq.num_cached, self.block_size
+        tail = prompt[start:len(prompt) - 1]  # the last token is always computed
+        if self.copier is None or not tail or len(tail) >= bs:
+            return 0
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.root
+        page = None
+        if len(prompt) - start == bs:
+            page = self.full.page_of(block_hash(parent, prompt[start:]))
+            if page is not None and self.full.refs[page] <= self.full.kept[page]:
+                page = None  # only a live sequence's page is safe from the reservation
+        seq.copy_from = page if page is not None else self.open_blocks.page_for(
+            parent, seq.root, tail)
+        if seq.copy_from is None:
+            return 0
+        self.copied += len(tail)
+        return len(tail)
 
     def unstart(self, seq: Sequence, reuse: Reuse) -> None:
         """Undo `start` (the prompt was refused): an ended sequence taken over is kept again,
@@ -238,8 +274,10 @@ class BlockManager:
                     self.ended.move_to_end(key)
         else:
             self.full.release(seq.pages)
+        self.copied -= reuse.copied
         seq.pages, seq.ring, seq.state_slot = [], [], None
         seq.block_hashes, seq.num_cached, seq.reused, seq.from_host = [], 0, 0, []
+        seq.copy_from = None
 
     def _prefix(self, prompt: list[int], root: bytes) -> tuple[list[int], list[tuple]]:
         """The device pages holding the prompt's leading full blocks, and the blocks after
@@ -356,6 +394,7 @@ class BlockManager:
             self._drop_ended()
 
     def _keep(self, seq: Sequence) -> None:
+        self.open_blocks.forget(seq)  # (not running: its pages are not copied)
         self.ended[id(seq)] = seq
         self.full.keep(seq.pages)
         if seq.status is not SequenceStatus.KEPT:  # (kept again when a takeover is undone)
@@ -376,6 +415,7 @@ class BlockManager:
     def detach(self, seq: Sequence) -> None:
         """Release everything `seq` holds but keep what it is (its tokens, how many are
         computed, its block hashes): its KV has been copied to the host (swapped out)."""
+        self.open_blocks.forget(seq)
         self._keep_first(seq, {name: 0 for name in self.kinds})
 
     def attach(self, seq: Sequence, num_pages: int, num_ring: int, state_slots: int) -> int:

@@ -111,8 +111,10 @@ class HostTier:
         self.spilled = 0  # blocks copied here as they were evicted
         self.restored = 0  # blocks written back for a prompt
         self.spill_seconds = 0.0
+        self.copied_pages = 0  # running sequences' open blocks copied for a prompt
         if blocks.prefix_reuse:
             blocks.spill = self
+            blocks.copier = self
 
     def bytes_for(self, seq: Sequence) -> int:
         """Host bytes `seq`'s swap-out would take."""
@@ -207,6 +209,12 @@ class HostTier:
         arrays = {k: np.concatenate([b.arrays[k] for b in blocks]) for k in blocks[0].arrays}
         self.transfer.write(HostPages(FULL, arrays), pages)
         self.restored += len(blocks)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """One full-history page's KV into another (kv/open_blocks.py): read and written back
+        by the page transfers (no host bytes kept)."""
+        self.transfer.write(self.transfer.read(FULL, [src]), [dst])
+        self.copied_pages += 1
 
     def _trim(self, room: int) -> None:
         """Drop kept blocks, least recently used first, until `room` more bytes fit."""

@@ -67,6 +67,10 @@ class Sequence:
     # Between its START and its reservation: prompt blocks found on the host tier, written
     # into its pages by the reservation (pages.BlockManager.start).
     from_host: list = field(default_factory=list)
+    # Between its START and its reservation: a running sequence's page holding its prompt's
+    # positions after the shared blocks, copied into its own page by the reservation
+    # (pages.BlockManager.start, kv/open_blocks.py).
+    copy_from: int | None = None
 
     def move_to(self, status: SequenceStatus) -> None:
         assert status in NEXT[self.status], \

@@ -110,8 +110,10 @@ class Job:
     def is_decode(self) -> bool:
         """A decode step: one token for a sequence that has every earlier one computed (one
         cut back into a registered block computes that block's kept positions again: a
-        prefill call)."""
-        return self.request.is_decode and len(self.seq.uncached) == 1
+        prefill call), or a prompt found cached but for its last token (a decode row too)."""
+        if len(self.seq.uncached) != 1:
+            return False
+        return self.request.is_decode or (self.request.start and self.seq.num_cached > 0)
 
 
 class Admission:
