@@ -84,7 +84,7 @@ class Reuse:
     queried: int = 0
     reused: int = 0  # of them, on the device or on the host
     from_host: int = 0  # of them, written back from the host tier
-    copied: int = 0  # of them, copied from a running sequence's open block
+    copied: int = 0  # of them, copied from another sequence's page
     taken: Sequence | None = field(default=None, repr=False)  # the ended sequence continued
     order: list = field(default_factory=list, repr=False)  # the kept sequences' order before
 
@@ -128,8 +128,8 @@ class BlockManager:
         self.dropped = 0  # ended sequences dropped (for pages, or past keep_ended)
         self.continued = 0  # ended sequences taken over by a new prompt
         self.spill: BlockSpill | None = None  # set by a host tier (prefix reuse only)
-        # Running sequences' open blocks, copied for a prompt that continues into one (set
-        # with `copier`, by a host tier: its page transfers copy; prefix reuse only)
+        # Held sequences' open blocks, copied for a prompt that continues into one (set with
+        # `copier`, by a host tier: its page transfers copy; prefix reuse only)
         self.open_blocks = OpenBlocks(self.block_size)
         self.copier: PageCopy | None = None
         self.copied = 0  # tokens a prompt found in another's open block (copied, not computed)
@@ -152,8 +152,9 @@ class BlockManager:
         self._take(seq, self.need(seq, length))
         if seq.from_host:
             self._restore(seq)
-        if seq.copy_from is not None:  # the page after its shared blocks: a running one's copy
+        if seq.copy_from is not None:  # the page after its shared blocks: another's copy
             self.copier.copy_page(seq.copy_from, seq.pages[len(seq.block_hashes)])
+            self.full.release([seq.copy_from])
             seq.copy_from = None
         if seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             seq.move_to(SequenceStatus.RUNNING)  # admitted (again)
@@ -224,6 +225,7 @@ class BlockManager:
         if ended is not None and ended.num_cached >= found:
             order = list(self.ended)
             self._unkeep(ended)
+            self.open_blocks.forget(ended)  # its pages are this sequence's now
             seq.pages, seq.ring, seq.state_slot = list(ended.pages), list(ended.ring), \
                 ended.state_slot
             seq.block_hashes, seq.num_cached = list(ended.block_hashes), ended.num_cached
@@ -243,23 +245,24 @@ class BlockManager:
 
     def _copy_open_block(self, seq: Sequence, prompt: list[int]) -> int:
         """When the prompt's positions after its cached blocks (all but its last token) are in
-        a running sequence's page, that page is to be copied by the reservation: its open
-        block, or when the prompt ends a block, that block itself (its last token is computed,
-        so it cannot be shared); how many positions the copy gives (0: none found)."""
+        another sequence's page, that page is to be copied by the reservation: a held
+        sequence's open block, or when the prompt ends a block, that block cached whole (its
+        last token is computed, so it cannot be shared); how many positions the copy gives (0:
+        none found). The page is held until it is copied."""
         start, bs = seq.num_cached, self.block_size
         tail = prompt[start:len(prompt) - 1]  # the last token is always computed
         if self.copier is None or not tail or len(tail) >= bs:
             return 0
         parent = seq.block_hashes[-1] if seq.block_hashes else seq.root
         page = None
-        if len(prompt) - start == bs:
+        if len(prompt) - start == bs:  # cached whole, by its hash
             page = self.full.page_of(block_hash(parent, prompt[start:]))
-            if page is not None and self.full.refs[page] <= self.full.kept[page]:
-                page = None  # only a live sequence's page is safe from the reservation
-        seq.copy_from = page if page is not None else self.open_blocks.page_for(
-            parent, seq.root, tail)
-        if seq.copy_from is None:
+        if page is None:
+            page = self.open_blocks.page_for(parent, seq.root, tail)
+        if page is None:
             return 0
+        self.full.hold(page)  # until it is copied: the reservation may drop its holder
+        seq.copy_from = page
         self.copied += len(tail)
         return len(tail)
 
@@ -274,6 +277,8 @@ class BlockManager:
                     self.ended.move_to_end(key)
         else:
             self.full.release(seq.pages)
+        if seq.copy_from is not None:
+            self.full.release([seq.copy_from])
         self.copied -= reuse.copied
         seq.pages, seq.ring, seq.state_slot = [], [], None
         seq.block_hashes, seq.num_cached, seq.reused, seq.from_host = [], 0, 0, []
@@ -394,7 +399,6 @@ class BlockManager:
             self._drop_ended()
 
     def _keep(self, seq: Sequence) -> None:
-        self.open_blocks.forget(seq)  # (not running: its pages are not copied)
         self.ended[id(seq)] = seq
         self.full.keep(seq.pages)
         if seq.status is not SequenceStatus.KEPT:  # (kept again when a takeover is undone)

@@ -2,8 +2,9 @@
 page (kv/open_blocks.py, pages.BlockManager.start) over a fake runtime whose "KV" is the token
 at each slot: the copy holds the prompt's positions, the prompt's last token alone is computed,
 as a decode row, and the donor writing on into its own page touches nothing of the copy.
-Nothing is copied from a sequence cut back, ended or of another cache salt, nor without a host
-tier (whose page transfers copy). Through the batcher, n starts of one prompt compute it once."""
+An ended sequence kept for its next turn gives copies too, its page held until copied; nothing
+is copied from a sequence cut back, freed or of another cache salt, nor without a host tier
+(whose page transfers copy). Through the batcher, n starts of one prompt compute it once."""
 
 from __future__ import annotations
 
@@ -47,10 +48,11 @@ def test_a_prompt_ending_a_block_copies_a_running_sequences_full_block():
     engine.decode([b])
     assert rt.kv_of(b) == prompt
     engine.blocks.check([a, b])
-    engine.blocks.finish(a)
-    engine.blocks.finish(b)
+    engine.blocks.free(a)
+    engine.blocks.free(b)  # the block stays cached, held by none: copied all the same
     c = Sequence([])
-    assert engine.admit(c, list(prompt)).copied == 0 and c.num_cached == 16
+    assert engine.admit(c, list(prompt)).copied == 7 and rt.kv_of(c) == prompt[:23]
+    engine.blocks.check([c])
 
 
 def test_a_copy_into_the_wrong_page_does_not_hold_the_prompt():
@@ -63,9 +65,29 @@ def test_a_copy_into_the_wrong_page_does_not_hold_the_prompt():
     assert rt.kv_of(b) != PROMPT[:19]
 
 
-def test_nothing_is_copied_from_a_sequence_cut_back_ended_or_of_another_salt():
+def test_an_ended_sequence_kept_for_its_next_turn_gives_a_copy_held_until_copied():
+    """Choice 0 may end before the others start: its page, kept, is copied. The copy's source
+    is held from the START until the reservation has copied it (a reservation may drop kept
+    sequences for room), then let go; a START refused for pages lets it go too."""
+    rt, engine, host = engine_with_host(fake_artifact(num_blocks=5))  # 4 pages of 8
+    a, b = Sequence([]), Sequence([])
+    run_prompt(engine, a, PROMPT)  # 3 pages
+    engine.blocks.finish(a)  # kept whole
+    full, source = engine.blocks.full, a.pages[2]
+    reuse = engine.blocks.start(b, list(PROMPT), a.root)
+    assert reuse.copied == 3 and b.copy_from == source and full.refs[source] == 2
+    engine.blocks.unstart(b, reuse)  # refused: the hold goes with it
+    assert full.refs[source] == 1 and b.copy_from is None
+    reuse = engine.admit(b, list(PROMPT))  # 2 shared, 1 new: the free page
+    assert reuse.copied == 3 and rt.kv_of(b) == PROMPT[:19] and full.refs[source] == 1
+    engine.decode([b])
+    assert rt.kv_of(b) == PROMPT
+    engine.blocks.check([b])
+
+
+def test_nothing_is_copied_from_a_sequence_cut_back_gone_or_of_another_salt():
     art = fake_artifact(num_blocks=33)
-    for case in ("cut back", "ended", "salt", "other tokens", "no host tier"):
+    for case in ("cut back", "freed", "salt", "other tokens", "no host tier"):
         rt, engine, host = engine_with_host(art)
         if case == "no host tier":
             rt = FakeRuntime(art)
@@ -75,8 +97,8 @@ def test_nothing_is_copied_from_a_sequence_cut_back_ended_or_of_another_salt():
         prompt = list(PROMPT)
         if case == "cut back":
             engine.blocks.truncate(a, 17)
-        elif case == "ended":
-            engine.blocks.finish(a)
+        elif case == "freed":
+            engine.blocks.free(a)
         elif case == "other tokens":
             prompt[17] = 99
         reuse = engine.admit(b, prompt, "tenant" if case == "salt" else None)

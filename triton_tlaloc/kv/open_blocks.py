@@ -1,7 +1,7 @@
-"""Blocks of running sequences not yet full, found by what comes before them, so that a prompt
+"""Blocks of held sequences not yet full, found by what comes before them, so that a prompt
 whose cached prefix ends inside such a block gets a copy of its page instead of computing its
 positions again: n choices of one prompt, started once the first has computed it, or the same
-prompt sent twice at once (docs/design.md#kv-reuse).
+prompt sent twice (docs/design.md#kv-reuse).
 
 Full blocks are shared by hash (kv/page_pools.py); a block still open cannot be: its sequence
 goes on writing into it. Its first positions are final, though, and a copy of its page holds
@@ -13,8 +13,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from .sequence import SequenceStatus
+
 if TYPE_CHECKING:
     from .sequence import Sequence
+
+# Holding no pages of their own (or none it can be sure of)
+GONE = (SequenceStatus.FINISHED, SequenceStatus.PREEMPTED, SequenceStatus.SWAPPED)
 
 
 class PageCopy(Protocol):
@@ -24,8 +29,10 @@ class PageCopy(Protocol):
 
 
 class OpenBlocks:
-    """Each running sequence's blocks that were open (partly computed) when it was last
-    registered, by the hash of the block before them (or its root, for its first block)."""
+    """Each held sequence's blocks that were open (partly computed) when it was registered, by
+    the hash of the block before them (or its root, for its first block): running sequences'
+    and those ended and kept whole for a next turn (n choices: choice 0 may end before the
+    others start)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -43,18 +50,20 @@ class OpenBlocks:
             self.keys.setdefault(id(seq), []).append(parent)
 
     def forget(self, seq: Sequence) -> None:
-        """`seq` is no longer running (ended, freed, swapped out, dropped)."""
+        """`seq` holds its pages no more (freed, swapped out, dropped, taken over)."""
         for key in self.keys.pop(id(seq), ()):
             if self.by_parent.get(key, (None,))[0] is seq:
                 del self.by_parent[key]
 
     def page_for(self, parent: bytes, root: bytes, tokens: list[int]) -> int | None:
-        """The page of a running sequence whose block after `parent` begins with `tokens`,
+        """The page of a held sequence whose block after `parent` begins with `tokens`,
         computed (its KV final), or None."""
         found = self.by_parent.get(parent)
         if found is None or not tokens:
             return None
         seq, b = found
+        if seq.status in GONE:
+            return None
         start = b * self.block_size
         if b > len(seq.block_hashes):  # cut back below it
             return None

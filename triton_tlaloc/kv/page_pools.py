@@ -181,6 +181,13 @@ class SharedPagePool:
                 del self._cached[p]
             self._count(p, holds=1)
 
+    def hold(self, page: int) -> None:
+        """Hold a page once more whether or not it holds a block (a copy's source, held or
+        cached, kept from evictions until it is copied); `release` lets it go."""
+        if self.refs[page] == 0:
+            del self._cached[page]
+        self._count(page, holds=1)
+
     def release(self, pages: list[int]) -> None:
         """Drop one hold on each page, last page first: a page nobody holds is cached when it
         holds a known block, free otherwise."""
