@@ -11,6 +11,12 @@ backend runs them at 1 and at 4 rows (or --rows), one way of writing them at a t
     bf16 [out,in] trip      widened in the product, input rounded by a bf16 round trip
     bf16 [out,in] rp        the same, input rounded by reduce_precision
     bf16 [out,in] rp+mat    the same, input materialized first (a reduce: the bf16 artifact)
+    f32 [out,in] reduce     f32 weights, each row's product written as a multiply and a sum
+                            (a reduction XLA fuses) instead of a dot
+    q4 [out,in] dot         4-bit codes packed two a byte with an f32 scale per 32 (GGUF Q4_0's
+                            values, export/gguf_packed.py's layout) widened, then a dot per row
+    q4 [out,in] reduce      the same codes widened inside a multiply-and-sum per row (the
+                            widening can fuse into the reduction: no f32 copy of the weight)
 
 Each variant and row count runs in its own process, in turn, for --rounds rounds; a figure is the
 median over rounds of the median of 11 timed calls (after 3 untimed). GB/s is weight bytes over
@@ -32,7 +38,8 @@ import sys
 import time
 
 VARIANTS = ["f32 [in,out]", "f32 [out,in]", "bf16 [in,out]", "bf16 [out,in] trip",
-            "bf16 [out,in] rp", "bf16 [out,in] rp+mat"]
+            "bf16 [out,in] rp", "bf16 [out,in] rp+mat", "f32 [out,in] reduce",
+            "q4 [out,in] dot", "q4 [out,in] reduce"]
 MATVEC_ROWS = 8  # export/layers.py (not imported: the figures are of XLA, not of the package)
 LAYERS, HIDDEN, INTER, VOCAB, QKV = 30, 576, 1536, 49152, 576 + 2 * 192
 
@@ -44,13 +51,25 @@ def worker(variant: str, rows: int) -> dict:
     from jax import lax
 
     f32 = variant.startswith("f32")
+    q4 = variant.startswith("q4")
     out_first = "[out,in]" in variant
     dtype = jnp.float32 if f32 else jnp.bfloat16
     rng = np.random.default_rng(0)
 
     def weight(n_in, n_out):
         shape = (n_out, n_in) if out_first else (n_in, n_out)
+        if q4:  # (nibbles [out, in / 2]: element i low, i + 16 high in each 32; scales)
+            return (jnp.asarray(rng.integers(0, 256, (n_out, n_in // 2), dtype=np.uint8)),
+                    jnp.asarray(rng.random((n_out, n_in // 32), dtype=np.float32) * 0.01))
         return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 0.02, dtype=dtype)
+
+    def widened(w):
+        nibbles, scale = w
+        n_out = nibbles.shape[0]
+        g = nibbles.reshape(n_out, -1, 1, 16)
+        q = jnp.concatenate([g & 0x0F, g >> 4], axis=2).reshape(n_out, -1, 32)
+        return ((q.astype(jnp.int32) - 8).astype(jnp.float32) * scale[..., None]).reshape(
+            n_out, -1)
 
     layers = [(weight(HIDDEN, QKV), weight(HIDDEN, HIDDEN), weight(HIDDEN, 2 * INTER),
                weight(INTER, HIDDEN)) for _ in range(LAYERS)]
@@ -58,6 +77,12 @@ def worker(variant: str, rows: int) -> dict:
     norm_w = jnp.full((HIDDEN,), 1.1, jnp.float32)
 
     def linear(x, w):
+        if variant.endswith("reduce"):
+            wf = widened(w) if q4 else w
+            return jnp.stack([jnp.sum(wf * r[None, :], axis=1) for r in x])
+        if q4:
+            wf = widened(w)
+            return jnp.stack([jnp.dot(wf, r, precision=lax.Precision.HIGHEST) for r in x])
         if f32 and out_first:
             if x.shape[0] <= MATVEC_ROWS:
                 return jnp.stack([jnp.dot(w, r, precision=lax.Precision.HIGHEST) for r in x])
@@ -96,8 +121,9 @@ def worker(variant: str, rows: int) -> dict:
         t0 = time.perf_counter()
         run(x, layers, head).block_until_ready()
         times.append(time.perf_counter() - t0)
-    nbytes = sum(w.nbytes for ws in layers for w in ws) + head.nbytes
-    params = sum(w.size for ws in layers for w in ws) + head.size
+    leaves = jax.tree_util.tree_leaves((layers, head))
+    nbytes = sum(w.nbytes for w in leaves)
+    params = sum(w.size * (2 if w.dtype == jnp.uint8 else 0 if q4 else 1) for w in leaves)
     return {"ms": statistics.median(times) * 1e3, "bytes": nbytes, "params": params}
 
 
