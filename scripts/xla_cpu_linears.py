@@ -17,6 +17,28 @@ backend runs them at 1 and at 4 rows (or --rows), one way of writing them at a t
                             values, export/gguf_packed.py's layout) widened, then a dot per row
     q4 [out,in] reduce      the same codes widened inside a multiply-and-sum per row (the
                             widening can fuse into the reduction: no f32 copy of the weight)
+    q4 [out,in] shift       the same codes widened by reading each byte twice (shifted by 0
+                            and 4, no concatenate), then a dot per row: XLA fuses the whole
+                            widening into the matrix-vector product
+    int8 [out,in] channel   int8 codes widened inside a dot per row, times a scale per output
+                            channel (the exporter's int8)
+    q4 shift i32            the same, each byte widened to int32 before it is shifted (x86 has
+                            no shift of bytes: XLA's CPU code shifts them one at a time)
+    q4 halves               byte j of a row holds column j (low half) and column j + in / 2
+                            (high half): two dots per row, one per half, each widening with
+                            one mask or one shift
+    q4 halves one dot       the same bytes widened as [out, 2, in / 2] (low halves, then high
+                            halves), one dot per row over the whole row
+    q4 bands                codes two a byte along the rows instead (export/gguf_packed.py's
+                            row bands: byte [i, j] holds rows i and i + out / 2 of column j):
+                            a dot per band and row, each band widened by one shift and mask
+    q4 bands offset         the same with an offset per group added (Q4_1, Q4_K)
+    q4 factored             the codes' products summed per group of 32 first (an einsum),
+                            then times each group's scale and summed: no scale per element
+    q4 via int8             the codes unpacked to int8 first (a separate fusion, its output kept
+                            apart by an optimization barrier), then as int8 groups
+    int8 groups             int8 codes [out, in] with a scale per 32 (GGUF's per-group values
+                            at a byte an element), widened inside a dot per row
 
 Each variant and row count runs in its own process, in turn, for --rounds rounds; a figure is the
 median over rounds of the median of 11 timed calls (after 3 untimed). GB/s is weight bytes over
@@ -39,7 +61,10 @@ import time
 
 VARIANTS = ["f32 [in,out]", "f32 [out,in]", "bf16 [in,out]", "bf16 [out,in] trip",
             "bf16 [out,in] rp", "bf16 [out,in] rp+mat", "f32 [out,in] reduce",
-            "q4 [out,in] dot", "q4 [out,in] reduce"]
+            "q4 [out,in] dot", "q4 [out,in] reduce", "q4 [out,in] shift", "q4 shift i32", "q4 halves",
+            "q4 halves one dot", "q4 factored", "q4 via int8", "q4 bands", "q4 bands offset",
+            "int8 [out,in] channel", "int8 groups",
+            "uint8 masked groups"]
 MATVEC_ROWS = 8  # export/layers.py (not imported: the figures are of XLA, not of the package)
 LAYERS, HIDDEN, INTER, VOCAB, QKV = 30, 576, 1536, 49152, 576 + 2 * 192
 
@@ -52,12 +77,26 @@ def worker(variant: str, rows: int) -> dict:
 
     f32 = variant.startswith("f32")
     q4 = variant.startswith("q4")
+    int8 = variant.startswith("int8")
     out_first = "[out,in]" in variant
     dtype = jnp.float32 if f32 else jnp.bfloat16
     rng = np.random.default_rng(0)
 
     def weight(n_in, n_out):
         shape = (n_out, n_in) if out_first else (n_in, n_out)
+        if variant == "uint8 masked groups":
+            return (jnp.asarray(rng.integers(0, 256, (n_out, n_in), dtype=np.uint8)),
+                    jnp.asarray(rng.random((n_out, n_in // 32), dtype=np.float32) * 0.01))
+        if variant == "int8 groups":
+            return (jnp.asarray(rng.integers(-8, 8, (n_out, n_in), dtype=np.int8)),
+                    jnp.asarray(rng.random((n_out, n_in // 32), dtype=np.float32) * 0.01))
+        if int8:
+            return (jnp.asarray(rng.integers(-127, 128, (n_out, n_in), dtype=np.int8)),
+                    jnp.asarray(rng.random((n_out,), dtype=np.float32) * 0.01))
+        if variant.startswith("q4 bands"):  # (bytes [out / 2, in], scales, offsets)
+            return (jnp.asarray(rng.integers(0, 256, (n_out // 2, n_in), dtype=np.uint8)),
+                    jnp.asarray(rng.random((n_out, n_in // 32), dtype=np.float32) * 0.01),
+                    jnp.asarray(rng.random((n_out, n_in // 32), dtype=np.float32) * 0.01))
         if q4:  # (nibbles [out, in / 2]: element i low, i + 16 high in each 32; scales)
             return (jnp.asarray(rng.integers(0, 256, (n_out, n_in // 2), dtype=np.uint8)),
                     jnp.asarray(rng.random((n_out, n_in // 32), dtype=np.float32) * 0.01))
@@ -66,6 +105,15 @@ def worker(variant: str, rows: int) -> dict:
     def widened(w):
         nibbles, scale = w
         n_out = nibbles.shape[0]
+        if "shift" in variant:  # each byte read twice, shifted by 0 and 4: no concatenate
+            g = nibbles.reshape(n_out, -1, 1, 16)
+            if variant.endswith("i32"):
+                shift = lax.broadcasted_iota(jnp.int32, (1, 1, 2, 1), 2) * 4
+                q = ((g.astype(jnp.int32) >> shift) & 0x0F) - 8
+            else:
+                shift = lax.broadcasted_iota(jnp.uint8, (1, 1, 2, 1), 2) * 4
+                q = ((g >> shift) & 0x0F).astype(jnp.int32) - 8
+            return (q.astype(jnp.float32) * scale[:, :, None, None]).reshape(n_out, -1)
         g = nibbles.reshape(n_out, -1, 1, 16)
         q = jnp.concatenate([g & 0x0F, g >> 4], axis=2).reshape(n_out, -1, 32)
         return ((q.astype(jnp.int32) - 8).astype(jnp.float32) * scale[..., None]).reshape(
@@ -77,6 +125,75 @@ def worker(variant: str, rows: int) -> dict:
     norm_w = jnp.full((HIDDEN,), 1.1, jnp.float32)
 
     def linear(x, w):
+        if variant in ("int8 groups", "uint8 masked groups"):
+            codes, scale = w
+            n_out, n_in = codes.shape
+            if codes.dtype == jnp.uint8:  # a byte's low half only: the masking's own cost
+                codes = ((codes & 0x0F).astype(jnp.int32) - 8)
+            wf = (codes.astype(jnp.float32).reshape(n_out, -1, 32) * scale[..., None]).reshape(
+                n_out, n_in)
+            return jnp.stack([jnp.dot(wf, r, precision=lax.Precision.HIGHEST) for r in x])
+        if variant == "q4 halves":
+            nibbles, scale = w
+            n_out, half = nibbles.shape
+            s_lo, s_hi = scale[:, :half // 32, None], scale[:, half // 32:, None]
+            lo = (((nibbles & 0x0F).astype(jnp.int32) - 8).astype(jnp.float32).reshape(
+                n_out, -1, 32) * s_lo).reshape(n_out, half)
+            hi = (((nibbles >> 4).astype(jnp.int32) - 8).astype(jnp.float32).reshape(
+                n_out, -1, 32) * s_hi).reshape(n_out, half)
+            hp = lax.Precision.HIGHEST
+            # the two products kept apart from their sum: fused with it, XLA widens one of
+            # the halves into a buffer first
+            return jnp.stack([sum(lax.optimization_barrier((jnp.dot(lo, r[:half], precision=hp),
+                                                            jnp.dot(hi, r[half:], precision=hp))))
+                              for r in x])
+        if variant == "q4 via int8":
+            nibbles, scale = w
+            n_out = nibbles.shape[0]
+            g = nibbles.reshape(n_out, -1, 1, 16)
+            shift = lax.broadcasted_iota(jnp.uint8, (1, 1, 2, 1), 2) * 4
+            codes = lax.optimization_barrier(
+                (((g >> shift) & 0x0F).astype(jnp.int8) - 8).reshape(n_out, -1))
+            wf = (codes.astype(jnp.float32).reshape(n_out, -1, 32) * scale[..., None]).reshape(
+                n_out, -1)
+            return jnp.stack([jnp.dot(wf, r, precision=lax.Precision.HIGHEST) for r in x])
+        if variant.startswith("q4 bands"):
+            planes, scale, offset = w
+            half = planes.shape[0]
+            bands = []
+            for f in range(2):
+                q = (((planes >> (4 * f)) & 0x0F).astype(jnp.int32) - 8).astype(jnp.float32)
+                v = q.reshape(half, -1, 32) * scale[f * half:(f + 1) * half, :, None]
+                if variant.endswith("offset"):
+                    v = v + offset[f * half:(f + 1) * half, :, None]
+                bands.append(v.reshape(half, -1))
+            hp = lax.Precision.HIGHEST
+            return jnp.stack([jnp.concatenate([jnp.dot(b, r, precision=hp) for b in bands])
+                              for r in x])
+        if variant == "q4 halves one dot":
+            nibbles, scale = w
+            n_out, half = nibbles.shape
+            shift = lax.broadcasted_iota(jnp.int32, (1, 2, 1), 1) * 4
+            q = ((nibbles[:, None, :].astype(jnp.int32) >> shift) & 0x0F) - 8
+            wf = (q.astype(jnp.float32).reshape(n_out, -1, 32) * scale[..., None]).reshape(
+                n_out, 2 * half)
+            return jnp.stack([jnp.dot(wf, r, precision=lax.Precision.HIGHEST) for r in x])
+        if variant == "q4 factored":
+            nibbles, scale = w
+            n_out = nibbles.shape[0]
+            g = nibbles.reshape(n_out, -1, 1, 16)
+            shift = lax.broadcasted_iota(jnp.uint8, (1, 1, 2, 1), 2) * 4
+            q = (((g >> shift) & 0x0F).astype(jnp.int32) - 8).astype(jnp.float32).reshape(
+                n_out, -1, 32)
+            parts = jnp.einsum("ogi,rgi->rog", q, x.reshape(x.shape[0], -1, 32),
+                               precision=lax.Precision.HIGHEST)
+            return jnp.sum(parts * scale[None], axis=-1)
+        if int8:
+            codes, scale = w
+            return jnp.stack([jnp.dot(codes.astype(jnp.float32), r) * scale for r in x])
+        if variant == "q4 shift i32":
+            return jnp.stack([jnp.dot(widened(w), r, precision=lax.Precision.HIGHEST)
+                              for r in x])
         if variant.endswith("reduce"):
             wf = widened(w) if q4 else w
             return jnp.stack([jnp.sum(wf * r[None, :], axis=1) for r in x])
@@ -123,7 +240,8 @@ def worker(variant: str, rows: int) -> dict:
         times.append(time.perf_counter() - t0)
     leaves = jax.tree_util.tree_leaves((layers, head))
     nbytes = sum(w.nbytes for w in leaves)
-    params = sum(w.size * (2 if w.dtype == jnp.uint8 else 0 if q4 else 1) for w in leaves)
+    params = sum(w.size * (2 if w.dtype == jnp.uint8 else 1 if w.dtype == jnp.int8
+                           else 0 if q4 or int8 else 1) for w in leaves)
     return {"ms": statistics.median(times) * 1e3, "bytes": nbytes, "params": params}
 
 

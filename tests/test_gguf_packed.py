@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 
 from triton_tlaloc.export.gguf_packed import BLOCKS, PackError, dequantize, pack  # noqa: E402
 
-ROWS, COLS = 6, 512
+ROWS, COLS = 8, 512  # rows: whole bands of every type (at most 8)
 
 
 def raw_tensor(qtype: str, rng) -> np.ndarray:
@@ -58,6 +58,55 @@ def test_the_packed_values_are_gguf_pys_bit_for_bit(qtype):
     assert bits_per_element <= 8 * raw.nbytes / (ROWS * COLS) * 2.0  # f32 scales: at most 2x
     packed.scale = np.roll(packed.scale, 1, axis=1)  # the control: a neighbour's scale
     assert not same_bits(dequantize(packed), want)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCKS))
+def test_the_programs_widening_reads_gguf_pys_values(qtype):
+    """What an exported program computes from the stored arrays (export/packed_linear.py, the
+    codes in row bands, each band read with a shift and a mask): the whole weight, and rows
+    gathered as the embedding gathers them, equal gguf-py's values bit for bit; its products
+    (a matrix-vector product per band, or one over the widened weight) equal the values'."""
+    import jax
+    import jax.numpy as jnp
+
+    from triton_tlaloc.export.gguf_packed import LAYOUTS
+    from triton_tlaloc.export.packed_linear import gathered_rows, packed_product, weight_values
+
+    rng = np.random.default_rng(10 + list(BLOCKS).index(qtype))
+    raw = raw_tensor(qtype, rng)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    packed = pack(qtype, raw, (ROWS, COLS))
+    arrays = packed.arrays()
+    assert [(s, a.shape) for s, a in arrays.items()] == [
+        (s, shape) for s, _, shape in LAYOUTS[qtype].parts(ROWS, COLS)]
+    w = {"t" + sfx: jnp.asarray(a) for sfx, a in arrays.items()}
+    whole = jax.jit(lambda w: weight_values(qtype, w, "t"))(w)
+    assert same_bits(np.asarray(whole), want)
+    ids = jnp.asarray([[5, 0, 7], [3, 3, 1]], jnp.int32)
+    rows = jax.jit(lambda w, i: gathered_rows(qtype, w, "t", i))(w, ids)
+    assert same_bits(np.asarray(rows), want[np.asarray(ids)])
+    for n in (2, 9):  # products per row and band; one product over the widened weight
+        x = rng.standard_normal((n, COLS)).astype(np.float32)
+        got = jax.jit(lambda w, x: packed_product(x, qtype, w, "t", 8))(w, x)
+        ref = x.astype(np.float64) @ want.T.astype(np.float64)
+        assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))  # f32 sums' rounding
+    w["t.scale"] = jnp.roll(w["t.scale"], 1, axis=1)  # the control: a neighbour's scale
+    assert not same_bits(np.asarray(weight_values(qtype, w, "t")), want)
+
+
+def test_fused_rows_and_moved_rows_keep_their_values():
+    from triton_tlaloc.export.gguf_packed import stack_rows
+
+    rng = np.random.default_rng(3)
+    a, b = (pack("Q4_1", raw_tensor("Q4_1", rng), (ROWS, COLS)) for _ in range(2))
+    both = stack_rows([a, b], "l0.gate_up")
+    assert same_bits(dequantize(both), np.concatenate([dequantize(a), dequantize(b)]))
+    order = np.array([2, 0, 1, 5, 4, 3, 7, 6])
+    assert same_bits(dequantize(a.take_rows(order)), dequantize(a)[order])
+    c = pack("Q8_0", raw_tensor("Q8_0", rng), (ROWS, COLS))
+    with pytest.raises(PackError, match="l0.qkv: fused from tensors of different GGUF types "
+                                        r"\(Q4_1, Q8_0\)"):
+        stack_rows([a, c], "l0.qkv")
 
 
 def test_a_type_not_kept_packed_is_refused_by_name():

@@ -48,6 +48,7 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     art = _parse_manifest(root, mpath, manifest)
     _check_pool_layout(art, mpath)
     _check_weight_files(root, mpath, art.weights)
+    _check_packed_layout(art, mpath)
     weights = {w.slot: w for w in art.weights}
     pools = {p.name: p for p in art.pools}
     state_pools = {p.name: p for p in art.state_pools}
@@ -103,7 +104,8 @@ def _parse_manifest(root: Path, mpath: Path, manifest: dict) -> Artifact:
         tp = manifest["model"].get("tensorParallel")
         tensor_parallel = None if tp is None else TensorParallel.from_json(tp)
         weights = tuple(WeightFile(w["slot"], w["dtype"], tuple(int(d) for d in w["shape"]),
-                                   int(w["byteLength"]), w["file"]) for w in manifest["weights"])
+                                   int(w["byteLength"]), w["file"], w.get("quant"))
+                        for w in manifest["weights"])
         if not isinstance(manifest["entries"], list):
             raise TypeError("entries is not a list")
     except (KeyError, TypeError, ValueError) as e:
@@ -163,9 +165,25 @@ def _program_shape(tp: TensorParallel | None, w: WeightFile) -> tuple[int, ...]:
     return w.shape if split is None else split.program_shape(w.shape)
 
 
+def _check_packed_layout(art: Artifact, mpath: Path) -> None:
+    """GGUF-packed weights in the layout this backend's programs were written for."""
+    from ..export.gguf_packed import PACKED_LAYOUT
+
+    m = art.model
+    if m.weight_quant == "gguf" and m.packed_layout != PACKED_LAYOUT:
+        raise _refuse(f"model.packedLayout {m.packed_layout!r} is unknown to this backend "
+                      f"(known: {PACKED_LAYOUT!r})", mpath)
+
+
 def _check_weight_files(root: Path, mpath: Path, weights: tuple[WeightFile, ...]) -> None:
-    """Each weight file exists and holds exactly dtype x shape bytes."""
+    """Each weight file exists and holds exactly dtype x shape bytes; a packed one is of a
+    type this backend's programs were written for."""
+    from ..export.gguf_packed import LAYOUTS
+
     for w in weights:
+        if w.quant is not None and w.quant not in LAYOUTS:
+            raise _refuse(f"weight slot {w.slot}: packed type {w.quant!r} is unknown to this "
+                          f"backend (known: {', '.join(LAYOUTS)})", mpath)
         wpath = root / w.file
         if not wpath.is_file():
             raise _refuse(f"weight slot {w.slot}: file is missing", wpath)

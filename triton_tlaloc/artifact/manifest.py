@@ -233,15 +233,21 @@ class WeightFile:
     shape: tuple[int, ...]
     byte_length: int
     file: str
+    # One of a weight's arrays kept in a GGUF type (docs/artifact-format.md#gguf-packed-weights):
+    # the type's name; None for values of `dtype`
+    quant: str | None = None
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "slot": self.slot,
             "dtype": self.dtype,
             "shape": list(self.shape),
             "byteLength": self.byte_length,
             "file": self.file,
         }
+        if self.quant is not None:
+            out["quant"] = self.quant
+        return out
 
 
 @dataclass(frozen=True)
@@ -264,14 +270,21 @@ class ModelShape:
     refused_tokens: tuple[dict, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    weight_quant: str | None = None  # "int8" | "fp8": the layers' linears as codes + scales
+    # "int8" | "fp8": the layers' linears as codes + scales; "gguf": a GGUF file's quantized
+    # tensors in their own types (each weight's WeightFile.quant)
+    weight_quant: str | None = None
     head_quant: bool = False  # the head (a tied table) quantized too
+    # weightQuant "gguf": how the codes are packed (gguf_packed.PACKED_LAYOUT, "row-bands");
+    # a device may want another, so the artifact says which its programs read
+    packed_layout: str | None = None
 
     @property
     def quantized(self) -> str:
         """What is quantized, for logs ("linears and head int8"); empty when nothing is."""
         if not self.weight_quant:
             return ""
+        if self.weight_quant == "gguf":
+            return "GGUF types kept packed"
         return f"linears{' and head' if self.head_quant else ''} {self.weight_quant}"
 
     def to_json(self) -> dict:
@@ -321,6 +334,7 @@ class ModelShape:
             bos_token_id=obj.get("bosTokenId"),
             weight_quant=obj.get("weightQuant"),
             head_quant=bool(obj.get("headQuant", False)),
+            packed_layout=obj.get("packedLayout"),
         )
 
 

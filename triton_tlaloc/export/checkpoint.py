@@ -18,6 +18,7 @@ import numpy as np
 
 from .config import (GGUF_FAMILIES, TEXT_OF_MULTIMODAL, CheckpointError, DecoderConfig,
                      config_from_hf, fp8_block_size)
+from .gguf_packed import PackedWeight, PackError, pack
 
 
 class Checkpoint:
@@ -145,6 +146,29 @@ def _read_safetensor(path: Path, name: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtypes[meta["dtype"]]).reshape(meta["shape"])
 
 
+_LAYER_LINEARS = {
+    "qkv": tuple(f"self_attn.{p}_proj.weight" for p in "qkv"),
+    "o": ("self_attn.o_proj.weight",),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down": ("mlp.down_proj.weight",),
+    "lin_in": tuple(f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+    "lin_out": ("linear_attn.out_proj.weight",),
+}
+
+
+def linear_sources(name: str) -> tuple[str, ...] | None:
+    """The checkpoint tensors ([out, in] each) a linear slot fuses along out, in order; the
+    embedding table's for "embed"; None for a slot that is not a linear."""
+    if name in ("embed", "embed_t"):
+        return ("model.embed_tokens.weight",)
+    if name == "lm_head":
+        return ("lm_head.weight",)
+    layer, _, part = name.partition(".")
+    if part in _LAYER_LINEARS and layer[1:].isdigit():
+        return tuple(f"model.layers.{int(layer[1:])}.{n}" for n in _LAYER_LINEARS[part])
+    return None
+
+
 # GGUF tensor names -> Hugging Face names.
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -259,6 +283,37 @@ class GgufCheckpoint(Checkpoint):
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    def tensor_type(self, name: str) -> str:
+        """A tensor's GGUF type name ("Q4_1", "F32")."""
+        return self._tensors[name].tensor_type.name
+
+    def file_name(self, name: str) -> str:
+        """A tensor's name in the file ("blk.0.attn_q.weight")."""
+        return self._tensors[name].name
+
+    def packed(self, name: str) -> PackedWeight:
+        """A quantized tensor kept in its type ([out, in], gguf_packed's layout), its rows in
+        the order tensor() gives them."""
+        t = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if len(shape) != 2:
+            raise CheckpointError(f"{self.path}: tensor {t.name} is not a matrix")
+        try:
+            p = pack(t.tensor_type.name, np.asarray(t.data).reshape(shape[0], -1), shape)
+        except PackError as e:
+            raise CheckpointError(f"{self.path}: tensor {t.name}: {e}") from None
+        order = self._unpermuted_rows(name, shape[0])
+        return p if order is None else p.take_rows(order)
+
+    def _unpermuted_rows(self, name: str, rows: int) -> np.ndarray | None:
+        """llama.cpp's converter interleaves each head's two rotary halves of llama's q and k
+        rows: the order that undoes it, or None for any other tensor."""
+        cfg = self.config
+        if cfg.family != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+            return None
+        n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+        return np.arange(rows).reshape(n, rows // n // 2, 2).swapaxes(1, 2).reshape(-1)
+
     def tensor(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
 
@@ -267,12 +322,8 @@ class GgufCheckpoint(Checkpoint):
         t = self._tensors[name]
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        cfg = self.config
-        if cfg.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            # llama.cpp's converter interleaves each head's two rotary halves; undo it.
-            n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-            w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        return w
+        order = self._unpermuted_rows(name, w.shape[0])
+        return w if order is None else w[order]
 
     def save_tokenizer(self, out_dir: Path) -> list[str]:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,11 +26,13 @@ ShapeDtypeStructs, so no weight is held while lowering.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from .config import DecoderConfig
+from .gguf_packed import LAYOUTS
 from .quant import code_dtype
 from ..artifact.manifest import (BITS, BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS,
                                  SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS,
@@ -49,12 +51,18 @@ class WeightSlot:
     shape: tuple[int, ...]
     kind: str  # "linear" | "norm" | "embed" | "param" (f32: conv kernel, decay) | "scale"
     out_first: bool = False
-    quant: str | None = None  # "int8" | "fp8": codes [out, in], then a "<name>.scale" slot
+    # "int8" | "fp8": codes [out, in], then a "<name>.scale" slot; a GGUF type ("Q4_1"): the
+    # packed codes, then the layout's other arrays ("<name>.high", ".scale", ".offset";
+    # gguf_packed.Layout), each slot carrying the type
+    quant: str | None = None
+    stored: str | None = None  # a packed weight's arrays: their element type
 
     def dtype(self, weight_dtype: str) -> str:
         """Norm weights stay f32 (they are tiny and the norms compute in f32), and so do a
         quantized linear's scales; linears and the embedding table take the export's weight
         dtype, a quantized linear its codes' type."""
+        if self.stored is not None:
+            return self.stored
         if self.quant is not None:
             return code_dtype(self.quant)
         return weight_dtype if self.kind in ("linear", "embed") else "f32"
@@ -82,8 +90,23 @@ def loops_layers(cfg: DecoderConfig, windowed: WindowedKv | None) -> bool:
             and all(np.array_equal(cfg.inv_freq(i), cfg.inv_freq(0)) for i in range(n)))
 
 
+def packed_slots(name: str, quant: str, n_in: int, n_out: int) -> list[WeightSlot]:
+    """A weight kept in its GGUF type: one slot per array of its packed layout, [out, ...]."""
+    return [WeightSlot(name + suffix, shape, "linear" if not suffix else "scale", True, quant,
+                       dtype) for suffix, dtype, shape in LAYOUTS[quant].parts(n_out, n_in)]
+
+
+def quant_of(weight_quant, name: str) -> str | None:
+    """A linear's quantization: the export's (`weight_quant` a name), or by slot name (a
+    mapping: `--weight-quant gguf`, each linear its tensors' GGUF type, "l0.qkv" standing for
+    every layer of a loop; a slot not named keeps the weight dtype)."""
+    if isinstance(weight_quant, Mapping):
+        return weight_quant.get(name)
+    return weight_quant
+
+
 def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
-                 weight_quant: str | None = None, quant_head: bool = False,
+                 weight_quant: str | Mapping | None = None, quant_head: bool = False,
                  layer_loop: bool = False) -> list[WeightSlot]:
     """The artifact's weights in @main's order. With `quant_head` (and a weight_quant) the head
     is quantized too: a tied table as codes [vocab, hidden] and a scale per vocab row, which
@@ -98,8 +121,11 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
         """A layer's linear; with --weight-quant its codes, stored [out, in] whatever the
         weight dtype (one-row products widen codes as they read them only along the weight's
         minor axis), and its scale per output channel."""
-        if weight_quant is not None and quantized:
-            return [WeightSlot(name, (n_out, n_in), "linear", True, weight_quant),
+        quant = quant_of(weight_quant, name)
+        if quant in LAYOUTS:
+            return packed_slots(name, quant, n_in, n_out)
+        if quant is not None and quantized:
+            return [WeightSlot(name, (n_out, n_in), "linear", True, quant),
                     WeightSlot(f"{name}.scale", (n_out,), "scale")]
         return [WeightSlot(name, (n_out, n_in) if out_first else (n_in, n_out), "linear",
                            out_first)]
@@ -109,8 +135,11 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
     # 6.4 ms for this layout); the embedding gathers its columns. A tied table in an
     # [out, in] artifact is [vocab, hidden], which is already the head's [out, in]. An untied
     # table stays [vocab, hidden] (row gathers) beside its own lm_head.
-    transposed = cfg.tie_word_embeddings and not of and not quant_head
-    if quant_head and cfg.tie_word_embeddings:
+    table_quant = quant_of(weight_quant, "embed")
+    transposed = cfg.tie_word_embeddings and not of and not quant_head and table_quant is None
+    if table_quant in LAYOUTS:  # gathered row by row, and a tied head's [out, in]
+        slots = packed_slots("embed", table_quant, h, cfg.vocab_size)
+    elif quant_head and cfg.tie_word_embeddings:
         slots = [WeightSlot("embed", (cfg.vocab_size, h), "embed", True, weight_quant),
                  WeightSlot("embed.scale", (cfg.vocab_size,), "scale")]
     else:
@@ -173,14 +202,14 @@ def stacked_slots(first: list[WeightSlot], num_layers: int) -> list[WeightSlot]:
     """Layer 0's slots as slots stacked over every layer: "l0.qkv" [out, in] becomes
     "layers.qkv" [layers, out, in]."""
     return [WeightSlot(STACKED + s.name.split(".", 1)[1], (num_layers, *s.shape), s.kind,
-                       s.out_first, s.quant) for s in first]
+                       s.out_first, s.quant, s.stored) for s in first]
 
 
 def unstacked_slot(slot: WeightSlot, i: int) -> WeightSlot:
     """Layer i's part of a stacked slot, as the unrolled layout names it."""
     assert slot.name.startswith(STACKED), slot.name
     return WeightSlot(f"l{i}.{slot.name[len(STACKED):]}", slot.shape[1:], slot.kind,
-                      slot.out_first, slot.quant)
+                      slot.out_first, slot.quant, slot.stored)
 
 
 def kv_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, kv_dtype: str,

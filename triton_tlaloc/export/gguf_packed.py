@@ -1,24 +1,25 @@
-"""GGUF's quantized tensors kept packed (the first step of `--weight-quant gguf`): each type's
-blocks taken apart into one layout the graph can read, whatever the type, and read back to
-exactly gguf-py's dequantized values, bit for bit in f32.
+"""GGUF's quantized tensors kept packed (`--weight-quant gguf`): each type's blocks taken
+apart into one layout the graph can read, whatever the type, and read back to exactly gguf-py's
+dequantized values, bit for bit in f32.
 
-The layout (`PackedWeight`), for a weight of `rows` x `cols` (cols along GGUF's blocks):
-
-- codes: the unsigned integer of each element (0 .. 2**bits - 1), stored as
-  - `nibbles` uint8 [rows, cols / 2], the low 4 bits: in each group of 32 elements, byte i
-    holds element i in its low half and element i + 16 in its high half (Q4_0's own order);
-  - `high` uint8, the bits above 4 for 5- and 6-bit types: [rows, cols / 8] with element
-    8k + i's fifth bit at bit i of byte k, or [rows, cols / 4] with element 4k + i's two bits
-    at bits 2i, 2i + 1;
-  - or `codes8` int8 [rows, cols] for Q8_0 (its codes are signed);
-- `scale` f32 [rows, cols / group] and, for the types with a minimum, `offset` (the same
-  shape); `zero`, an integer per type subtracted from each code.
-
-An element is `scale * (code - zero)` (+ `offset` for the types that have one), the order of
-operations gguf-py's: every product of a scale (an f16 times at most an 8-bit integer, exact in
-f32) and a code is exact except Q6_K's, which is rounded once as in gguf-py, and the offset is
+`pack` gives a `PackedWeight`, for a weight of `rows` x `cols` (cols along GGUF's blocks): the
+unsigned code of each element (0 .. 2**bits - 1; Q8_0's signed), `scale` f32 [rows, cols /
+group] and, for the types with a minimum, `offset` (the same shape); `zero`, an integer per
+type subtracted from each code. An element is `scale * (code - zero)` (+ `offset`), the order
+of operations gguf-py's: every product of a scale (an f16 times at most an 8-bit integer, exact
+in f32) and a code is exact except Q6_K's, which is rounded once as in gguf-py, and the offset is
 added once, so the result is the same whether or not a compiler fuses the two into an FMA.
-Pure numpy; `dequantize(packed, xp)` runs the same code under jax.numpy inside a graph.
+
+What an artifact stores (`PackedWeight.arrays`, `Layout.parts`) packs the codes in row bands:
+a plane of `fields` codes a byte holds rows / fields rows, and field f of plane row i is matrix
+row f * rows / fields + i, its bits from f * width. The low 4 bits are a plane of two fields
+(ui8 [rows / 2, cols]); a 5-bit type's fifth bits a plane of eight ([rows / 8, cols]), Q6_K's
+two high bits one of four ([rows / 4, cols]); Q8_0's codes are int8 [rows, cols]. So each band
+of rows reads its bytes with one shift and one mask, the same for every byte, along the
+product's contracted axis: XLA's CPU code fuses that into a matrix-vector product at about
+int8's speed, where two codes a byte along the contracted axis ran 10x slower
+(docs/performance.md#4-bit-weights).
+Pure numpy.
 """
 
 from __future__ import annotations
@@ -28,10 +29,57 @@ from dataclasses import dataclass
 import numpy as np
 
 QK_K = 256  # the K types' super-block
+PACKED_LAYOUT = "row-bands"  # the manifest's model.packedLayout: the codes in row bands
 
 # GGUF type name: (elements per block, bytes per block)
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a type's packed weight holds: the bits of a code, the elements per scale, the
+    integer subtracted from each code and whether an offset is added."""
+
+    bits: int
+    group: int
+    zero: int
+    offset: bool
+
+    @property
+    def planes(self) -> list[tuple[str, int]]:
+        """(suffix, bits a field) of each plane of codes: the low 4 bits, then the rest."""
+        if self.bits == 8:
+            return [("", 8)]
+        return [("", 4)] + ([(".high", self.bits - 4)] if self.bits > 4 else [])
+
+    @property
+    def bands(self) -> int:
+        """Row bands: the rows a byte's fields hold, at most (rows must divide by it)."""
+        return max(8 // width for _, width in self.planes)
+
+    def parts(self, rows: int, cols: int) -> list[tuple[str, str, tuple[int, int]]]:
+        """(suffix, element type, shape) of each array an artifact stores for a weight of
+        this type, the codes first (suffix "")."""
+        if self.bits == 8:
+            parts = [("", "i8", (rows, cols))]
+        else:
+            parts = [(sfx, "ui8", (rows // (8 // width), cols)) for sfx, width in self.planes]
+        parts.append((".scale", "f32", (rows, cols // self.group)))
+        if self.offset:
+            parts.append((".offset", "f32", (rows, cols // self.group)))
+        return parts
+
+
+LAYOUTS = {"Q4_0": Layout(4, 32, 8, False), "Q4_1": Layout(4, 32, 0, True),
+           "Q5_0": Layout(5, 32, 16, False), "Q5_1": Layout(5, 32, 0, True),
+           "Q8_0": Layout(8, 32, 0, False), "Q4_K": Layout(4, 32, 0, True),
+           "Q5_K": Layout(5, 32, 0, True), "Q6_K": Layout(6, 16, 32, False)}
+
+
+def is_packed(quant: str | None) -> bool:
+    """Whether a weight slot's quant names a GGUF type kept packed (not int8 or fp8)."""
+    return quant in LAYOUTS
 
 
 @dataclass
@@ -41,16 +89,62 @@ class PackedWeight:
     bits: int
     group: int  # elements per scale
     zero: int  # subtracted from each code
+    codes: np.ndarray  # uint8 [rows, cols] (int8 for Q8_0)
     scale: np.ndarray  # f32 [rows, cols / group]
     offset: np.ndarray | None = None  # f32 [rows, cols / group], added last
-    nibbles: np.ndarray | None = None  # uint8 [rows, cols / 2]
-    high: np.ndarray | None = None  # uint8 [rows, cols / 8] (5 bits) or [rows, cols / 4] (6)
-    codes8: np.ndarray | None = None  # int8 [rows, cols] (Q8_0)
+
+    @property
+    def layout(self) -> Layout:
+        return LAYOUTS[self.qtype]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.scale, self.offset, self.nibbles, self.high,
-                                      self.codes8) if a is not None)
+        """The bytes an artifact stores for it."""
+        return sum(a.nbytes for a in self.arrays().values())
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays an artifact stores, by suffix, in Layout.parts' order: the codes in row
+        bands (the module's docstring), the scales and offsets by row."""
+        rows, cols = self.shape
+        if rows % self.layout.bands:
+            raise PackError(f"{self.qtype}: {rows} rows do not divide into the "
+                            f"{self.layout.bands} bands of its packed layout")
+        out = {}
+        for sfx, width in self.layout.planes:
+            if width == 8:
+                out[sfx] = self.codes.astype(np.int8)
+                continue
+            fields = 8 // width
+            bits = (self.codes.astype(np.uint8) >> (0 if sfx == "" else 4)) & ((1 << width) - 1)
+            bands = bits.reshape(fields, rows // fields, cols)
+            out[sfx] = np.bitwise_or.reduce(
+                bands << (width * np.arange(fields, dtype=np.uint8))[:, None, None], axis=0)
+        out[".scale"] = self.scale
+        if self.offset is not None:
+            out[".offset"] = self.offset
+        return out
+
+    def take_rows(self, order: np.ndarray) -> PackedWeight:
+        """The weight with its rows in `order` (blocks run along a row, so rows move whole)."""
+        pick = {k: None if a is None else a[order] for k, a in vars(self).items()
+                if isinstance(a, np.ndarray)}
+        return PackedWeight(**{**vars(self), **pick, "shape": (len(order), self.shape[1])})
+
+
+def stack_rows(parts: list[PackedWeight], what: str) -> PackedWeight:
+    """Weights of one type, their rows one after another (q|k|v, gate|up fused)."""
+    types = {p.qtype for p in parts}
+    if len(types) != 1:
+        raise PackError(f"{what}: fused from tensors of different GGUF types "
+                        f"({', '.join(sorted(types))}); --weight-quant int8 or f32 reads any "
+                        f"mix")
+    if len({p.shape[1] for p in parts}) != 1:
+        raise PackError(f"{what}: fused rows of different lengths")
+    first = parts[0]
+    joined = {k: np.concatenate([getattr(p, k) for p in parts]) for k, a in vars(first).items()
+              if isinstance(a, np.ndarray)}
+    return PackedWeight(**{**vars(first), **joined,
+                           "shape": (sum(p.shape[0] for p in parts), first.shape[1])})
 
 
 class PackError(ValueError):
@@ -68,55 +162,22 @@ def pack(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
         raise PackError(f"{qtype}: a row of {cols} elements is not whole blocks of {per_block}")
     blocks = np.ascontiguousarray(raw, np.uint8).reshape(rows * cols // per_block, size)
     codes, scale, offset, zero, bits, group = _READERS[qtype](blocks)
-    codes = codes.reshape(rows, cols)
-    out = PackedWeight(qtype, (rows, cols), bits, group, zero,
-                       scale.reshape(rows, cols // group).astype(np.float32),
-                       None if offset is None else offset.reshape(rows, cols // group)
-                       .astype(np.float32))
-    if bits == 8:
-        out.codes8 = codes.astype(np.int8)
-        return out
-    out.nibbles = _nibbles(codes & 0x0F)
-    if bits == 5:
-        out.high = np.packbits((codes >> 4).astype(np.uint8).reshape(rows, -1, 8), axis=-1,
-                               bitorder="little").reshape(rows, cols // 8)
-    elif bits == 6:
-        two = (codes >> 4).astype(np.uint8).reshape(rows, -1, 4)
-        out.high = (two[..., 0] | two[..., 1] << 2 | two[..., 2] << 4 | two[..., 3] << 6)
-    return out
+    assert LAYOUTS[qtype] == Layout(bits, group, zero, offset is not None), qtype
+    return PackedWeight(qtype, (rows, cols), bits, group, zero, codes.reshape(rows, cols),
+                        scale.reshape(rows, cols // group).astype(np.float32),
+                        None if offset is None else offset.reshape(rows, cols // group)
+                        .astype(np.float32))
 
 
 def dequantize(p: PackedWeight, xp=np):
     """The f32 values of a packed weight, computed with `xp` (numpy, or jax.numpy in a graph):
     equal to gguf-py's dequantization bit for bit."""
     rows, cols = p.shape
-    f32 = xp.float32
-    if p.codes8 is not None:
-        q = xp.asarray(p.codes8).astype(f32)
-    else:
-        nib = xp.asarray(p.nibbles).reshape(rows, cols // 32, 1, 16)
-        q = xp.concatenate([nib & 0x0F, nib >> 4], axis=2).reshape(rows, cols).astype(xp.int32)
-        if p.bits == 5:
-            h = xp.asarray(p.high).reshape(rows, cols // 8, 1)
-            shifts = xp.arange(8, dtype=xp.uint8).reshape(1, 1, 8)
-            q = q | (((h >> shifts) & 1).reshape(rows, cols).astype(xp.int32) << 4)
-        elif p.bits == 6:
-            h = xp.asarray(p.high).reshape(rows, cols // 4, 1)
-            shifts = (2 * xp.arange(4, dtype=xp.uint8)).reshape(1, 1, 4)
-            q = q | (((h >> shifts) & 3).reshape(rows, cols).astype(xp.int32) << 4)
-        q = (q - p.zero).astype(f32)
-    groups = q.reshape(rows, cols // p.group, p.group)
-    value = xp.asarray(p.scale)[..., None] * groups
+    q = (xp.asarray(p.codes).astype(xp.int32) - p.zero).astype(xp.float32)
+    value = xp.asarray(p.scale)[..., None] * q.reshape(rows, cols // p.group, p.group)
     if p.offset is not None:
         value = value + xp.asarray(p.offset)[..., None]
     return value.reshape(rows, cols)
-
-
-def _nibbles(low: np.ndarray) -> np.ndarray:
-    """4-bit codes [rows, cols] into bytes: in each 32, element i low and i + 16 high."""
-    rows, cols = low.shape
-    g = low.astype(np.uint8).reshape(rows, cols // 32, 2, 16)
-    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(rows, cols // 2)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -197,4 +258,5 @@ def _read_q6_k(b):
 _READERS = {"Q4_0": _read_q4_0, "Q4_1": _read_q4_1, "Q5_0": _read_q5_0, "Q5_1": _read_q5_1,
             "Q8_0": _read_q8_0, "Q4_K": _read_q4_k, "Q5_K": _read_q5_k, "Q6_K": _read_q6_k}
 
-__all__ = ["BLOCKS", "PackError", "PackedWeight", "dequantize", "pack"]
+__all__ = ["BLOCKS", "LAYOUTS", "Layout", "PACKED_LAYOUT", "PackError", "PackedWeight", "dequantize", "is_packed",
+           "pack", "stack_rows"]

@@ -29,6 +29,8 @@ from jax import lax
 from . import linear_attention as la_ops
 from .attention import FP8, FP8_BITS, LayerPool, by_length, from_bits, one_pass, ring, to_bits
 from .config import DecoderConfig
+from .gguf_packed import is_packed
+from .packed_linear import gathered_rows, packed_product
 from ..artifact.manifest import WindowedKv
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -123,6 +125,14 @@ def rms_norm(x, w, eps):
     return (x * lax.rsqrt(var + eps)) * w
 
 
+def computed_once(x):
+    """x computed once, before a product: a reduce is a fusion boundary, and adding zero changes
+    no value. Without it XLA fuses the norm (and the rounding) into the matrix-vector product
+    and recomputes them for every output: SmolLM2 bf16 layers at 4 rows 56 ms against 27 ms, at
+    1 row 15 ms against 10.7 ms (docs/performance.md)."""
+    return jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
+
+
 def matmul(x, w, out_first: bool, bf16: bool):
     """x times a stored weight, [in, out] or [out, in] (`out_first`), summed in f32."""
     if bf16:  # bf16 weights: the input is rounded to bf16, products sum in f32
@@ -130,11 +140,7 @@ def matmul(x, w, out_first: bool, bf16: bool):
         # of converts into every output of a matrix-vector product (SmolLM2 bf16 at one row:
         # 22.4 ms against 11.9 ms).
         x = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
-    # The input is computed once, before the product: a reduce is a fusion boundary, and adding
-    # zero changes no value. Without it XLA fuses the norm (and the rounding) into the
-    # matrix-vector product and recomputes them for every output: SmolLM2 bf16 layers at 4 rows
-    # 56 ms against 27 ms, at 1 row 15 ms against 10.7 ms (docs/performance.md).
-    x = jnp.sum(jnp.stack([x, jnp.zeros_like(x)]), axis=0)
+    x = computed_once(x)
     if not out_first:  # f32 [in, out]
         return jnp.matmul(x, w, precision=lax.Precision.HIGHEST)
     # A bf16 artifact's [out, in] weights (decoder.out_first_linears) and the rounded input hold
@@ -156,6 +162,8 @@ def project(g: Graph, x, w: dict, name: str):
     """A linear by slot name, in its slot's layout; quantized codes are widened in front of the
     product (exact) and each output column is multiplied by its scale."""
     slot = g.slot_of[name]
+    if is_packed(slot.quant):  # widened inside the product's reads (export/packed_linear.py)
+        return packed_product(computed_once(x), slot.quant, w, name, MATVEC_ROWS)
     y = matmul(x, w[name], slot.out_first, g.bf16)
     if slot.quant is not None:
         y = y * w[f"{name}.scale"]
@@ -195,13 +203,16 @@ def to_pool(x, dtype):
 
 def embed(g: Graph, w: dict, token_ids):
     """Each token's row of the embedding table, f32 [b, t, hidden]."""
+    quant = g.slot_of["embed"].quant if "embed" in g.slot_of else None
     if g.transposed_table:  # columns of the [hidden, vocab] table
         x = jnp.moveaxis(jnp.take(w["embed_t"], token_ids, axis=1), 0, -1)
+    elif is_packed(quant):  # rows of a GGUF-packed table, widened after the gather
+        x = gathered_rows(quant, w, "embed", token_ids)
     else:
-        x = jnp.take(w["embed"], token_ids, axis=0)
+        x = jnp.take(w["embed"], token_ids, axis=0).astype(jnp.float32)
+        if "embed.scale" in w:  # a quantized tied table: each gathered row times its scale
+            x = x * jnp.take(w["embed.scale"], token_ids, axis=0)[..., None]
     x = x.astype(jnp.float32)
-    if "embed.scale" in w:  # a quantized tied table: each gathered row times its scale
-        x = x * jnp.take(w["embed.scale"], token_ids, axis=0)[..., None]
     if g.cfg.embed_scale is not None:
         x = x * np.float32(g.cfg.embed_scale)
     return x
@@ -223,7 +234,9 @@ def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
         layer, parts = xs
         # A bf16 or f8 weight came in as its bits (manifest.BITS): its own type again
         # here, after the slice, where the product fuses the widening into its reads.
-        w_layer = {f"l0.{part}": from_bits(a) for part, a in parts.items()}
+        # (A packed weight's bytes are its codes, not f8 bits.)
+        w_layer = {f"l0.{part}": a if is_packed(g.slot_of[f"l0.{part}"].quant) else from_bits(a)
+                   for part, a in parts.items()}
         x, k, v = decoder_layer(g, step, w_layer, 0, x, LayerPool(k_all, layer),
                                 LayerPool(v_all, layer))
         return (x, k.stacked, v.stacked), None

@@ -4,6 +4,7 @@ choices, every value checked when the options are made) and ExportError, the exp
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .config import DecoderConfig
@@ -12,7 +13,8 @@ from .quant import QUANT_FORMATS
 from ..artifact.manifest import DECODE, PREFILL, WindowedKv
 
 WEIGHT_DTYPES = ("f32", "bf16")
-WEIGHT_QUANTS = tuple(QUANT_FORMATS)  # int8, fp8
+# int8, fp8; gguf: a GGUF file's quantized tensors kept in their own types (gguf_packing)
+WEIGHT_QUANTS = (*QUANT_FORMATS, "gguf")
 KV_DTYPES = {"f32": "f32", "fp8": "f8E4M3FN"}  # --kv-dtype -> the pools' element type
 # The key blocks of blockwise attention, in positions, chosen by scripts/bucket_bench.py on the
 # CPU (docs/performance.md#attention-that-follows-the-sequence): a smaller block reads less of
@@ -50,6 +52,9 @@ class ExportOptions:
     # Each layer's linears as int8 or fp8 codes with an f32 scale per output channel (None:
     # the weight dtype); the embedding, the norms and the head keep the weight dtype.
     weight_quant: str | None = None
+    # --weight-quant gguf resolved against the checkpoint (gguf_packing.slot_quants): each
+    # linear's GGUF type by slot name; set by the exporter, not by a user
+    slot_quants: Mapping[str, str] | None = None
     # With weight_quant: the head too (a tied table: the embedding gathers the same codes).
     quant_head: bool = False
     kv_dtype: str = "f32"  # "fp8": e4m3fn KV pools, a quarter of f32's bytes
@@ -88,6 +93,11 @@ class ExportOptions:
     # whole on every device (a vocabulary that does not divide always is).
     replicate_vocab: bool = False
 
+    @property
+    def linear_quant(self) -> str | Mapping[str, str] | None:
+        """What decoder.weight_slots takes: the quantization by name, or each slot's."""
+        return self.slot_quants if self.weight_quant == "gguf" else self.weight_quant
+
     def validate(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ExportError(f"--weight-dtype {self.weight_dtype!r}: expected one of "
@@ -95,6 +105,13 @@ class ExportOptions:
         if self.weight_quant is not None and self.weight_quant not in WEIGHT_QUANTS:
             raise ExportError(f"--weight-quant {self.weight_quant!r}: expected one of "
                               f"{', '.join(WEIGHT_QUANTS)}")
+        if self.weight_quant == "gguf" and (self.quant_head or self.weight_dtype != "f32"
+                                            or self.tensor_parallel > 1):
+            raise ExportError("--weight-quant gguf keeps the file's own types for every "
+                              "quantized tensor (the head's too), with f32 for the rest and on "
+                              "one device: not with --quant-head, --weight-dtype "
+                              f"{self.weight_dtype} or --tensor-parallel "
+                              f"{self.tensor_parallel}")
         if self.quant_head and self.weight_quant is None:
             raise ExportError("--quant-head quantizes the head like the linears: it needs "
                               "--weight-quant int8 or fp8")

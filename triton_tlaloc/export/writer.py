@@ -10,6 +10,7 @@ only then moved into place: a failed export leaves no half-written artifact.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -21,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint, linear_sources, open_checkpoint
 from .config import DecoderConfig
 from .decoder import (STACKED, WeightSlot, entry_program, kv_pools, loops_layers, lower_entry,
                       state_pools, unstacked_slot, weight_slots)
-from . import tensor_parallel
+from . import gguf_packing, tensor_parallel
+from .gguf_packed import PACKED_LAYOUT, is_packed
 from .quant import quantize_rows
 from ..artifact.loading import load_artifact
 from ..artifact.manifest import (DECODE, MANIFEST_NAME, PREFILL, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
@@ -51,20 +53,17 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
     or [out, in] when the slot says so; q|k|v and gate|up fused), still in the checkpoint's
     dtype."""
     name = slot.name
-    if name == "embed":
-        return ckpt.tensor("model.embed_tokens.weight")
-    if name == "embed_t":  # tied: stored once, [hidden, vocab]
-        return ckpt.tensor("model.embed_tokens.weight").T
-    if name == "final_norm":
-        return _norm_weight(cfg, ckpt.tensor("model.norm.weight"))
     t = ckpt.tensor
-
-    def linear(*names):  # checkpoint linears are [out, in]; fused along out
-        w = np.concatenate([t(n) for n in names], axis=0) if len(names) > 1 else t(names[0])
+    if name == "embed":
+        return t("model.embed_tokens.weight")
+    if name == "embed_t":  # tied: stored once, [hidden, vocab]
+        return t("model.embed_tokens.weight").T
+    if name == "final_norm":
+        return _norm_weight(cfg, t("model.norm.weight"))
+    sources = linear_sources(name)
+    if sources is not None:  # checkpoint linears are [out, in]; fused along out
+        w = np.concatenate([t(n) for n in sources]) if len(sources) > 1 else t(sources[0])
         return w if slot.out_first else w.T
-
-    if name == "lm_head":
-        return linear("lm_head.weight")
     layer, part = name.split(".", 1)
     pre = f"model.layers.{int(layer[1:])}."
     norms = ({"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
@@ -75,43 +74,39 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
         return _norm_weight(cfg, t(pre + f"{norms[part]}.weight"))
     if part in ("q_norm", "k_norm"):
         return _norm_weight(cfg, t(pre + f"self_attn.{part}.weight"))
-    if part == "qkv":
-        return linear(*(pre + f"self_attn.{p}_proj.weight" for p in "qkv"))
-    if part == "o":
-        return linear(pre + "self_attn.o_proj.weight")
-    if part == "gate_up":
-        return linear(pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight")
-    if part == "down":
-        return linear(pre + "mlp.down_proj.weight")
     lin = pre + "linear_attn."
-    if part == "lin_in":  # [qkv | z | b | a] along out
-        return linear(*(lin + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")))
     if part == "conv":  # the depthwise kernel [channels, 1, kernel] as [channels, kernel]
         return t(lin + "conv1d.weight")[:, 0, :]
     if part in ("A_log", "dt_bias"):
         return t(lin + part)
     if part == "lin_norm":  # the gated norm scales by its weight as stored (no 1 + weight)
         return t(lin + "norm.weight")
-    if part == "lin_out":
-        return linear(lin + "out_proj.weight")
     raise AssertionError(f"unknown weight slot {name}")
 
 
 def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig,
-                  slot: WeightSlot) -> tuple[np.ndarray, np.ndarray | None]:
-    """A slot's array as the artifact stores it, before the cast to its dtype, and with a
-    quantized slot its scales: a stacked slot's layers one by one, stacked."""
+                  slot: WeightSlot) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """A slot's array as the artifact stores it, before the cast to its dtype, and the slots
+    written after it by name (a quantized linear's scales, a packed weight's other arrays): a
+    stacked slot's layers one by one, stacked."""
     if slot.name.startswith(STACKED):
-        parts = [stored_tensor(ckpt, cfg, unstacked_slot(slot, i)) for i in range(slot.shape[0])]
-        scales = None if slot.quant is None else np.stack([s for _, s in parts])
-        return np.stack([a for a, _ in parts]), scales
+        layers = [unstacked_slot(slot, i) for i in range(slot.shape[0])]
+        parts = [stored_tensor(ckpt, cfg, s) for s in layers]
+        suffixes = [name[len(layers[0].name):] for name in parts[0][1]]
+        after = {slot.name + sfx: np.stack([more[s.name + sfx] for s, (_, more) in
+                                            zip(layers, parts)]) for sfx in suffixes}
+        return np.stack([a for a, _ in parts]), after
+    if is_packed(slot.quant):  # the GGUF file's blocks, taken apart (gguf_packed)
+        arrays = gguf_packing.packed_slot(ckpt, slot.name).arrays()
+        return arrays.pop(""), {slot.name + sfx: a for sfx, a in arrays.items()}
     arr = slot_tensor(ckpt, cfg, slot)
     if tuple(arr.shape) != slot.shape:
         raise ExportError(f"{ckpt.path}: weight {slot.name} has shape {list(arr.shape)}, "
                           f"the config implies {list(slot.shape)}")
     if slot.quant is not None:  # from the checkpoint's values in f32 (GGUF: dequantized)
-        return quantize_rows(arr, slot.quant)
-    return arr, None
+        codes, scale = quantize_rows(arr, slot.quant)
+        return codes, {f"{slot.name}.scale": scale}
+    return arr, {}
 
 
 def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, out: Path,
@@ -120,30 +115,34 @@ def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, ou
     written = []
     total = 0
     t0 = time.perf_counter()
-    scales = {}  # a quantized linear's scales, written in the slot after its codes
-    for idx, slot in enumerate(weight_slots(cfg, opts.weight_dtype, opts.weight_quant,
+    after = {}  # a quantized linear's scales (a packed one's arrays), written after its codes
+    for idx, slot in enumerate(weight_slots(cfg, opts.weight_dtype, opts.linear_quant,
                                             opts.quant_head, layer_loop)):
         dtype = slot.dtype(opts.weight_dtype)
         if slot.kind == "scale":
-            data = scales.pop(slot.name)
+            data = after.pop(slot.name)
         else:
-            arr, scale = stored_tensor(ckpt, cfg, slot)
-            if scale is not None:
-                data, scales[f"{slot.name}.scale"] = arr, scale
+            arr, more = stored_tensor(ckpt, cfg, slot)
+            after.update(more)
+            if slot.quant is not None:
+                data = arr
             else:  # widen first so bf16 rounding happens once, from the checkpoint's own values
                 data = arr.astype(np.float32).astype(numpy_dtype(dtype))
+        assert data.dtype == numpy_dtype(dtype) and data.shape == slot.shape, slot.name
         data = np.ascontiguousarray(data)
         rel = f"weights/{idx:04d}_{slot.name}.bin"
         raw = data.tobytes()  # little-endian: numpy's native order on every platform we run
         (out / rel).write_bytes(raw)
         model_hash.update(f"{slot.name}:{dtype}:{list(slot.shape)}".encode())
         model_hash.update(hashlib.sha256(raw).digest())
-        written.append(WeightFile(slot.name, dtype, slot.shape, len(raw), rel))
+        written.append(WeightFile(slot.name, dtype, slot.shape, len(raw), rel,
+                                  slot.quant if is_packed(slot.quant) else None))
         total += len(raw)
     if opts.weight_quant is not None:
         model_hash.update(f":q{opts.weight_quant}".encode())  # the hash records the quantization
         if opts.quant_head:
             model_hash.update(b":head")
+    assert not after, list(after)
     _log(f"[export] {len(written)} weight files, {total / 2**20:.1f} MiB, "
          f"{time.perf_counter() - t0:.1f} s")
     return written
@@ -172,6 +171,9 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         windowed = opts.windowed(cfg, num_blocks)
         # alike layers run as one loop (docs/design.md#the-layer-loop) unless told otherwise
         layer_loop = opts.layer_loop and loops_layers(cfg, windowed)
+        if opts.weight_quant == "gguf":  # each linear's type, refused by name before any write
+            opts = dataclasses.replace(opts, slot_quants=gguf_packing.slot_quants(ckpt, cfg,
+                                                                                  layer_loop))
         # Before the weights: heads that do not divide are refused before any is converted.
         tp = _tensor_parallel(cfg, opts, num_blocks, windowed, layer_loop)
         weights = _write_weights(ckpt, cfg, opts, tmp, model_hash, layer_loop)
@@ -209,7 +211,7 @@ def _tensor_parallel(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
     try:
         program_cfg = tensor_parallel.logical_config(cfg, n)
         tp = tensor_parallel.plan(
-            cfg, n, weight_slots(cfg, opts.weight_dtype, opts.weight_quant, opts.quant_head,
+            cfg, n, weight_slots(cfg, opts.weight_dtype, opts.linear_quant, opts.quant_head,
                                  layer_loop),
             kv_pools(program_cfg, num_blocks, opts.block_size, opts.kv_type, windowed,
                      layer_loop),
@@ -324,6 +326,7 @@ def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_
         "weightDtype": opts.weight_dtype,
         "weightQuant": opts.weight_quant,
         "headQuant": opts.quant_head,
+        **({"packedLayout": PACKED_LAYOUT} if opts.weight_quant == "gguf" else {}),
         "kvDtype": opts.kv_type,
         "maxPositions": cfg.max_positions,
         "prefillChunk": opts.prefill_chunk,
@@ -397,9 +400,9 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
         slots = opts.resolved_state_slots() if file_cfg.linear is not None else 0
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
                                 opts.weight_dtype, opts.kv_type, windowed, slots,
-                                opts.weight_quant, opts.quant_head, layer_loop, kind)
+                                opts.linear_quant, opts.quant_head, layer_loop, kind)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
-                           opts.key_blocks(kind), windowed, slots, opts.weight_quant,
+                           opts.key_blocks(kind), windowed, slots, opts.linear_quant,
                            opts.quant_head, layer_loop, kind, tp)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
