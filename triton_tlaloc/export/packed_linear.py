@@ -33,10 +33,13 @@ def _band_values(layout: Layout, parts: dict, r: int):
         else:
             per_field = layout.bands // (8 // width)  # bands a field of the plane holds
             f, start = r // per_field, (r % per_field) * n
-            bits = ((plane[start:start + n] >> (width * f)) & ((1 << width) - 1)).astype(
-                jnp.int32)
+            bits = plane[start:start + n] >> (width * f)
+            if width * (f + 1) < 8:  # (the top field needs no mask)
+                bits = bits & ((1 << width) - 1)
         q = bits if q is None else q | (bits << 4)
-    q = (q - layout.zero).astype(jnp.float32).reshape(n, groups, layout.group)
+    # widened straight to f32 (an integer below 2**24, exact) and the zero subtracted there:
+    # the values gguf_packed.dequantize computes in int32
+    q = (q.astype(jnp.float32) - layout.zero).reshape(n, groups, layout.group)
     value = parts[".scale"][r * n:(r + 1) * n, :, None] * q
     if layout.offset:
         value = value + parts[".offset"][r * n:(r + 1) * n, :, None]
