@@ -167,19 +167,32 @@ def logits_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want)) / max(1.0, float(np.max(np.abs(want)))))
 
 
-def quantized_reference(model, quant: str, wrong_axis: bool = False, head: bool = False):
+def quantized_reference(model, quant: str, wrong_axis: bool = False, head: bool = False,
+                        group: int = 32, zero_point: bool = False):
     """The model with each decoder layer's Linear weights replaced by what a --weight-quant
-    artifact computes with: the codes widened, times each output channel's scale (the head and
-    the embedding keep theirs unless `head`, --quant-head: the head's weight too, per vocab row,
-    which for a tied model is the embedding table). wrong_axis: the quantizer bug of the
-    negative control (codes taken along the input axis, scales still per output channel)."""
-    from triton_tlaloc.export.quant import dequantize_rows, quantize_rows
+    artifact computes with: the codes widened, times each output channel's scale (int4: each
+    group's scale, and offset with a zero point; the head and the embedding keep theirs unless
+    `head`, --quant-head: the head's weight too, per vocab row, which for a tied model is the
+    embedding table). wrong_axis: the quantizer bug of the negative control (codes taken along
+    the input axis, scales still per output channel; int4: each group read with its
+    neighbour's scale)."""
+    from triton_tlaloc.export.gguf_packed import dequantize
+    from triton_tlaloc.export.quant import dequantize_rows, quantize_int4, quantize_rows
+
+    def int4(w):
+        p = quantize_int4(w, group, zero_point)
+        if wrong_axis:
+            p.scale = np.roll(p.scale, 1, axis=1)
+        return dequantize(p)
 
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and (".layers." in f".{name}" or (
                     head and name == "lm_head")):
                 w = module.weight.float().numpy()
+                if quant == "int4":
+                    module.weight.copy_(torch.from_numpy(int4(w)))
+                    continue
                 codes, scale = quantize_rows(w, quant)
                 if wrong_axis:
                     codes = quantize_rows(w.T, quant)[0].T

@@ -1,7 +1,8 @@
 """One sequence's speed against llama.cpp on the same GGUF file: prompt tokens/s and decode
 ms/token, llama.cpp (llama-cpp-python, installed into a venv of its own on first use, the file
 as it is, 2 threads) beside `tlaloc run` on artifacts exported from that file (by default
-`--weight-quant gguf`, the file's blocks kept packed; `int8` with the head quantized; `f32`).
+`--weight-quant gguf`, the file's blocks kept packed; `int8` with the head quantized; `f32`;
+`int4` on request: the file's values quantized again, 4-bit with a scale per 32, head too).
 
 Every target gets the same prompt ids (a fresh text each round, the artifact's tokenizer) and
 makes the same number of greedy tokens; the targets take turns within each round, and a figure
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from openai_bench import LLAMACPP, venv  # noqa: E402  (the same pinned llama.cpp)
 
 EXPORTS = {"gguf": ["--weight-quant", "gguf"],
+           "int4": ["--weight-quant", "int4", "--quant-head"],
            "int8": ["--weight-quant", "int8", "--quant-head"],
            "f32": []}
 WORDS = ("river mountain cloud rain storm valley forest ocean wind stone light shadow morning "

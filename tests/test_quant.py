@@ -16,7 +16,7 @@ from checks.oracle import (fp8_kv_reference, load_reference, logits_error, quant
 from triton_tlaloc.export.checkpoint import _read_safetensor, open_checkpoint
 from triton_tlaloc.export.config import CheckpointError
 from triton_tlaloc.engine.core import Engine
-from triton_tlaloc.export import ExportOptions, export_artifact
+from triton_tlaloc.export import ExportError, ExportOptions, export_artifact
 from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.artifact.manifest import MANIFEST_NAME
 from triton_tlaloc.export.quant import dequantize_rows, quantize_rows
@@ -83,18 +83,27 @@ def test_quantized_weights_equal_transformers_on_the_dequantized_weights(llama, 
     projections are quantized too."""
     ckpt = tiny.checkpoint(family, False)
     art = llama[quant] if family == "llama" else tiny.artifact(family, False, weight_quant=quant)
-    want_ids, want = reference_greedy(quantized_reference(load_reference(ckpt), quant),
+    err_bug = check_against_the_dequantized_model(art, ckpt, quant, f"{family} {quant}")
+    assert err_bug > 100 * TOL
+
+
+def check_against_the_dequantized_model(art, ckpt, quant: str, what: str, **args) -> float:
+    """Greedy ids equal and logits within TOL of transformers on the dequantized weights, and
+    past 10 TOL of the unquantized model; returns the error against the quantizer's bug
+    (quantized_reference's wrong_axis), for the caller's bound."""
+    want_ids, want = reference_greedy(quantized_reference(load_reference(ckpt), quant, **args),
                                       PROMPT, STEPS)
     _, plain = reference_greedy(load_reference(ckpt), PROMPT, 1)
     _, buggy = reference_greedy(quantized_reference(load_reference(ckpt), quant,
-                                                    wrong_axis=True), PROMPT, 1)
+                                                    wrong_axis=True, **args), PROMPT, 1)
     logits, ids = first_logits_and_ids(art)
     err, err_plain, err_bug = (logits_error(logits, w) for w in (want, plain, buggy))
-    print(f"{family} {quant}: logits error {err:.2e}; against the unquantized model "
-          f"{err_plain:.2e}; against the wrong-axis quantizer {err_bug:.2e}")
+    print(f"{what}: logits error {err:.2e}; against the unquantized model {err_plain:.2e}; "
+          f"against the quantizer's bug {err_bug:.2e}")
     assert ids == want_ids
     assert err <= TOL
-    assert err_plain > 10 * TOL and err_bug > 100 * TOL
+    assert err_plain > 10 * TOL
+    return err_bug
 
 
 @pytest.mark.parametrize("tied,quant", [(True, "int8"), (False, "int8"), (True, "fp8")])
@@ -122,6 +131,47 @@ def test_quantized_head_equals_transformers_on_the_dequantized_weights(tiny, tie
     assert ids == want_ids
     assert err <= TOL
     assert err_control > 10 * TOL
+
+
+INT4_CASES = [("llama", False, 32, False), ("llama", True, 32, True), ("qwen3", False, 32, True),
+              ("mistral", False, 32, False), ("gemma3_text", True, 32, False),
+              ("qwen3_5_text", False, 32, True)]
+
+
+@pytest.mark.parametrize("family,tied,group,zero_point", INT4_CASES)
+def test_int4_weights_equal_transformers_on_the_dequantized_weights(tiny, family, tied, group,
+                                                                   zero_point):
+    """--weight-quant int4 (4-bit codes, a scale per group of 32, an offset too with a zero
+    point; the head too where tied, through --quant-head), every family: transformers on the
+    same dequantized weights gives the same greedy ids and logits within the tolerance. Controls:
+    the unquantized model, and each group read with its neighbour's scale."""
+    ckpt = tiny.checkpoint(family, tied)
+    art = tiny.artifact(family, tied, weight_quant="int4", quant_group=group,
+                        quant_zero_point=zero_point, quant_head=tied)
+    slots = {w.slot: w for w in load_artifact(art).weights}
+    packed = {s for s, w in slots.items() if w.quant is not None and "." not in s[7:]}
+    assert all(w.quant == f"INT4_{'ZP_' if zero_point else ''}G{group}" for s, w in
+               slots.items() if w.quant is not None) and packed
+    assert ("embed" in packed) == tied  # --quant-head: the tied table is packed too
+    what = f"{family} int4 g{group}{' zp' if zero_point else ''}"
+    err_neighbour = check_against_the_dequantized_model(
+        art, ckpt, "int4", what, group=group, zero_point=zero_point, head=tied)
+    assert err_neighbour > 10 * TOL
+
+
+def test_int4_bad_options_are_refused(tiny, tmp_path):
+    with pytest.raises(ExportError, match="--quant-group 64: expected one of 32, 128"):
+        ExportOptions(weight_quant="int4", quant_group=64).validate()
+    with pytest.raises(ExportError, match="shape --weight-quant int4"):
+        ExportOptions(weight_quant="int8", quant_zero_point=True).validate()
+    with pytest.raises(ExportError, match="not with --weight-dtype bf16"):
+        ExportOptions(weight_quant="int4", weight_dtype="bf16").validate()
+    # the tiny llama's 64 inputs are not whole groups of 128
+    with pytest.raises(ExportError, match=r"weight l0.qkv: a row of 64 inputs is not whole "
+                                          r"groups of 128 \(--quant-group 32"):
+        export_artifact(tiny.checkpoint("llama", False), tmp_path / "a",
+                        ExportOptions(weight_quant="int4", quant_group=128, layer_loop=False))
+    assert not any(tmp_path.iterdir())
 
 
 def test_quant_head_needs_weight_quant(tiny, tmp_path):

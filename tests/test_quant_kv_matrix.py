@@ -1,10 +1,11 @@
-"""Every weight quantization (none, int8, fp8) with every KV dtype (f32, fp8), over one key block
+"""Every weight quantization (none, int8, fp8, int4 packed) with every KV dtype (f32, fp8), over one key block
 and over several, for a short prompt and a long one (several prefill chunks and key blocks),
 against transformers computing with the same numbers (the dequantized weights; keys and values
 rounded through e4m3fn): greedy ids equal, first logits within test_quant's tolerance. An fp8
 pool is held as its bytes (manifest.BITS): the sliding
 layers' rings (mistral, gemma3_text) read them too. Negative control: pages read back with the
-wrong bitcast (as e5m2) fail the tolerance."""
+wrong bitcast (as e5m2) fail the tolerance. int4's packed codes are bytes too (ui8), never
+taken for an fp8 pool's or weight's bits."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ PROMPTS = {
     "short": [1, 17, 99, 3, 200],  # one prefill call, one key block
     "long": [(i * 37 + 11) % 200 + 10 for i in range(40)],  # three calls, up to 48 positions
 }
-QUANTS = (None, "int8", "fp8")
+QUANTS = (None, "int8", "fp8", "int4")
 KV = ("f32", "fp8")
 
 

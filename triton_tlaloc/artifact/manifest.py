@@ -271,10 +271,11 @@ class ModelShape:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     # "int8" | "fp8": the layers' linears as codes + scales; "gguf": a GGUF file's quantized
-    # tensors in their own types (each weight's WeightFile.quant)
+    # tensors in their own types; "int4": 4-bit codes with a scale per group (both packed:
+    # each weight's WeightFile.quant)
     weight_quant: str | None = None
     head_quant: bool = False  # the head (a tied table) quantized too
-    # weightQuant "gguf": how the codes are packed (gguf_packed.PACKED_LAYOUT, "row-bands");
+    # packed weights (weightQuant gguf or int4): how the codes are packed (gguf_packed.PACKED_LAYOUT, "row-bands");
     # a device may want another, so the artifact says which its programs read
     packed_layout: str | None = None
 
@@ -285,6 +286,8 @@ class ModelShape:
             return ""
         if self.weight_quant == "gguf":
             return "GGUF types kept packed"
+        if self.weight_quant == "int4":
+            return f"linears{' and head' if self.head_quant else ''} int4, packed"
         return f"linears{' and head' if self.head_quant else ''} {self.weight_quant}"
 
     def to_json(self) -> dict:

@@ -36,6 +36,7 @@ def cmd_export(args) -> int:
                          prefill_max_batch=args.prefill_max_batch or None, block_size=args.block_size,
                          num_blocks=args.num_blocks, weight_dtype=args.weight_dtype,
                          weight_quant=args.weight_quant, quant_head=args.quant_head,
+                         quant_group=args.quant_group, quant_zero_point=args.quant_zero_point,
                          kv_dtype=args.kv_dtype,
                          model_name=args.model_name, prefill_chunk=args.prefill_chunk or None,
                          prefill_tokens=args.prefill_tokens,

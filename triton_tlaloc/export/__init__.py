@@ -6,9 +6,9 @@
     layers.py            the decoder graph's parts in JAX: embedding, attention, linear layer, MLP, head
     attention.py         paged attention (one pass and blockwise) and its masks
     linear_attention.py  Gated DeltaNet's conv and delta rule (the qwen3_5 hybrid family)
-    quant.py             per-output-channel int8 / fp8 codes and scales
+    quant.py             per-output-channel int8 / fp8 codes and scales, int4 codes per group
     gguf_packed.py       GGUF's quantized blocks taken apart into one packed layout
-    gguf_packing.py      --weight-quant gguf: each linear's GGUF type, its packed arrays
+    packing.py           --weight-quant gguf|int4: each packed slot's type, its packed arrays
     packed_linear.py     a packed weight widened inside the graph, fused into the product
     options.py           ExportOptions and their checks
     writer.py            weight streaming, lowering, the manifest, write-then-rename

@@ -36,6 +36,11 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
+def int4_type(group: int, zero_point: bool) -> str:
+    """The packed type name of --weight-quant int4's codes ("INT4_G32", "INT4_ZP_G128")."""
+    return f"INT4_{'ZP_' if zero_point else ''}G{group}"
+
+
 @dataclass(frozen=True)
 class Layout:
     """What a type's packed weight holds: the bits of a code, the elements per scale, the
@@ -74,7 +79,11 @@ class Layout:
 LAYOUTS = {"Q4_0": Layout(4, 32, 8, False), "Q4_1": Layout(4, 32, 0, True),
            "Q5_0": Layout(5, 32, 16, False), "Q5_1": Layout(5, 32, 0, True),
            "Q8_0": Layout(8, 32, 0, False), "Q4_K": Layout(4, 32, 0, True),
-           "Q5_K": Layout(5, 32, 0, True), "Q6_K": Layout(6, 16, 32, False)}
+           "Q5_K": Layout(5, 32, 0, True), "Q6_K": Layout(6, 16, 32, False),
+           # --weight-quant int4 of a full-precision checkpoint (quant.quantize_int4): a scale
+           # per group, symmetric (codes 0 .. 15 about 8) or with an offset (a zero point)
+           **{int4_type(group, zp): Layout(4, group, 0 if zp else 8, zp)
+              for group in (32, 128) for zp in (False, True)}}
 
 
 def is_packed(quant: str | None) -> bool:
@@ -259,4 +268,4 @@ _READERS = {"Q4_0": _read_q4_0, "Q4_1": _read_q4_1, "Q5_0": _read_q5_0, "Q5_1": 
             "Q8_0": _read_q8_0, "Q4_K": _read_q4_k, "Q5_K": _read_q5_k, "Q6_K": _read_q6_k}
 
 __all__ = ["BLOCKS", "LAYOUTS", "Layout", "PACKED_LAYOUT", "PackError", "PackedWeight", "dequantize", "is_packed",
-           "pack", "stack_rows"]
+           "pack", "int4_type", "stack_rows"]

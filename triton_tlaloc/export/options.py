@@ -13,8 +13,11 @@ from .quant import QUANT_FORMATS
 from ..artifact.manifest import DECODE, PREFILL, WindowedKv
 
 WEIGHT_DTYPES = ("f32", "bf16")
-# int8, fp8; gguf: a GGUF file's quantized tensors kept in their own types (gguf_packing)
-WEIGHT_QUANTS = (*QUANT_FORMATS, "gguf")
+# int8, fp8; the packed ones (export/packing.py): gguf, a GGUF file's quantized tensors kept
+# in their own types; int4, 4-bit codes with a scale per group
+PACKED_QUANTS = ("gguf", "int4")
+WEIGHT_QUANTS = (*QUANT_FORMATS, *PACKED_QUANTS)
+INT4_GROUPS = (32, 128)
 KV_DTYPES = {"f32": "f32", "fp8": "f8E4M3FN"}  # --kv-dtype -> the pools' element type
 # The key blocks of blockwise attention, in positions, chosen by scripts/bucket_bench.py on the
 # CPU (docs/performance.md#attention-that-follows-the-sequence): a smaller block reads less of
@@ -52,8 +55,11 @@ class ExportOptions:
     # Each layer's linears as int8 or fp8 codes with an f32 scale per output channel (None:
     # the weight dtype); the embedding, the norms and the head keep the weight dtype.
     weight_quant: str | None = None
-    # --weight-quant gguf resolved against the checkpoint (gguf_packing.slot_quants): each
-    # linear's GGUF type by slot name; set by the exporter, not by a user
+    # --weight-quant int4: inputs a scale covers, and whether each group has an offset too
+    quant_group: int = 32
+    quant_zero_point: bool = False
+    # --weight-quant gguf or int4 resolved against the checkpoint (packing.slot_quants): each
+    # packed slot's type by slot name; set by the exporter, not by a user
     slot_quants: Mapping[str, str] | None = None
     # With weight_quant: the head too (a tied table: the embedding gathers the same codes).
     quant_head: bool = False
@@ -96,7 +102,7 @@ class ExportOptions:
     @property
     def linear_quant(self) -> str | Mapping[str, str] | None:
         """What decoder.weight_slots takes: the quantization by name, or each slot's."""
-        return self.slot_quants if self.weight_quant == "gguf" else self.weight_quant
+        return self.slot_quants if self.weight_quant in PACKED_QUANTS else self.weight_quant
 
     def validate(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -105,13 +111,20 @@ class ExportOptions:
         if self.weight_quant is not None and self.weight_quant not in WEIGHT_QUANTS:
             raise ExportError(f"--weight-quant {self.weight_quant!r}: expected one of "
                               f"{', '.join(WEIGHT_QUANTS)}")
-        if self.weight_quant == "gguf" and (self.quant_head or self.weight_dtype != "f32"
-                                            or self.tensor_parallel > 1):
-            raise ExportError("--weight-quant gguf keeps the file's own types for every "
-                              "quantized tensor (the head's too), with f32 for the rest and on "
-                              "one device: not with --quant-head, --weight-dtype "
-                              f"{self.weight_dtype} or --tensor-parallel "
+        if self.weight_quant == "gguf" and self.quant_head:
+            raise ExportError("--weight-quant gguf keeps the file's own type for every "
+                              "quantized tensor, the head's too: not with --quant-head")
+        if self.weight_quant in PACKED_QUANTS and (self.weight_dtype != "f32"
+                                                   or self.tensor_parallel > 1):
+            raise ExportError(f"--weight-quant {self.weight_quant}: packed weights are written "
+                              f"with f32 for the rest and for one device: not with "
+                              f"--weight-dtype {self.weight_dtype} or --tensor-parallel "
                               f"{self.tensor_parallel}")
+        if self.quant_group not in INT4_GROUPS:
+            raise ExportError(f"--quant-group {self.quant_group}: expected one of "
+                              f"{', '.join(map(str, INT4_GROUPS))}")
+        if (self.quant_group != 32 or self.quant_zero_point) and self.weight_quant != "int4":
+            raise ExportError("--quant-group and --quant-zero-point shape --weight-quant int4")
         if self.quant_head and self.weight_quant is None:
             raise ExportError("--quant-head quantizes the head like the linears: it needs "
                               "--weight-quant int8 or fp8")

@@ -26,14 +26,14 @@ from .checkpoint import Checkpoint, linear_sources, open_checkpoint
 from .config import DecoderConfig
 from .decoder import (STACKED, WeightSlot, entry_program, kv_pools, loops_layers, lower_entry,
                       state_pools, unstacked_slot, weight_slots)
-from . import gguf_packing, tensor_parallel
+from . import packing, tensor_parallel
 from .gguf_packed import PACKED_LAYOUT, is_packed
 from .quant import quantize_rows
 from ..artifact.loading import load_artifact
 from ..artifact.manifest import (DECODE, MANIFEST_NAME, PREFILL, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
                                  VERIFY, Entry, LinearState, WeightFile, WindowedKv, numpy_dtype)
 from ..artifact.sharding import TensorParallel
-from .options import ExportError, ExportOptions
+from .options import PACKED_QUANTS, ExportError, ExportOptions
 
 
 def _log(msg: str) -> None:
@@ -96,8 +96,9 @@ def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig,
         after = {slot.name + sfx: np.stack([more[s.name + sfx] for s, (_, more) in
                                             zip(layers, parts)]) for sfx in suffixes}
         return np.stack([a for a, _ in parts]), after
-    if is_packed(slot.quant):  # the GGUF file's blocks, taken apart (gguf_packed)
-        arrays = gguf_packing.packed_slot(ckpt, slot.name).arrays()
+    if is_packed(slot.quant):  # the GGUF file's blocks taken apart, or int4 codes (gguf_packed)
+        arrays = packing.packed_slot(ckpt, slot.name, slot.quant, lambda: np.asarray(
+            slot_tensor(ckpt, cfg, slot), np.float32)).arrays()
         return arrays.pop(""), {slot.name + sfx: a for sfx, a in arrays.items()}
     arr = slot_tensor(ckpt, cfg, slot)
     if tuple(arr.shape) != slot.shape:
@@ -171,9 +172,9 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         windowed = opts.windowed(cfg, num_blocks)
         # alike layers run as one loop (docs/design.md#the-layer-loop) unless told otherwise
         layer_loop = opts.layer_loop and loops_layers(cfg, windowed)
-        if opts.weight_quant == "gguf":  # each linear's type, refused by name before any write
-            opts = dataclasses.replace(opts, slot_quants=gguf_packing.slot_quants(ckpt, cfg,
-                                                                                  layer_loop))
+        if opts.weight_quant in PACKED_QUANTS:  # each packed slot's type, before any write
+            opts = dataclasses.replace(opts, slot_quants=packing.slot_quants(ckpt, cfg, opts,
+                                                                             layer_loop))
         # Before the weights: heads that do not divide are refused before any is converted.
         tp = _tensor_parallel(cfg, opts, num_blocks, windowed, layer_loop)
         weights = _write_weights(ckpt, cfg, opts, tmp, model_hash, layer_loop)
@@ -326,7 +327,7 @@ def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_
         "weightDtype": opts.weight_dtype,
         "weightQuant": opts.weight_quant,
         "headQuant": opts.quant_head,
-        **({"packedLayout": PACKED_LAYOUT} if opts.weight_quant == "gguf" else {}),
+        **({"packedLayout": PACKED_LAYOUT} if opts.weight_quant in PACKED_QUANTS else {}),
         "kvDtype": opts.kv_type,
         "maxPositions": cfg.max_positions,
         "prefillChunk": opts.prefill_chunk,

@@ -1,23 +1,43 @@
-"""`--weight-quant gguf`: a GGUF file's quantized tensors kept in their own types. Which type
-each linear slot takes (the tensors it fuses must agree, and with the layer loop every layer),
-and a slot's packed arrays read from the file (gguf_packed's layout). A type not kept packed,
-or tensors that do not agree, are refused by name before any weight is written."""
+"""Packed weights at export: which linear slots an artifact stores packed (gguf_packed's
+layout), in which type, and each such slot's arrays.
+
+- `--weight-quant gguf`: a GGUF file's quantized tensors kept in their own types; the tensors a
+  slot fuses must agree, and with the layer loop every layer. A type not kept packed, or
+  tensors that do not agree, are refused by name before any weight is written.
+- `--weight-quant int4`: every layer's linears (the head too with --quant-head) quantized from
+  the checkpoint's values (quant.quantize_int4).
+"""
 
 from __future__ import annotations
 
 from .checkpoint import Checkpoint, GgufCheckpoint, linear_sources
 from .config import DecoderConfig
 from .decoder import weight_slots
-from .gguf_packed import LAYOUTS, PackedWeight, PackError, stack_rows
-from .options import ExportError
+from .gguf_packed import LAYOUTS, PackedWeight, PackError, int4_type, stack_rows
+from .options import ExportError, ExportOptions
+from .quant import quantize_int4
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # read as values: the slot keeps the weight dtype
 WAY_OUT = "--weight-quant int8 or f32 reads any type"
 
 
-def slot_quants(ckpt: Checkpoint, cfg: DecoderConfig, layer_loop: bool) -> dict[str, str]:
-    """Each quantized linear slot's GGUF type, by the name decoder.weight_slots looks up
-    ("embed" for the table, "l0.<part>" for every layer of a loop)."""
+def slot_quants(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions,
+                layer_loop: bool) -> dict[str, str]:
+    """Each packed linear slot's type, by the name decoder.weight_slots looks up ("embed" for
+    the table, "l0.<part>" for every layer of a loop)."""
+    if opts.weight_quant == "int4":
+        qtype = int4_type(opts.quant_group, opts.quant_zero_point)
+        heads = ("embed", "embed_t", "lm_head") if opts.quant_head else ()
+        quants = {"embed" if s.name == "embed_t" else s.name: qtype for s in weight_slots(cfg)
+                  if linear_sources(s.name) is not None and (s.name[:1] == "l" and s.name[1:2]
+                                                             .isdigit() or s.name in heads)}
+        if opts.quant_head and not cfg.tie_word_embeddings:
+            quants.pop("embed", None)  # an untied model's head is lm_head; its table stays
+        return _looped(ckpt, cfg, quants) if layer_loop else quants
+    return _gguf_quants(ckpt, cfg, layer_loop)
+
+
+def _gguf_quants(ckpt: Checkpoint, cfg: DecoderConfig, layer_loop: bool) -> dict[str, str]:
     if not isinstance(ckpt, GgufCheckpoint):
         raise ExportError(f"{ckpt.path}: --weight-quant gguf keeps a GGUF file's own blocks, "
                           f"and this checkpoint is not a GGUF file ({WAY_OUT})")
@@ -62,10 +82,13 @@ def _named_types(ckpt: Checkpoint, sources) -> str:
     return ", ".join(f"{ckpt.file_name(n)} {ckpt.tensor_type(n)}" for n in sources)
 
 
-def packed_slot(ckpt: GgufCheckpoint, slot_name: str) -> PackedWeight:
-    """A slot's tensors kept packed, fused along their rows."""
-    sources = linear_sources(slot_name)
+def packed_slot(ckpt: Checkpoint, slot_name: str, quant: str, values) -> PackedWeight:
+    """A packed slot's weight: an int4 type quantized from `values()` (the slot's [out, in]
+    f32), a GGUF type the file's own tensors, fused along their rows."""
     try:
-        return stack_rows([ckpt.packed(n) for n in sources], slot_name)
+        if quant.startswith("INT4"):
+            layout = LAYOUTS[quant]
+            return quantize_int4(values(), layout.group, layout.offset)
+        return stack_rows([ckpt.packed(n) for n in linear_sources(slot_name)], slot_name)
     except PackError as e:
-        raise ExportError(f"{ckpt.path}: {e}") from None
+        raise ExportError(f"{ckpt.path}: weight {slot_name}: {e}") from None
