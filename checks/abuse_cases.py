@@ -780,7 +780,7 @@ class ServeProcess:
     def __init__(self, t: Target):
         from triton_tlaloc.runtime.pjrt import default_cache_dir
         from triton_tlaloc.repository import RepositoryOptions, write_repository
-        from triton_tlaloc.triton.server import free_port
+        from triton_tlaloc.triton.server import free_ports
 
         work = t.work / "served"
         shutil.rmtree(work, ignore_errors=True)
@@ -793,7 +793,7 @@ class ServeProcess:
             (damaged / f.name).write_bytes(data)
         write_repository(t.artifact, work / "repo", SERVED,
                          RepositoryOptions(compile_cache_dir=str(damaged)))
-        ports = [free_port() for _ in range(3)]
+        ports = free_ports(3)
         self.grpc_url = f"127.0.0.1:{ports[1]}"
         self.out, self.log = work / "serve.out", work / "tritonserver.log"
         self.proc = subprocess.Popen(

@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from triton_tlaloc.triton.server import free_port  # noqa: E402
+from triton_tlaloc.triton.server import free_port, free_ports  # noqa: E402
 
 BIN = Path(sys.executable).parent
 AIPERF = "aiperf==0.13.0"
@@ -130,7 +130,7 @@ def start_tlaloc(artifact: Path, work: Path, timing_log: bool) -> tuple[int, lis
         text = config.read_text()
         assert "parameters [\n" in text, config
         config.write_text(text.replace("parameters [\n", "parameters [\n" + line, 1))
-    http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
+    http, grpc, metrics, api = free_ports(4)
     serve = subprocess.Popen([str(BIN / "tlaloc"), "serve", str(repo), "--http-port", str(http),
                               "--grpc-port", str(grpc), "--metrics-port", str(metrics),
                               "--log-file", str(work / "tritonserver.log")],

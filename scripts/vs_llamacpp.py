@@ -10,7 +10,11 @@ is the median over rounds (each round's decode figure is that run's median step)
 quiet machine.
 
     .venv/bin/python scripts/vs_llamacpp.py [--gguf FILE] [--rounds 3] [--prompt-words 400]
-        [--steps 64] [--targets llamacpp,gguf,int8,f32]
+        [--steps 64] [--targets llamacpp,gguf,int8,f32] [--quantize Q4_K_M]
+
+`--quantize TYPE` first writes the file in another of llama.cpp's types with llama.cpp's own
+quantizer (`llama_model_quantize`, requantizing the file's values: SmolLM2 ships only as Q4_1)
+and measures that file.
 """
 
 from __future__ import annotations
@@ -34,6 +38,18 @@ EXPORTS = {"gguf": ["--weight-quant", "gguf"],
            "f32": []}
 WORDS = ("river mountain cloud rain storm valley forest ocean wind stone light shadow morning "
          "evening harvest village market bridge tower garden lantern meadow harbor").split()
+
+# Runs inside llama.cpp's venv: llama.cpp's quantizer, from one GGUF file to another type.
+QUANTIZE_WORKER = r"""
+import sys
+import llama_cpp
+src, dst, ftype = sys.argv[1], sys.argv[2], sys.argv[3]
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + ftype)
+params.allow_requantize = True
+params.nthread = 2
+assert llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params) == 0
+"""
 
 # Runs inside llama.cpp's venv: the prompt in one eval, then greedy steps of one token.
 LLAMACPP_WORKER = r"""
@@ -100,6 +116,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--targets", default="llamacpp,gguf,int8,f32")
     ap.add_argument("--work", type=Path, default=ROOT / "artifacts" / "vs-llamacpp")
+    ap.add_argument("--quantize", default=None, help="a llama.cpp type, e.g. Q4_K_M")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from triton_tlaloc.export.checkpoint import smollm2_gguf_path
@@ -107,11 +124,19 @@ def main() -> int:
 
     gguf = (args.gguf or smollm2_gguf_path()).resolve()
     targets = args.targets.split(",")
+    bin_dir = venv(ROOT / "artifacts" / "openai-bench" / "llamacpp-venv", [LLAMACPP]) \
+        if "llamacpp" in targets or args.quantize else None
+    if args.quantize:
+        out = args.work / f"{gguf.stem.rsplit('.', 1)[0]}.{args.quantize}.gguf"
+        if not out.is_file():
+            log(f"writing {out.name} with llama.cpp's quantizer ...")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run([str(bin_dir / "python"), "-c", QUANTIZE_WORKER, str(gguf), str(out),
+                            args.quantize], check=True)
+        gguf = out
     work = args.work / gguf.stem
     arts = {t: export(gguf, t, work, 1024) for t in targets if t in EXPORTS}
     tok = ArtifactTokenizer(next(iter(arts.values())) / "tokenizer") if arts else None
-    bin_dir = venv(ROOT / "artifacts" / "openai-bench" / "llamacpp-venv", [LLAMACPP]) \
-        if "llamacpp" in targets else None
     results: dict[str, list[dict]] = {t: [] for t in targets}
     for r in range(args.rounds):
         rng = random.Random(r)

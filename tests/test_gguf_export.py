@@ -3,9 +3,10 @@ quantized tensor kept in its own type. The artifact's weights stay near the file
 the programs, which widen the packed bytes inside each product, give transformers' greedy ids
 and logits on the same dequantized values in prefill (a GEMM over the widened weight) and
 decode at one and at two rows (a product per row and band reading the packed bytes). Control:
-a scale read from the neighbouring block moves the logits past the tolerance. Bad input (a
-checkpoint that is not a GGUF, a type not kept, layers of different types, a manifest naming
-an unknown type) is refused by name."""
+a scale read from the neighbouring block moves the logits past the tolerance. A file whose
+fused tensors and looped layers mix types (as a Q4_K_M file's do) gives transformers' ids on
+its values too. Bad input (a checkpoint that is not a GGUF, a type not kept, mixes no layout
+holds, a manifest naming an unknown type or layout) is refused by name."""
 
 from __future__ import annotations
 
@@ -43,6 +44,31 @@ def packed(run_dir):
 @pytest.fixture(scope="module")
 def reference(smollm2_transformers):
     return load_reference(smollm2_transformers)
+
+
+def mixed_type_of(name: str) -> str | None:
+    """What the mixed file re-encodes: every attn_v as Q5_0 (q|k|v fuses Q4_1 and Q5_0), and
+    the first two and the last layers' ffn_down as Q5_1 (the loop's layers differ)."""
+    if name.endswith("attn_v.weight"):
+        return "Q5_0"
+    return "Q5_1" if name in {f"blk.{i}.ffn_down.weight" for i in (0, 1, 29)} else None
+
+
+@pytest.fixture(scope="module")
+def mixed(run_dir):
+    """SmolLM2's GGUF with some tensors in other types (checks/gguf_files.py), exported with
+    --weight-quant gguf, and transformers' reading of that file: (artifact, checkpoint)."""
+    from checks.gguf_files import retyped_gguf
+    from checks.oracle import save_gguf_as_checkpoint
+
+    gguf = built_once(run_dir / "smollm2-mixed-gguf", lambda p: (p.mkdir(), retyped_gguf(
+        smollm2_gguf_path(), p / "mixed.gguf", mixed_type_of)))
+    ckpt = built_once(run_dir / "smollm2-mixed-hf",
+                      lambda p: save_gguf_as_checkpoint(gguf / "mixed.gguf", p))
+    art = built_once(run_dir / "smollm2-mixed", lambda p: export_artifact(
+        gguf / "mixed.gguf", p, ExportOptions(batch_ladder=(1,), context_ladder=(128,),
+                                              weight_quant="gguf")))
+    return art, ckpt
 
 
 def chat_prompt(art) -> list[int]:
@@ -95,6 +121,28 @@ def test_greedy_ids_and_logits_equal_transformers(packed, reference):
         assert logits_error(row, reference_logits(reference, seq.token_ids)) <= TOLERANCE
 
 
+def test_tensors_of_different_types_fused_and_looped_give_transformers_ids(mixed, reference):
+    """q|k|v fusing Q4_1 and Q5_0 rows, and a loop whose ffn_down is Q5_1 in three layers and
+    Q4_1 in the others: one layout each (named in the weight table), the file's values, the
+    ids transformers gives on them. Control: the unmixed file's values are past tolerance."""
+    art, ckpt = mixed
+    quants = {w["slot"]: w.get("quant") for w in json.loads(
+        (art / "tlaloc-serving.json").read_text())["weights"]}
+    assert quants["layers.qkv"] == "B5_G32_Z16_O" and quants["layers.down"] == "B5_G32_Z0_O"
+    assert quants["layers.o"] == "Q4_1"
+    prompt = chat_prompt(art)
+    want_ids, want_logits = reference_greedy(load_reference(ckpt), prompt, STEPS)
+    _, unmixed = reference_greedy(reference, prompt, 0)
+    engine = Engine(Runtime(art))
+    seq = engine.new_sequence(prompt)
+    first = engine.prefill([seq])[0]
+    engine.free(seq)
+    err, err_unmixed = logits_error(first, want_logits), logits_error(first, unmixed)
+    print(f"\nmixed types: logits error {err:.2e}, against the unmixed file {err_unmixed:.2e}")
+    assert err <= TOLERANCE and err_unmixed > 100 * TOLERANCE
+    assert engine.generate_greedy(prompt, STEPS).generated_ids == want_ids
+
+
 def reference_logits(model, ids: list[int]) -> np.ndarray:
     import torch
 
@@ -141,11 +189,13 @@ def test_bad_input_is_refused_by_name(packed, tiny, tmp_path, monkeypatch):
     cases = [  # (the tensors the file is said to hold in another type, that type, the error)
         (lambda n: n == down3, "Q2_K", r"tensor blk.3.ffn_down.weight is Q2_K, a GGUF type not "
                                        r"kept packed .*--weight-quant int8 or f32"),
-        (lambda n: n == down3, "Q8_0", r"one type for every layer's down.*layer 3: Q8_0.*"
-                                       r"--no-layer-loop"),
-        (lambda n: n.endswith("v_proj.weight"), "Q8_0",
-         r"weight l0.qkv fuses tensors of different GGUF types \(blk.0.attn_q.weight Q4_1, "
-         r".* Q8_0"),
+        (lambda n: n == down3, "F16", r"needs every layer's down packed or none.*layer 3: "
+                                      r"float.*--no-layer-loop"),
+        (lambda n: n == down3, "Q8_0", r"every layer's down: Q8_0 fused or looped with other "
+                                       r"types \(Q4_1, Q8_0\)"),
+        (lambda n: n.endswith("v_proj.weight"), "F16",
+         r"weight l0.qkv fuses quantized and float tensors \(blk.0.attn_q.weight Q4_1, "
+         r".* F16"),
     ]
     for i, (which, qtype, error) in enumerate(cases):
         monkeypatch.setattr(GgufCheckpoint, "tensor_type",

@@ -104,9 +104,37 @@ def test_fused_rows_and_moved_rows_keep_their_values():
     order = np.array([2, 0, 1, 5, 4, 3, 7, 6])
     assert same_bits(dequantize(a.take_rows(order)), dequantize(a)[order])
     c = pack("Q8_0", raw_tensor("Q8_0", rng), (ROWS, COLS))
-    with pytest.raises(PackError, match="l0.qkv: fused from tensors of different GGUF types "
+    with pytest.raises(PackError, match=r"l0.qkv: Q8_0 fused or looped with other types "
                                         r"\(Q4_1, Q8_0\)"):
         stack_rows([a, c], "l0.qkv")
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q4_1", "Q5_0"), ("Q4_0", "Q5_1", "Q6_K"),
+                                   ("Q5_K", "Q4_K", "Q5_K")])
+def test_tensors_of_different_types_share_one_layout_that_keeps_their_values(types):
+    """A Q4_K_M file fuses a Q6_K attn_v with Q4_K attn_q and attn_k, and its ffn_down changes
+    type from layer to layer: the weights share the layout mixed_type gives (the largest zero,
+    the bits that hold every code from there, the smallest group, an offset), in which each
+    reads back gguf-py's values (as values: a -0.0 reads +0.0 where a zero offset is added),
+    in numpy and in the program's widening."""
+    import jax
+    import jax.numpy as jnp
+
+    from triton_tlaloc.export.gguf_packed import layout_of, mixed_type, stack_rows
+    from triton_tlaloc.export.packed_linear import weight_values
+
+    rng = np.random.default_rng(len(types))
+    raws = [raw_tensor(t, rng) for t in types]
+    want = np.concatenate([gguf.quants.dequantize(r, gguf.GGMLQuantizationType[t])
+                           for t, r in zip(types, raws)])
+    joined = stack_rows([pack(t, r, (ROWS, COLS)) for t, r in zip(types, raws)], "l0.qkv")
+    assert joined.qtype == mixed_type(list(types), "l0.qkv") and layout_of(joined.qtype)
+    assert np.array_equal(dequantize(joined), want)
+    w = {"t" + sfx: jnp.asarray(a) for sfx, a in joined.arrays().items()}
+    assert np.array_equal(np.asarray(jax.jit(lambda w: weight_values(joined.qtype, w, "t"))(w)),
+                          want)
+    joined.codes[1, 5] ^= 1  # the control: one code's lowest bit (row 0 starts with zeros)
+    assert not np.array_equal(dequantize(joined), want)
 
 
 def test_a_type_not_kept_packed_is_refused_by_name():

@@ -19,7 +19,7 @@ import pytest
 from checks import abuse_cases as A
 from triton_tlaloc.frontends.client import TlalocClient, generate, new_sequence_id
 from triton_tlaloc.repository import RepositoryOptions
-from triton_tlaloc.triton.server import (SHM_DIR, free_port, processes_named,
+from triton_tlaloc.triton.server import (SHM_DIR, free_ports, processes_named,
                                          stubs_with_prefix)
 
 pytestmark = pytest.mark.tritonserver
@@ -61,7 +61,7 @@ def test_tlaloc_serve_closes_admin_apis_and_stops_cleanly_with_open_sequences(ti
 
     repo = work / "repo-serve"
     write_repository(tiny.artifact("llama", False), repo, "llama", RepositoryOptions())
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     env = {**os.environ, "TLALOC_ADMIN_KEY": "sesame"}
     proc = subprocess.Popen([sys.executable, "-m", "triton_tlaloc.cli", "serve", str(repo),
                              "--http-port", str(http), "--grpc-port", str(grpc),

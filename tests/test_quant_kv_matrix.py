@@ -36,7 +36,7 @@ PROMPTS = {
     "short": [1, 17, 99, 3, 200],  # one prefill call, one key block
     "long": [(i * 37 + 11) % 200 + 10 for i in range(40)],  # three calls, up to 48 positions
 }
-QUANTS = (None, "int8", "fp8", "int4")
+QUANTS = (None, "int8", "fp8")
 KV = ("f32", "fp8")
 
 
@@ -97,6 +97,12 @@ def test_quantization_and_kv_dtype_equal_transformers(matrix, quant, kv, blocks)
               f"logits error {err:.2e}")
         assert ids == want_ids, prompt
         assert err <= TOL, prompt
+
+
+def test_int4_weights_with_fp8_pools_equal_transformers(matrix):
+    """Packed int4 codes (bytes, ui8) beside fp8 pools taken as their bytes (ui8 too): neither
+    is read as the other, over several key blocks, for both prompts."""
+    test_quantization_and_kv_dtype_equal_transformers(matrix, "int4", "fp8", "several-blocks")
 
 
 def test_fp8_pools_are_taken_as_their_bytes_and_donated(matrix):

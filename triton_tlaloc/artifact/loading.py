@@ -178,12 +178,13 @@ def _check_packed_layout(art: Artifact, mpath: Path) -> None:
 def _check_weight_files(root: Path, mpath: Path, weights: tuple[WeightFile, ...]) -> None:
     """Each weight file exists and holds exactly dtype x shape bytes; a packed one is of a
     type this backend's programs were written for."""
-    from ..export.gguf_packed import LAYOUTS
+    from ..export.gguf_packed import LAYOUTS, layout_of
 
     for w in weights:
-        if w.quant is not None and w.quant not in LAYOUTS:
+        if w.quant is not None and layout_of(w.quant) is None:
             raise _refuse(f"weight slot {w.slot}: packed type {w.quant!r} is unknown to this "
-                          f"backend (known: {', '.join(LAYOUTS)})", mpath)
+                          f"backend (known: {', '.join(LAYOUTS)}, and mixes of them named "
+                          f"B<bits>_G<group>_Z<zero>[_O])", mpath)
         wpath = root / w.file
         if not wpath.is_file():
             raise _refuse(f"weight slot {w.slot}: file is missing", wpath)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import DecoderConfig
-from .gguf_packed import LAYOUTS
+from .gguf_packed import is_packed, layout_of
 from .quant import code_dtype
 from ..artifact.manifest import (BITS, BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS,
                                  SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS,
@@ -93,7 +93,7 @@ def loops_layers(cfg: DecoderConfig, windowed: WindowedKv | None) -> bool:
 def packed_slots(name: str, quant: str, n_in: int, n_out: int) -> list[WeightSlot]:
     """A weight kept in its GGUF type: one slot per array of its packed layout, [out, ...]."""
     return [WeightSlot(name + suffix, shape, "linear" if not suffix else "scale", True, quant,
-                       dtype) for suffix, dtype, shape in LAYOUTS[quant].parts(n_out, n_in)]
+                       dtype) for suffix, dtype, shape in layout_of(quant).parts(n_out, n_in)]
 
 
 def quant_of(weight_quant, name: str) -> str | None:
@@ -122,7 +122,7 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
         weight dtype (one-row products widen codes as they read them only along the weight's
         minor axis), and its scale per output channel."""
         quant = quant_of(weight_quant, name)
-        if quant in LAYOUTS:
+        if is_packed(quant):
             return packed_slots(name, quant, n_in, n_out)
         if quant is not None and quantized:
             return [WeightSlot(name, (n_out, n_in), "linear", True, quant),
@@ -137,7 +137,7 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
     # table stays [vocab, hidden] (row gathers) beside its own lm_head.
     table_quant = quant_of(weight_quant, "embed")
     transposed = cfg.tie_word_embeddings and not of and not quant_head and table_quant is None
-    if table_quant in LAYOUTS:  # gathered row by row, and a tied head's [out, in]
+    if is_packed(table_quant):  # gathered row by row, and a tied head's [out, in]
         slots = packed_slots("embed", table_quant, h, cfg.vocab_size)
     elif quant_head and cfg.tie_word_embeddings:
         slots = [WeightSlot("embed", (cfg.vocab_size, h), "embed", True, weight_quant),

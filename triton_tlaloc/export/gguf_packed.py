@@ -24,6 +24,7 @@ Pure numpy.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,9 +87,45 @@ LAYOUTS = {"Q4_0": Layout(4, 32, 8, False), "Q4_1": Layout(4, 32, 0, True),
               for group in (32, 128) for zp in (False, True)}}
 
 
+# A weight fused from tensors of different types, or stacked over layers of different types
+# (a Q4_K_M file's q|k|v, its ffn_down), takes one layout all of them fit: "B6_G16_Z32_O".
+_MIXED = re.compile(r"B([456])_G(16|32)_Z(\d+)(_O)?")
+
+
+def layout_of(quant: str | None) -> Layout | None:
+    """The layout a weight slot's quant names: a type's (LAYOUTS), a mixed one, or None (not
+    packed: int8, fp8 or none)."""
+    if quant in LAYOUTS:
+        return LAYOUTS[quant]
+    m = _MIXED.fullmatch(quant or "")
+    return None if m is None else Layout(int(m[1]), int(m[2]), int(m[3]), bool(m[4]))
+
+
 def is_packed(quant: str | None) -> bool:
-    """Whether a weight slot's quant names a GGUF type kept packed (not int8 or fp8)."""
-    return quant in LAYOUTS
+    """Whether a weight slot's quant names a packed layout (not int8 or fp8)."""
+    return layout_of(quant) is not None
+
+
+def mixed_type(types: list[str], what: str) -> str:
+    """One layout for weights of these types (GGUF's or mixed): the largest zero (so every
+    code, less its own type's zero, stays non-negative), the bits that hold every type's codes
+    from there, the smallest group (a larger one's scales repeated), an offset when any has
+    one (zero for the others). Q8_0 mixes with nothing."""
+    layouts = [layout_of(t) for t in types]
+    if len(set(types)) == 1:
+        return types[0]
+    if any(lay.bits == 8 for lay in layouts):
+        raise PackError(f"{what}: Q8_0 fused or looped with other types "
+                        f"({', '.join(sorted(set(types)))}); --weight-quant int8 or f32 reads "
+                        f"any mix")
+    zero = max(lay.zero for lay in layouts)
+    top = max(zero + (1 << lay.bits) - 1 - lay.zero for lay in layouts)
+    bits = next((b for b in (4, 5, 6) if top < 1 << b), None)
+    if bits is None:
+        raise PackError(f"{what}: types {', '.join(sorted(set(types)))} do not fit one packed "
+                        f"layout; --weight-quant int8 or f32 reads any mix")
+    group = min(lay.group for lay in layouts)
+    return f"B{bits}_G{group}_Z{zero}{'_O' if any(lay.offset for lay in layouts) else ''}"
 
 
 @dataclass
@@ -104,7 +141,23 @@ class PackedWeight:
 
     @property
     def layout(self) -> Layout:
-        return LAYOUTS[self.qtype]
+        return layout_of(self.qtype)
+
+    def as_type(self, quant: str) -> PackedWeight:
+        """The same values in another layout (mixed_type's): each code less its zero plus the
+        new one, scales and offsets repeated for a smaller group, a zero offset where there was
+        none (a value of -0.0 then reads +0.0)."""
+        if quant == self.qtype:
+            return self
+        new, rows = layout_of(quant), self.shape[0]
+        codes = self.codes.astype(np.int32) - self.zero + new.zero
+        assert 0 <= codes.min() and codes.max() < 1 << new.bits, (self.qtype, quant)
+        repeat = self.group // new.group
+        scale = np.repeat(self.scale, repeat, axis=1)
+        offset = None if not new.offset else (
+            np.zeros_like(scale) if self.offset is None else np.repeat(self.offset, repeat, 1))
+        return PackedWeight(quant, self.shape, new.bits, new.group, new.zero,
+                            codes.astype(np.uint8), scale, offset)
 
     @property
     def nbytes(self) -> int:
@@ -140,13 +193,11 @@ class PackedWeight:
         return PackedWeight(**{**vars(self), **pick, "shape": (len(order), self.shape[1])})
 
 
-def stack_rows(parts: list[PackedWeight], what: str) -> PackedWeight:
-    """Weights of one type, their rows one after another (q|k|v, gate|up fused)."""
-    types = {p.qtype for p in parts}
-    if len(types) != 1:
-        raise PackError(f"{what}: fused from tensors of different GGUF types "
-                        f"({', '.join(sorted(types))}); --weight-quant int8 or f32 reads any "
-                        f"mix")
+def stack_rows(parts: list[PackedWeight], what: str, quant: str | None = None) -> PackedWeight:
+    """Weights, their rows one after another (q|k|v, gate|up fused), in `quant`'s layout
+    (default: mixed_type of theirs)."""
+    quant = quant or mixed_type([p.qtype for p in parts], what)
+    parts = [p.as_type(quant) for p in parts]
     if len({p.shape[1] for p in parts}) != 1:
         raise PackError(f"{what}: fused rows of different lengths")
     first = parts[0]
@@ -268,4 +319,4 @@ _READERS = {"Q4_0": _read_q4_0, "Q4_1": _read_q4_1, "Q5_0": _read_q5_0, "Q5_1": 
             "Q8_0": _read_q8_0, "Q4_K": _read_q4_k, "Q5_K": _read_q5_k, "Q6_K": _read_q6_k}
 
 __all__ = ["BLOCKS", "LAYOUTS", "Layout", "PACKED_LAYOUT", "PackError", "PackedWeight", "dequantize", "is_packed",
-           "pack", "int4_type", "stack_rows"]
+           "pack", "int4_type", "layout_of", "mixed_type", "stack_rows"]

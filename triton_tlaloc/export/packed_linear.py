@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from .gguf_packed import LAYOUTS, Layout
+from .gguf_packed import Layout, layout_of
 
 
 def _parts(layout: Layout, w: dict, name: str) -> dict:
@@ -48,7 +48,7 @@ def _band_values(layout: Layout, parts: dict, r: int):
 
 def weight_values(quant: str, w: dict, name: str):
     """A packed slot's f32 [rows, cols] from the entry's weights by slot name."""
-    layout = LAYOUTS[quant]
+    layout = layout_of(quant)
     parts = _parts(layout, w, name)
     bands = [_band_values(layout, parts, r) for r in range(layout.bands)]
     return bands[0] if len(bands) == 1 else jnp.concatenate(bands)
@@ -58,7 +58,7 @@ def packed_product(x, quant: str, w: dict, name: str, matvec_rows: int):
     """x [..., cols] times a packed slot's [rows, cols]ᵀ: [..., rows]. Up to `matvec_rows`
     rows of x, a matrix-vector product per row and band, each fused with its band's widening;
     more (a prompt), one product over the widened weight."""
-    layout = LAYOUTS[quant]
+    layout = layout_of(quant)
     parts = _parts(layout, w, name)
     lead, cols = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, cols)
@@ -76,7 +76,7 @@ def packed_product(x, quant: str, w: dict, name: str, matvec_rows: int):
 def gathered_rows(quant: str, w: dict, name: str, ids):
     """Rows `ids` of a packed table (the embedding), f32 [*ids.shape, cols]: each array's rows
     gathered (a code plane's row ids % (rows / fields), shifted by its field), then widened."""
-    layout = LAYOUTS[quant]
+    layout = layout_of(quant)
     parts = _parts(layout, w, name)
     rows, groups = parts[".scale"].shape
     q = None

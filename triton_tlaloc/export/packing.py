@@ -1,9 +1,10 @@
 """Packed weights at export: which linear slots an artifact stores packed (gguf_packed's
 layout), in which type, and each such slot's arrays.
 
-- `--weight-quant gguf`: a GGUF file's quantized tensors kept in their own types; the tensors a
-  slot fuses must agree, and with the layer loop every layer. A type not kept packed, or
-  tensors that do not agree, are refused by name before any weight is written.
+- `--weight-quant gguf`: a GGUF file's quantized tensors kept in their own types; tensors a
+  slot fuses, or a loop's layers, of different types share one layout that holds them all
+  (gguf_packed.mixed_type). A type not kept packed, or a mix no layout holds, is refused by
+  name before any weight is written.
 - `--weight-quant int4`: every layer's linears (the head too with --quant-head) quantized from
   the checkpoint's values (quant.quantize_int4).
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 from .checkpoint import Checkpoint, GgufCheckpoint, linear_sources
 from .config import DecoderConfig
 from .decoder import weight_slots
-from .gguf_packed import LAYOUTS, PackedWeight, PackError, int4_type, stack_rows
+from .gguf_packed import (BLOCKS, PackedWeight, PackError, int4_type, layout_of, mixed_type,
+                          stack_rows)
 from .options import ExportError, ExportOptions
 from .quant import quantize_int4
 
@@ -49,16 +51,17 @@ def _gguf_quants(ckpt: Checkpoint, cfg: DecoderConfig, layer_loop: bool) -> dict
         types = {ckpt.tensor_type(n) for n in sources}
         if types <= set(FLOAT_TYPES):
             continue
+        if types & set(FLOAT_TYPES):
+            raise ExportError(f"{ckpt.path}: weight {slot.name} fuses quantized and float "
+                              f"tensors ({_named_types(ckpt, sources)}; {WAY_OUT})")
         for name in sources:
             qtype = ckpt.tensor_type(name)
-            if qtype not in LAYOUTS:
+            if qtype not in BLOCKS:
                 raise ExportError(f"{ckpt.path}: tensor {ckpt.file_name(name)} is {qtype}, a "
-                                  f"GGUF type not kept packed (kept: {', '.join(LAYOUTS)}; "
+                                  f"GGUF type not kept packed (kept: {', '.join(BLOCKS)}; "
                                   f"{WAY_OUT})")
-        if len(types) > 1:
-            raise ExportError(f"{ckpt.path}: weight {slot.name} fuses tensors of different "
-                              f"GGUF types ({_named_types(ckpt, sources)}; {WAY_OUT})")
-        quants["embed" if slot.name == "embed_t" else slot.name] = types.pop()
+        quants["embed" if slot.name == "embed_t" else slot.name] = _mixed(
+            ckpt, sorted(types), f"weight {slot.name} ({_named_types(ckpt, sources)})")
     return _looped(ckpt, cfg, quants) if layer_loop else quants
 
 
@@ -68,14 +71,22 @@ def _looped(ckpt: Checkpoint, cfg: DecoderConfig, quants: dict[str, str]) -> dic
     parts = {k.split(".", 1)[1] for k in quants if k not in looped}
     for part in sorted(parts):
         by_layer = [quants.get(f"l{i}.{part}") for i in range(cfg.num_layers)]
-        if len(set(by_layer)) > 1:
+        if None in by_layer and len(set(by_layer)) > 1:
             seen = ", ".join(f"layer {i}: {t or 'float'}" for i, t in enumerate(by_layer)
                              if t != by_layer[0] or i == 0)
-            raise ExportError(f"{ckpt.path}: the layer loop needs one type for every layer's "
-                              f"{part}, and the file's differ ({seen}); --no-layer-loop keeps "
-                              f"each layer's own")
-        looped[f"l0.{part}"] = by_layer[0]
+            raise ExportError(f"{ckpt.path}: the layer loop needs every layer's {part} "
+                              f"packed or none, and the file's differ ({seen}); "
+                              f"--no-layer-loop keeps each layer's own")
+        # layers of different types (a Q4_K_M file's ffn_down) share one layout
+        looped[f"l0.{part}"] = _mixed(ckpt, by_layer, f"every layer's {part}")
     return looped
+
+
+def _mixed(ckpt: Checkpoint, types: list[str], what: str) -> str:
+    try:
+        return mixed_type(types, what)
+    except PackError as e:
+        raise ExportError(f"{ckpt.path}: {e}") from None
 
 
 def _named_types(ckpt: Checkpoint, sources) -> str:
@@ -87,8 +98,8 @@ def packed_slot(ckpt: Checkpoint, slot_name: str, quant: str, values) -> PackedW
     f32), a GGUF type the file's own tensors, fused along their rows."""
     try:
         if quant.startswith("INT4"):
-            layout = LAYOUTS[quant]
+            layout = layout_of(quant)
             return quantize_int4(values(), layout.group, layout.offset)
-        return stack_rows([ckpt.packed(n) for n in linear_sources(slot_name)], slot_name)
+        return stack_rows([ckpt.packed(n) for n in linear_sources(slot_name)], slot_name, quant)
     except PackError as e:
         raise ExportError(f"{ckpt.path}: weight {slot_name}: {e}") from None

@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -150,9 +151,18 @@ def pytriton_dir() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n different free loopback ports. Each socket stays bound until all are picked: a port
+    released is the kernel's to give again at once, and three picks in a row once gave gRPC
+    and metrics the same port (tritonserver then refuses to start)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def server_environment() -> dict:
@@ -191,9 +201,10 @@ class TritonServer:
                  restrict_admin: bool = True, admin_key: str | None = None):
         self.repo = Path(repo).resolve()
         self.host = host
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        picked = iter(free_ports(3))
+        self.http_port = http_port or next(picked)
+        self.grpc_port = grpc_port or next(picked)
+        self.metrics_port = metrics_port or next(picked)
         self.exit_timeout_s = exit_timeout_s
         self._tmp = Path(tempfile.mkdtemp(prefix="tlaloc-triton-"))
         self.log_path = Path(log_path) if log_path else self._tmp / "tritonserver.log"
