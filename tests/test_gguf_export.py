@@ -191,8 +191,6 @@ def test_bad_input_is_refused_by_name(packed, tiny, tmp_path, monkeypatch):
                                        r"kept packed .*--weight-quant int8 or f32"),
         (lambda n: n == down3, "F16", r"needs every layer's down packed or none.*layer 3: "
                                       r"float.*--no-layer-loop"),
-        (lambda n: n == down3, "Q8_0", r"every layer's down: Q8_0 fused or looped with other "
-                                       r"types \(Q4_1, Q8_0\)"),
         (lambda n: n.endswith("v_proj.weight"), "F16",
          r"weight l0.qkv fuses quantized and float tensors \(blk.0.attn_q.weight Q4_1, "
          r".* F16"),

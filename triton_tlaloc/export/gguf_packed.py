@@ -89,7 +89,7 @@ LAYOUTS = {"Q4_0": Layout(4, 32, 8, False), "Q4_1": Layout(4, 32, 0, True),
 
 # A weight fused from tensors of different types, or stacked over layers of different types
 # (a Q4_K_M file's q|k|v, its ffn_down), takes one layout all of them fit: "B6_G16_Z32_O".
-_MIXED = re.compile(r"B([456])_G(16|32)_Z(\d+)(_O)?")
+_MIXED = re.compile(r"B([4568])_G(16|32)_Z(\d+)(_O)?")
 
 
 def layout_of(quant: str | None) -> Layout | None:
@@ -110,20 +110,17 @@ def mixed_type(types: list[str], what: str) -> str:
     """One layout for weights of these types (GGUF's or mixed): the largest zero (so every
     code, less its own type's zero, stays non-negative), the bits that hold every type's codes
     from there, the smallest group (a larger one's scales repeated), an offset when any has
-    one (zero for the others). Q8_0 mixes with nothing."""
+    one (zero for the others). With Q8_0 among them: signed 8-bit codes, each its own type's
+    code less its zero (llama.cpp writes a Q4_K_M file's attn_v as Q8_0 where a row is not
+    whole super-blocks, beside Q5_0 q and k)."""
     layouts = [layout_of(t) for t in types]
     if len(set(types)) == 1:
         return types[0]
-    if any(lay.bits == 8 for lay in layouts):
-        raise PackError(f"{what}: Q8_0 fused or looped with other types "
-                        f"({', '.join(sorted(set(types)))}); --weight-quant int8 or f32 reads "
-                        f"any mix")
     zero = max(lay.zero for lay in layouts)
     top = max(zero + (1 << lay.bits) - 1 - lay.zero for lay in layouts)
     bits = next((b for b in (4, 5, 6) if top < 1 << b), None)
-    if bits is None:
-        raise PackError(f"{what}: types {', '.join(sorted(set(types)))} do not fit one packed "
-                        f"layout; --weight-quant int8 or f32 reads any mix")
+    if any(lay.bits == 8 for lay in layouts) or bits is None:
+        bits, zero = 8, 0  # every type's code less its zero is within -128 .. 127
     group = min(lay.group for lay in layouts)
     return f"B{bits}_G{group}_Z{zero}{'_O' if any(lay.offset for lay in layouts) else ''}"
 
@@ -149,15 +146,16 @@ class PackedWeight:
         none (a value of -0.0 then reads +0.0)."""
         if quant == self.qtype:
             return self
-        new, rows = layout_of(quant), self.shape[0]
+        new = layout_of(quant)
         codes = self.codes.astype(np.int32) - self.zero + new.zero
-        assert 0 <= codes.min() and codes.max() < 1 << new.bits, (self.qtype, quant)
+        low, high = (-128, 127) if new.bits == 8 else (0, (1 << new.bits) - 1)
+        assert low <= codes.min() and codes.max() <= high, (self.qtype, quant)
         repeat = self.group // new.group
         scale = np.repeat(self.scale, repeat, axis=1)
         offset = None if not new.offset else (
             np.zeros_like(scale) if self.offset is None else np.repeat(self.offset, repeat, 1))
         return PackedWeight(quant, self.shape, new.bits, new.group, new.zero,
-                            codes.astype(np.uint8), scale, offset)
+                            codes.astype(np.int8 if new.bits == 8 else np.uint8), scale, offset)
 
     @property
     def nbytes(self) -> int:
