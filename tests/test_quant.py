@@ -159,6 +159,45 @@ def test_int4_weights_equal_transformers_on_the_dequantized_weights(tiny, family
     assert err_neighbour > 10 * TOL
 
 
+@pytest.mark.parametrize("family,method", [("llama", "awq"), ("qwen3", "gptq")])
+def test_awq_and_gptq_checkpoints_are_read_as_they_are(tiny, tmp_path, family, method):
+    """An AWQ (GEMM layout) or GPTQ ("gptq" format, g_idx in order) checkpoint, made from the
+    tiny model with 4-bit codes and a zero point per 32 inputs (checks/hf_quantized.py), exported
+    with --weight-quant awq|gptq: its linears stay packed (B4_G32_Z0_O), and the artifact gives
+    transformers' greedy ids and logits within TOL on the values they mean. Control: the
+    unquantized model. The checkpoint offered as the other format is refused by name."""
+    import torch
+    from checks.hf_quantized import quantized_checkpoint
+    from conftest import TINY_OPTS
+
+    src = tiny.checkpoint(family, False)
+    values = quantized_checkpoint(src, tmp_path / "ckpt", method, 32)
+    small = dict(TINY_OPTS, batch_ladder=(1,), context_ladder=(64,))
+    art = export_artifact(tmp_path / "ckpt", tmp_path / "art", ExportOptions(
+        **small, weight_quant=method))
+    quants = {w.slot: w.quant for w in load_artifact(art).weights}
+    assert quants["layers.qkv"] == "B4_G32_Z0_O" and quants["layers.down"] == "B4_G32_Z0_O"
+    model = load_reference(src)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if f"{name}.weight" in values:
+                module.weight.copy_(torch.from_numpy(values[f"{name}.weight"]))
+    want_ids, want = reference_greedy(model, PROMPT, STEPS)
+    _, plain = reference_greedy(load_reference(src), PROMPT, 1)
+    logits, ids = first_logits_and_ids(art)
+    err, err_plain = logits_error(logits, want), logits_error(logits, plain)
+    print(f"{family} {method}: logits error {err:.2e}; against the unquantized model "
+          f"{err_plain:.2e}")
+    assert ids == want_ids
+    assert err <= TOL and err_plain > 10 * TOL
+    other = "gptq" if method == "awq" else "awq"
+    with pytest.raises(ExportError, match=f"--weight-quant {other} keeps the blocks of an? "
+                                          f"{other.upper()} checkpoint, and this checkpoint is "
+                                          f"an? {method.upper()} checkpoint"):
+        export_artifact(tmp_path / "ckpt", tmp_path / "other", ExportOptions(
+            **small, weight_quant=other))
+
+
 def test_int4_bad_options_are_refused(tiny, tmp_path):
     with pytest.raises(ExportError, match="--quant-group 64: expected one of 32, 128"):
         ExportOptions(weight_quant="int4", quant_group=64).validate()

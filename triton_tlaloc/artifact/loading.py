@@ -170,7 +170,7 @@ def _check_packed_layout(art: Artifact, mpath: Path) -> None:
     from ..export.gguf_packed import PACKED_LAYOUT
 
     m = art.model
-    if m.weight_quant in ("gguf", "int4") and m.packed_layout != PACKED_LAYOUT:
+    if m.weight_quant in ("gguf", "awq", "gptq", "int4") and m.packed_layout != PACKED_LAYOUT:
         raise _refuse(f"model.packedLayout {m.packed_layout!r} is unknown to this backend "
                       f"(known: {PACKED_LAYOUT!r})", mpath)
 

@@ -271,7 +271,8 @@ class ModelShape:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     # "int8" | "fp8": the layers' linears as codes + scales; "gguf": a GGUF file's quantized
-    # tensors in their own types; "int4": 4-bit codes with a scale per group (both packed:
+    # tensors in their own types; "awq" | "gptq": such a checkpoint's 4-bit linears as they
+    # are; "int4": 4-bit codes with a scale per group (both packed:
     # each weight's WeightFile.quant)
     weight_quant: str | None = None
     head_quant: bool = False  # the head (a tied table) quantized too
@@ -284,8 +285,8 @@ class ModelShape:
         """What is quantized, for logs ("linears and head int8"); empty when nothing is."""
         if not self.weight_quant:
             return ""
-        if self.weight_quant == "gguf":
-            return "GGUF types kept packed"
+        if self.weight_quant in ("gguf", "awq", "gptq"):
+            return f"{self.weight_quant.upper()} types kept packed"
         if self.weight_quant == "int4":
             return f"linears{' and head' if self.head_quant else ''} int4, packed"
         return f"linears{' and head' if self.head_quant else ''} {self.weight_quant}"

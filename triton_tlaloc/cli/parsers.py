@@ -39,12 +39,14 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="pages per pool (default: largest batch x largest context / block size + 1)")
     p.add_argument("--weight-dtype", choices=("f32", "bf16"), default="f32")
-    p.add_argument("--weight-quant", choices=("int8", "fp8", "gguf", "int4"), default=None,
+    p.add_argument("--weight-quant", choices=("int8", "fp8", "gguf", "awq", "gptq", "int4"),
+                   default=None,
                    help="int8, fp8: each layer's linears as codes with an f32 scale per output "
                         "channel (the embedding, norms and head keep --weight-dtype); changes "
                         "the model's numerics: opt-in. gguf: a GGUF file's quantized tensors "
                         "kept in their own types (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K), the "
-                        "values the file holds, read packed by the programs. int4: each "
+                        "values the file holds, read packed by the programs. awq, gptq: such "
+                        "a checkpoint's 4-bit linears as they are. int4: each "
                         "layer's linears as 4-bit codes with an f16-valued scale per group "
                         "(--quant-group, --quant-zero-point), packed the same way")
     p.add_argument("--quant-group", type=int, default=32, choices=(32, 128),

@@ -9,6 +9,7 @@
     quant.py             per-output-channel int8 / fp8 codes and scales, int4 codes per group
     gguf_packed.py       GGUF's quantized blocks taken apart into one packed layout
     packing.py           --weight-quant gguf|int4: each packed slot's type, its packed arrays
+    hf_packed.py         AWQ and GPTQ linears taken apart into the packed layout
     packed_linear.py     a packed weight widened inside the graph, fused into the product
     options.py           ExportOptions and their checks
     writer.py            weight streaming, lowering, the manifest, write-then-rename

@@ -18,7 +18,8 @@ import numpy as np
 
 from .config import (GGUF_FAMILIES, TEXT_OF_MULTIMODAL, CheckpointError, DecoderConfig,
                      config_from_hf, fp8_block_size)
-from .gguf_packed import PackedWeight, PackError, pack
+from .gguf_packed import PackedWeight, PackError, dequantize, pack
+from .hf_packed import hf_quant, unpack
 
 
 class Checkpoint:
@@ -35,6 +36,19 @@ class Checkpoint:
 
     def has(self, name: str) -> bool:
         return name in self.names()
+
+    def packed_type(self, name: str) -> str | None:
+        """The type a tensor is stored in when it is kept packed (a GGUF type, an AWQ/GPTQ
+        layout: gguf_packed), None when it is stored as values."""
+        return None
+
+    def packed(self, name: str) -> PackedWeight:
+        """A tensor packed_type names, taken apart as it is stored ([out, in])."""
+        raise CheckpointError(f"{self.path}: tensor {name} is not stored packed")
+
+    def file_name(self, name: str) -> str:
+        """A tensor's name in the checkpoint's files."""
+        return name
 
     def save_tokenizer(self, out_dir: Path) -> list[str]:
         """Write the tokenizer files into out_dir; returns the files written."""
@@ -60,6 +74,10 @@ class HfCheckpoint(Checkpoint):
             cfg = {**cfg, "eos_token_id": g["eos_token_id"]}
         self.config = config_from_hf(cfg, model_name)
         self.fp8_block = fp8_block_size(cfg)
+        try:  # AWQ or GPTQ: 4-bit linears, stored as qweight, qzeros, scales (hf_packed)
+            self.hf_quant = hf_quant(cfg)
+        except PackError as e:
+            raise CheckpointError(f"{path}: {e}") from None
         # A multimodal checkpoint's decoder tensors: model.language_model.X is read as model.X.
         prefix = TEXT_OF_MULTIMODAL.get(cfg.get("model_type"), (None, None))[1]
         self._where: dict[str, Path] = {}
@@ -83,11 +101,32 @@ class HfCheckpoint(Checkpoint):
             self._stored = {"model." + n[len(prefix):]: n for n in self._where
                             if n.startswith(prefix)}
             self._stored.update({n: n for n in self._where if n.startswith("lm_head.")})
+        # An AWQ/GPTQ linear is read as its weight too (dequantized by tensor()).
+        self._quantized = {n[:-len("qweight")] + "weight" for n in self._stored
+                           if n.endswith(".qweight")} if self.hf_quant else set()
 
     def names(self) -> list[str]:
-        return list(self._stored)
+        return [*self._stored, *sorted(self._quantized)]
+
+    def packed_type(self, name: str) -> str | None:
+        return f"B4_G{self.hf_quant.group}_Z0_O" if name in self._quantized else None
+
+    def packed(self, name: str) -> PackedWeight:
+        if name not in self._quantized:
+            return super().packed(name)
+        base = name[:-len("weight")]
+        part = {k: self.tensor(base + k) for k in ("qweight", "qzeros", "scales")
+                if base + k in self._stored}
+        g_idx = self.tensor(base + "g_idx") if base + "g_idx" in self._stored else None
+        try:
+            return unpack(self.hf_quant, part["qweight"], part["qzeros"], part["scales"],
+                          g_idx, name)
+        except (PackError, KeyError) as e:
+            raise CheckpointError(f"{self.path}: {name}: {e}") from None
 
     def tensor(self, name: str) -> np.ndarray:
+        if name in self._quantized:  # an AWQ/GPTQ linear's values, f32 [out, in]
+            return dequantize(self.packed(name))
         if name not in self._stored:
             raise CheckpointError(f"{self.path}: tensor {name} not found")
         stored = self._stored[name]
@@ -286,6 +325,10 @@ class GgufCheckpoint(Checkpoint):
     def tensor_type(self, name: str) -> str:
         """A tensor's GGUF type name ("Q4_1", "F32")."""
         return self._tensors[name].tensor_type.name
+
+    def packed_type(self, name: str) -> str | None:
+        qtype = self.tensor_type(name)
+        return None if qtype in ("F32", "F16", "BF16") else qtype
 
     def file_name(self, name: str) -> str:
         """A tensor's name in the file ("blk.0.attn_q.weight")."""

@@ -154,17 +154,20 @@ def _rope_from_hf(cfg: dict) -> tuple[float, dict]:
 def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
     """A pre-quantized checkpoint's layout: an fp8 one (quant_method "fp8": e4m3fn codes with
     weight_scale_inv per block of weight_block_size, or weight_scale per tensor or row) is
-    dequantized as it is read; any other quantization is refused by name. None: per-tensor or
-    per-row scales (or no quantization)."""
+    dequantized as it is read; AWQ and GPTQ ones are read by export/hf_packed.py; any other
+    quantization is refused by name. None: per-tensor or per-row scales (or no quantization,
+    or AWQ/GPTQ)."""
     qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get(
         "quantization_config")
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method in ("awq", "gptq"):
+        return None
     if method != "fp8":
         raise CheckpointError(f"quantization_config quant_method {method!r} is not supported "
-                              f"(fp8 checkpoints are dequantized; export an unquantized "
-                              f"checkpoint with --weight-quant instead)")
+                              f"(fp8 checkpoints are dequantized, AWQ and GPTQ read; export an "
+                              f"unquantized checkpoint with --weight-quant instead)")
     block = qc.get("weight_block_size")
     return (int(block[0]), int(block[1])) if block else None
 

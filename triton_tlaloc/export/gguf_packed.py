@@ -88,8 +88,9 @@ LAYOUTS = {"Q4_0": Layout(4, 32, 8, False), "Q4_1": Layout(4, 32, 0, True),
 
 
 # A weight fused from tensors of different types, or stacked over layers of different types
-# (a Q4_K_M file's q|k|v, its ffn_down), takes one layout all of them fit: "B6_G16_Z32_O".
-_MIXED = re.compile(r"B([4568])_G(16|32)_Z(\d+)(_O)?")
+# (a Q4_K_M file's q|k|v, its ffn_down), takes one layout all of them fit: "B6_G16_Z32_O"; an
+# AWQ or GPTQ linear is "B4_G128_Z0_O" (hf_packed).
+_MIXED = re.compile(r"B([4568])_G(16|32|64|128)_Z(\d+)(_O)?")
 
 
 def layout_of(quant: str | None) -> Layout | None:

@@ -14,8 +14,10 @@ from ..artifact.manifest import DECODE, PREFILL, WindowedKv
 
 WEIGHT_DTYPES = ("f32", "bf16")
 # int8, fp8; the packed ones (export/packing.py): gguf, a GGUF file's quantized tensors kept
-# in their own types; int4, 4-bit codes with a scale per group
-PACKED_QUANTS = ("gguf", "int4")
+# in their own types; awq, gptq, such a checkpoint's 4-bit linears as they are; int4, 4-bit
+# codes with a scale per group
+OWN_QUANTS = ("gguf", "awq", "gptq")
+PACKED_QUANTS = (*OWN_QUANTS, "int4")
 WEIGHT_QUANTS = (*QUANT_FORMATS, *PACKED_QUANTS)
 INT4_GROUPS = (32, 128)
 KV_DTYPES = {"f32": "f32", "fp8": "f8E4M3FN"}  # --kv-dtype -> the pools' element type
@@ -111,9 +113,10 @@ class ExportOptions:
         if self.weight_quant is not None and self.weight_quant not in WEIGHT_QUANTS:
             raise ExportError(f"--weight-quant {self.weight_quant!r}: expected one of "
                               f"{', '.join(WEIGHT_QUANTS)}")
-        if self.weight_quant == "gguf" and self.quant_head:
-            raise ExportError("--weight-quant gguf keeps the file's own type for every "
-                              "quantized tensor, the head's too: not with --quant-head")
+        if self.weight_quant in OWN_QUANTS and self.quant_head:
+            raise ExportError(f"--weight-quant {self.weight_quant} keeps the checkpoint's own "
+                              f"type for every quantized tensor, the head's too: not with "
+                              f"--quant-head")
         if self.weight_quant in PACKED_QUANTS and (self.weight_dtype != "f32"
                                                    or self.tensor_parallel > 1):
             raise ExportError(f"--weight-quant {self.weight_quant}: packed weights are written "

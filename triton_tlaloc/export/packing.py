@@ -1,7 +1,8 @@
 """Packed weights at export: which linear slots an artifact stores packed (gguf_packed's
 layout), in which type, and each such slot's arrays.
 
-- `--weight-quant gguf`: a GGUF file's quantized tensors kept in their own types; tensors a
+- `--weight-quant gguf`, `awq`, `gptq`: a GGUF file's quantized tensors kept in their own types,
+  an AWQ or GPTQ checkpoint's 4-bit linears as they are (hf_packed); tensors a
   slot fuses, or a loop's layers, of different types share one layout that holds them all
   (gguf_packed.mixed_type). A type not kept packed, or a mix no layout holds, is refused by
   name before any weight is written.
@@ -11,7 +12,7 @@ layout), in which type, and each such slot's arrays.
 
 from __future__ import annotations
 
-from .checkpoint import Checkpoint, GgufCheckpoint, linear_sources
+from .checkpoint import Checkpoint, GgufCheckpoint, HfCheckpoint, linear_sources
 from .config import DecoderConfig
 from .decoder import weight_slots
 from .gguf_packed import (BLOCKS, PackedWeight, PackError, int4_type, layout_of, mixed_type,
@@ -19,8 +20,8 @@ from .gguf_packed import (BLOCKS, PackedWeight, PackError, int4_type, layout_of,
 from .options import ExportError, ExportOptions
 from .quant import quantize_int4
 
-FLOAT_TYPES = ("F32", "F16", "BF16")  # read as values: the slot keeps the weight dtype
 WAY_OUT = "--weight-quant int8 or f32 reads any type"
+OWN = {"gguf": "a GGUF file", "awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint"}
 
 
 def slot_quants(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions,
@@ -36,32 +37,37 @@ def slot_quants(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions,
         if opts.quant_head and not cfg.tie_word_embeddings:
             quants.pop("embed", None)  # an untied model's head is lm_head; its table stays
         return _looped(ckpt, cfg, quants) if layer_loop else quants
-    return _gguf_quants(ckpt, cfg, layer_loop)
+    return _own_quants(ckpt, cfg, opts.weight_quant, layer_loop)
 
 
-def _gguf_quants(ckpt: Checkpoint, cfg: DecoderConfig, layer_loop: bool) -> dict[str, str]:
-    if not isinstance(ckpt, GgufCheckpoint):
-        raise ExportError(f"{ckpt.path}: --weight-quant gguf keeps a GGUF file's own blocks, "
-                          f"and this checkpoint is not a GGUF file ({WAY_OUT})")
+def _own_quants(ckpt: Checkpoint, cfg: DecoderConfig, method: str,
+                layer_loop: bool) -> dict[str, str]:
+    """--weight-quant gguf, awq or gptq: each linear slot in the type its tensors are stored
+    in, when the checkpoint is of that kind."""
+    kind = ckpt.hf_quant.method if isinstance(ckpt, HfCheckpoint) and ckpt.hf_quant else (
+        "gguf" if isinstance(ckpt, GgufCheckpoint) else None)
+    if kind != method:
+        raise ExportError(f"{ckpt.path}: --weight-quant {method} keeps the blocks of "
+                          f"{OWN[method]}, and this checkpoint is "
+                          f"{'not one' if kind is None else OWN[kind]} ({WAY_OUT})")
     quants: dict[str, str] = {}
     for slot in weight_slots(cfg):
         sources = linear_sources(slot.name)
         if sources is None:
             continue
-        types = {ckpt.tensor_type(n) for n in sources}
-        if types <= set(FLOAT_TYPES):
+        types = [ckpt.packed_type(n) for n in sources]
+        if all(t is None for t in types):
             continue
-        if types & set(FLOAT_TYPES):
+        if None in types:
             raise ExportError(f"{ckpt.path}: weight {slot.name} fuses quantized and float "
                               f"tensors ({_named_types(ckpt, sources)}; {WAY_OUT})")
-        for name in sources:
-            qtype = ckpt.tensor_type(name)
-            if qtype not in BLOCKS:
+        for name, qtype in zip(sources, types):
+            if layout_of(qtype) is None:
                 raise ExportError(f"{ckpt.path}: tensor {ckpt.file_name(name)} is {qtype}, a "
                                   f"GGUF type not kept packed (kept: {', '.join(BLOCKS)}; "
                                   f"{WAY_OUT})")
         quants["embed" if slot.name == "embed_t" else slot.name] = _mixed(
-            ckpt, sorted(types), f"weight {slot.name} ({_named_types(ckpt, sources)})")
+            ckpt, sorted(set(types)), f"weight {slot.name} ({_named_types(ckpt, sources)})")
     return _looped(ckpt, cfg, quants) if layer_loop else quants
 
 
@@ -90,7 +96,7 @@ def _mixed(ckpt: Checkpoint, types: list[str], what: str) -> str:
 
 
 def _named_types(ckpt: Checkpoint, sources) -> str:
-    return ", ".join(f"{ckpt.file_name(n)} {ckpt.tensor_type(n)}" for n in sources)
+    return ", ".join(f"{ckpt.file_name(n)} {ckpt.packed_type(n) or 'float'}" for n in sources)
 
 
 def packed_slot(ckpt: Checkpoint, slot_name: str, quant: str, values) -> PackedWeight:
