@@ -1,10 +1,10 @@
 """Ready early, as a user meets it: a repository on a cold compile cache, tritonserver started
 without waiting for the background compiles, and every first request sent the moment the
 server reports ready. Each export shape docs/serving.md documents (the default ladders, one large
-context bucket with a small prefill chunk, int8 weights with fp8 KV, rings, state slots) gets
-transformers' greedy ids over gRPC, HTTP and its generate model, and SmolLM2's chat through
-`tlaloc openai`; none is answered INTERNAL. (The held-back path itself, with nothing compiled
-but a decode entry: tests/unit/test_compiling.py.)"""
+context bucket with a small prefill chunk, int8 weights with fp8 KV, int4 packed weights,
+rings, state slots) gets transformers' greedy ids over gRPC, HTTP and its generate model, and
+SmolLM2's chat through `tlaloc openai`; none is answered INTERNAL. (The held-back path itself,
+with nothing compiled but a decode entry: tests/unit/test_compiling.py.)"""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ SHAPES = {
     "one_bucket": ("llama", dict(context_ladder=(128,), prefill_chunk=32, **BLOCKS), "plain"),
     "int8_fp8": ("llama", dict(context_ladder=(128,), prefill_chunk=32, weight_quant="int8",
                                kv_dtype="fp8", **BLOCKS), "int8_fp8"),
+    "int4": ("llama", dict(context_ladder=(128,), prefill_chunk=32, weight_quant="int4",
+                           **BLOCKS), "int4"),
     "rings": ("gemma3_text", dict(context_ladder=(128,), prefill_chunk=16, block_size=4),
               "plain"),
     "state": ("qwen3_5_text", dict(context_ladder=(128,), prefill_chunk=32), "plain"),
@@ -50,6 +52,8 @@ def transformers_ids(tiny, family, reference) -> dict[str, list[int]]:
     if reference == "int8_fp8":
         with fp8_kv_reference(quantized_reference(model, "int8")):
             return {k: reference_greedy(model, p, STEPS)[0] for k, p in PROMPTS.items()}
+    if reference == "int4":
+        model = quantized_reference(model, "int4")
     return {k: reference_greedy(model, p, STEPS)[0] for k, p in PROMPTS.items()}
 
 
