@@ -125,7 +125,7 @@ def test_tensors_of_different_types_share_one_layout_that_keeps_their_values(typ
     want = np.concatenate([gguf.quants.dequantize(r, gguf.GGMLQuantizationType[t])
                            for t, r in zip(types, raws)])
     joined = stack_rows([pack(t, r, (ROWS, COLS)) for t, r in zip(types, raws)], "l0.qkv")
-    assert joined.qtype == mixed_type(list(types), "l0.qkv") and layout_of(joined.qtype)
+    assert joined.qtype == mixed_type(list(types)) and layout_of(joined.qtype)
     assert np.array_equal(dequantize(joined), want)
     w = {"t" + sfx: jnp.asarray(a) for sfx, a in joined.arrays().items()}
     assert np.array_equal(np.asarray(jax.jit(lambda w: weight_values(joined.qtype, w, "t"))(w)),

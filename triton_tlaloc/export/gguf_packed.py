@@ -107,7 +107,7 @@ def is_packed(quant: str | None) -> bool:
     return layout_of(quant) is not None
 
 
-def mixed_type(types: list[str], what: str) -> str:
+def mixed_type(types: list[str]) -> str:
     """One layout for weights of these types (GGUF's or mixed): the largest zero (so every
     code, less its own type's zero, stays non-negative), the bits that hold every type's codes
     from there, the smallest group (a larger one's scales repeated), an offset when any has
@@ -195,7 +195,7 @@ class PackedWeight:
 def stack_rows(parts: list[PackedWeight], what: str, quant: str | None = None) -> PackedWeight:
     """Weights, their rows one after another (q|k|v, gate|up fused), in `quant`'s layout
     (default: mixed_type of theirs)."""
-    quant = quant or mixed_type([p.qtype for p in parts], what)
+    quant = quant or mixed_type([p.qtype for p in parts])
     parts = [p.as_type(quant) for p in parts]
     if len({p.shape[1] for p in parts}) != 1:
         raise PackError(f"{what}: fused rows of different lengths")

@@ -4,8 +4,8 @@ layout), in which type, and each such slot's arrays.
 - `--weight-quant gguf`, `awq`, `gptq`: a GGUF file's quantized tensors kept in their own types,
   an AWQ or GPTQ checkpoint's 4-bit linears as they are (hf_packed); tensors a
   slot fuses, or a loop's layers, of different types share one layout that holds them all
-  (gguf_packed.mixed_type). A type not kept packed, or a mix no layout holds, is refused by
-  name before any weight is written.
+  (gguf_packed.mixed_type). A type not kept packed, or quantized tensors fused or looped with
+  float ones, are refused by name before any weight is written.
 - `--weight-quant int4`: every layer's linears (the head too with --quant-head) quantized from
   the checkpoint's values (quant.quantize_int4).
 """
@@ -66,8 +66,7 @@ def _own_quants(ckpt: Checkpoint, cfg: DecoderConfig, method: str,
                 raise ExportError(f"{ckpt.path}: tensor {ckpt.file_name(name)} is {qtype}, a "
                                   f"GGUF type not kept packed (kept: {', '.join(BLOCKS)}; "
                                   f"{WAY_OUT})")
-        quants["embed" if slot.name == "embed_t" else slot.name] = _mixed(
-            ckpt, sorted(set(types)), f"weight {slot.name} ({_named_types(ckpt, sources)})")
+        quants["embed" if slot.name == "embed_t" else slot.name] = mixed_type(types)
     return _looped(ckpt, cfg, quants) if layer_loop else quants
 
 
@@ -84,15 +83,8 @@ def _looped(ckpt: Checkpoint, cfg: DecoderConfig, quants: dict[str, str]) -> dic
                               f"packed or none, and the file's differ ({seen}); "
                               f"--no-layer-loop keeps each layer's own")
         # layers of different types (a Q4_K_M file's ffn_down) share one layout
-        looped[f"l0.{part}"] = _mixed(ckpt, by_layer, f"every layer's {part}")
+        looped[f"l0.{part}"] = mixed_type(by_layer)
     return looped
-
-
-def _mixed(ckpt: Checkpoint, types: list[str], what: str) -> str:
-    try:
-        return mixed_type(types, what)
-    except PackError as e:
-        raise ExportError(f"{ckpt.path}: {e}") from None
 
 
 def _named_types(ckpt: Checkpoint, sources) -> str:
