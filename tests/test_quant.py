@@ -290,8 +290,8 @@ def fp8_block_checkpoint(src, dst, block=16):
 
 def test_an_fp8_checkpoint_is_dequantized_on_read(tiny, work):
     """A pre-quantized fp8 checkpoint reads as the f32 weights its codes and block scales stand
-    for; negative control: the codes read without their scales. Other quantizations are refused
-    by name."""
+    for; negative control: the codes read without their scales. Other quantizations, and an AWQ
+    config the reader cannot take, are refused by name."""
     from safetensors.torch import save_file
 
     src = tiny.checkpoint("llama", False)
@@ -313,7 +313,11 @@ def test_an_fp8_checkpoint_is_dequantized_on_read(tiny, work):
     for wa, wb in zip(load_artifact(a).weights, load_artifact(b).weights):
         assert (a / wa.file).read_bytes() == (b / wb.file).read_bytes(), wa.slot
     cfg = json.loads((plain / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
-    (plain / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="quant_method 'awq' is not supported"):
-        open_checkpoint(plain)
+    for quantization, error in (
+            ({"quant_method": "bitsandbytes", "load_in_4bit": True},
+             "quant_method 'bitsandbytes' is not supported"),
+            ({"quant_method": "awq", "bits": 4}, r"quantization_config \(awq\): group_size None")):
+        cfg["quantization_config"] = quantization
+        (plain / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError, match=error):
+            open_checkpoint(plain)
