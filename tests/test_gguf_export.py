@@ -144,10 +144,8 @@ def test_tensors_of_different_types_fused_and_looped_give_transformers_ids(mixed
 
 
 def reference_logits(model, ids: list[int]) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0, -1].float().numpy()
+    """transformers' logits after `ids` (checks/oracle's greedy run, no steps)."""
+    return reference_greedy(model, ids, 0)[1]
 
 
 def test_a_neighbours_scale_fails_the_tolerance(packed, reference, tmp_path):

@@ -166,11 +166,11 @@ def _program_shape(tp: TensorParallel | None, w: WeightFile) -> tuple[int, ...]:
 
 
 def _check_packed_layout(art: Artifact, mpath: Path) -> None:
-    """GGUF-packed weights in the layout this backend's programs were written for."""
+    """Packed weights in the layout this backend's programs were written for."""
     from ..export.gguf_packed import PACKED_LAYOUT
 
     m = art.model
-    if m.weight_quant in ("gguf", "awq", "gptq", "int4") and m.packed_layout != PACKED_LAYOUT:
+    if m.packed and m.packed_layout != PACKED_LAYOUT:
         raise _refuse(f"model.packedLayout {m.packed_layout!r} is unknown to this backend "
                       f"(known: {PACKED_LAYOUT!r})", mpath)
 

@@ -233,8 +233,8 @@ class WeightFile:
     shape: tuple[int, ...]
     byte_length: int
     file: str
-    # One of a weight's arrays kept in a GGUF type (docs/artifact-format.md#gguf-packed-weights):
-    # the type's name; None for values of `dtype`
+    # One of a packed weight's arrays (docs/artifact-format.md#gguf-packed-weights): the packed
+    # type's name ("Q4_1", "INT4_G32", "B6_G16_Z32_O"); None for values of `dtype`
     quant: str | None = None
 
     def to_json(self) -> dict:
@@ -248,6 +248,12 @@ class WeightFile:
         if self.quant is not None:
             out["quant"] = self.quant
         return out
+
+
+# model.weightQuant values whose weights are packed (export/packing.py): gguf, a GGUF file's
+# quantized tensors in their own types; awq and gptq, such a checkpoint's 4-bit linears as they
+# are; int4, 4-bit codes with a scale per group quantized at export
+PACKED_QUANTS = ("gguf", "awq", "gptq", "int4")
 
 
 @dataclass(frozen=True)
@@ -270,22 +276,25 @@ class ModelShape:
     refused_tokens: tuple[dict, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    # "int8" | "fp8": the layers' linears as codes + scales; "gguf": a GGUF file's quantized
-    # tensors in their own types; "awq" | "gptq": such a checkpoint's 4-bit linears as they
-    # are; "int4": 4-bit codes with a scale per group (both packed:
-    # each weight's WeightFile.quant)
+    # "int8" | "fp8": the layers' linears as codes + scales; one of PACKED_QUANTS: packed
+    # weights, each weight file's type in WeightFile.quant
     weight_quant: str | None = None
     head_quant: bool = False  # the head (a tied table) quantized too
-    # packed weights (weightQuant gguf or int4): how the codes are packed (gguf_packed.PACKED_LAYOUT, "row-bands");
-    # a device may want another, so the artifact says which its programs read
+    # packed weights: how the codes are packed (gguf_packed.PACKED_LAYOUT, "row-bands"); a
+    # device may want another, so the artifact says which its programs read
     packed_layout: str | None = None
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weights are packed (weight_quant one of PACKED_QUANTS)."""
+        return self.weight_quant in PACKED_QUANTS
 
     @property
     def quantized(self) -> str:
         """What is quantized, for logs ("linears and head int8"); empty when nothing is."""
         if not self.weight_quant:
             return ""
-        if self.weight_quant in ("gguf", "awq", "gptq"):
+        if self.packed and self.weight_quant != "int4":
             return f"{self.weight_quant.upper()} types kept packed"
         if self.weight_quant == "int4":
             return f"linears{' and head' if self.head_quant else ''} int4, packed"

@@ -51,9 +51,9 @@ class WeightSlot:
     shape: tuple[int, ...]
     kind: str  # "linear" | "norm" | "embed" | "param" (f32: conv kernel, decay) | "scale"
     out_first: bool = False
-    # "int8" | "fp8": codes [out, in], then a "<name>.scale" slot; a GGUF type ("Q4_1"): the
-    # packed codes, then the layout's other arrays ("<name>.high", ".scale", ".offset";
-    # gguf_packed.Layout), each slot carrying the type
+    # "int8" | "fp8": codes [out, in], then a "<name>.scale" slot; a packed type ("Q4_1",
+    # "INT4_G32", "B6_G16_Z32_O"): the packed codes, then the layout's other arrays
+    # ("<name>.high", ".scale", ".offset"; gguf_packed.Layout), each slot carrying the type
     quant: str | None = None
     stored: str | None = None  # a packed weight's arrays: their element type
 
@@ -91,15 +91,15 @@ def loops_layers(cfg: DecoderConfig, windowed: WindowedKv | None) -> bool:
 
 
 def packed_slots(name: str, quant: str, n_in: int, n_out: int) -> list[WeightSlot]:
-    """A weight kept in its GGUF type: one slot per array of its packed layout, [out, ...]."""
+    """A packed weight: one slot per array of its type's layout, [out, ...]."""
     return [WeightSlot(name + suffix, shape, "linear" if not suffix else "scale", True, quant,
                        dtype) for suffix, dtype, shape in layout_of(quant).parts(n_out, n_in)]
 
 
 def quant_of(weight_quant, name: str) -> str | None:
     """A linear's quantization: the export's (`weight_quant` a name), or by slot name (a
-    mapping: `--weight-quant gguf`, each linear its tensors' GGUF type, "l0.qkv" standing for
-    every layer of a loop; a slot not named keeps the weight dtype)."""
+    mapping: a packed --weight-quant, each linear its packed type, "l0.qkv" standing for every
+    layer of a loop; a slot not named keeps the weight dtype)."""
     if isinstance(weight_quant, Mapping):
         return weight_quant.get(name)
     return weight_quant

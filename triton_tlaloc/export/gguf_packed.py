@@ -231,12 +231,21 @@ def pack(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
 def dequantize(p: PackedWeight, xp=np):
     """The f32 values of a packed weight, computed with `xp` (numpy, or jax.numpy in a graph):
     equal to gguf-py's dequantization bit for bit."""
-    rows, cols = p.shape
-    q = (xp.asarray(p.codes).astype(xp.int32) - p.zero).astype(xp.float32)
-    value = xp.asarray(p.scale)[..., None] * q.reshape(rows, cols // p.group, p.group)
-    if p.offset is not None:
-        value = value + xp.asarray(p.offset)[..., None]
-    return value.reshape(rows, cols)
+    return values(p.layout, p.codes, p.scale, p.offset, xp)
+
+
+def values(layout: Layout, codes, scale, offset=None, xp=np):
+    """The f32 values [..., cols] of integer codes [..., cols] of a layout, with their groups'
+    scales (and offsets) [..., cols / group], in gguf-py's order of operations: the code less
+    the zero (exact in f32, an integer below 2**24), times the scale, plus the offset once.
+    The exporter's numpy and the programs' graphs (packed_linear) both compute them here."""
+    lead, groups = codes.shape[:-1], scale.shape[-1]
+    q = (xp.asarray(codes).astype(xp.float32) - layout.zero).reshape(*lead, groups,
+                                                                      layout.group)
+    value = xp.asarray(scale)[..., None] * q
+    if layout.offset:
+        value = value + xp.asarray(offset)[..., None]
+    return value.reshape(*lead, groups * layout.group)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -318,4 +327,4 @@ _READERS = {"Q4_0": _read_q4_0, "Q4_1": _read_q4_1, "Q5_0": _read_q5_0, "Q5_1": 
             "Q8_0": _read_q8_0, "Q4_K": _read_q4_k, "Q5_K": _read_q5_k, "Q6_K": _read_q6_k}
 
 __all__ = ["BLOCKS", "LAYOUTS", "Layout", "PACKED_LAYOUT", "PackError", "PackedWeight", "dequantize", "is_packed",
-           "pack", "int4_type", "layout_of", "mixed_type", "stack_rows"]
+           "pack", "int4_type", "layout_of", "mixed_type", "stack_rows", "values"]

@@ -10,14 +10,11 @@ from dataclasses import dataclass
 from .config import DecoderConfig
 from . import tensor_parallel
 from .quant import QUANT_FORMATS
-from ..artifact.manifest import DECODE, PREFILL, WindowedKv
+from ..artifact.manifest import DECODE, PACKED_QUANTS, PREFILL, WindowedKv
 
 WEIGHT_DTYPES = ("f32", "bf16")
-# int8, fp8; the packed ones (export/packing.py): gguf, a GGUF file's quantized tensors kept
-# in their own types; awq, gptq, such a checkpoint's 4-bit linears as they are; int4, 4-bit
-# codes with a scale per group
+# int8, fp8, and the packed ones (manifest.PACKED_QUANTS); OWN_QUANTS keep a checkpoint's own
 OWN_QUANTS = ("gguf", "awq", "gptq")
-PACKED_QUANTS = (*OWN_QUANTS, "int4")
 WEIGHT_QUANTS = (*QUANT_FORMATS, *PACKED_QUANTS)
 INT4_GROUPS = (32, 128)
 KV_DTYPES = {"f32": "f32", "fp8": "f8E4M3FN"}  # --kv-dtype -> the pools' element type
@@ -60,7 +57,7 @@ class ExportOptions:
     # --weight-quant int4: inputs a scale covers, and whether each group has an offset too
     quant_group: int = 32
     quant_zero_point: bool = False
-    # --weight-quant gguf or int4 resolved against the checkpoint (packing.slot_quants): each
+    # A packed --weight-quant resolved against the checkpoint (packing.slot_quants): each
     # packed slot's type by slot name; set by the exporter, not by a user
     slot_quants: Mapping[str, str] | None = None
     # With weight_quant: the head too (a tied table: the embedding gathers the same codes).

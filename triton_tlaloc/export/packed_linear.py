@@ -4,9 +4,9 @@ embedding reads it, by a shift and a mask per plane, the same for every byte of 
 fuses the widening into the reads of the product that consumes it: a matrix-vector product
 per band of rows reads the packed bytes (docs/performance.md#4-bit-weights).
 
-The values are gguf-py's, bit for bit: the same operations in the same order as
-gguf_packed.dequantize (the codes assembled as integers, the zero subtracted, then scale times
-code, then the offset added once).
+The values are gguf-py's, bit for bit: the codes are assembled as integers here, and
+gguf_packed.values (the exporter's numpy uses it too) subtracts the zero, multiplies by the
+scale and adds the offset once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from .gguf_packed import Layout, layout_of
+from .gguf_packed import Layout, layout_of, values
 
 
 def _parts(layout: Layout, w: dict, name: str) -> dict:
@@ -23,8 +23,7 @@ def _parts(layout: Layout, w: dict, name: str) -> dict:
 
 def _band_values(layout: Layout, parts: dict, r: int):
     """Band r's rows of a packed weight [rows, cols], as f32 [rows / bands, cols]."""
-    rows, groups = parts[".scale"].shape
-    n = rows // layout.bands
+    n = parts[".scale"].shape[0] // layout.bands
     q = None
     for sfx, width in layout.planes:
         plane = parts[sfx]
@@ -37,13 +36,9 @@ def _band_values(layout: Layout, parts: dict, r: int):
             if width * (f + 1) < 8:  # (the top field needs no mask)
                 bits = bits & ((1 << width) - 1)
         q = bits if q is None else q | (bits << 4)
-    # widened straight to f32 (an integer below 2**24, exact) and the zero subtracted there:
-    # the values gguf_packed.dequantize computes in int32
-    q = (q.astype(jnp.float32) - layout.zero).reshape(n, groups, layout.group)
-    value = parts[".scale"][r * n:(r + 1) * n, :, None] * q
-    if layout.offset:
-        value = value + parts[".offset"][r * n:(r + 1) * n, :, None]
-    return value.reshape(n, groups * layout.group)
+    band = slice(r * n, (r + 1) * n)
+    return values(layout, q, parts[".scale"][band],
+                  parts[".offset"][band] if layout.offset else None, jnp)
 
 
 def weight_values(quant: str, w: dict, name: str):
@@ -78,7 +73,7 @@ def gathered_rows(quant: str, w: dict, name: str, ids):
     gathered (a code plane's row ids % (rows / fields), shifted by its field), then widened."""
     layout = layout_of(quant)
     parts = _parts(layout, w, name)
-    rows, groups = parts[".scale"].shape
+    rows = parts[".scale"].shape[0]
     q = None
     for sfx, width in layout.planes:
         fields = 8 // width
@@ -90,8 +85,5 @@ def gathered_rows(quant: str, w: dict, name: str, ids):
             shift = (width * (ids // plane_rows)).astype(jnp.uint8)[..., None]
             bits = ((got >> shift) & ((1 << width) - 1)).astype(jnp.int32)
         q = bits if q is None else q | (bits << 4)
-    q = (q - layout.zero).astype(jnp.float32).reshape(*ids.shape, groups, layout.group)
-    value = jnp.take(parts[".scale"], ids, axis=0)[..., None] * q
-    if layout.offset:
-        value = value + jnp.take(parts[".offset"], ids, axis=0)[..., None]
-    return value.reshape(*ids.shape, groups * layout.group)
+    return values(layout, q, jnp.take(parts[".scale"], ids, axis=0),
+                  jnp.take(parts[".offset"], ids, axis=0) if layout.offset else None, jnp)

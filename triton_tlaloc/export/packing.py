@@ -30,12 +30,11 @@ def slot_quants(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions,
     the table, "l0.<part>" for every layer of a loop)."""
     if opts.weight_quant == "int4":
         qtype = int4_type(opts.quant_group, opts.quant_zero_point)
-        heads = ("embed", "embed_t", "lm_head") if opts.quant_head else ()
+        # the head with --quant-head: a tied model's table (its f32 slot is "embed_t"), else
+        # lm_head (the untied table stays)
+        head = ("embed_t" if cfg.tie_word_embeddings else "lm_head") if opts.quant_head else None
         quants = {"embed" if s.name == "embed_t" else s.name: qtype for s in weight_slots(cfg)
-                  if linear_sources(s.name) is not None and (s.name[:1] == "l" and s.name[1:2]
-                                                             .isdigit() or s.name in heads)}
-        if opts.quant_head and not cfg.tie_word_embeddings:
-            quants.pop("embed", None)  # an untied model's head is lm_head; its table stays
+                  if linear_sources(s.name) is not None and (_in_layer(s.name) or s.name == head)}
         return _looped(ckpt, cfg, quants) if layer_loop else quants
     return _own_quants(ckpt, cfg, opts.weight_quant, layer_loop)
 
@@ -72,7 +71,7 @@ def _own_quants(ckpt: Checkpoint, cfg: DecoderConfig, method: str,
 
 def _looped(ckpt: Checkpoint, cfg: DecoderConfig, quants: dict[str, str]) -> dict[str, str]:
     """The layers' types as the layer loop's: one type per part for every layer."""
-    looped = {k: v for k, v in quants.items() if not k[:1] == "l" or not k[1:2].isdigit()}
+    looped = {k: v for k, v in quants.items() if not _in_layer(k)}
     parts = {k.split(".", 1)[1] for k in quants if k not in looped}
     for part in sorted(parts):
         by_layer = [quants.get(f"l{i}.{part}") for i in range(cfg.num_layers)]
@@ -85,6 +84,11 @@ def _looped(ckpt: Checkpoint, cfg: DecoderConfig, quants: dict[str, str]) -> dic
         # layers of different types (a Q4_K_M file's ffn_down) share one layout
         looped[f"l0.{part}"] = mixed_type(by_layer)
     return looped
+
+
+def _in_layer(slot_name: str) -> bool:
+    """Whether an unrolled slot name is a layer's ("l3.down"; not "lm_head")."""
+    return slot_name[:1] == "l" and slot_name[1:2].isdigit()
 
 
 def _named_types(ckpt: Checkpoint, sources) -> str:

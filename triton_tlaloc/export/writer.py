@@ -30,10 +30,11 @@ from . import packing, tensor_parallel
 from .gguf_packed import PACKED_LAYOUT, is_packed
 from .quant import quantize_rows
 from ..artifact.loading import load_artifact
-from ..artifact.manifest import (DECODE, MANIFEST_NAME, PREFILL, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
-                                 VERIFY, Entry, LinearState, WeightFile, WindowedKv, numpy_dtype)
+from ..artifact.manifest import (DECODE, MANIFEST_NAME, PACKED_QUANTS, PREFILL, SCHEMA_V2,
+                                 SCHEMA_V3, SCHEMA_V4, VERIFY, Entry, LinearState, WeightFile,
+                                 WindowedKv, numpy_dtype)
 from ..artifact.sharding import TensorParallel
-from .options import PACKED_QUANTS, ExportError, ExportOptions
+from .options import ExportError, ExportOptions
 
 
 def _log(msg: str) -> None:

@@ -252,7 +252,7 @@ class Runtime:
         self.weight_device_bytes = _per_device(self.device, out.values())
         m = self.artifact.model
         quant = "" if not m.quantized else f", {m.quantized}" + (
-            "" if m.weight_quant in ("gguf", "awq", "gptq", "int4") else " with per-channel scales")
+            "" if m.packed else " with per-channel scales")
         log.info("weights: %d tensors, %.1f MiB (%s%s) uploaded in %.2f s%s", len(out),
                  total / 2**20, m.weight_dtype, quant, time.perf_counter() - t0,
                  _on_devices(self.weight_device_bytes))
