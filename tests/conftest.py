@@ -156,6 +156,18 @@ def smollm2(run_dir):
 
 
 @pytest.fixture(scope="session")
+def smollm2_packed(run_dir) -> Path:
+    """SmolLM2's GGUF exported with --weight-quant gguf (its Q4_1 and Q8_0 blocks kept),
+    once per run."""
+    from triton_tlaloc.export import ExportOptions, export_artifact
+    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+
+    return built_once(run_dir / "smollm2-packed", lambda p: export_artifact(
+        smollm2_gguf_path(), p, ExportOptions(batch_ladder=(1, 2), context_ladder=(128,),
+                                              weight_quant="gguf")))
+
+
+@pytest.fixture(scope="session")
 def smollm2_chat(run_dir) -> Path:
     """SmolLM2 with a context of 512: room for prompts that carry tools (their descriptions
     take about 300 tokens), exported once per run."""

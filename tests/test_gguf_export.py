@@ -35,10 +35,8 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def packed(run_dir):
-    return built_once(run_dir / "smollm2-packed", lambda p: export_artifact(
-        smollm2_gguf_path(), p, ExportOptions(batch_ladder=(1, 2), context_ladder=(128,),
-                                              weight_quant="gguf")))
+def packed(smollm2_packed):
+    return smollm2_packed
 
 
 @pytest.fixture(scope="module")

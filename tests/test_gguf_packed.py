@@ -16,20 +16,20 @@ from triton_tlaloc.export.gguf_packed import BLOCKS, PackError, dequantize, pack
 ROWS, COLS = 8, 512  # rows: whole bands of every type (at most 8)
 
 
-def raw_tensor(qtype: str, rng) -> np.ndarray:
-    """[ROWS, bytes per row] of a tensor of this type, as a GGUF file holds it."""
+def raw_tensor(qtype: str, rng, rows: int = ROWS) -> np.ndarray:
+    """[rows, bytes per row] of a tensor of this type, as a GGUF file holds it."""
     kind = gguf.GGMLQuantizationType[qtype]
     try:
-        values = (rng.standard_normal((ROWS, COLS)) * 0.05).astype(np.float32)
+        values = (rng.standard_normal((rows, COLS)) * 0.05).astype(np.float32)
         values[0, :32] = 0.0  # a block of zeros (a zero scale)
         return gguf.quants.quantize(values, kind)
     except NotImplementedError:
         per_block, size = BLOCKS[qtype]
-        blocks = rng.integers(0, 256, (ROWS * COLS // per_block, size), dtype=np.uint8)
+        blocks = rng.integers(0, 256, (rows * COLS // per_block, size), dtype=np.uint8)
         for at in F16_FIELDS[qtype]:  # finite scales, as a quantizer writes
             blocks[:, at:at + 2] = (rng.standard_normal((blocks.shape[0], 1)) * 0.01).astype(
                 np.float16).view(np.uint8)
-        return blocks.reshape(ROWS, -1)
+        return blocks.reshape(rows, -1)
 
 
 # Where each K type's f16 fields lie in its block
@@ -92,6 +92,66 @@ def test_the_programs_widening_reads_gguf_pys_values(qtype):
         assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))  # f32 sums' rounding
     w["t.scale"] = jnp.roll(w["t.scale"], 1, axis=1)  # the control: a neighbour's scale
     assert not same_bits(np.asarray(weight_values(qtype, w, "t")), want)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCKS))
+def test_a_weight_divided_over_devices_reads_its_values_on_each(qtype):
+    """Tensor parallel on 2 devices, as the program's arrays hold the shards one device after
+    another: a fused weight of two parts split along its rows, each device's piece of each part
+    banded on its own, widens to the rows in the program's order (device 0's piece of each
+    part, then device 1's); a table split the same way gathers its rows (equal values: the
+    devices' rows are summed, so a -0.0 reads +0.0); a weight split along
+    its inputs (banded whole) widens and multiplies to the whole weight's values. Control: the
+    pieces banded at once are caught."""
+    import jax
+    import jax.numpy as jnp
+
+    from triton_tlaloc.artifact.sharding import Segment, Split, single_split
+    from triton_tlaloc.export.packed_linear import (PackedShards, gathered_rows, packed_product,
+                                                    weight_values)
+
+    rng = np.random.default_rng(20 + list(BLOCKS).index(qtype))
+    rows = 32
+    raw = raw_tensor(qtype, rng, rows)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    packed = pack(qtype, raw, (rows, COLS))
+    fused = Split(0, (Segment(16), Segment(16)))  # in rows; a plane's segments in its rows
+    program_rows = np.concatenate([np.arange(0, 8), np.arange(16, 24), np.arange(8, 16),
+                                   np.arange(24, 32)])
+
+    def program_arrays(arrays, split_of):
+        return {"t" + sfx: jnp.asarray(np.concatenate([split_of(a).shard(a, j, 2)
+                                                       for j in range(2)]))
+                for sfx, a in arrays.items()}
+
+    def by_rows(a):
+        fields = rows // a.shape[0]
+        return Split(0, tuple(Segment(s.width // fields) for s in fused.segments))
+
+    w = program_arrays(packed.arrays(fused.file_pieces(2)), by_rows)
+    sh = PackedShards(2, fused.device_pieces(2))
+    assert same_bits(np.asarray(jax.jit(lambda w: weight_values(qtype, w, "t", sh))(w)),
+                     want[program_rows])
+    x = rng.standard_normal((2, COLS)).astype(np.float32)
+    got = jax.jit(lambda w, x: packed_product(x, qtype, w, "t", 8, sh))(w, x)
+    ref = x.astype(np.float64) @ want[program_rows].T.astype(np.float64)
+    assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
+    table = program_arrays(packed.arrays((16, 16)), lambda a: single_split(0, a.shape[0]))
+    ids = jnp.asarray([[5, 17, 31], [16, 0, 15]], jnp.int32)
+    got = jax.jit(lambda w, i: gathered_rows(qtype, w, "t", i, 2))(table, ids)
+    # the devices' rows meet in a sum: equal values, a -0.0 read as +0.0
+    assert np.array_equal(np.asarray(got), want[np.asarray(ids)])
+    inputs = {"t" + sfx: jnp.asarray(a) for sfx, a in packed.arrays().items()}
+    sh_in = PackedShards(2, by_inputs=True)
+    assert same_bits(np.asarray(jax.jit(lambda w: weight_values(qtype, w, "t", sh_in))(inputs)),
+                     want)
+    got = jax.jit(lambda w, x: packed_product(x, qtype, w, "t", 8, sh_in))(inputs, x)
+    ref = x.astype(np.float64) @ want.T.astype(np.float64)
+    assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
+    at_once = program_arrays(packed.arrays(), by_rows)  # the control
+    if packed.layout.bits != 8:  # (8-bit codes have no bands)
+        assert not same_bits(np.asarray(weight_values(qtype, at_once, "t", sh)),
+                             want[program_rows])
 
 
 def test_fused_rows_and_moved_rows_keep_their_values():

@@ -3,7 +3,8 @@ without waiting for the background compiles, and every first request sent the mo
 server reports ready. Each export shape docs/serving.md documents (the default ladders, one large
 context bucket with a small prefill chunk, int8 weights with fp8 KV, int4 packed weights,
 rings, state slots) gets transformers' greedy ids over gRPC, HTTP and its generate model, and
-SmolLM2's chat through `tlaloc openai`; none is answered INTERNAL. (The held-back path itself,
+SmolLM2's chat through `tlaloc openai`, from f32 weights and from its GGUF's blocks kept packed
+(16 tokens); none is answered INTERNAL. (The held-back path itself,
 with nothing compiled but a decode entry: tests/unit/test_compiling.py.)"""
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ SHAPES = {
               "plain"),
     "state": ("qwen3_5_text", dict(context_ladder=(128,), prefill_chunk=32), "plain"),
 }
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# (an answer longer than CHAT_TOKENS: the OpenAI front end stops at the end of a turn)
+CHAT = [{"role": "user", "content": "Tell me about Paris in two sentences."}]
+CHAT_TOKENS = 16
 
 
 def checkpoint(tiny, family):
@@ -58,7 +61,7 @@ def transformers_ids(tiny, family, reference) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cold_repository(tiny, smollm2, smollm2_transformers, work):
+def cold_repository(tiny, smollm2, smollm2_packed, smollm2_transformers, work):
     """Every shape's repository on one compile cache nobody has filled, and what transformers
     answers each prompt."""
     repo, cache = work / "repo-ready-early", work / "ready-early-compile-cache"
@@ -68,11 +71,12 @@ def cold_repository(tiny, smollm2, smollm2_transformers, work):
                          RepositoryOptions(compile_cache_dir=str(cache)))
         want[name] = transformers_ids(tiny, family, reference)
     art = smollm2[1]
-    write_repository(art, repo, "smollm2", RepositoryOptions(compile_cache_dir=str(cache)))
+    for name, chat_art in (("smollm2", art), ("smollm2_gguf", smollm2_packed)):
+        write_repository(chat_art, repo, name, RepositoryOptions(compile_cache_dir=str(cache)))
     tok = ArtifactTokenizer(art / "tokenizer")
     prompt = tok.apply_chat_template(CHAT)
-    smol = load_reference(smollm2_transformers)
-    want["smollm2"] = tok.decode(reference_greedy(smol, prompt, STEPS)[0])
+    smol = load_reference(smollm2_transformers)  # the GGUF's values, dequantized
+    want["smollm2"] = tok.decode(reference_greedy(smol, prompt, CHAT_TOKENS)[0])
     return repo, want
 
 
@@ -88,9 +92,12 @@ def test_requests_sent_the_moment_the_server_is_ready_get_transformers_ids(cold_
         got, compiling = first_requests_at_ready(server, {name: PROMPTS for name in SHAPES},
                                                  STEPS)
         base_url, openai_stop = serve_in_thread(server.grpc_url, {
-            "smollm2": ServedModel.discover(server.grpc_url, "smollm2")})
-        chat = openai.OpenAI(base_url=base_url, api_key="unused").chat.completions.create(
-            model="smollm2", messages=CHAT, temperature=0, max_tokens=STEPS)
+            name: ServedModel.discover(server.grpc_url, name)
+            for name in ("smollm2", "smollm2_gguf")})
+        client = openai.OpenAI(base_url=base_url, api_key="unused")
+        chats = {name: client.chat.completions.create(
+            model=name, messages=CHAT, temperature=0, max_tokens=CHAT_TOKENS)
+            for name in ("smollm2", "smollm2_gguf")}
         log = server.log_text()
     finally:
         if openai_stop is not None:
@@ -100,4 +107,5 @@ def test_requests_sent_the_moment_the_server_is_ready_get_transformers_ids(cold_
     held = [line for line in log.splitlines() if "still compiling" in line]
     print(f"calls held back for a compile: {len(held)}", *held[:5], sep="\n")
     assert_check(check_first_requests(got, want, log))
-    assert chat.choices[0].message.content == want["smollm2"]
+    for name, chat in chats.items():
+        assert chat.choices[0].message.content == want["smollm2"], name

@@ -334,3 +334,58 @@ def test_a_sequence_moved_through_the_host_tier_continues_on_the_devices(arts, f
     from test_kv_transfer import check_moved_sequence
 
     check_moved_sequence(Runtime(arts(family, n)), order_matters=family != "qwen3_5_text")
+
+
+INT4 = dict(weight_quant="int4", quant_head=True, kv_dtype="fp8")
+
+
+def test_int4_weights_split_over_devices_give_the_one_device_ids_and_logits(arts):
+    """--weight-quant int4 (the tied head too) with fp8 KV on 2 and 4 devices (4: each KV head
+    held twice): the one-device artifact's ids and logits, the same collectives as f32 weights
+    (each device widens only its own bands: nothing gathered), each device holding its part of
+    the packed bytes; a sequence moved through the host tier continues the same."""
+    from test_kv_transfer import check_moved_sequence
+
+    one = outcome(arts("qwen3", 1, **INT4))
+    for n in (2, 4):
+        got = outcome(arts("qwen3", n, **INT4))
+        assert_same(got, one)
+        rt = got["rt"]
+        loops = rt.artifact.manifest["model"]["layerLoop"]
+        layers = 1 if loops else rt.artifact.model.layers
+        assert collectives(rt) == {"all-reduce": 2 * layers + 1, "all-gather": 1, "collective-permute": 0,
+                                   "all-to-all": 0}
+        tp = rt.artifact.tensor_parallel
+        assert {"layers.qkv", "layers.qkv.scale", "layers.down", "layers.down.scale", "embed",
+                "embed.scale"} <= set(tp.weights)
+        for w in rt.artifact.weights:
+            split = tp.weights.get(w.slot)
+            want = w.shape if split is None else split.shard_shape(w.shape, n)
+            assert all(s.shape == want for s in rt.weights[w.slot]), w.slot
+    check_moved_sequence(Runtime(arts("qwen3", 4, **INT4)), order_matters=True)
+
+
+def test_control_int4_bands_cut_across_devices_fail(tiny, work, arts, monkeypatch):
+    """The packed q|k|v banded over all its rows at once (the one-device layout) but split as
+    a tensor-parallel one: each device widens rows of other heads, and the tolerance catches
+    it."""
+    from triton_tlaloc.export.gguf_packed import PackedWeight
+
+    banded_at_once = PackedWeight.arrays
+    monkeypatch.setattr(PackedWeight, "arrays", lambda self, pieces=None: banded_at_once(self))
+    art = export_artifact(checkpoint(tiny, "qwen3"), work / "tp-int4-one-band",
+                          ExportOptions(**OPTS, **INT4, tensor_parallel=2))
+    monkeypatch.undo()
+    got, want = outcome(art), outcome(arts("qwen3", 1, **INT4))
+    assert logits_error(got["first"], want["first"]) > 100 * TOL
+
+
+def test_packed_weights_that_do_not_split_on_group_boundaries_are_refused(tiny, work):
+    """The hybrid's out_proj reads 32 inputs, one group of 32: it cannot split over 2
+    devices, refused by name before any weight is written."""
+    with pytest.raises(ExportError, match=r"--tensor-parallel 2: .*lin_out's 32 inputs, in "
+                                          r"groups of 32 \(INT4_G32\), do not split over 2 "
+                                          r"devices on group boundaries"):
+        export_artifact(checkpoint(tiny, "qwen3_5_text"), work / "tp-int4-hybrid",
+                        ExportOptions(**OPTS, weight_quant="int4", tensor_parallel=2))
+    assert not (work / "tp-int4-hybrid").exists()

@@ -74,6 +74,17 @@ class Split:
             start += s.width
         return np.ascontiguousarray(np.concatenate(pieces, axis=self.axis))
 
+    def device_pieces(self, devices: int) -> tuple[int, ...]:
+        """The widths of one device's pieces, one per segment, in the order the device (and
+        the program, device after device) holds them."""
+        return tuple(s.width * s.copies // devices for s in self.segments)
+
+    def file_pieces(self, devices: int) -> tuple[int, ...]:
+        """The widths of the distinct pieces along the axis in the file's order: each
+        segment's, cut for its devices (a piece held by `copies` devices appears once)."""
+        return tuple(w for s, w in zip(self.segments, self.device_pieces(devices))
+                     for _ in range(devices // s.copies))
+
     def to_json(self) -> dict:
         return {"axis": self.axis, "segments": [[s.width, s.copies] for s in self.segments]}
 

@@ -311,7 +311,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                   key_blocks: tuple[int, ...] = (2048,), windowed: WindowedKv | None = None,
                   num_state_slots: int = 0, weight_quant: str | None = None,
                   quant_head: bool = False, layer_loop: bool = False, kind: str = DECODE,
-                  shards: int = 1):
+                  shards: int = 1, packed_shards: dict | None = None):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits,
     pools...), for a verify entry (argmax [b, t], logits [b, t, vocab], pools...).
     layers.py has its parts. With `layer_loop` the layers run as a loop (`lax.scan`) over the
@@ -319,7 +319,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     layer (docs/design.md#the-layer-loop). `key_blocks`: this entry's key blocks, ascending (a
     larger context attends block by block; ExportOptions.key_blocks). `shards`: the devices of a
     tensor-parallel program, whose fused weights hold each device's part of every fused part
-    (layers.split_fused)."""
+    (layers.split_fused), and `packed_shards` how its packed weights are divided
+    (layers.Graph.packed_shards)."""
     from . import layers
 
     slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop)
@@ -328,7 +329,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     layer0 = [unstacked_slot(s, 0) for s in slots if s.name.startswith(STACKED)]
     slot_of = {s.name: s for s in (*slots, *layer0)}
     g = layers.Graph(cfg, slot_of, weight_dtype == "bf16", block_size, num_blocks,
-                     tuple(key_blocks), windowed, num_state_slots, shards)
+                     tuple(key_blocks), windowed, num_state_slots, shards, packed_shards or {})
     pool_of = layer_pools(cfg)
     n_step = 5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
     n_pools = 2 if layer_loop else 2 * cfg.num_layers
@@ -378,7 +379,9 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
 
     shards = tp.devices if tp is not None else 1
     fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, key_blocks, windowed,
-                       num_state_slots, weight_quant, quant_head, layer_loop, kind, shards)
+                       num_state_slots, weight_quant, quant_head, layer_loop, kind, shards,
+                       packed_shards(tp, weight_slots(cfg, weight_dtype, weight_quant,
+                                                      quant_head, layer_loop)))
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     if tp is None:
@@ -392,6 +395,25 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
     return jitted.trace(*specs).lower(lowering_platforms=(jax.default_backend(),)).as_text()
 
 
+def packed_shards(tp: TensorParallel | None, slots: list[WeightSlot]) -> dict:
+    """By part ("qkv", "down", "embed"): how each split packed weight is divided over the
+    devices, for layers.Graph: along its rows, banded piece by piece
+    (tensor_parallel.packed_row_split), or along its inputs."""
+    from .packed_linear import PackedShards
+    from .tensor_parallel import packed_row_split
+
+    out = {}
+    for s in slots:
+        split = tp.weights.get(s.name) if tp is not None else None
+        if not is_packed(s.quant) or s.kind != "linear" or split is None:
+            continue
+        part = s.name[len(STACKED):] if s.name.startswith(STACKED) else s.name
+        rows = packed_row_split(tp, s)
+        out[part] = (PackedShards(tp.devices, rows.device_pieces(tp.devices)) if rows
+                     else PackedShards(tp.devices, by_inputs=True))
+    return out
+
+
 def partition(tp: TensorParallel, spec: TensorSpec):
     """A program input's or output's sharding: along its split axis, or replicated."""
     axis = (tp.partition_axis(spec.slot) if spec.slot is not None
@@ -401,4 +423,5 @@ def partition(tp: TensorParallel, spec: TensorSpec):
 
 __all__ = ["WeightSlot", "out_first_linears", "loops_layers", "weight_slots", "layer_slots",
            "stacked_slots", "unstacked_slot", "STACKED", "kv_pools", "state_pools",
-           "entry_program", "layer_pools", "make_entry_fn", "lower_entry", "partition"]
+           "entry_program", "layer_pools", "make_entry_fn", "lower_entry", "packed_shards",
+           "partition"]

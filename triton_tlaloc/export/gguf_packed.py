@@ -19,6 +19,11 @@ of rows reads its bytes with one shift and one mask, the same for every byte, al
 product's contracted axis: XLA's CPU code fuses that into a matrix-vector product at about
 int8's speed, where two codes a byte along the contracted axis ran 10x slower
 (docs/performance.md#4-bit-weights).
+
+A tensor-parallel weight split along its rows (q|k|v, gate|up, a vocabulary-split table) is
+banded piece by piece instead: each device's part of each fused part on its own, so a device's
+shard of a plane holds whole bands and widens them with no bytes from another device
+(`PackedWeight.arrays(pieces)`, packed_linear's `devices` and `pieces`).
 Pure numpy.
 """
 
@@ -163,13 +168,18 @@ class PackedWeight:
         """The bytes an artifact stores for it."""
         return sum(a.nbytes for a in self.arrays().values())
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def arrays(self, pieces: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
         """The arrays an artifact stores, by suffix, in Layout.parts' order: the codes in row
-        bands (the module's docstring), the scales and offsets by row."""
+        bands (the module's docstring), the scales and offsets by row. `pieces`: row counts
+        that add up to the rows, each banded on its own (a tensor-parallel weight split along
+        its rows: each device's part of each fused part; default one piece)."""
         rows, cols = self.shape
-        if rows % self.layout.bands:
-            raise PackError(f"{self.qtype}: {rows} rows do not divide into the "
-                            f"{self.layout.bands} bands of its packed layout")
+        pieces = pieces or (rows,)
+        assert sum(pieces) == rows, (pieces, rows)
+        for n in pieces:
+            if n % self.layout.bands:
+                raise PackError(f"{self.qtype}: {n} rows do not divide into the "
+                                f"{self.layout.bands} bands of its packed layout")
         out = {}
         for sfx, width in self.layout.planes:
             if width == 8:
@@ -177,9 +187,13 @@ class PackedWeight:
                 continue
             fields = 8 // width
             bits = (self.codes.astype(np.uint8) >> (0 if sfx == "" else 4)) & ((1 << width) - 1)
-            bands = bits.reshape(fields, rows // fields, cols)
-            out[sfx] = np.bitwise_or.reduce(
-                bands << (width * np.arange(fields, dtype=np.uint8))[:, None, None], axis=0)
+            banded, start = [], 0
+            for n in pieces:
+                bands = bits[start:start + n].reshape(fields, n // fields, cols)
+                banded.append(np.bitwise_or.reduce(
+                    bands << (width * np.arange(fields, dtype=np.uint8))[:, None, None], axis=0))
+                start += n
+            out[sfx] = np.concatenate(banded)
         out[".scale"] = self.scale
         if self.offset is not None:
             out[".offset"] = self.offset

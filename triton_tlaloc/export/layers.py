@@ -19,7 +19,7 @@ here at the top: decoder.py imports this module only when it lowers an entry.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from . import linear_attention as la_ops
 from .attention import FP8, FP8_BITS, LayerPool, by_length, from_bits, one_pass, ring, to_bits
 from .config import DecoderConfig
 from .gguf_packed import is_packed
-from .packed_linear import gathered_rows, packed_product
+from .packed_linear import ONE_DEVICE, PackedShards, gathered_rows, packed_product
 from ..artifact.manifest import WindowedKv
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -58,6 +58,14 @@ class Graph:
     # Devices a tensor-parallel program runs on: its fused products hold each device's part
     # of every fused part, one device after another (split_fused).
     shards: int = 1
+    # A tensor-parallel program's split packed weights by part ("qkv", "down", "embed"): how
+    # each is divided over the devices (packed_linear.PackedShards)
+    packed_shards: Mapping[str, PackedShards] = field(default_factory=dict)
+
+    def shards_of(self, name: str) -> PackedShards:
+        """A packed slot's division over the devices by its name ("l3.qkv", "lm_head")."""
+        part = name.split(".", 1)[1] if name[:1] == "l" and name[1:2].isdigit() else name
+        return self.packed_shards.get(part, ONE_DEVICE)
 
     @property
     def eps(self) -> np.float32:
@@ -163,7 +171,8 @@ def project(g: Graph, x, w: dict, name: str):
     product (exact) and each output column is multiplied by its scale."""
     slot = g.slot_of[name]
     if is_packed(slot.quant):  # widened inside the product's reads (export/packed_linear.py)
-        return packed_product(computed_once(x), slot.quant, w, name, MATVEC_ROWS)
+        return packed_product(computed_once(x), slot.quant, w, name, MATVEC_ROWS,
+                              g.shards_of(name))
     y = matmul(x, w[name], slot.out_first, g.bf16)
     if slot.quant is not None:
         y = y * w[f"{name}.scale"]
@@ -207,7 +216,7 @@ def embed(g: Graph, w: dict, token_ids):
     if g.transposed_table:  # columns of the [hidden, vocab] table
         x = jnp.moveaxis(jnp.take(w["embed_t"], token_ids, axis=1), 0, -1)
     elif is_packed(quant):  # rows of a GGUF-packed table, widened after the gather
-        x = gathered_rows(quant, w, "embed", token_ids)
+        x = gathered_rows(quant, w, "embed", token_ids, g.shards_of("embed").devices)
     else:
         x = jnp.take(w["embed"], token_ids, axis=0).astype(jnp.float32)
         if "embed.scale" in w:  # a quantized tied table: each gathered row times its scale

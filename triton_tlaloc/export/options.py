@@ -114,12 +114,10 @@ class ExportOptions:
             raise ExportError(f"--weight-quant {self.weight_quant} keeps the checkpoint's own "
                               f"type for every quantized tensor, the head's too: not with "
                               f"--quant-head")
-        if self.weight_quant in PACKED_QUANTS and (self.weight_dtype != "f32"
-                                                   or self.tensor_parallel > 1):
+        if self.weight_quant in PACKED_QUANTS and self.weight_dtype != "f32":
             raise ExportError(f"--weight-quant {self.weight_quant}: packed weights are written "
-                              f"with f32 for the rest and for one device: not with "
-                              f"--weight-dtype {self.weight_dtype} or --tensor-parallel "
-                              f"{self.tensor_parallel}")
+                              f"with f32 for the rest: not with --weight-dtype "
+                              f"{self.weight_dtype}")
         if self.quant_group not in INT4_GROUPS:
             raise ExportError(f"--quant-group {self.quant_group}: expected one of "
                               f"{', '.join(map(str, INT4_GROUPS))}")

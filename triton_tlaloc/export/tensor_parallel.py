@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from .config import DecoderConfig
+from .gguf_packed import is_packed, layout_of
 from ..artifact.sharding import Segment, Split, TensorParallel, single_split
 
 
@@ -75,6 +76,52 @@ def logical_config(cfg: DecoderConfig, devices: int) -> DecoderConfig:
     return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * kv, linear=la)
 
 
+def _packed_split(model: str, s, lead: int, column: dict, row: dict,
+                  devices: int) -> Split | None:
+    """The split of one array of a packed weight (gguf_packed: code planes [rows / fields,
+    cols], scales and offsets [rows, cols / group]): along its rows, each segment's rows per
+    field, every device's piece of a segment whole bands (the writer bands each piece on its
+    own); along its inputs, on group boundaries. A vocabulary-split table that does not cut
+    into whole bands is copied whole, as one that does not divide."""
+    layout = layout_of(s.quant)
+    first, _, rest = s.name.partition(".")
+    layer = first == "layers" or (first[:1] == "l" and first[1:].isdigit())
+    base = rest if layer else s.name
+    for sfx in (".high", ".scale", ".offset"):
+        base = base[:-len(sfx)] if base.endswith(sfx) else base
+    if base in column:
+        segments = column[base]
+        rows = sum(seg.width for seg in segments)
+        fields = rows // s.shape[lead]  # 1 for scales, offsets and 8-bit codes
+        for seg in segments:
+            piece = seg.width * seg.copies // devices
+            if piece % layout.bands:
+                if base in ("embed", "lm_head"):
+                    return None
+                raise TensorParallelError(
+                    f"{model}: {base}'s parts of {piece} rows a device do not cut into the "
+                    f"{layout.bands} row bands of its packed type {s.quant}")
+        return Split(lead, tuple(Segment(seg.width // fields, seg.copies) for seg in segments))
+    if base in row:
+        width = s.shape[lead + 1]  # inputs, or groups of them
+        if width % devices:
+            raise TensorParallelError(
+                f"{model}: {base}'s {row[base]} inputs, in groups of {layout.group} "
+                f"({s.quant}), do not split over {devices} devices on group boundaries")
+        return single_split(lead + 1, width)
+    return None
+
+
+def packed_row_split(tp: TensorParallel | None, slot) -> Split | None:
+    """A packed weight's split along its rows (its scales', in rows: each device's piece of
+    each segment is banded on its own); None when it is not packed or not split so."""
+    split = tp.weights.get(f"{slot.name}.scale") if tp is not None else None
+    lead = 1 if slot.name.startswith("layers.") else 0
+    if not is_packed(slot.quant) or slot.kind != "linear" or split is None or split.axis != lead:
+        return None
+    return split
+
+
 def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
          split_vocab: bool = False) -> TensorParallel:
     """The splits of an artifact's weight slots (as the files hold them, decoder.WeightSlot),
@@ -99,8 +146,11 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
                   "dt_bias": (Segment(la.num_value_heads),)}
     weights = {}
     vocab = cfg.vocab_size
-    if split_vocab and vocab % devices == 0:  # the embedding and the head by vocabulary
+    by_vocab = split_vocab and vocab % devices == 0
+    if by_vocab:  # the embedding and the head by vocabulary
         for s in slots:  # [vocab, hidden] tables and scales; [hidden, vocab] ones on axis 1
+            if is_packed(s.quant):  # (below, with the other packed weights)
+                continue
             if s.name in ("embed", "embed.scale", "lm_head.scale") or (
                     s.name == "lm_head" and (s.out_first or s.quant)):
                 weights[s.name] = single_split(0, vocab)
@@ -111,6 +161,13 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
         lead = 1 if stacked else 0  # a stacked slot's first axis is the layer
         part = s.name.split(".", 1)[-1]
         base, scale = (part[:-len(".scale")], True) if part.endswith(".scale") else (part, False)
+        if is_packed(s.quant):
+            vocab_rows = {"embed": (Segment(vocab),), "lm_head": (Segment(vocab),)}
+            split = _packed_split(cfg.model_name, s, lead, {**column, **vocab_rows} if by_vocab
+                                  else column, row, devices)
+            if split is not None:
+                weights[s.name] = split
+            continue
         out_axis = lead if (s.out_first or s.quant or scale) else lead + 1
         if base in column:
             weights[s.name] = Split(out_axis, column[base])
@@ -138,4 +195,5 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
     return tp
 
 
-__all__ = ["TensorParallelError", "head_copies", "head_copies_of", "logical_config", "plan"]
+__all__ = ["TensorParallelError", "head_copies", "head_copies_of", "logical_config",
+           "packed_row_split", "plan"]

@@ -85,21 +85,23 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
     raise AssertionError(f"unknown weight slot {name}")
 
 
-def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig,
-                  slot: WeightSlot) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot,
+                  pieces: tuple[int, ...] | None = None
+                  ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """A slot's array as the artifact stores it, before the cast to its dtype, and the slots
     written after it by name (a quantized linear's scales, a packed weight's other arrays): a
-    stacked slot's layers one by one, stacked."""
+    stacked slot's layers one by one, stacked. `pieces`: a packed weight's rows banded piece by
+    piece (split along its rows over devices: gguf_packed.PackedWeight.arrays)."""
     if slot.name.startswith(STACKED):
         layers = [unstacked_slot(slot, i) for i in range(slot.shape[0])]
-        parts = [stored_tensor(ckpt, cfg, s) for s in layers]
+        parts = [stored_tensor(ckpt, cfg, s, pieces) for s in layers]
         suffixes = [name[len(layers[0].name):] for name in parts[0][1]]
         after = {slot.name + sfx: np.stack([more[s.name + sfx] for s, (_, more) in
                                             zip(layers, parts)]) for sfx in suffixes}
         return np.stack([a for a, _ in parts]), after
     if is_packed(slot.quant):  # the GGUF file's blocks taken apart, or int4 codes (gguf_packed)
         arrays = packing.packed_slot(ckpt, slot.name, slot.quant, lambda: np.asarray(
-            slot_tensor(ckpt, cfg, slot), np.float32)).arrays()
+            slot_tensor(ckpt, cfg, slot), np.float32)).arrays(pieces)
         return arrays.pop(""), {slot.name + sfx: a for sfx, a in arrays.items()}
     arr = slot_tensor(ckpt, cfg, slot)
     if tuple(arr.shape) != slot.shape:
@@ -112,7 +114,7 @@ def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig,
 
 
 def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, out: Path,
-                   model_hash, layer_loop: bool) -> list[WeightFile]:
+                   model_hash, layer_loop: bool, tp: TensorParallel | None) -> list[WeightFile]:
     (out / "weights").mkdir()
     written = []
     total = 0
@@ -124,7 +126,9 @@ def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, ou
         if slot.kind == "scale":
             data = after.pop(slot.name)
         else:
-            arr, more = stored_tensor(ckpt, cfg, slot)
+            split = tensor_parallel.packed_row_split(tp, slot)
+            arr, more = stored_tensor(ckpt, cfg, slot,
+                                      split and split.file_pieces(tp.devices))
             after.update(more)
             if slot.quant is not None:
                 data = arr
@@ -178,7 +182,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                                                                              layer_loop))
         # Before the weights: heads that do not divide are refused before any is converted.
         tp = _tensor_parallel(cfg, opts, num_blocks, windowed, layer_loop)
-        weights = _write_weights(ckpt, cfg, opts, tmp, model_hash, layer_loop)
+        weights = _write_weights(ckpt, cfg, opts, tmp, model_hash, layer_loop, tp)
         tokenizer_files = ckpt.save_tokenizer(tmp / "tokenizer")
         _log(f"[export] tokenizer: {', '.join(tokenizer_files) or 'none in the checkpoint'}")
         _log("[export] layers: " + ("one loop over stacked weights and pools" if layer_loop
