@@ -57,6 +57,18 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     elif family == "qwen3_5_text":
         cfg = make_config(family, common, layers)
+    elif family == "qwen3_moe":
+        # 5 experts, top 2, renormalized; a dense layer between two sparse ones
+        from transformers import Qwen3MoeConfig
+        cfg = Qwen3MoeConfig(**{**common, "num_hidden_layers": max(3, layers)}, head_dim=32,
+                             rope_theta=1000000.0, num_experts=5, num_experts_per_tok=2,
+                             moe_intermediate_size=48, norm_topk_prob=True,
+                             decoder_sparse_step=1, mlp_only_layers=[1])
+    elif family == "mixtral":
+        # 6 experts, top 2, on every layer
+        from transformers import MixtralConfig
+        cfg = MixtralConfig(**{**common, "intermediate_size": 48}, head_dim=16,
+                            rope_theta=10000.0, num_local_experts=6, num_experts_per_tok=2)
     elif family == "qwen3_5":
         # The multimodal checkpoint (text_config, a one-block vision tower, image and video
         # placeholder ids; tensors under model.language_model.*): the text decoder is served.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checks.engine_runs import decode_together
 
 from triton_tlaloc.engine.core import Engine, RequestError
 from triton_tlaloc.runtime.core import Runtime
@@ -63,14 +64,7 @@ def test_two_prompts_in_one_batch2_call_equal_their_solo_runs(engine):
     for got, want in ((both[0], solo["a"]), (both[1], solo["b"])):
         assert np.max(np.abs(got - want)) <= SAME_TOL * max(1.0, np.max(np.abs(want)))
     # and they keep decoding together as their solo runs do
-    ids_batched = [[], []]
-    logits = both
-    for _ in range(6):
-        for i, seq in enumerate((a, b)):
-            t = int(np.argmax(logits[i]))
-            ids_batched[i].append(t)
-            seq.token_ids.append(t)
-        logits = engine.decode([a, b])
+    ids_batched, _ = decode_together(engine, [a, b], both, 6)
     engine.free(a)
     engine.free(b)
     for prompt, ids in ((PROMPT_A, ids_batched[0]), (PROMPT_B, ids_batched[1])):

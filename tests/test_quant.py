@@ -159,11 +159,12 @@ def test_int4_weights_equal_transformers_on_the_dequantized_weights(tiny, family
     assert err_neighbour > 10 * TOL
 
 
+# (the hybrid's packed linears: test_int4_weights_equal_transformers_on_the_dequantized_weights)
 @pytest.mark.parametrize("family,method", [("llama", "awq"), ("qwen3", "gptq"), ("mistral", "gptq"),
-                                           ("gemma3_text", "awq"), ("qwen3_5_text", "gptq")])
+                                           ("gemma3_text", "awq")])
 def test_awq_and_gptq_checkpoints_are_read_as_they_are(tiny, tmp_path, family, method):
-    """An AWQ (GEMM layout) or GPTQ ("gptq" format, g_idx in order) checkpoint of each family
-    (a hybrid's linear layers too), made from the tiny model with 4-bit codes and a zero point per 32 inputs (checks/hf_quantized.py), exported
+    """An AWQ (GEMM layout) or GPTQ ("gptq" format, g_idx in order) checkpoint of each
+    attention family, made from the tiny model with 4-bit codes and a zero point per 32 inputs (checks/hf_quantized.py), exported
     with --weight-quant awq|gptq: its linears stay packed (B4_G32_Z0_O), and the artifact gives
     transformers' greedy ids and logits within TOL on the values they mean. Control: the
     unquantized model. The checkpoint offered as the other format is refused by name."""

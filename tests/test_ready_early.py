@@ -2,10 +2,10 @@
 without waiting for the background compiles, and every first request sent the moment the
 server reports ready. Each export shape docs/serving.md documents (the default ladders, one large
 context bucket with a small prefill chunk, int8 weights with fp8 KV, int4 packed weights,
-rings, state slots) gets transformers' greedy ids over gRPC, HTTP and its generate model, and
-SmolLM2's chat through `tlaloc openai`, from f32 weights and from its GGUF's blocks kept packed
-(16 tokens); none is answered INTERNAL. (The held-back path itself,
-with nothing compiled but a decode entry: tests/unit/test_compiling.py.)"""
+rings, state slots, a mixture of experts) gets transformers' greedy ids over gRPC, HTTP and its
+generate model, all sent at once, and SmolLM2's chat through `tlaloc openai`, from f32 weights
+and from its GGUF's blocks kept packed (16 tokens); none is answered INTERNAL. (The held-back
+path itself, with nothing compiled but a decode entry: tests/unit/test_compiling.py.)"""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ SHAPES = {
     "rings": ("gemma3_text", dict(context_ladder=(128,), prefill_chunk=16, block_size=4),
               "plain"),
     "state": ("qwen3_5_text", dict(context_ladder=(128,), prefill_chunk=32), "plain"),
+    "experts": ("qwen3_moe", dict(context_ladder=(128,), prefill_chunk=32, **BLOCKS), "plain"),
 }
 # (an answer longer than CHAT_TOKENS: the OpenAI front end stops at the end of a turn)
 CHAT = [{"role": "user", "content": "Tell me about Paris in two sentences."}]

@@ -15,6 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from checks.engine_runs import alone_and_together
 from checks.oracle import logits_error
 
 from triton_tlaloc.export import ExportOptions, export_artifact
@@ -62,24 +63,7 @@ def arts(tiny, work):
 
 
 def outcome(art, **runtime):
-    """What a runtime gives: A's first logits and greedy ids alone; A and B decoding together
-    (ids and the last step's logits); the runtime for its counters."""
-    rt = Runtime(art, **runtime)
-    engine = Engine(rt)
-    alone = engine.generate_greedy(PROMPT_A, STEPS).generated_ids
-    a, b = engine.new_sequence(PROMPT_A), engine.new_sequence(PROMPT_B)
-    first = engine.prefill_chunked(a)[0]
-    logits = np.stack([first, engine.prefill_chunked(b)[0]])
-    together = [[], []]
-    for _ in range(STEPS):
-        for i, seq in enumerate((a, b)):
-            t = int(np.argmax(logits[i]))
-            together[i].append(t)
-            seq.token_ids.append(t)
-        logits = engine.decode([a, b])
-    engine.free(a)
-    engine.free(b)
-    return {"first": first, "alone": alone, "together": together, "last": logits, "rt": rt}
+    return alone_and_together(art, PROMPT_A, PROMPT_B, STEPS, **runtime)
 
 
 def assert_same(got, want):

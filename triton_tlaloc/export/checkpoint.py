@@ -195,6 +195,24 @@ _LAYER_LINEARS = {
 }
 
 
+# A mixture of experts' tensors by family: (the block, its router, each expert's gate, up and
+# down projections)
+_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+                 "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2")}
+
+
+def expert_sources(family: str, layer: int, part: str, num_experts: int) -> list[tuple[str, ...]]:
+    """The checkpoint tensors of a sparse layer's expert slot: for "router" its one [experts,
+    hidden] tensor; for "experts_gate_up" each expert's gate and up ([out, in], fused along
+    out); for "experts_down" each expert's down."""
+    block, router, gate, up, down = _EXPERT_NAMES[family]
+    pre = f"model.layers.{layer}.{block}."
+    if part == "router":
+        return [(pre + f"{router}.weight",)]
+    names = (gate, up) if part == "experts_gate_up" else (down,)
+    return [tuple(f"{pre}experts.{e}.{n}.weight" for n in names) for e in range(num_experts)]
+
+
 def linear_sources(name: str) -> tuple[str, ...] | None:
     """The checkpoint tensors ([out, in] each) a linear slot fuses along out, in order; the
     embedding table's for "embed"; None for a slot that is not a linear."""

@@ -10,7 +10,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text")
+FAMILIES = ("llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text", "qwen3_moe", "mixtral")
+# Mixtures of experts whose MLP (or attention) the graph lacks: refused with what is missing
+MOE_NOT_SERVED = {
+    "qwen2_moe": "its shared expert and its sigmoid gate, and q/k/v biases",
+    "qwen3_5_moe": "its shared expert and its sigmoid gate",
+    "qwen3_5_moe_text": "its shared expert and its sigmoid gate",
+    "olmoe": "q and k RMSNorm over the whole projection",
+    "gpt_oss": "attention sinks, biased experts and its clamped SwiGLU",
+    "deepseek_v2": "multi-head latent attention and grouped routing",
+    "deepseek_v3": "multi-head latent attention and grouped routing",
+}
 # A multimodal checkpoint whose text decoder is one of FAMILIES: its config's text_config is the
 # decoder's, and its tensors carry a prefix (the vision tower's are not read).
 TEXT_OF_MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "model.language_model.")}
@@ -60,6 +70,25 @@ class LinearAttention:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture of experts in place of the MLP on `layers` (qwen3_moe, mixtral): a router
+    [experts, hidden] whose softmax's `top_k` largest choose each token's experts, their
+    weights renormalized to sum to 1 when `norm_topk_prob`; each expert a gated MLP of
+    `intermediate_size` channels. The other layers keep the dense MLP."""
+
+    layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+
+    def to_json(self) -> dict:
+        return {"layers": list(self.layers), "numExperts": self.num_experts,
+                "topK": self.top_k, "intermediateSize": self.intermediate_size,
+                "normTopkProb": self.norm_topk_prob}
+
+
+@dataclass(frozen=True)
 class DecoderConfig:
     family: str
     model_name: str
@@ -90,9 +119,14 @@ class DecoderConfig:
     rotary_dim: int | None = None  # qwen3_5: only the first rotary_dim dims of a head rotate
     attn_output_gate: bool = False  # qwen3_5: q_proj also gives a gate; out * sigmoid(gate)
     linear: LinearAttention | None = None  # qwen3_5: the Gated DeltaNet layers
+    moe: Experts | None = None  # qwen3_moe, mixtral: the layers whose MLP is experts
 
     def is_linear(self, layer: int) -> bool:
         return self.linear is not None and layer in self.linear.layers
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether a layer's MLP is a mixture of experts."""
+        return self.moe is not None and layer in self.moe.layers
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -222,7 +256,7 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
         bos_token_id=cfg.get("bos_token_id"),
         refused_tokens=tuple((k, int(cfg[k])) for k in PLACEHOLDER_KEYS
                              if isinstance(cfg.get(k), int)),
-        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_5_text"),
+        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_5_text", "qwen3_moe"),
         layer_windows=windows if any(windows) else (),
         layer_rope=tuple(dict(per_type[t]) for t in types) if gemma else (),
         attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
@@ -233,7 +267,28 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
         rotary_dim=rotary_dim,
         attn_output_gate=qwen35,
         linear=linear,
+        moe=_experts(cfg, layers),
     )
+
+
+def _experts(cfg: dict, layers: int) -> Experts | None:
+    """A mixture of experts' layers and shapes: qwen3_moe's on every decoder_sparse_step-th
+    layer not in mlp_only_layers (transformers' rule), mixtral's on every layer."""
+    family = cfg["model_type"]
+    if family == "mixtral":
+        return Experts(tuple(range(layers)), int(cfg["num_local_experts"]),
+                       int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]), True)
+    # (the Hub's configs say num_experts; transformers 5 writes num_local_experts)
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if family != "qwen3_moe" or not experts:
+        return None
+    step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    moe = Experts(tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+                  experts, int(cfg["num_experts_per_tok"]),
+                  int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", True)))
+    if not 0 < moe.top_k <= moe.num_experts:
+        raise CheckpointError(f"num_experts_per_tok {moe.top_k} of {moe.num_experts} experts")
+    return moe if moe.layers else None
 
 
 def _text_config(cfg: dict) -> dict:
@@ -254,6 +309,10 @@ def _check_supported(cfg: dict) -> str:
     """Refuses a family or a feature the decoder graph lacks (biases, soft-capping, another
     activation); returns the graph's name of the activation."""
     family = cfg.get("model_type")
+    if family in MOE_NOT_SERVED:
+        raise CheckpointError(f"model_type {family!r}: a mixture of experts this exporter does "
+                              f"not serve yet; missing: {MOE_NOT_SERVED[family]} (served: "
+                              f"qwen3_moe, mixtral)")
     if family not in FAMILIES:
         raise CheckpointError(f"model_type {family!r} is not supported (supported: "
                               f"{', '.join(FAMILIES)})")
@@ -286,7 +345,7 @@ def _layer_types(cfg: dict, layers: int) -> list[str]:
     family = cfg["model_type"]
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types") or (["sliding_attention"] * layers if window and family in
-                                       ("mistral",) else ["full_attention"] * layers)
+                                       ("mistral", "mixtral") else ["full_attention"] * layers)
     kinds = ("sliding_attention", "full_attention") + (
         ("linear_attention",) if family == "qwen3_5_text" else ())
     if len(types) != layers or any(t not in kinds for t in types):

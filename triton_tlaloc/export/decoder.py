@@ -49,7 +49,9 @@ class WeightSlot:
 
     name: str
     shape: tuple[int, ...]
-    kind: str  # "linear" | "norm" | "embed" | "param" (f32: conv kernel, decay) | "scale"
+    # "linear" | "norm" | "embed" | "param" (f32: conv kernel, decay, a router) | "scale" |
+    # "experts" (a mixture's stacked [experts, out, in])
+    kind: str
     out_first: bool = False
     # "int8" | "fp8": codes [out, in], then a "<name>.scale" slot; a packed type ("Q4_1",
     # "INT4_G32", "B6_G16_Z32_O"): the packed codes, then the layout's other arrays
@@ -65,7 +67,7 @@ class WeightSlot:
             return self.stored
         if self.quant is not None:
             return code_dtype(self.quant)
-        return weight_dtype if self.kind in ("linear", "embed") else "f32"
+        return weight_dtype if self.kind in ("linear", "embed", "experts") else "f32"
 
 
 def out_first_linears(weight_dtype: str) -> bool:
@@ -82,11 +84,12 @@ def out_first_linears(weight_dtype: str) -> bool:
 
 def loops_layers(cfg: DecoderConfig, windowed: WindowedKv | None) -> bool:
     """Whether the model's layers can run as one loop over stacked weights: every layer an
-    attention layer with the same window and RoPE, none on a ring (a pattern of layer kinds, as
-    gemma3's and qwen3_5's, is unrolled)."""
+    attention layer with the same window and RoPE and the same MLP (dense, or experts), none on
+    a ring (a pattern of layer kinds, as gemma3's and qwen3_5's, is unrolled)."""
     n = cfg.num_layers
     return (windowed is None and cfg.linear is None and n > 1
             and len({cfg.window(i) for i in range(n)}) == 1
+            and len({cfg.is_sparse(i) for i in range(n)}) == 1
             and all(np.array_equal(cfg.inv_freq(i), cfg.inv_freq(0)) for i in range(n)))
 
 
@@ -185,11 +188,17 @@ def layer_slots(cfg: DecoderConfig, i: int, linear) -> list[WeightSlot]:
         slots += linear(f"l{i}.o", cfg.num_heads * d, h)
     if cfg.sandwich_norms:
         slots.append(WeightSlot(f"l{i}.post_attn_norm", (h,), "norm"))
-    slots += [
-        WeightSlot(f"l{i}.mlp_norm", (h,), "norm"),
-        *linear(f"l{i}.gate_up", h, 2 * cfg.intermediate_size),
-        *linear(f"l{i}.down", cfg.intermediate_size, h),
-    ]
+    slots.append(WeightSlot(f"l{i}.mlp_norm", (h,), "norm"))
+    if cfg.is_sparse(i):  # the router (f32), then every expert's gate|up and down, [out, in]
+        m = cfg.moe
+        slots += [WeightSlot(f"l{i}.router", (m.num_experts, h), "param"),
+                  WeightSlot(f"l{i}.experts_gate_up", (m.num_experts, 2 * m.intermediate_size,
+                                                       h), "experts", True),
+                  WeightSlot(f"l{i}.experts_down", (m.num_experts, h, m.intermediate_size),
+                             "experts", True)]
+    else:
+        slots += [*linear(f"l{i}.gate_up", h, 2 * cfg.intermediate_size),
+                  *linear(f"l{i}.down", cfg.intermediate_size, h)]
     if cfg.sandwich_norms:
         slots.append(WeightSlot(f"l{i}.post_mlp_norm", (h,), "norm"))
     return slots

@@ -30,6 +30,7 @@ from . import linear_attention as la_ops
 from .attention import FP8, FP8_BITS, LayerPool, by_length, from_bits, one_pass, ring, to_bits
 from .config import DecoderConfig
 from .gguf_packed import is_packed
+from .moe import mixture
 from .packed_linear import ONE_DEVICE, PackedShards, gathered_rows, packed_product
 from ..artifact.manifest import WindowedKv
 
@@ -266,9 +267,14 @@ def decoder_layer(g: Graph, step: Step, w: dict, i: int, x, pool_a, pool_b):
 
 
 def mlp(g: Graph, w: dict, i: int, x):
-    """RMSNorm, the gated MLP (SwiGLU, or gemma's GELU-tanh), [post norm], residual."""
+    """RMSNorm, the gated MLP (SwiGLU, or gemma's GELU-tanh) or a mixture of experts, [post
+    norm], residual."""
     cfg = g.cfg
     hdn = rms_norm(x, w[f"l{i}.mlp_norm"], g.eps)
+    if cfg.is_sparse(i):  # a mixture of experts (export/moe.py)
+        out = mixture(cfg.moe, computed_once(hdn), w[f"l{i}.router"], w[f"l{i}.experts_gate_up"],
+                      w[f"l{i}.experts_down"], ACTIVATIONS[cfg.activation], MATVEC_ROWS)
+        return x + out
     gu = project(g, hdn, w, f"l{i}.gate_up")
     gate, up = split_fused(g, gu, (cfg.intermediate_size,) * 2)
     out = project(g, ACTIVATIONS[cfg.activation](gate) * up, w, f"l{i}.down")

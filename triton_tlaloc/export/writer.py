@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import Checkpoint, linear_sources, open_checkpoint
+from .checkpoint import Checkpoint, expert_sources, linear_sources, open_checkpoint
 from .config import DecoderConfig
 from .decoder import (STACKED, WeightSlot, entry_program, kv_pools, loops_layers, lower_entry,
                       state_pools, unstacked_slot, weight_slots)
@@ -66,6 +66,10 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
         w = np.concatenate([t(n) for n in sources]) if len(sources) > 1 else t(sources[0])
         return w if slot.out_first else w.T
     layer, part = name.split(".", 1)
+    if part in ("router", "experts_gate_up", "experts_down"):  # [experts, out, in] stacked
+        experts = [np.concatenate([t(n) for n in names]) for names in expert_sources(
+            cfg.family, int(layer[1:]), part, cfg.moe.num_experts)]
+        return experts[0] if part == "router" else np.stack(experts)
     pre = f"model.layers.{int(layer[1:])}."
     norms = ({"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
               "mlp_norm": "pre_feedforward_layernorm",
@@ -163,6 +167,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
     cfg = ckpt.config
     num_blocks = opts.resolved_num_blocks()
     _check_model(ckpt, num_blocks)
+    _check_experts(cfg, opts)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -172,7 +177,9 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
              f"{cfg.hidden_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of "
              f"{cfg.head_size}, vocab {cfg.vocab_size}, weights {opts.weight_dtype}"
              + (f", linears {opts.weight_quant}" if opts.weight_quant else "")
-             + f", KV {opts.kv_type}")
+             + f", KV {opts.kv_type}"
+             + (f"; experts: {cfg.moe.num_experts}, top {cfg.moe.top_k}, on "
+                f"{len(cfg.moe.layers)} of the layers" if cfg.moe else ""))
         model_hash = hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True).encode())
         windowed = opts.windowed(cfg, num_blocks)
         # alike layers run as one loop (docs/design.md#the-layer-loop) unless told otherwise
@@ -233,6 +240,19 @@ def _tensor_parallel(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
     _log(f"[export] tensor parallel over {n} devices: {len(tp.weights)} weights and "
          f"{len(tp.pools)} pools split, the rest replicated; embedding and head {vocab}{copies}")
     return tp
+
+
+def _check_experts(cfg: DecoderConfig, opts: ExportOptions) -> None:
+    """Refuses, by name, what a mixture of experts cannot have yet: quantized weights and
+    tensor parallelism."""
+    if cfg.moe is None:
+        return
+    if opts.weight_quant is not None:
+        raise ExportError(f"--weight-quant {opts.weight_quant}: a mixture of experts' weights "
+                          f"are not quantized yet (export it with --weight-dtype f32 or bf16)")
+    if opts.tensor_parallel > 1:
+        raise ExportError(f"--tensor-parallel {opts.tensor_parallel}: a mixture of experts runs "
+                          f"on one device for now (expert parallelism is not built yet)")
 
 
 def _check_model(ckpt: Checkpoint, num_blocks: int) -> None:
@@ -344,6 +364,7 @@ def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_
         **({"windowedKv": windowed.to_json()} if windowed is not None else {}),
         **({"linearState": linear_state.to_json()} if linear_state is not None else {}),
         **({"rotaryDim": cfg.rotary_dim} if cfg.rotary_dim else {}),
+        **({"experts": cfg.moe.to_json()} if cfg.moe is not None else {}),
         "ropeTheta": cfg.rope_theta,
         "rmsNormEps": cfg.rms_norm_eps,
         "tieWordEmbeddings": cfg.tie_word_embeddings,

@@ -1,0 +1,168 @@
+"""Mixtures of experts (export/moe.py): tiny random qwen3_moe (5 experts, top 2, renormalized;
+a dense layer between two sparse ones) and mixtral (6 experts, top 2, every layer sparse: the
+layer loop) give transformers' greedy ids and logits within 1e-5, alone (a decode call reads
+each row's chosen experts), two sequences decoding together, and a prompt in chunks of 16 (a
+prefill call runs every expert, or its rows grouped by expert in blocks); `tlaloc run` gives
+the same ids. The grouped blocks equal every expert's sum on their own too, an expert with no
+rows and all rows on one expert included. Controls: top k off by one,
+and the routing weights not renormalized, each change the ids. The routing's tie rule (the
+lower expert index) is its own test. Mixtures this exporter does not serve, quantized experts
+and tensor parallelism are refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from checks.engine_runs import alone_and_together
+from checks.oracle import load_reference, logits_error, reference_greedy
+
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.export import ExportOptions, config, export_artifact, moe
+from triton_tlaloc.export.config import CheckpointError
+from triton_tlaloc.export.options import ExportError
+from triton_tlaloc.runtime.core import Runtime
+
+TOL = 1e-5  # of the largest logit, f32
+OPTS = dict(batch_ladder=(1, 2), context_ladder=(64,), block_size=8, prefill_chunk=16)
+PROMPT_A = [(i * 53 + 7) % 240 + 10 for i in range(40)]
+PROMPT_B = [(i * 31 + 3) % 240 + 10 for i in range(23)]
+STEPS = 8
+FAMILIES = ["qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def arts(tiny, work):
+    """(family, the prompt's expert block) -> artifact. The tiny models' prompt chunks run
+    every expert (fewer rows than whole blocks of 64 would hold); blocks of 4 make them run
+    grouped by expert."""
+    made = {}
+
+    def get(family, block=moe.EXPERT_BLOCK):
+        if (family, block) not in made:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(moe, "EXPERT_BLOCK", block)
+                made[family, block] = export_artifact(
+                    tiny.checkpoint(family, False), work / f"moe-{family}-{block}",
+                    ExportOptions(**OPTS))
+        return made[family, block]
+    return get
+
+
+def reference_outcome(ckpt):
+    model = load_reference(ckpt)
+    ids_a, first = reference_greedy(model, PROMPT_A, STEPS)
+    ids_b, _ = reference_greedy(model, PROMPT_B, STEPS)
+    last = np.stack([reference_greedy(model, p + ids, 0)[1]
+                     for p, ids in ((PROMPT_A, ids_a), (PROMPT_B, ids_b))])
+    return {"first": first, "alone": ids_a, "together": [ids_a, ids_b], "last": last}
+
+
+@pytest.mark.parametrize("family, block", [("qwen3_moe", 64), ("mixtral", 64), ("mixtral", 4)])
+def test_greedy_ids_and_logits_equal_transformers(tiny, arts, family, block):
+    art = arts(family, block)
+    manifest = json.loads((art / "tlaloc-serving.json").read_text())
+    experts = manifest["model"]["experts"]
+    assert (experts["numExperts"], experts["topK"]) == ((5, 2) if family == "qwen3_moe"
+                                                        else (6, 2))
+    assert experts["layers"] == ([0, 2] if family == "qwen3_moe" else [0, 1])
+    assert manifest["model"]["layerLoop"] == (family == "mixtral")
+    got = alone_and_together(art, PROMPT_A, PROMPT_B, STEPS)
+    want = reference_outcome(tiny.checkpoint(family, False))
+    assert got["alone"] == want["alone"]
+    assert got["together"] == want["together"]
+    for key in ("first", "last"):
+        err = logits_error(got[key], want[key])
+        print(f"{family} {key} logits error {err:.2e}")
+        assert err <= TOL, f"{key} logits off by {err:.2e} of the largest"
+
+
+def test_tlaloc_run_gives_transformers_ids(tiny, arts):
+    out = subprocess.run([sys.executable, "-m", "triton_tlaloc.cli", "run", str(arts("qwen3_moe")),
+                          "--prompt-ids", ",".join(map(str, PROMPT_A)), "--max-new-tokens",
+                          str(STEPS), "--ignore-eos", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want, _ = reference_greedy(load_reference(tiny.checkpoint("qwen3_moe", False)), PROMPT_A,
+                               STEPS)
+    assert json.loads(out.stdout)["generated_ids"] == want
+
+
+@pytest.mark.parametrize("change", ["top_k_plus_one", "not_renormalized"])
+def test_control_routing_changed_changes_the_ids(tiny, arts, work, monkeypatch, change):
+    experts_of = config._experts
+
+    def changed(cfg, layers):
+        moe = experts_of(cfg, layers)
+        if change == "top_k_plus_one":
+            return config.Experts(moe.layers, moe.num_experts, moe.top_k + 1,
+                                  moe.intermediate_size, moe.norm_topk_prob)
+        return config.Experts(moe.layers, moe.num_experts, moe.top_k, moe.intermediate_size,
+                              False)
+    monkeypatch.setattr(config, "_experts", changed)
+    art = export_artifact(tiny.checkpoint("qwen3_moe", False), work / f"moe-{change}",
+                          ExportOptions(**OPTS))
+    monkeypatch.undo()
+    got = Engine(Runtime(art)).generate_greedy(PROMPT_A, STEPS).generated_ids
+    want = Engine(Runtime(arts("qwen3_moe"))).generate_greedy(PROMPT_A, STEPS).generated_ids
+    assert got != want
+
+
+def test_rows_grouped_by_expert_equal_every_expert_weighted():
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    experts, hidden, inter, n, k = 6, 16, 8, 37, 2
+    gate_up = jnp.asarray(rng.standard_normal((experts, 2 * inter, hidden)), jnp.float32)
+    down = jnp.asarray(rng.standard_normal((experts, hidden, inter)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((n, hidden)), jnp.float32)
+    weights = jnp.asarray(rng.random((n, k)), jnp.float32)
+    cases = {"random": rng.integers(0, experts, (n, k)),
+             "expert 3 unused": rng.choice([0, 1, 2, 4, 5], (n, k)),
+             "all on expert 5": np.full((n, k), 5)}
+    for what, chosen in cases.items():
+        chosen = jnp.asarray(chosen, jnp.int32)
+        args = (x, weights, chosen, gate_up, down, jax.nn.silu, inter, moe.HIGHEST)
+        blocks = -(-n * k // moe.EXPERT_BLOCK) + experts
+        got = np.asarray(jax.jit(lambda: moe._grouped(*args, blocks))())
+        want = np.asarray(moe._every_expert(*args, experts))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=what)
+
+
+def test_ties_go_to_the_lower_expert_index():
+    """Of equal routing probabilities the lower expert index is chosen (lax.top_k). torch's
+    CPU topk orders ties by its selection algorithm instead (measured: of [.1, .3, .3, .3, 0]
+    it takes experts 1 and 3), so a tie at the k-th place is the one case transformers and the
+    artifact may route differently; random routers never tie."""
+    import jax.numpy as jnp
+
+    from triton_tlaloc.export.moe import route
+
+    moe = config.Experts((0,), 5, 2, 4, True)
+    probs = np.array([[.1, .3, .3, .3, 1e-9], [.25, .25, .25, .25, 1e-9]], np.float32)
+    # the router the identity: the logits are the log-probabilities, their softmax these
+    weights, chosen = route(moe, jnp.log(jnp.asarray(probs)), jnp.eye(5, dtype=jnp.float32))
+    assert np.asarray(chosen).tolist() == [[1, 2], [0, 1]]
+    np.testing.assert_allclose(np.asarray(weights), 0.5, rtol=1e-6)
+
+
+def test_what_is_not_served_is_refused_by_name(tiny, tmp_path):
+    src = tiny.checkpoint("qwen3_moe", False)
+    for family, missing in (("qwen2_moe", "shared expert"), ("gpt_oss", "attention sinks"),
+                            ("deepseek_v3", "multi-head latent attention")):
+        with pytest.raises(CheckpointError, match=f"model_type '{family}': a mixture of "
+                                                  f"experts .*{missing}"):
+            config.config_from_hf({**json.loads((src / "config.json").read_text()),
+                                    "model_type": family}, "m")
+    with pytest.raises(ExportError, match="--weight-quant int8: a mixture of experts' weights "
+                                          "are not quantized yet"):
+        export_artifact(src, tmp_path / "q", ExportOptions(**OPTS, weight_quant="int8"))
+    with pytest.raises(ExportError, match="--tensor-parallel 2: a mixture of experts runs on "
+                                          "one device"):
+        export_artifact(src, tmp_path / "tp", ExportOptions(**OPTS, tensor_parallel=2))
+    assert not any(tmp_path.iterdir())
