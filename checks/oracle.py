@@ -65,10 +65,10 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
                              moe_intermediate_size=48, norm_topk_prob=True,
                              decoder_sparse_step=1, mlp_only_layers=[1])
     elif family == "mixtral":
-        # 6 experts, top 2, on every layer
+        # 8 experts, top 2, on every layer (whole experts on 2 or 4 devices)
         from transformers import MixtralConfig
         cfg = MixtralConfig(**{**common, "intermediate_size": 48}, head_dim=16,
-                            rope_theta=10000.0, num_local_experts=6, num_experts_per_tok=2)
+                            rope_theta=10000.0, num_local_experts=8, num_experts_per_tok=2)
     elif family == "qwen3_5":
         # The multimodal checkpoint (text_config, a one-block vision tower, image and video
         # placeholder ids; tensors under model.language_model.*): the text decoder is served.

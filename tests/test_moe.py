@@ -1,13 +1,14 @@
 """Mixtures of experts (export/moe.py): tiny random qwen3_moe (5 experts, top 2, renormalized;
-a dense layer between two sparse ones) and mixtral (6 experts, top 2, every layer sparse: the
+a dense layer between two sparse ones) and mixtral (8 experts, top 2, every layer sparse: the
 layer loop) give transformers' greedy ids and logits within 1e-5, alone (a decode call reads
 each row's chosen experts), two sequences decoding together, and a prompt in chunks of 16 (a
 prefill call runs every expert, or its rows grouped by expert in blocks); `tlaloc run` gives
 the same ids. The grouped blocks equal every expert's sum on their own too, an expert with no
 rows and all rows on one expert included. Controls: top k off by one,
 and the routing weights not renormalized, each change the ids. The routing's tie rule (the
-lower expert index) is its own test. Mixtures this exporter does not serve, quantized experts
-and tensor parallelism are refused by name."""
+lower expert index) is its own test. fp8 KV, speculation, prefix reuse and the host tier work
+on a mixture. Mixtures this exporter does not serve and quantized experts are refused by name
+(expert parallelism: tests/multi_device)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_greedy_ids_and_logits_equal_transformers(tiny, arts, family, block):
     manifest = json.loads((art / "tlaloc-serving.json").read_text())
     experts = manifest["model"]["experts"]
     assert (experts["numExperts"], experts["topK"]) == ((5, 2) if family == "qwen3_moe"
-                                                        else (6, 2))
+                                                        else (8, 2))
     assert experts["layers"] == ([0, 2] if family == "qwen3_moe" else [0, 1])
     assert manifest["model"]["layerLoop"] == (family == "mixtral")
     got = alone_and_together(art, PROMPT_A, PROMPT_B, STEPS)
@@ -109,6 +110,42 @@ def test_control_routing_changed_changes_the_ids(tiny, arts, work, monkeypatch, 
     got = Engine(Runtime(art)).generate_greedy(PROMPT_A, STEPS).generated_ids
     want = Engine(Runtime(arts("qwen3_moe"))).generate_greedy(PROMPT_A, STEPS).generated_ids
     assert got != want
+
+
+def test_fp8_kv_speculation_prefix_reuse_and_the_host_tier_on_a_mixture(tiny, work):
+    """The features a dense model has, on qwen3_moe (fp8 KV pools, verify entries of 3):
+    transformers' ids with keys and values rounded as the pool stores them; prompt-lookup
+    drafts (and drafts known right, which must save calls) give the same ids; a prompt whose
+    prefix a kept sequence holds reuses it with the same ids; a sequence moved through the host
+    tier continues with exactly the same logits."""
+    from checks.oracle import fp8_kv_reference
+    from test_kv_transfer import check_moved_sequence
+
+    from triton_tlaloc.generation.drafting import prompt_lookup
+
+    ckpt = tiny.checkpoint("qwen3_moe", False)
+    art = export_artifact(ckpt, work / "moe-features", ExportOptions(
+        **OPTS, kv_dtype="fp8", verify_tokens=(3,)))
+    model = load_reference(ckpt)
+    with fp8_kv_reference(model):
+        want, _ = reference_greedy(model, PROMPT_A, STEPS)
+    engine = Engine(Runtime(art), prefix_reuse=True)
+    assert engine.generate_greedy(PROMPT_A, STEPS).generated_ids == want
+    looked_up = engine.generate_greedy(PROMPT_A, STEPS, speculate=2, drafter=prompt_lookup)
+    assert looked_up.generated_ids == want
+    assert looked_up.reused_tokens >= 32  # the first run's kept blocks
+    fresh = Engine(Runtime(art))  # (no kept blocks: the calls are the steps')
+    before = fresh.executions
+    plain = fresh.generate_greedy(PROMPT_B, STEPS).generated_ids
+    plain_calls = fresh.executions - before
+
+    def known(history, k):  # drafts that are the greedy ids
+        return plain[len(history) - len(PROMPT_B):][:k]
+    before = fresh.executions
+    assert fresh.generate_greedy(PROMPT_B, STEPS, speculate=2, drafter=known).generated_ids == (
+        plain)
+    assert fresh.executions - before < plain_calls
+    check_moved_sequence(Runtime(art))
 
 
 def test_rows_grouped_by_expert_equal_every_expert_weighted():
@@ -162,7 +199,4 @@ def test_what_is_not_served_is_refused_by_name(tiny, tmp_path):
     with pytest.raises(ExportError, match="--weight-quant int8: a mixture of experts' weights "
                                           "are not quantized yet"):
         export_artifact(src, tmp_path / "q", ExportOptions(**OPTS, weight_quant="int8"))
-    with pytest.raises(ExportError, match="--tensor-parallel 2: a mixture of experts runs on "
-                                          "one device"):
-        export_artifact(src, tmp_path / "tp", ExportOptions(**OPTS, tensor_parallel=2))
     assert not any(tmp_path.iterdir())

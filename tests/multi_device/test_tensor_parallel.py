@@ -373,3 +373,26 @@ def test_packed_weights_that_do_not_split_on_group_boundaries_are_refused(tiny, 
         export_artifact(checkpoint(tiny, "qwen3_5_text"), work / "tp-int4-hybrid",
                         ExportOptions(**OPTS, weight_quant="int4", tensor_parallel=2))
     assert not (work / "tp-int4-hybrid").exists()
+
+
+def test_experts_split_over_devices_give_the_one_device_ids_and_logits(arts, tiny, work):
+    """Expert parallelism: mixtral's 8 experts over 2 and 4 devices (4 and 2 each; the layer
+    loop), each device computing with its own experts: the one-device ids and logits (a decode
+    row's chosen experts, a prompt's every expert), the float model's collectives (the
+    experts' outputs meet in one all-reduce, as a dense MLP's do), each device holding its
+    experts' bytes. qwen3_moe's 5 experts over 2 devices are refused by name."""
+    one = outcome(arts("mixtral", 1))
+    for n in (2, 4):
+        got = outcome(arts("mixtral", n))
+        assert_same(got, one)
+        rt = got["rt"]
+        assert collectives(rt) == {"all-reduce": 3, "all-gather": 1, "collective-permute": 0,
+                                   "all-to-all": 0}
+        split = rt.artifact.tensor_parallel.weights["layers.experts_gate_up"]
+        shape = next(w.shape for w in rt.artifact.weights if w.slot == "layers.experts_gate_up")
+        assert [s.shape for s in rt.weights["layers.experts_gate_up"]] == [
+            split.shard_shape(shape, n)] * n and split.shard_shape(shape, n)[1] == 8 // n
+    with pytest.raises(ExportError, match=r"--tensor-parallel 2: .*5 experts do not divide "
+                                          r"over 2 devices"):
+        export_artifact(tiny.checkpoint("qwen3_moe", False), work / "tp-moe-5",
+                        ExportOptions(**OPTS, tensor_parallel=2))

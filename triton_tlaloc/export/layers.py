@@ -273,7 +273,8 @@ def mlp(g: Graph, w: dict, i: int, x):
     hdn = rms_norm(x, w[f"l{i}.mlp_norm"], g.eps)
     if cfg.is_sparse(i):  # a mixture of experts (export/moe.py)
         out = mixture(cfg.moe, computed_once(hdn), w[f"l{i}.router"], w[f"l{i}.experts_gate_up"],
-                      w[f"l{i}.experts_down"], ACTIVATIONS[cfg.activation], MATVEC_ROWS)
+                      w[f"l{i}.experts_down"], ACTIVATIONS[cfg.activation], MATVEC_ROWS,
+                      g.shards)
         return x + out
     gu = project(g, hdn, w, f"l{i}.gate_up")
     gate, up = split_fused(g, gu, (cfg.intermediate_size,) * 2)

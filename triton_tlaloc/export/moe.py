@@ -38,11 +38,12 @@ def route(moe: Experts, x, router):
     return top, experts
 
 
-def mixture(moe: Experts, x, router, gate_up, down, act, matvec_rows: int):
+def mixture(moe: Experts, x, router, gate_up, down, act, matvec_rows: int, devices: int = 1):
     """The experts' output for x [..., hidden] (the MLP's normed input): [..., hidden].
     `gate_up` [experts, 2 * inter, hidden], `down` [experts, hidden, inter], as stored (a bf16
     weight is widened inside its product, its input rounded to bf16 as layers.matmul rounds a
-    linear's)."""
+    linear's). `devices` > 1: the experts split over the devices, each holding E / devices
+    (expert parallelism; _on_their_devices)."""
     lead, hidden = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, hidden)
     weights, chosen = route(moe, flat, router)  # the router reads the unrounded input
@@ -50,6 +51,9 @@ def mixture(moe: Experts, x, router, gate_up, down, act, matvec_rows: int):
     precision = HIGHEST if gate_up.dtype == jnp.float32 else None
     if gate_up.dtype == jnp.bfloat16:
         flat = lax.reduce_precision(flat, exponent_bits=8, mantissa_bits=7)
+    if devices > 1:
+        return _on_their_devices(flat, weights, chosen, gate_up, down, act, inter, precision,
+                                 devices, flat.shape[0] <= matvec_rows).reshape(*lead, hidden)
     if flat.shape[0] <= matvec_rows:
         rows = []
         for r in range(flat.shape[0]):
@@ -119,6 +123,42 @@ def _grouped(flat, weights, chosen, gate_up, down, act, inter, precision, blocks
     ys = lax.map(block, (padded.reshape(blocks, EXPERT_BLOCK, hidden), block_expert))
     pair_out = ys.reshape(-1, hidden)[dest] * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(flat).at[order // k].add(pair_out)
+
+
+def _on_their_devices(flat, weights, chosen, gate_up, down, act, inter, precision,
+                      devices: int, per_row: bool):
+    """Expert parallelism: the stacked experts split over the devices, device d holding
+    experts d * E / devices onwards, and every device computing only with the experts it
+    holds; the devices' partial outputs meet in one all-reduce (the sum over the device axis).
+    A decode call (`per_row`): the stacks viewed as [devices, E / devices, ...], each device
+    indexing each row's chosen experts among its own (one it does not hold reads its first
+    expert and counts zero). A prompt: every expert over every row, each device its own
+    experts (the partitioner keeps the expert axis where it lies)."""
+    if not per_row:
+        return _every_expert(flat, weights, chosen, gate_up, down, act, inter, precision,
+                             gate_up.shape[0])
+    local_experts = gate_up.shape[0] // devices
+    gu = gate_up.reshape(devices, local_experts, *gate_up.shape[1:])
+    dn = down.reshape(devices, local_experts, *down.shape[1:])
+    first = jnp.arange(devices, dtype=jnp.int32) * local_experts  # each device's first expert
+    rows = []
+    for r in range(flat.shape[0]):
+        out = None
+        for j in range(chosen.shape[1]):
+            local = chosen[r, j] - first  # [devices]
+            held = (local >= 0) & (local < local_experts)
+            at = jnp.clip(local, 0, local_experts - 1)[:, None, None, None]
+            g = jnp.take_along_axis(gu, at, axis=1)[:, 0].astype(jnp.float32)
+            z = jnp.einsum("doh,h->do", g, flat[r], precision=precision)
+            h = act(z[:, :inter]) * z[:, inter:]
+            if down.dtype == jnp.bfloat16:
+                h = lax.reduce_precision(h, exponent_bits=8, mantissa_bits=7)
+            d = jnp.take_along_axis(dn, at, axis=1)[:, 0].astype(jnp.float32)
+            y = jnp.einsum("dhi,di->dh", d, h, precision=precision) * jnp.where(
+                held, weights[r, j], 0.0)[:, None]
+            out = y if out is None else out + y
+        rows.append(out)
+    return jnp.sum(jnp.stack(rows, axis=1), axis=0)
 
 
 def _every_expert(flat, weights, chosen, gate_up, down, act, inter, precision, experts: int):

@@ -10,7 +10,10 @@ style (docs/design.md#tensor-parallelism).
   states by value head; the conv kernel, A_log and dt_bias go with their channels and heads.
 - The embedding and the head split by vocabulary (when it divides; `split_vocab`): each
   device gathers its rows of the table (the partitioner sums the rows over the devices) and
-  computes its columns of the logits (gathered). Replicated: every norm, and the embedding and
+  computes its columns of the logits (gathered).
+- A mixture's experts by expert (expert parallelism): E / N whole experts a device, each
+  device computing with its own, their outputs summed in one all-reduce; the router is
+  replicated (export/moe.py). Replicated: every norm, and the embedding and
   the head when not split.
 
 A model with fewer KV heads than devices holds each KV head on N / kv_heads devices (as vLLM
@@ -55,6 +58,10 @@ def head_copies_of(cfg: DecoderConfig, devices: int) -> tuple[int, int]:
     if cfg.intermediate_size % devices:
         raise TensorParallelError(f"{name}: the MLP's {cfg.intermediate_size} channels do not "
                                   f"divide over {devices} devices")
+    if cfg.moe is not None and cfg.moe.num_experts % devices:
+        raise TensorParallelError(f"{name}: {cfg.moe.num_experts} experts do not divide over "
+                                  f"{devices} devices (expert parallelism gives each device "
+                                  f"whole experts)")
     kv = head_copies(cfg.num_kv_heads, devices, "KV heads", name)
     la = cfg.linear
     if la is None:
@@ -176,6 +183,8 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
             weights[s.name] = single_split(in_axis, row[base])
         elif base in params:
             weights[s.name] = Split(lead, params[base])
+        elif base in ("experts_gate_up", "experts_down"):  # by expert: whole experts a device
+            weights[s.name] = single_split(lead, cfg.moe.num_experts)
     split_pools = {}
     for p in pools:  # [pages, (layers,) block, heads, d]: by KV head
         axis = len(p.shape) - 2

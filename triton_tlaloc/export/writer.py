@@ -243,16 +243,12 @@ def _tensor_parallel(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
 
 
 def _check_experts(cfg: DecoderConfig, opts: ExportOptions) -> None:
-    """Refuses, by name, what a mixture of experts cannot have yet: quantized weights and
-    tensor parallelism."""
+    """Refuses, by name, what a mixture of experts cannot have yet: quantized weights."""
     if cfg.moe is None:
         return
     if opts.weight_quant is not None:
         raise ExportError(f"--weight-quant {opts.weight_quant}: a mixture of experts' weights "
                           f"are not quantized yet (export it with --weight-dtype f32 or bf16)")
-    if opts.tensor_parallel > 1:
-        raise ExportError(f"--tensor-parallel {opts.tensor_parallel}: a mixture of experts runs "
-                          f"on one device for now (expert parallelism is not built yet)")
 
 
 def _check_model(ckpt: Checkpoint, num_blocks: int) -> None:
