@@ -185,7 +185,8 @@ def quantized_reference(model, quant: str, wrong_axis: bool = False, head: bool 
     artifact computes with: the codes widened, times each output channel's scale (int4: each
     group's scale, and offset with a zero point; the head and the embedding keep theirs unless
     `head`, --quant-head: the head's weight too, per vocab row, which for a tied model is the
-    embedding table). wrong_axis: the quantizer bug of the negative control (codes taken along
+    embedding table; a mixture's stacked experts per expert and output channel). wrong_axis:
+    the quantizer bug of the negative control (codes taken along
     the input axis, scales still per output channel; int4: each group read with its
     neighbour's scale)."""
     from triton_tlaloc.export.gguf_packed import dequantize
@@ -199,6 +200,14 @@ def quantized_reference(model, quant: str, wrong_axis: bool = False, head: bool 
 
     with torch.no_grad():
         for name, module in model.named_modules():
+            stacked = getattr(module, "gate_up_proj", None)
+            if isinstance(stacked, torch.nn.Parameter) and stacked.dim() == 3:
+                # a mixture's experts [experts, out, in]: each expert's rows their own scales
+                assert quant != "int4" and not wrong_axis, quant
+                for p in (module.gate_up_proj, module.down_proj):
+                    codes, scale = quantize_rows(p.float().numpy(), quant)
+                    p.copy_(torch.from_numpy(dequantize_rows(codes, scale)))
+                continue
             if isinstance(module, torch.nn.Linear) and (".layers." in f".{name}" or (
                     head and name == "lm_head")):
                 w = module.weight.float().numpy()

@@ -59,7 +59,7 @@ def artifacts(out: Path, ckpts: dict[str, Path]) -> dict[str, Path]:
         path = out / f"art-{name.replace(', ', '-').replace(' ', '-')}"
         if not path.exists():
             if name == "moe, every expert":  # the prompt's formulation in decode calls too
-                layers.mixture = lambda *args: moe.mixture(*args[:-1], 0)
+                layers.mixture = lambda *args: moe.mixture(*args[:5], 0, *args[6:])
             try:
                 export_artifact(ckpt, path, opts)
             finally:

@@ -21,6 +21,7 @@ import pytest
 from checks.engine_runs import alone_and_together
 from checks.oracle import load_reference, logits_error, reference_greedy
 
+from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, config, export_artifact, moe
 from triton_tlaloc.export.config import CheckpointError
@@ -112,6 +113,36 @@ def test_control_routing_changed_changes_the_ids(tiny, arts, work, monkeypatch, 
     assert got != want
 
 
+@pytest.mark.parametrize("family, quant", [("qwen3_moe", "int8"), ("mixtral", "fp8")])
+def test_quantized_experts_equal_transformers_on_the_dequantized_weights(tiny, work, family,
+                                                                         quant):
+    """--weight-quant int8 / fp8: each expert's codes with a scale per output channel (the
+    router stays f32), the same ids as transformers with every linear and expert replaced by
+    its dequantized values, logits within 1e-5; alone (a decode row's chosen experts) and in
+    chunks of 16 grouped by expert (blocks of 4). Control: the unquantized model's logits are
+    past the tolerance."""
+    from checks.oracle import quantized_reference
+
+    ckpt = tiny.checkpoint(family, False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "EXPERT_BLOCK", 4)
+        art = export_artifact(ckpt, work / f"moe-{quant}", ExportOptions(**OPTS,
+                                                                         weight_quant=quant))
+    slots = {w.slot: w for w in load_artifact(art).weights}
+    stack = "layers." if "layers.experts_down" in slots else "l0."
+    assert slots[stack + "experts_down"].dtype == ("i8" if quant == "int8" else "f8E4M3FN")
+    assert slots[stack + "router"].dtype == "f32"
+    model = quantized_reference(load_reference(ckpt), quant)
+    want, first = reference_greedy(model, PROMPT_A, STEPS)
+    engine = Engine(Runtime(art))
+    assert engine.generate_greedy(PROMPT_A, STEPS).generated_ids == want
+    err = logits_error(engine.prefill_chunked(engine.new_sequence(PROMPT_A))[0], first)
+    print(f"{family} {quant} experts: logits error {err:.2e}")
+    assert err <= TOL
+    _, plain = reference_greedy(load_reference(ckpt), PROMPT_A, 0)  # the control
+    assert logits_error(first, plain) > 10 * TOL
+
+
 def test_fp8_kv_speculation_prefix_reuse_and_the_host_tier_on_a_mixture(tiny, work):
     """The features a dense model has, on qwen3_moe (fp8 KV pools, verify entries of 3):
     transformers' ids with keys and values rounded as the pool stores them; prompt-lookup
@@ -163,10 +194,10 @@ def test_rows_grouped_by_expert_equal_every_expert_weighted():
              "all on expert 5": np.full((n, k), 5)}
     for what, chosen in cases.items():
         chosen = jnp.asarray(chosen, jnp.int32)
-        args = (x, weights, chosen, gate_up, down, jax.nn.silu, inter, moe.HIGHEST)
+        args = (x, weights, chosen, moe.Stacks(gate_up, down), jax.nn.silu, inter)
         blocks = -(-n * k // moe.EXPERT_BLOCK) + experts
         got = np.asarray(jax.jit(lambda: moe._grouped(*args, blocks))())
-        want = np.asarray(moe._every_expert(*args, experts))
+        want = np.asarray(moe._every_expert(*args))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                    err_msg=what)
 
@@ -196,7 +227,7 @@ def test_what_is_not_served_is_refused_by_name(tiny, tmp_path):
                                                   f"experts .*{missing}"):
             config.config_from_hf({**json.loads((src / "config.json").read_text()),
                                     "model_type": family}, "m")
-    with pytest.raises(ExportError, match="--weight-quant int8: a mixture of experts' weights "
-                                          "are not quantized yet"):
-        export_artifact(src, tmp_path / "q", ExportOptions(**OPTS, weight_quant="int8"))
+    with pytest.raises(ExportError, match="--weight-quant int4: a mixture of experts' weights "
+                                          "are quantized to int8 or fp8 only"):
+        export_artifact(src, tmp_path / "q", ExportOptions(**OPTS, weight_quant="int4"))
     assert not any(tmp_path.iterdir())

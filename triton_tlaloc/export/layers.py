@@ -30,7 +30,7 @@ from . import linear_attention as la_ops
 from .attention import FP8, FP8_BITS, LayerPool, by_length, from_bits, one_pass, ring, to_bits
 from .config import DecoderConfig
 from .gguf_packed import is_packed
-from .moe import mixture
+from .moe import Stacks, mixture
 from .packed_linear import ONE_DEVICE, PackedShards, gathered_rows, packed_product
 from ..artifact.manifest import WindowedKv
 
@@ -272,9 +272,10 @@ def mlp(g: Graph, w: dict, i: int, x):
     cfg = g.cfg
     hdn = rms_norm(x, w[f"l{i}.mlp_norm"], g.eps)
     if cfg.is_sparse(i):  # a mixture of experts (export/moe.py)
-        out = mixture(cfg.moe, computed_once(hdn), w[f"l{i}.router"], w[f"l{i}.experts_gate_up"],
-                      w[f"l{i}.experts_down"], ACTIVATIONS[cfg.activation], MATVEC_ROWS,
-                      g.shards)
+        stacks = Stacks(*(w.get(f"l{i}.experts_{p}") for p in ("gate_up", "down",
+                                                                "gate_up.scale", "down.scale")))
+        out = mixture(cfg.moe, computed_once(hdn), w[f"l{i}.router"], stacks,
+                      ACTIVATIONS[cfg.activation], MATVEC_ROWS, g.shards)
         return x + out
     gu = project(g, hdn, w, f"l{i}.gate_up")
     gate, up = split_fused(g, gu, (cfg.intermediate_size,) * 2)

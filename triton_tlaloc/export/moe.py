@@ -20,6 +20,9 @@ What it costs follows the rows of the call (docs/design.md#mixtures-of-experts):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -38,44 +41,80 @@ def route(moe: Experts, x, router):
     return top, experts
 
 
-def mixture(moe: Experts, x, router, gate_up, down, act, matvec_rows: int, devices: int = 1):
+@dataclass(frozen=True)
+class Stacks:
+    """A sparse layer's stacked experts as the entry holds them: gate|up [E, 2 * inter,
+    hidden] and down [E, hidden, inter] (f32, bf16, or int8 / fp8 codes with a scale per
+    expert and output channel, [E, out])."""
+
+    gate_up: Any
+    down: Any
+    gate_up_scale: Any = None
+    down_scale: Any = None
+
+    @property
+    def arrays(self) -> tuple:
+        return self.gate_up, self.down, self.gate_up_scale, self.down_scale
+
+    def map(self, f) -> Stacks:
+        return Stacks(*(None if a is None else f(a) for a in self.arrays))
+
+    def pick(self, e) -> Stacks:
+        """Expert e's weights (e traced: indexed where they lie, not gathered)."""
+        return self.map(lambda a: lax.dynamic_index_in_dim(a, e, keepdims=False))
+
+    @property
+    def precision(self):
+        # f32 weights take HIGHEST; bf16 and quantized codes widened hold exact products
+        # (layers.matmul)
+        return HIGHEST if self.gate_up.dtype == jnp.float32 else None
+
+    def mlp(self, x, act, inter: int):
+        """The expert's gated MLP: x [..., hidden] with weights [..., out, in] (leading axes
+        broadcast against x's): [..., hidden]."""
+        gu = _product(self.gate_up, self.gate_up_scale, x, self.precision)
+        h = act(gu[..., :inter]) * gu[..., inter:]
+        if self.down.dtype == jnp.bfloat16:
+            h = lax.reduce_precision(h, exponent_bits=8, mantissa_bits=7)
+        return _product(self.down, self.down_scale, h, self.precision)
+
+
+def _product(w, scale, x, precision):
+    """x [..., in] times w [..., out, in] (widened as it is read), times the scale per output
+    channel when quantized: [..., out]."""
+    y = jnp.einsum("...oi,...i->...o", w.astype(jnp.float32), x, precision=precision)
+    return y if scale is None else y * scale
+
+
+def mixture(moe: Experts, x, router, stacks: Stacks, act, matvec_rows: int, devices: int = 1):
     """The experts' output for x [..., hidden] (the MLP's normed input): [..., hidden].
-    `gate_up` [experts, 2 * inter, hidden], `down` [experts, hidden, inter], as stored (a bf16
-    weight is widened inside its product, its input rounded to bf16 as layers.matmul rounds a
-    linear's). `devices` > 1: the experts split over the devices, each holding E / devices
-    (expert parallelism; _on_their_devices)."""
+    A bf16 weight is widened inside its product, its input rounded to bf16 as layers.matmul
+    rounds a linear's. `devices` > 1: the experts split over the devices, each holding
+    E / devices (expert parallelism; _on_their_devices)."""
     lead, hidden = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, hidden)
     weights, chosen = route(moe, flat, router)  # the router reads the unrounded input
     inter = moe.intermediate_size
-    precision = HIGHEST if gate_up.dtype == jnp.float32 else None
-    if gate_up.dtype == jnp.bfloat16:
+    if stacks.gate_up.dtype == jnp.bfloat16:
         flat = lax.reduce_precision(flat, exponent_bits=8, mantissa_bits=7)
     if devices > 1:
-        return _on_their_devices(flat, weights, chosen, gate_up, down, act, inter, precision,
-                                 devices, flat.shape[0] <= matvec_rows).reshape(*lead, hidden)
+        return _on_their_devices(flat, weights, chosen, stacks, act, inter, devices,
+                                 flat.shape[0] <= matvec_rows).reshape(*lead, hidden)
     if flat.shape[0] <= matvec_rows:
         rows = []
         for r in range(flat.shape[0]):
             out = None
             for j in range(moe.top_k):
-                e = chosen[r, j]
-                gu = jnp.dot(lax.dynamic_index_in_dim(gate_up, e, keepdims=False)
-                             .astype(jnp.float32), flat[r], precision=precision)
-                h = act(gu[:inter]) * gu[inter:]
-                if down.dtype == jnp.bfloat16:
-                    h = lax.reduce_precision(h, exponent_bits=8, mantissa_bits=7)
-                y = jnp.dot(lax.dynamic_index_in_dim(down, e, keepdims=False)
-                            .astype(jnp.float32), h, precision=precision) * weights[r, j]
+                y = stacks.pick(chosen[r, j]).mlp(flat[r], act, inter) * weights[r, j]
                 out = y if out is None else out + y
             rows.append(out)
         return jnp.stack(rows).reshape(*lead, hidden)
     n, k, experts = flat.shape[0], moe.top_k, moe.num_experts
     blocks = -(-n * k // EXPERT_BLOCK) + experts  # every expert's rows in whole blocks, at most
     if blocks * EXPERT_BLOCK < experts * n:
-        out = _grouped(flat, weights, chosen, gate_up, down, act, inter, precision, blocks)
+        out = _grouped(flat, weights, chosen, stacks, act, inter, blocks)
     else:
-        out = _every_expert(flat, weights, chosen, gate_up, down, act, inter, precision, experts)
+        out = _every_expert(flat, weights, chosen, stacks, act, inter)
     return out.reshape(*lead, hidden)
 
 
@@ -84,23 +123,14 @@ def mixture(moe: Experts, x, router, gate_up, down, act, matvec_rows: int, devic
 EXPERT_BLOCK = 64
 
 
-def _expert_mlp(x, gate_up, down, act, inter, precision):
-    """One expert's gated MLP over rows x [n, hidden]."""
-    gu = jnp.dot(x, gate_up.astype(jnp.float32).T, precision=precision)
-    h = act(gu[:, :inter]) * gu[:, inter:]
-    if down.dtype == jnp.bfloat16:
-        h = lax.reduce_precision(h, exponent_bits=8, mantissa_bits=7)
-    return jnp.dot(h, down.astype(jnp.float32).T, precision=precision)
-
-
-def _grouped(flat, weights, chosen, gate_up, down, act, inter, precision, blocks: int):
+def _grouped(flat, weights, chosen, stacks: Stacks, act, inter: int, blocks: int):
     """Each (row, chosen expert) pair sorted by expert into blocks of EXPERT_BLOCK rows, every
     expert's pairs in whole blocks of their own; each block runs its expert's MLP (a loop over
     the blocks, the expert's weights indexed, not copied); each pair's output, times its
     routing weight, added into its row. Each expert's weights are read once per block of its
     rows, and the work is the chosen experts' (rounded up to whole blocks)."""
     n, hidden = flat.shape
-    k, experts = chosen.shape[1], gate_up.shape[0]
+    k, experts = chosen.shape[1], stacks.gate_up.shape[0]
     pair_expert = chosen.reshape(-1)
     order = jnp.argsort(pair_expert, stable=True)
     sorted_expert = pair_expert[order]
@@ -114,19 +144,14 @@ def _grouped(flat, weights, chosen, gate_up, down, act, inter, precision, blocks
         flat[order // k])
     block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(expert_blocks),
                                                 jnp.arange(blocks), side="right"), experts - 1)
-
-    def block(args):
-        x, e = args
-        return _expert_mlp(x, lax.dynamic_index_in_dim(gate_up, e, keepdims=False),
-                           lax.dynamic_index_in_dim(down, e, keepdims=False), act, inter,
-                           precision)
-    ys = lax.map(block, (padded.reshape(blocks, EXPERT_BLOCK, hidden), block_expert))
+    ys = lax.map(lambda args: stacks.pick(args[1]).mlp(args[0], act, inter),
+                 (padded.reshape(blocks, EXPERT_BLOCK, hidden), block_expert))
     pair_out = ys.reshape(-1, hidden)[dest] * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(flat).at[order // k].add(pair_out)
 
 
-def _on_their_devices(flat, weights, chosen, gate_up, down, act, inter, precision,
-                      devices: int, per_row: bool):
+def _on_their_devices(flat, weights, chosen, stacks: Stacks, act, inter: int, devices: int,
+                      per_row: bool):
     """Expert parallelism: the stacked experts split over the devices, device d holding
     experts d * E / devices onwards, and every device computing only with the experts it
     holds; the devices' partial outputs meet in one all-reduce (the sum over the device axis).
@@ -135,11 +160,9 @@ def _on_their_devices(flat, weights, chosen, gate_up, down, act, inter, precisio
     expert and counts zero). A prompt: every expert over every row, each device its own
     experts (the partitioner keeps the expert axis where it lies)."""
     if not per_row:
-        return _every_expert(flat, weights, chosen, gate_up, down, act, inter, precision,
-                             gate_up.shape[0])
-    local_experts = gate_up.shape[0] // devices
-    gu = gate_up.reshape(devices, local_experts, *gate_up.shape[1:])
-    dn = down.reshape(devices, local_experts, *down.shape[1:])
+        return _every_expert(flat, weights, chosen, stacks, act, inter)
+    local_experts = stacks.gate_up.shape[0] // devices
+    by_device = stacks.map(lambda a: a.reshape(devices, local_experts, *a.shape[1:]))
     first = jnp.arange(devices, dtype=jnp.int32) * local_experts  # each device's first expert
     rows = []
     for r in range(flat.shape[0]):
@@ -147,31 +170,32 @@ def _on_their_devices(flat, weights, chosen, gate_up, down, act, inter, precisio
         for j in range(chosen.shape[1]):
             local = chosen[r, j] - first  # [devices]
             held = (local >= 0) & (local < local_experts)
-            at = jnp.clip(local, 0, local_experts - 1)[:, None, None, None]
-            g = jnp.take_along_axis(gu, at, axis=1)[:, 0].astype(jnp.float32)
-            z = jnp.einsum("doh,h->do", g, flat[r], precision=precision)
-            h = act(z[:, :inter]) * z[:, inter:]
-            if down.dtype == jnp.bfloat16:
-                h = lax.reduce_precision(h, exponent_bits=8, mantissa_bits=7)
-            d = jnp.take_along_axis(dn, at, axis=1)[:, 0].astype(jnp.float32)
-            y = jnp.einsum("dhi,di->dh", d, h, precision=precision) * jnp.where(
-                held, weights[r, j], 0.0)[:, None]
+            at = jnp.clip(local, 0, local_experts - 1)
+            mine = by_device.map(lambda a: jnp.take_along_axis(
+                a, at.reshape(devices, *(1,) * (a.ndim - 1)), axis=1)[:, 0])
+            y = mine.mlp(flat[r], act, inter) * jnp.where(held, weights[r, j], 0.0)[:, None]
             out = y if out is None else out + y
         rows.append(out)
     return jnp.sum(jnp.stack(rows, axis=1), axis=0)
 
 
-def _every_expert(flat, weights, chosen, gate_up, down, act, inter, precision, experts: int):
+def _every_expert(flat, weights, chosen, stacks: Stacks, act, inter: int):
     """Every expert over every row, weighted by a dense [rows, experts] matrix of routing
     weights (zero off the chosen experts): fewer rows than the grouped blocks would hold."""
+    experts = stacks.gate_up.shape[0]
     dense = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=jnp.float32)
                     * weights[..., None], axis=1)  # [n, experts]
-    gu = jnp.einsum("nh,eoh->eno", flat, gate_up.astype(jnp.float32), precision=precision)
+    p = stacks.precision
+    gu = jnp.einsum("nh,eoh->eno", flat, stacks.gate_up.astype(jnp.float32), precision=p)
+    if stacks.gate_up_scale is not None:
+        gu = gu * stacks.gate_up_scale[:, None, :]
     h = act(gu[..., :inter]) * gu[..., inter:]
-    if down.dtype == jnp.bfloat16:
+    if stacks.down.dtype == jnp.bfloat16:
         h = lax.reduce_precision(h, exponent_bits=8, mantissa_bits=7)
-    y = jnp.einsum("eni,ehi->enh", h, down.astype(jnp.float32), precision=precision)
+    y = jnp.einsum("eni,ehi->enh", h, stacks.down.astype(jnp.float32), precision=p)
+    if stacks.down_scale is not None:
+        y = y * stacks.down_scale[:, None, :]
     return jnp.einsum("enh,ne->nh", y, dense, precision=HIGHEST)
 
 
-__all__ = ["route", "mixture"]
+__all__ = ["EXPERT_BLOCK", "Stacks", "route", "mixture"]

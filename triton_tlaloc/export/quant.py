@@ -32,14 +32,15 @@ def code_dtype(quant: str) -> str:
 
 
 def quantize_rows(w: np.ndarray, quant: str) -> tuple[np.ndarray, np.ndarray]:
-    """(codes [out, in], scale [out] f32) of a weight in [out, in] layout."""
+    """(codes [..., out, in], scale [..., out] f32) of a weight in [out, in] layout (a stack
+    of them too: a mixture's experts, each row its own scale)."""
     from ..artifact.manifest import numpy_dtype
 
     dtype, top = QUANT_FORMATS[quant]
     w = np.asarray(w, dtype=np.float32)
-    peak = np.max(np.abs(w), axis=1)
+    peak = np.max(np.abs(w), axis=-1)
     scale = np.where(peak > 0, peak / np.float32(top), np.float32(1.0)).astype(np.float32)
-    scaled = np.clip(w / scale[:, None], -top, top)
+    scaled = np.clip(w / scale[..., None], -top, top)
     if quant == "int8":
         codes = np.rint(scaled).astype(np.int8)  # rint rounds half to even
     else:  # ml_dtypes rounds to nearest even; the clip keeps a rounding up of 448 finite
@@ -79,4 +80,4 @@ def _f16_scale(step: np.ndarray) -> np.ndarray:
 
 def dequantize_rows(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """The f32 weight the graph computes with: codes widened, times each row's scale."""
-    return codes.astype(np.float32) * scale[:, None].astype(np.float32)
+    return codes.astype(np.float32) * scale[..., None].astype(np.float32)

@@ -243,12 +243,13 @@ def _tensor_parallel(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
 
 
 def _check_experts(cfg: DecoderConfig, opts: ExportOptions) -> None:
-    """Refuses, by name, what a mixture of experts cannot have yet: quantized weights."""
+    """Refuses, by name, what a mixture of experts cannot have yet: packed (4-bit) weights."""
     if cfg.moe is None:
         return
-    if opts.weight_quant is not None:
+    if opts.weight_quant not in (None, "int8", "fp8"):
         raise ExportError(f"--weight-quant {opts.weight_quant}: a mixture of experts' weights "
-                          f"are not quantized yet (export it with --weight-dtype f32 or bf16)")
+                          f"are quantized to int8 or fp8 only, not packed yet (export it with "
+                          f"--weight-quant int8 or fp8, or unquantized)")
 
 
 def _check_model(ckpt: Checkpoint, num_blocks: int) -> None:
