@@ -64,6 +64,20 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
                              rope_theta=1000000.0, num_experts=5, num_experts_per_tok=2,
                              moe_intermediate_size=48, norm_topk_prob=True,
                              decoder_sparse_step=1, mlp_only_layers=[1])
+    elif family == "qwen3_5_moe_text":
+        # the hybrid's layers (qwen3_5_text's), each MLP 6 experts, top 2, and a shared expert
+        from transformers import Qwen3_5MoeTextConfig
+        text = make_config("qwen3_5_text", common, layers).to_dict()
+        keep = {k: text[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                                     "linear_num_key_heads", "linear_num_value_heads",
+                                     "linear_key_head_dim", "linear_value_head_dim",
+                                     "linear_conv_kernel_dim", "rope_parameters",
+                                     "layer_types", "max_position_embeddings",
+                                     "tie_word_embeddings", "initializer_range", "rms_norm_eps",
+                                     "bos_token_id", "eos_token_id")}
+        cfg = Qwen3_5MoeTextConfig(**keep, num_experts=6, num_experts_per_tok=2,
+                                   moe_intermediate_size=48, shared_expert_intermediate_size=40)
     elif family == "mixtral":
         # 8 experts, top 2, on every layer (whole experts on 2 or 4 devices)
         from transformers import MixtralConfig

@@ -1,14 +1,16 @@
 """Mixtures of experts (export/moe.py): tiny random qwen3_moe (5 experts, top 2, renormalized;
-a dense layer between two sparse ones) and mixtral (8 experts, top 2, every layer sparse: the
-layer loop) give transformers' greedy ids and logits within 1e-5, alone (a decode call reads
-each row's chosen experts), two sequences decoding together, and a prompt in chunks of 16 (a
-prefill call runs every expert, or its rows grouped by expert in blocks); `tlaloc run` gives
-the same ids. The grouped blocks equal every expert's sum on their own too, an expert with no
-rows and all rows on one expert included. Controls: top k off by one,
-and the routing weights not renormalized, each change the ids. The routing's tie rule (the
-lower expert index) is its own test. fp8 KV, speculation, prefix reuse and the host tier work
-on a mixture. Mixtures this exporter does not serve and quantized experts are refused by name
-(expert parallelism: tests/multi_device)."""
+a dense layer between two sparse ones), mixtral (8 experts, top 2, every layer sparse: the
+layer loop) and the qwen3_5_moe hybrid (Gated DeltaNet and attention layers, 6 experts and a
+shared expert with its sigmoid gate) give transformers' greedy ids and logits within 1e-5 (the
+hybrid 1e-4, its family's tolerance), alone (a decode call reads each row's chosen experts),
+two sequences decoding together, and a prompt in chunks of 16 (a prefill call runs every
+expert, or its rows grouped by expert in blocks); `tlaloc run` gives the same ids. The grouped
+blocks equal every expert's sum on their own too, an expert with no rows and all rows on one
+expert included. Controls: top k off by one, the routing weights not renormalized, the shared
+expert ungated, each change the ids. The routing's tie rule (the lower expert index) is its
+own test. Quantized experts, fp8 KV, speculation, prefix reuse and the host tier work on a
+mixture. Mixtures this exporter does not serve and 4-bit experts are refused by name (expert
+parallelism: tests/multi_device)."""
 
 from __future__ import annotations
 
@@ -63,14 +65,21 @@ def reference_outcome(ckpt):
     return {"first": first, "alone": ids_a, "together": [ids_a, ids_b], "last": last}
 
 
-@pytest.mark.parametrize("family, block", [("qwen3_moe", 64), ("mixtral", 64), ("mixtral", 4)])
+# (family, experts, sparse layers, the tolerance: the hybrid's Gated DeltaNet layers take
+# tests/test_hybrid.py's)
+SHAPES = {"qwen3_moe": (5, [0, 2], TOL), "mixtral": (8, [0, 1], TOL),
+          "qwen3_5_moe_text": (6, [0, 1, 2, 3], 1e-4)}
+
+
+@pytest.mark.parametrize("family, block", [("qwen3_moe", 64), ("mixtral", 64), ("mixtral", 4),
+                                           ("qwen3_5_moe_text", 64)])
 def test_greedy_ids_and_logits_equal_transformers(tiny, arts, family, block):
     art = arts(family, block)
     manifest = json.loads((art / "tlaloc-serving.json").read_text())
     experts = manifest["model"]["experts"]
-    assert (experts["numExperts"], experts["topK"]) == ((5, 2) if family == "qwen3_moe"
-                                                        else (8, 2))
-    assert experts["layers"] == ([0, 2] if family == "qwen3_moe" else [0, 1])
+    count, layers, tol = SHAPES[family]
+    assert (experts["numExperts"], experts["topK"], experts["layers"]) == (count, 2, layers)
+    assert experts["sharedIntermediateSize"] == (40 if family == "qwen3_5_moe_text" else 0)
     assert manifest["model"]["layerLoop"] == (family == "mixtral")
     got = alone_and_together(art, PROMPT_A, PROMPT_B, STEPS)
     want = reference_outcome(tiny.checkpoint(family, False))
@@ -79,7 +88,7 @@ def test_greedy_ids_and_logits_equal_transformers(tiny, arts, family, block):
     for key in ("first", "last"):
         err = logits_error(got[key], want[key])
         print(f"{family} {key} logits error {err:.2e}")
-        assert err <= TOL, f"{key} logits off by {err:.2e} of the largest"
+        assert err <= tol, f"{key} logits off by {err:.2e} of the largest"
 
 
 def test_tlaloc_run_gives_transformers_ids(tiny, arts):
@@ -93,23 +102,32 @@ def test_tlaloc_run_gives_transformers_ids(tiny, arts):
     assert json.loads(out.stdout)["generated_ids"] == want
 
 
-@pytest.mark.parametrize("change", ["top_k_plus_one", "not_renormalized"])
-def test_control_routing_changed_changes_the_ids(tiny, arts, work, monkeypatch, change):
+@pytest.mark.parametrize("family, change", [("qwen3_moe", "top_k_plus_one"),
+                                            ("qwen3_moe", "not_renormalized"),
+                                            ("qwen3_5_moe_text", "no_shared_gate")])
+def test_control_routing_changed_changes_the_ids(tiny, arts, work, monkeypatch, family, change):
+    """Each change to the mixture the exporter could get wrong changes the ids: one expert
+    more a token, the routing weights not renormalized, the shared expert added without its
+    sigmoid gate."""
+    import jax.numpy as jnp
+
+    from triton_tlaloc.export import layers
+
     experts_of = config._experts
 
-    def changed(cfg, layers):
-        moe = experts_of(cfg, layers)
-        if change == "top_k_plus_one":
-            return config.Experts(moe.layers, moe.num_experts, moe.top_k + 1,
-                                  moe.intermediate_size, moe.norm_topk_prob)
-        return config.Experts(moe.layers, moe.num_experts, moe.top_k, moe.intermediate_size,
-                              False)
+    def changed(cfg, n):
+        m = experts_of(cfg, n)
+        return config.Experts(m.layers, m.num_experts, m.top_k + (change == "top_k_plus_one"),
+                              m.intermediate_size, m.norm_topk_prob and change != (
+                                  "not_renormalized"), m.shared_intermediate_size)
     monkeypatch.setattr(config, "_experts", changed)
-    art = export_artifact(tiny.checkpoint("qwen3_moe", False), work / f"moe-{change}",
+    if change == "no_shared_gate":  # sigmoid(gate . x) taken as 1
+        monkeypatch.setattr(layers, "shared_weight", lambda x, gate: jnp.ones_like(x[..., :1]))
+    art = export_artifact(tiny.checkpoint(family, False), work / f"moe-{change}",
                           ExportOptions(**OPTS))
     monkeypatch.undo()
     got = Engine(Runtime(art)).generate_greedy(PROMPT_A, STEPS).generated_ids
-    want = Engine(Runtime(arts("qwen3_moe"))).generate_greedy(PROMPT_A, STEPS).generated_ids
+    want = Engine(Runtime(arts(family))).generate_greedy(PROMPT_A, STEPS).generated_ids
     assert got != want
 
 
@@ -221,7 +239,7 @@ def test_ties_go_to_the_lower_expert_index():
 
 def test_what_is_not_served_is_refused_by_name(tiny, tmp_path):
     src = tiny.checkpoint("qwen3_moe", False)
-    for family, missing in (("qwen2_moe", "shared expert"), ("gpt_oss", "attention sinks"),
+    for family, missing in (("qwen2_moe", "q/k/v biases"), ("gpt_oss", "attention sinks"),
                             ("deepseek_v3", "multi-head latent attention")):
         with pytest.raises(CheckpointError, match=f"model_type '{family}': a mixture of "
                                                   f"experts .*{missing}"):

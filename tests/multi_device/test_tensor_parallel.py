@@ -380,8 +380,8 @@ def test_experts_split_over_devices_give_the_one_device_ids_and_logits(arts, tin
     loop), each device computing with its own experts: the one-device ids and logits (a decode
     row's chosen experts, a prompt's every expert), the float model's collectives (the
     experts' outputs meet in one all-reduce, as a dense MLP's do), each device holding its
-    experts' bytes; int8 experts likewise on 2. qwen3_moe's 5 experts over 2 devices are
-    refused by name."""
+    experts' bytes; int8 experts, and the qwen3_5_moe hybrid (its shared expert split as a
+    dense MLP), likewise on 2. qwen3_moe's 5 experts over 2 devices are refused by name."""
     one = outcome(arts("mixtral", 1))
     for n in (2, 4):
         got = outcome(arts("mixtral", n))
@@ -393,6 +393,13 @@ def test_experts_split_over_devices_give_the_one_device_ids_and_logits(arts, tin
         shape = next(w.shape for w in rt.artifact.weights if w.slot == "layers.experts_gate_up")
         assert [s.shape for s in rt.weights["layers.experts_gate_up"]] == [
             split.shard_shape(shape, n)] * n and split.shard_shape(shape, n)[1] == 8 // n
+    # the hybrid's shared expert splits as a dense MLP does, its routed experts by expert
+    hybrid = outcome(arts("qwen3_5_moe_text", 2))
+    assert_same(hybrid, outcome(arts("qwen3_5_moe_text", 1)))
+    # a layer's three partial sums: its mixer's, its routed experts', its shared expert's
+    layers = hybrid["rt"].artifact.model.layers
+    assert collectives(hybrid["rt"]) == {"all-reduce": 3 * layers + 1, "all-gather": 1,
+                                         "collective-permute": 0, "all-to-all": 0}
     # int8 experts: their codes and their scales per expert and output channel split alike
     assert_same(outcome(arts("mixtral", 2, weight_quant="int8")),
                 outcome(arts("mixtral", 1, weight_quant="int8")))

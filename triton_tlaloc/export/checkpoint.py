@@ -192,23 +192,28 @@ _LAYER_LINEARS = {
     "down": ("mlp.down_proj.weight",),
     "lin_in": tuple(f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
     "lin_out": ("linear_attn.out_proj.weight",),
+    "shared_gate_up": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+    "shared_down": ("mlp.shared_expert.down_proj.weight",),
 }
 
 
 # A mixture of experts' tensors by family: (the block, its router, each expert's gate, up and
 # down projections)
 _EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+                 "qwen3_5_moe_text": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
                  "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2")}
 
 
 def expert_sources(family: str, layer: int, part: str, num_experts: int) -> list[tuple[str, ...]]:
     """The checkpoint tensors of a sparse layer's expert slot: for "router" its one [experts,
-    hidden] tensor; for "experts_gate_up" each expert's gate and up ([out, in], fused along
+    hidden] tensor, for "shared_gate" the shared expert's gate [1, hidden]; for "experts_gate_up" each expert's gate and up ([out, in], fused along
     out); for "experts_down" each expert's down."""
     block, router, gate, up, down = _EXPERT_NAMES[family]
     pre = f"model.layers.{layer}.{block}."
     if part == "router":
         return [(pre + f"{router}.weight",)]
+    if part == "shared_gate":  # [1, hidden]
+        return [(pre + "shared_expert_gate.weight",)]
     names = (gate, up) if part == "experts_gate_up" else (down,)
     return [tuple(f"{pre}experts.{e}.{n}.weight" for n in names) for e in range(num_experts)]
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text", "qwen3_moe", "mixtral",
+            "qwen3_5_moe_text")
+HYBRIDS = ("qwen3_5_text", "qwen3_5_moe_text")  # Gated DeltaNet layers among attention ones
 # Mixtures of experts whose MLP (or attention) the graph lacks: refused with what is missing
 MOE_NOT_SERVED = {
-    "qwen2_moe": "its shared expert and its sigmoid gate, and q/k/v biases",
-    "qwen3_5_moe": "its shared expert and its sigmoid gate",
-    "qwen3_5_moe_text": "its shared expert and its sigmoid gate",
+    "qwen2_moe": "q/k/v biases",
     "olmoe": "q and k RMSNorm over the whole projection",
     "gpt_oss": "attention sinks, biased experts and its clamped SwiGLU",
     "deepseek_v2": "multi-head latent attention and grouped routing",
@@ -23,7 +23,8 @@ MOE_NOT_SERVED = {
 }
 # A multimodal checkpoint whose text decoder is one of FAMILIES: its config's text_config is the
 # decoder's, and its tensors carry a prefix (the vision tower's are not read).
-TEXT_OF_MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "model.language_model.")}
+TEXT_OF_MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "model.language_model."),
+                      "qwen3_5_moe": ("qwen3_5_moe_text", "model.language_model.")}
 GGUF_FAMILIES = ("llama", "qwen3")
 
 
@@ -71,8 +72,8 @@ class LinearAttention:
 
 @dataclass(frozen=True)
 class Experts:
-    """A mixture of experts in place of the MLP on `layers` (qwen3_moe, mixtral): a router
-    [experts, hidden] whose softmax's `top_k` largest choose each token's experts, their
+    """A mixture of experts in place of the MLP on `layers` (qwen3_moe, mixtral, qwen3_5_moe):
+    a router [experts, hidden] whose softmax's `top_k` largest choose each token's experts, their
     weights renormalized to sum to 1 when `norm_topk_prob`; each expert a gated MLP of
     `intermediate_size` channels. The other layers keep the dense MLP."""
 
@@ -81,11 +82,15 @@ class Experts:
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
+    # qwen3_5_moe: a shared expert beside the routed ones, a gated MLP of this many channels
+    # whose output is added times sigmoid(its gate [1, hidden] . x); 0: none
+    shared_intermediate_size: int = 0
 
     def to_json(self) -> dict:
         return {"layers": list(self.layers), "numExperts": self.num_experts,
                 "topK": self.top_k, "intermediateSize": self.intermediate_size,
-                "normTopkProb": self.norm_topk_prob}
+                "normTopkProb": self.norm_topk_prob,
+                "sharedIntermediateSize": self.shared_intermediate_size}
 
 
 @dataclass(frozen=True)
@@ -220,7 +225,7 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     layers = int(cfg["num_hidden_layers"])
-    gemma, qwen35 = family == "gemma3_text", family == "qwen3_5_text"
+    gemma, qwen35 = family == "gemma3_text", family in HYBRIDS
     per_type = _gemma_rope(cfg) if gemma else None
     if gemma:
         theta, scaling = float(per_type["full_attention"]["rope_theta"]), {}
@@ -245,7 +250,7 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_size=head_size,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
@@ -256,7 +261,7 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
         bos_token_id=cfg.get("bos_token_id"),
         refused_tokens=tuple((k, int(cfg[k])) for k in PLACEHOLDER_KEYS
                              if isinstance(cfg.get(k), int)),
-        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_5_text", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe", *HYBRIDS),
         layer_windows=windows if any(windows) else (),
         layer_rope=tuple(dict(per_type[t]) for t in types) if gemma else (),
         attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
@@ -273,8 +278,13 @@ def config_from_hf(cfg: dict, model_name: str) -> DecoderConfig:
 
 def _experts(cfg: dict, layers: int) -> Experts | None:
     """A mixture of experts' layers and shapes: qwen3_moe's on every decoder_sparse_step-th
-    layer not in mlp_only_layers (transformers' rule), mixtral's on every layer."""
+    layer not in mlp_only_layers (transformers' rule), mixtral's and qwen3_5_moe's on every
+    layer."""
     family = cfg["model_type"]
+    if family == "qwen3_5_moe_text":  # every layer, renormalized, with a shared expert
+        return Experts(tuple(range(layers)), int(cfg["num_experts"]),
+                       int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]), True,
+                       int(cfg["shared_expert_intermediate_size"]))
     if family == "mixtral":
         return Experts(tuple(range(layers)), int(cfg["num_local_experts"]),
                        int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]), True)
@@ -312,7 +322,7 @@ def _check_supported(cfg: dict) -> str:
     if family in MOE_NOT_SERVED:
         raise CheckpointError(f"model_type {family!r}: a mixture of experts this exporter does "
                               f"not serve yet; missing: {MOE_NOT_SERVED[family]} (served: "
-                              f"qwen3_moe, mixtral)")
+                              f"qwen3_moe, mixtral, qwen3_5_moe)")
     if family not in FAMILIES:
         raise CheckpointError(f"model_type {family!r} is not supported (supported: "
                               f"{', '.join(FAMILIES)})")
@@ -347,7 +357,7 @@ def _layer_types(cfg: dict, layers: int) -> list[str]:
     types = cfg.get("layer_types") or (["sliding_attention"] * layers if window and family in
                                        ("mistral", "mixtral") else ["full_attention"] * layers)
     kinds = ("sliding_attention", "full_attention") + (
-        ("linear_attention",) if family == "qwen3_5_text" else ())
+        ("linear_attention",) if family in HYBRIDS else ())
     if len(types) != layers or any(t not in kinds for t in types):
         raise CheckpointError(f"layer_types {types!r}: expected {layers} of {' / '.join(kinds)}")
     return types

@@ -200,6 +200,10 @@ def layer_slots(cfg: DecoderConfig, i: int, linear, experts=None) -> list[Weight
         for part, n_out, n_in in (("experts_gate_up", 2 * m.intermediate_size, h),
                                   ("experts_down", h, m.intermediate_size)):
             slots += experts(f"l{i}.{part}", m.num_experts, n_out, n_in)
+        if m.shared_intermediate_size:  # a gated MLP beside them, and its sigmoid gate
+            slots += [*linear(f"l{i}.shared_gate_up", h, 2 * m.shared_intermediate_size),
+                      *linear(f"l{i}.shared_down", m.shared_intermediate_size, h),
+                      WeightSlot(f"l{i}.shared_gate", (1, h), "param")]
     else:
         slots += [*linear(f"l{i}.gate_up", h, 2 * cfg.intermediate_size),
                   *linear(f"l{i}.down", cfg.intermediate_size, h)]

@@ -30,7 +30,7 @@ from . import linear_attention as la_ops
 from .attention import FP8, FP8_BITS, LayerPool, by_length, from_bits, one_pass, ring, to_bits
 from .config import DecoderConfig
 from .gguf_packed import is_packed
-from .moe import Stacks, mixture
+from .moe import Stacks, mixture, shared_weight
 from .packed_linear import ONE_DEVICE, PackedShards, gathered_rows, packed_product
 from ..artifact.manifest import WindowedKv
 
@@ -276,6 +276,11 @@ def mlp(g: Graph, w: dict, i: int, x):
                                                                 "gate_up.scale", "down.scale")))
         out = mixture(cfg.moe, computed_once(hdn), w[f"l{i}.router"], stacks,
                       ACTIVATIONS[cfg.activation], MATVEC_ROWS, g.shards)
+        if cfg.moe.shared_intermediate_size:  # + sigmoid(gate . x) * the shared expert's MLP
+            gu = project(g, hdn, w, f"l{i}.shared_gate_up")
+            gate, up = split_fused(g, gu, (cfg.moe.shared_intermediate_size,) * 2)
+            shared = project(g, ACTIVATIONS[cfg.activation](gate) * up, w, f"l{i}.shared_down")
+            out = out + shared_weight(hdn, w[f"l{i}.shared_gate"]) * shared
         return x + out
     gu = project(g, hdn, w, f"l{i}.gate_up")
     gate, up = split_fused(g, gu, (cfg.intermediate_size,) * 2)

@@ -86,6 +86,12 @@ def _product(w, scale, x, precision):
     return y if scale is None else y * scale
 
 
+def shared_weight(x, gate):
+    """A shared expert's weight for each row of x [..., hidden]: sigmoid(gate . x) [..., 1],
+    gate [1, hidden] f32 (qwen3_5_moe)."""
+    return jax.nn.sigmoid(jnp.dot(x, gate[0], precision=HIGHEST))[..., None]
+
+
 def mixture(moe: Experts, x, router, stacks: Stacks, act, matvec_rows: int, devices: int = 1):
     """The experts' output for x [..., hidden] (the MLP's normed input): [..., hidden].
     A bf16 weight is widened inside its product, its input rounded to bf16 as layers.matmul
@@ -198,4 +204,4 @@ def _every_expert(flat, weights, chosen, stacks: Stacks, act, inter: int):
     return jnp.einsum("enh,ne->nh", y, dense, precision=HIGHEST)
 
 
-__all__ = ["EXPERT_BLOCK", "Stacks", "route", "mixture"]
+__all__ = ["EXPERT_BLOCK", "Stacks", "route", "mixture", "shared_weight"]

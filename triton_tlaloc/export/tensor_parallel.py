@@ -142,6 +142,10 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
         "gate_up": (Segment(cfg.intermediate_size),) * 2,
     }
     row = {"o": cfg.num_heads * d, "down": cfg.intermediate_size}  # the input axis's width
+    shared = cfg.moe.shared_intermediate_size if cfg.moe is not None else 0
+    if shared:  # a mixture's shared expert splits as a dense MLP does
+        column["shared_gate_up"] = (Segment(shared),) * 2
+        row["shared_down"] = shared
     params = {}
     if la is not None:
         qk, v = la.num_key_heads * la.key_head_dim, la.value_dim

@@ -66,10 +66,10 @@ def slot_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot) -> np.nd
         w = np.concatenate([t(n) for n in sources]) if len(sources) > 1 else t(sources[0])
         return w if slot.out_first else w.T
     layer, part = name.split(".", 1)
-    if part in ("router", "experts_gate_up", "experts_down"):  # [experts, out, in] stacked
+    if part in ("router", "shared_gate", "experts_gate_up", "experts_down"):  # [experts, out, in]
         experts = [np.concatenate([t(n) for n in names]) for names in expert_sources(
             cfg.family, int(layer[1:]), part, cfg.moe.num_experts)]
-        return experts[0] if part == "router" else np.stack(experts)
+        return experts[0] if part in ("router", "shared_gate") else np.stack(experts)
     pre = f"model.layers.{int(layer[1:])}."
     norms = ({"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
               "mlp_norm": "pre_feedforward_layernorm",
