@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 from checks.engine_runs import alone_and_together
-from checks.oracle import load_reference, logits_error, reference_greedy
+from checks.oracle import incremental_logits, load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.engine.core import Engine
@@ -57,12 +57,19 @@ def arts(tiny, work):
 
 
 def reference_outcome(ckpt):
-    model = load_reference(ckpt)
-    ids_a, first = reference_greedy(model, PROMPT_A, STEPS)
-    ids_b, _ = reference_greedy(model, PROMPT_B, STEPS)
-    last = np.stack([reference_greedy(model, p + ids, 0)[1]
-                     for p, ids in ((PROMPT_A, ids_a), (PROMPT_B, ids_b))])
-    return {"first": first, "alone": ids_a, "together": [ids_a, ids_b], "last": last}
+    """transformers' A ids and first logits; A's and B's ids and their last logits, each
+    prompt's greedy run in one incremental pass."""
+    model, runs = load_reference(ckpt), []
+    for prompt in (PROMPT_A, PROMPT_B):
+        step = incremental_logits(model)
+        first = logits = step(prompt)
+        ids = []
+        for _ in range(STEPS):
+            ids.append(int(np.argmax(logits)))
+            logits = step([ids[-1]])
+        runs.append((ids, first, logits))
+    return {"first": runs[0][1], "alone": runs[0][0], "together": [r[0] for r in runs],
+            "last": np.stack([r[2] for r in runs])}
 
 
 # (family, experts, sparse layers, the tolerance: the hybrid's Gated DeltaNet layers take
@@ -195,6 +202,52 @@ def test_fp8_kv_speculation_prefix_reuse_and_the_host_tier_on_a_mixture(tiny, wo
         plain)
     assert fresh.executions - before < plain_calls
     check_moved_sequence(Runtime(art))
+
+
+def routed_by_transformers(ckpt, tokens: list[int]) -> np.ndarray:
+    """The (token, expert) pairs each sparse layer of transformers' model routes over
+    `tokens` in one forward: [sparse layers, experts]."""
+    import torch
+
+    model, counts = load_reference(ckpt), []
+
+    def count(module, args, out):
+        counts.append(np.bincount(out[2].reshape(-1).numpy(), minlength=module.num_experts))
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(count)
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    return np.stack(counts)
+
+
+def test_expert_load_counts_the_tokens_each_layer_routes_to_each_expert(tiny, arts, work,
+                                                                        monkeypatch):
+    """Runtime(expert_load=True) sums each call's EXPERT_LOAD: after a 40-token prompt in
+    chunks of 16 (its last chunk 8 tokens and 8 of padding) and 8 greedy tokens, each sparse
+    layer's counts are transformers' routing of those 47 tokens, expert by expert. Control:
+    padding counted (the mask dropped at export) is caught."""
+    from triton_tlaloc.export import layers
+
+    ckpt = tiny.checkpoint("qwen3_moe", False)
+    rt = Runtime(arts("qwen3_moe"), expert_load=True)
+    ids = Engine(rt).generate_greedy(PROMPT_A, STEPS).generated_ids
+    want = routed_by_transformers(ckpt, PROMPT_A + ids[:-1])
+    assert rt.expert_load.tolist() == want.tolist()
+    assert (rt.expert_load.sum(axis=1) == 47 * 2).all()
+    assert Runtime(arts("qwen3_moe")).expert_load is None  # not counted unless asked
+    make_step = layers.make_step
+
+    def counting_padding(*a, **kw):
+        step = make_step(*a, **kw)
+        step.real = None
+        return step
+    monkeypatch.setattr(layers, "make_step", counting_padding)
+    art = export_artifact(ckpt, work / "moe-padding-counted", ExportOptions(**OPTS))
+    monkeypatch.undo()
+    rt = Runtime(art, expert_load=True)
+    Engine(rt).generate_greedy(PROMPT_A, STEPS)
+    assert rt.expert_load.tolist() != want.tolist()
 
 
 def test_rows_grouped_by_expert_equal_every_expert_weighted():

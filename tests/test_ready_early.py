@@ -13,6 +13,7 @@ import pytest
 from checks.oracle import fp8_kv_reference, load_reference, quantized_reference, reference_greedy
 from checks.sequence_checks import assert_check, check_first_requests, first_requests_at_ready
 
+from triton_tlaloc.frontends.client import METRICS_SETTLE_S, scrape_metrics
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.triton.server import TritonServer
@@ -69,7 +70,8 @@ def cold_repository(tiny, smollm2, smollm2_packed, smollm2_transformers, work):
     want = {}
     for name, (family, opts, reference) in SHAPES.items():
         write_repository(artifact(tiny, family, opts), repo, name,
-                         RepositoryOptions(compile_cache_dir=str(cache)))
+                         RepositoryOptions(compile_cache_dir=str(cache),
+                                           expert_load_metrics=name == "experts"))
         want[name] = transformers_ids(tiny, family, reference)
     art = smollm2[1]
     for name, chat_art in (("smollm2", art), ("smollm2_gguf", smollm2_packed)):
@@ -100,6 +102,7 @@ def test_requests_sent_the_moment_the_server_is_ready_get_transformers_ids(cold_
             model=name, messages=CHAT, temperature=0, max_tokens=CHAT_TOKENS)
             for name in ("smollm2", "smollm2_gguf")}
         log = server.log_text()
+        metrics = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
     finally:
         if openai_stop is not None:
             openai_stop()
@@ -110,3 +113,14 @@ def test_requests_sent_the_moment_the_server_is_ready_get_transformers_ids(cold_
     assert_check(check_first_requests(got, want, log))
     for name, chat in chats.items():
         assert chat.choices[0].message.content == want["smollm2"], name
+    # the mixture's expert load: every token it ran went through each of its sparse layers,
+    # to top-2 experts
+    experts = [(dict(labels), v) for (m, labels), v in metrics.items()
+               if m == "tlaloc_expert_tokens_total" and ("model", "experts") in labels]
+    tokens = sum(v for (m, labels), v in metrics.items()
+                 if m == "tlaloc_tokens_total" and ("model", "experts") in labels)
+    by_layer = {}
+    for labels, v in experts:
+        by_layer[labels["layer"]] = by_layer.get(labels["layer"], 0) + v
+    assert sorted(by_layer) == ["0", "2"] and tokens > 0
+    assert all(v == 2 * tokens for v in by_layer.values()), (by_layer, tokens)

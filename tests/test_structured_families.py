@@ -36,7 +36,9 @@ def tokenizer():
     return byte_level_bpe(256, ["<unk>", "<bos>", "<eos>"], ascii_only=True)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# One mixture of experts stands for the three (tests/test_moe.py checks each one's graph).
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("mixtral",
+                                                                     "qwen3_5_moe_text")])
 def test_constrained_greedy_ids_equal_transformers_under_the_same_mask(family, tokenizer, work):
     windowed = family in ("mistral", "gemma3_text")
     ckpt = make_tiny_checkpoint(work / f"ckpt-structured-{family}", family,

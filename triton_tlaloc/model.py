@@ -88,11 +88,15 @@ class TritonPythonModel:
                                    donate=parse_bool(params["donate_kv_pools"]),
                                    cache_dir=Path(cache) if cache else None,
                                    background=parse_bool(params["background_compile"]),
-                                   first_use=False)
+                                   first_use=False,
+                                   expert_load=parse_bool(params["expert_load_metrics"]))
         policy = batch_policy(config, params)
         self.metrics = TritonMetrics(args["model_name"],
                                      int(params["metrics_interval_microseconds"]) / 1e6,
                                      args.get("model_instance_name", ""))
+        if getattr(self.runtime, "expert_load", None) is not None:
+            self.metrics.watch_experts(self.runtime.expert_load,
+                                       artifact.manifest["model"]["experts"]["layers"])
         self.senders = ReplySenders(int(params["reply_threads"]), self.metrics.reply_queued)
         observers = [self.metrics]
         self.timing_log = TimingLog(params["timing_log"]) if params["timing_log"] else None

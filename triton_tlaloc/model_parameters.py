@@ -82,6 +82,11 @@ PARAMETERS: tuple[ModelParameter, ...] = (
         "([KV reuse](serving.md#kv-reuse)); the flag writes `false`",
         "--no-prefix-reuse"),
     ModelParameter(
+        "expert_load_metrics", "false",
+        "a mixture of experts: count the tokens each sparse layer routes to each expert, "
+        "`tlaloc_expert_tokens_total{layer, expert}` (each call's expert load is read back "
+        "with its logits); the flag writes `true`", "--expert-load-metrics"),
+    ModelParameter(
         "keep_ended_sequences", "64",
         "how many ended sequences are kept whole for their next turn"),
     ModelParameter(

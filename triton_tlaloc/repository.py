@@ -52,6 +52,8 @@ class RepositoryOptions:
     draft_model: str = ""  # the sequence model NAME_generate drafts with (speculative decoding)
     sequence_slots: int = 0  # max_candidate_sequences (0: sequence_slots()'s default)
     prefix_reuse: bool = default_bool("prefix_reuse")  # cached prompt blocks reused
+    # a mixture of experts: tokens routed to each expert as metrics
+    expert_load_metrics: bool = default_bool("expert_load_metrics")
     host_kv_bytes: int | None = None  # the host tier's budget (None: 4x the pools; 0: off)
     # how long a request waits for pages
     preempt_wait_microseconds: int = default_int("preempt_wait_microseconds")
@@ -147,6 +149,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         "backend_batching": "true" if opts.backend_batching else "false",
         "reclaim_allowance_microseconds": opts.reclaim_allowance_microseconds,
         "prefix_reuse": "true" if opts.prefix_reuse else "false",
+        "expert_load_metrics": "true" if opts.expert_load_metrics else "false",
         **({"host_kv_bytes": opts.host_kv_bytes} if opts.host_kv_bytes is not None else {}),
         "preempt_wait_microseconds": opts.preempt_wait_microseconds,
         "background_compile": "true" if opts.background_compile else "false",

@@ -309,7 +309,8 @@ def _check_leading_outputs(entry: Entry, model: ModelShape, prog_path: Path) -> 
     """The outputs before the pools are exactly the kind's (`leading_outputs`), in order and of
     the entry's shape: a runtime reads them by role, and a verify entry without its argmaxes
     could not check a draft."""
-    want = leading_outputs(entry.kind, entry.batch, entry.tokens_per_seq, model.vocab)
+    want = leading_outputs(entry.kind, entry.batch, entry.tokens_per_seq, model.vocab,
+                           model.experts)
     outputs = entry.program.outputs
     for n, w in enumerate(want):
         found = [i for i, s in enumerate(outputs) if s.role == w.role]

@@ -48,6 +48,9 @@ LOGITS = "LOGITS"  # decode and prefill entries: f32 [B, vocab], each row's last
 # Verify entries (speculative decoding): the argmax and the logits after every position.
 POSITION_ARGMAX = "POSITION_ARGMAX"  # i32 [B, T]
 POSITION_LOGITS = "POSITION_LOGITS"  # f32 [B, T, vocab]
+# a mixture of experts' entries: i32 [sparse layers, experts], the (token, expert) pairs each
+# sparse layer routed to each expert in the call, padding tokens not counted
+EXPERT_LOAD = "EXPERT_LOAD"
 KV_POOL_OUT = "KV_POOL_OUT"
 STATE_SLOTS = "STATE_SLOTS"  # [B]: each row's slot in the state pools, -1 for a padding row
 STATE_POOL_IN = "STATE_POOL_IN"
@@ -61,7 +64,7 @@ POOL_OUT_ROLES = (KV_POOL_OUT, WINDOW_KV_POOL_OUT, STATE_POOL_OUT)
 DONATION_ROLES = ((KV_POOL_OUT, KV_POOL_IN), (WINDOW_KV_POOL_OUT, WINDOW_KV_POOL_IN),
                   (STATE_POOL_OUT, STATE_POOL_IN))
 INPUT_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES + POOL_IN_ROLES + (WEIGHT,)
-OUTPUT_ROLES = (LOGITS, POSITION_ARGMAX, POSITION_LOGITS) + POOL_OUT_ROLES
+OUTPUT_ROLES = (LOGITS, POSITION_ARGMAX, POSITION_LOGITS, EXPERT_LOAD) + POOL_OUT_ROLES
 
 # Entry kinds. A verify entry feeds a sequence its next token and draft tokens in one call and
 # returns what the model predicts after each of them (speculative decoding;
@@ -164,14 +167,20 @@ class TensorSpec:
         )
 
 
-def leading_outputs(kind: str, batch: int, tokens: int, vocab: int) -> tuple[TensorSpec, ...]:
+def leading_outputs(kind: str, batch: int, tokens: int, vocab: int,
+                    experts: tuple[int, int] | None = None) -> tuple[TensorSpec, ...]:
     """The outputs an entry of a kind returns before its pools, in order: a decode or prefill
     entry each row's last logits; a verify entry the argmax and the logits after each of the
-    row's positions."""
+    row's positions; then, for a mixture of experts (`experts`: its sparse layers and
+    experts), the call's expert load."""
     if kind == VERIFY:
-        return (TensorSpec("position_argmax", POSITION_ARGMAX, "i32", (batch, tokens)),
-                TensorSpec("position_logits", POSITION_LOGITS, "f32", (batch, tokens, vocab)))
-    return (TensorSpec("logits", LOGITS, "f32", (batch, vocab)),)
+        out = (TensorSpec("position_argmax", POSITION_ARGMAX, "i32", (batch, tokens)),
+               TensorSpec("position_logits", POSITION_LOGITS, "f32", (batch, tokens, vocab)))
+    else:
+        out = (TensorSpec("logits", LOGITS, "f32", (batch, vocab)),)
+    if experts is not None:
+        out += (TensorSpec("expert_load", EXPERT_LOAD, "i32", experts),)
+    return out
 
 
 @dataclass(frozen=True)
@@ -283,6 +292,9 @@ class ModelShape:
     # packed weights: how the codes are packed (gguf_packed.PACKED_LAYOUT, "row-bands"); a
     # device may want another, so the artifact says which its programs read
     packed_layout: str | None = None
+    # a mixture of experts (model.experts): (its sparse layers, its experts) for the entries'
+    # expert load output
+    experts: tuple[int, int] | None = None
 
     @property
     def packed(self) -> bool:
@@ -348,6 +360,8 @@ class ModelShape:
             weight_quant=obj.get("weightQuant"),
             head_quant=bool(obj.get("headQuant", False)),
             packed_layout=obj.get("packedLayout"),
+            experts=(len(obj["experts"]["layers"]), int(obj["experts"]["numExperts"]))
+            if obj.get("experts") else None,
         )
 
 

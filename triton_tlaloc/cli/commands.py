@@ -205,6 +205,7 @@ def cmd_repository(args) -> int:
                              draft_model=args.draft_model,
                              sequence_slots=args.sequence_slots,
                              prefix_reuse=not args.no_prefix_reuse,
+                             expert_load_metrics=args.expert_load_metrics,
                              reply_threads=args.reply_threads,
                              generation_loop=args.generation_loop,
                              host_kv_bytes=args.host_kv_bytes,

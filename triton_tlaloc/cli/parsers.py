@@ -211,6 +211,9 @@ def _add_repository_parser(sub) -> None:
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefix_reuse false: every prompt computes all its tokens and ended "
                         "sequences are freed at once (a control)")
+    p.add_argument("--expert-load-metrics", action="store_true",
+                   help="a mixture of experts: the tokens each layer routes to each expert "
+                        "as the metric tlaloc_expert_tokens_total{layer, expert}")
     p.add_argument("--host-kv-bytes", type=int, default=None,
                    help="host memory for swapped-out sequences' KV (default: 4x the device's "
                         "KV pools; 0: no host tier, a request short of pages is refused)")

@@ -315,7 +315,8 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
         if s.name.startswith(STACKED):
             dtype = BITS.get(dtype, dtype)
         inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, dtype, s.shape, slot=s.name))
-    outputs = list(leading_outputs(kind, b, t, cfg.vocab_size))
+    outputs = list(leading_outputs(kind, b, t, cfg.vocab_size, cfg.moe and (
+        len(cfg.moe.layers), cfg.moe.num_experts)))
     first_pool = len(outputs)
     for p in (*pools, *states):
         outputs.append(TensorSpec(f"{p.name}.out", role_of(p, WINDOW_KV_POOL_OUT, KV_POOL_OUT,
@@ -349,6 +350,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     tensor-parallel program, whose fused weights hold each device's part of every fused part
     (layers.split_fused), and `packed_shards` how its packed weights are divided
     (layers.Graph.packed_shards)."""
+    import jax.numpy as jnp
+
     from . import layers
 
     slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop)
@@ -386,6 +389,9 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                 a, b = pool_of[i]
                 x, new_pools[a], new_pools[b] = layers.decoder_layer(g, step, w, i, x, pools[a],
                                                                      pools[b])
+        if cfg.moe is not None:  # the call's expert load, [sparse layers, experts]
+            assert len(step.expert_loads) == len(cfg.moe.layers), len(step.expert_loads)
+            return (*outputs(x, w), jnp.stack(step.expert_loads), *new_pools)
         return (*outputs(x, w), *new_pools)
 
     return fn

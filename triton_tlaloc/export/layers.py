@@ -97,6 +97,9 @@ class Step:
     ring_width: int = 0  # the ring's entries of a window table
     state_slots: Any = None
     rotary: dict = field(default_factory=dict)  # inv_freq -> (cos, sin)
+    real: Any = None  # [b * t] bool: the call's tokens that are not padding
+    # each sparse layer's expert load [experts] (i32), in layer order, as the layers are traced
+    expert_loads: list = field(default_factory=list)
 
 
 def make_step(g: Graph, token_ids, positions, block_tables, seq_lens, slot_mapping,
@@ -108,12 +111,13 @@ def make_step(g: Graph, token_ids, positions, block_tables, seq_lens, slot_mappi
     # past the end and so dropped, keeps it a scatter, done in place.
     pad_row = b * t == 1
     kv_slots = _scatter_slots(slot_mapping, g.num_blocks * g.block_size, pad_row)
+    real = slot_mapping.reshape(-1) >= 0 if g.cfg.moe is not None else None
     if g.windowed is None:
         return Step(positions, seq_lens, block_tables, kv_slots, pad_row,
-                    state_slots=state_slots)
+                    state_slots=state_slots, real=real)
     ring_slots = _scatter_slots(window_slots, g.windowed.num_blocks * g.block_size, pad_row)
     return Step(positions, seq_lens, block_tables, kv_slots, pad_row, window_tables, ring_slots,
-                min(block_tables.shape[1], g.windowed.ring_pages), state_slots)
+                min(block_tables.shape[1], g.windowed.ring_pages), state_slots, real=real)
 
 
 def _scatter_slots(mapping, pool_slots: int, pad_row: bool):
@@ -247,12 +251,16 @@ def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
         # (A packed weight's bytes are its codes, not f8 bits.)
         w_layer = {f"l0.{part}": a if is_packed(g.slot_of[f"l0.{part}"].quant) else from_bits(a)
                    for part, a in parts.items()}
+        traced = len(step.expert_loads)
         x, k, v = decoder_layer(g, step, w_layer, 0, x, LayerPool(k_all, layer),
                                 LayerPool(v_all, layer))
-        return (x, k.stacked, v.stacked), None
+        load = step.expert_loads.pop() if len(step.expert_loads) > traced else None
+        return (x, k.stacked, v.stacked), load  # a sparse layer's load, out of the loop
 
     layer_ids = jnp.arange(g.cfg.num_layers, dtype=jnp.int32)
-    (x, k_pool, v_pool), _ = lax.scan(body, (x, k_pool, v_pool), (layer_ids, stacked))
+    (x, k_pool, v_pool), loads = lax.scan(body, (x, k_pool, v_pool), (layer_ids, stacked))
+    if loads is not None:  # [layers, experts]: every layer's, in order
+        step.expert_loads.extend(loads)
     return x, (k_pool, v_pool)
 
 
@@ -263,10 +271,10 @@ def decoder_layer(g: Graph, step: Step, w: dict, i: int, x, pool_a, pool_b):
     hdn = rms_norm(x, w[f"l{i}.attn_norm"], g.eps)
     mixer = linear_mixer if g.cfg.is_linear(i) else attention
     out, pool_a, pool_b = mixer(g, step, w, i, hdn, pool_a, pool_b)
-    return mlp(g, w, i, x + out), pool_a, pool_b
+    return mlp(g, step, w, i, x + out), pool_a, pool_b
 
 
-def mlp(g: Graph, w: dict, i: int, x):
+def mlp(g: Graph, step: Step, w: dict, i: int, x):
     """RMSNorm, the gated MLP (SwiGLU, or gemma's GELU-tanh) or a mixture of experts, [post
     norm], residual."""
     cfg = g.cfg
@@ -274,8 +282,9 @@ def mlp(g: Graph, w: dict, i: int, x):
     if cfg.is_sparse(i):  # a mixture of experts (export/moe.py)
         stacks = Stacks(*(w.get(f"l{i}.experts_{p}") for p in ("gate_up", "down",
                                                                 "gate_up.scale", "down.scale")))
-        out = mixture(cfg.moe, computed_once(hdn), w[f"l{i}.router"], stacks,
-                      ACTIVATIONS[cfg.activation], MATVEC_ROWS, g.shards)
+        out, load = mixture(cfg.moe, computed_once(hdn), w[f"l{i}.router"], stacks,
+                            ACTIVATIONS[cfg.activation], MATVEC_ROWS, g.shards, step.real)
+        step.expert_loads.append(load)
         if cfg.moe.shared_intermediate_size:  # + sigmoid(gate . x) * the shared expert's MLP
             gu = project(g, hdn, w, f"l{i}.shared_gate_up")
             gate, up = split_fused(g, gu, (cfg.moe.shared_intermediate_size,) * 2)

@@ -92,20 +92,35 @@ def shared_weight(x, gate):
     return jax.nn.sigmoid(jnp.dot(x, gate[0], precision=HIGHEST))[..., None]
 
 
-def mixture(moe: Experts, x, router, stacks: Stacks, act, matvec_rows: int, devices: int = 1):
-    """The experts' output for x [..., hidden] (the MLP's normed input): [..., hidden].
-    A bf16 weight is widened inside its product, its input rounded to bf16 as layers.matmul
+def mixture(moe: Experts, x, router, stacks: Stacks, act, matvec_rows: int, devices: int = 1,
+            real=None):
+    """The experts' output for x [..., hidden] (the MLP's normed input), [..., hidden], and
+    the expert load: the (row, expert) pairs routed to each expert, i32 [experts], counting
+    only the rows `real` marks (a call's padding is not a token; every row when None). A bf16
+    weight is widened inside its product, its input rounded to bf16 as layers.matmul
     rounds a linear's. `devices` > 1: the experts split over the devices, each holding
     E / devices (expert parallelism; _on_their_devices)."""
     lead, hidden = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, hidden)
     weights, chosen = route(moe, flat, router)  # the router reads the unrounded input
+    counted = jax.nn.one_hot(chosen, moe.num_experts, dtype=jnp.int32)  # [n, k, experts]
+    if real is not None:
+        counted = counted * real.astype(jnp.int32)[:, None, None]
+    load = jnp.sum(counted, axis=(0, 1))
+    return _experts_out(moe, flat, weights, chosen, stacks, act, matvec_rows,
+                        devices).reshape(*lead, hidden), load
+
+
+def _experts_out(moe: Experts, flat, weights, chosen, stacks: Stacks, act, matvec_rows: int,
+                 devices: int):
+    """mixture's output [n, hidden] for its flat rows."""
+    hidden = flat.shape[-1]
     inter = moe.intermediate_size
     if stacks.gate_up.dtype == jnp.bfloat16:
         flat = lax.reduce_precision(flat, exponent_bits=8, mantissa_bits=7)
     if devices > 1:
         return _on_their_devices(flat, weights, chosen, stacks, act, inter, devices,
-                                 flat.shape[0] <= matvec_rows).reshape(*lead, hidden)
+                                 flat.shape[0] <= matvec_rows)
     if flat.shape[0] <= matvec_rows:
         rows = []
         for r in range(flat.shape[0]):
@@ -114,14 +129,14 @@ def mixture(moe: Experts, x, router, stacks: Stacks, act, matvec_rows: int, devi
                 y = stacks.pick(chosen[r, j]).mlp(flat[r], act, inter) * weights[r, j]
                 out = y if out is None else out + y
             rows.append(out)
-        return jnp.stack(rows).reshape(*lead, hidden)
+        return jnp.stack(rows)
     n, k, experts = flat.shape[0], moe.top_k, moe.num_experts
     blocks = -(-n * k // EXPERT_BLOCK) + experts  # every expert's rows in whole blocks, at most
     if blocks * EXPERT_BLOCK < experts * n:
         out = _grouped(flat, weights, chosen, stacks, act, inter, blocks)
     else:
         out = _every_expert(flat, weights, chosen, stacks, act, inter)
-    return out.reshape(*lead, hidden)
+    return out.reshape(-1, hidden)
 
 
 # A prompt's rows grouped by expert run in blocks of this many rows, each block one expert's

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifact.loading import load_artifact
-from ..artifact.manifest import (LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, POSITION_ARGMAX,
+from ..artifact.manifest import (EXPERT_LOAD, LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, POSITION_ARGMAX,
                                  POSITION_LOGITS, STATE_STEP_ROLES, STEP_ROLES, WEIGHT,
                                  WINDOW_STEP_ROLES, Artifact, Entry, numpy_dtype)
 from .compiling import BackgroundCompiler, compile_order, compile_workers, first_entries
@@ -124,7 +124,8 @@ class Runtime:
                  device_index: int = 0, donate: bool = True, cache_dir: Path | None = None,
                  entries: list[str] | None = None, use_cache: bool = True,
                  check_every_run: bool = False, background: bool = False,
-                 devices: tuple[int, ...] | None = None, first_use: bool | None = None):
+                 devices: tuple[int, ...] | None = None, first_use: bool | None = None,
+                 expert_load: bool = False):
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
         self.donate = donate
         self.device = open_devices(self.artifact, platform, device_index, devices)
@@ -138,6 +139,11 @@ class Runtime:
         self.donation = DonationStats()
         # Seconds spent in each phase of `run`, summed over all runs (the step profile).
         self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
+        # A mixture of experts with `expert_load`: the (token, expert) pairs each sparse layer
+        # routed to each expert, summed over every call ([sparse layers, experts]; each call's
+        # EXPERT_LOAD output read back with its logits). None: not counted.
+        experts = self.artifact.model.experts
+        self.expert_load = np.zeros(experts, np.int64) if expert_load and experts else None
         names = entries if entries is not None else sorted(self.artifact.entries)
         self.entries_total = len(names)
         if first_use is None:
@@ -348,6 +354,8 @@ class Runtime:
         if exe is None:
             raise StepInputError(f"entry {entry_name} was not compiled in this runtime")
         plan = self._plans[entry_name]
+        counted = self.expert_load is not None and EXPERT_LOAD in plan.returns
+        roles = roles + (EXPERT_LOAD,) if counted else roles
         missing = [r for r in roles if r not in plan.returns]
         if missing:
             kind = self.artifact.entries[entry_name].kind
@@ -384,6 +392,8 @@ class Runtime:
         t_executed = time.perf_counter()
         host = [np.array(b) for b in buffers]  # copies: no view of a device buffer is kept
         del buffers, wanted
+        if counted:
+            self.expert_load += host.pop()
         phases = self.phase_seconds
         phases["inputs"] += t_inputs - t_start
         phases["execute"] += t_executed - t_inputs

@@ -3,6 +3,7 @@ updates go through a MetricsWriter, shown on Triton's metrics port. docs/serving
 
 from __future__ import annotations
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..generation.grammar import GrammarObserver
@@ -126,6 +127,10 @@ class TritonMetrics(Observer):
         self._phases = family("tlaloc_call_phase_seconds_total", "Seconds spent in each phase "
                               "of the calls (batcher.CallTiming), by kind of call", F.COUNTER)
         self._by_label: dict = {}
+        self._expert_tokens = family("tlaloc_expert_tokens_total", "A mixture of experts' "
+                                     "tokens routed to each expert, by layer and expert "
+                                     "(expert_load_metrics)", F.COUNTER)
+        self._experts = None  # (the runtime's running load, what was reported, layer ids)
         if self.has_histograms:
             self._batch = family("tlaloc_batch_size", "Rows per execution", F.HISTOGRAM)
             self._exec = family("tlaloc_execution_seconds", "Execution time of a call",
@@ -175,7 +180,21 @@ class TritonMetrics(Observer):
             self._by_label[k] = family.Metric(labels={**self.labels, **labels}, **kw)
         return self._by_label[k]
 
+    def watch_experts(self, load, layers: list[int]) -> None:
+        """Report a runtime's expert load (its running count [sparse layers, experts], layer i
+        of it the model's layers[i]) after each call."""
+        self._experts = (load, load.copy(), list(layers))
+
+    def _report_experts(self) -> None:
+        load, reported, layers = self._experts
+        for i, e in zip(*np.nonzero(load != reported)):
+            self.writer.increment(self._metric(self._expert_tokens, layer=str(layers[i]),
+                                               expert=str(e)), int(load[i, e] - reported[i, e]))
+        reported[...] = load
+
     def call(self, kind, entry, rows, tokens, waits_s, seconds, executions=1):
+        if self._experts is not None:
+            self._report_experts()
         w = self.writer
         w.increment(self._metric(self._executions, kind=kind), executions)
         w.increment(self._metric(self._tokens, kind=kind), tokens)
