@@ -66,7 +66,7 @@ def main() -> int:
             lines += digest(art)
             print(f"# {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         if not args.no_smollm2:
-            from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+            from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
 
             t0 = time.perf_counter()
             art = export_artifact(smollm2_gguf_path(), work / "smollm2",

@@ -96,7 +96,7 @@ def hf_folder(out: Path) -> Path:
     if (out / "model.safetensors").exists():
         return out
     from checks.oracle import save_gguf_as_checkpoint
-    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+    from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
 
     return save_gguf_as_checkpoint(smollm2_gguf_path(), out)
 
@@ -277,7 +277,7 @@ def main() -> None:
             procs += started
             log("vLLM ready")
         if "llamacpp" in targets:
-            from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+            from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
 
             llamacpp_bin = venv(args.work / "llamacpp-venv", [LLAMACPP])
             ports["llamacpp"], started = start_llamacpp(llamacpp_bin, smollm2_gguf_path(),

@@ -68,7 +68,7 @@ def milliseconds(seconds: list[float]) -> str:
 def export(work: Path, batches: tuple, contexts: tuple) -> Path:
     """The f32 artifact for these ladders, exported unless --work already holds it."""
     from triton_tlaloc.export import ExportOptions, export_artifact
-    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+    from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
 
     out = work / f"smollm2-f32-b{'-'.join(map(str, batches))}-c{'-'.join(map(str, contexts))}"
     if not (out / "tlaloc-serving.json").is_file():

@@ -190,7 +190,7 @@ def main() -> int:
         hf_worker(gguf, dtype, question, int(tokens))
         return 0
 
-    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+    from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
     from triton_tlaloc.export import ExportOptions, export_artifact
 
     gguf = smollm2_gguf_path()

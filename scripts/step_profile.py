@@ -46,7 +46,7 @@ def log(msg: str) -> None:
 
 def ensure_artifact(path: Path, weight_dtype: str) -> Path:
     if not (path / "tlaloc-serving.json").is_file():
-        from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+        from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
         from triton_tlaloc.export import ExportOptions, export_artifact
 
         log(f"exporting SmolLM2 ({weight_dtype}) to {path} ...")

@@ -49,7 +49,7 @@ def main() -> None:
 
     from triton_tlaloc.engine.core import Engine
     from triton_tlaloc.export import ExportOptions, export_artifact
-    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+    from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
     from triton_tlaloc.runtime.core import Runtime
 
     work = args.work or Path(tempfile.mkdtemp(prefix="tlaloc-stored-types-"))

@@ -135,7 +135,7 @@ KINDS = ("decode", "verify", "prefill")
 def export_if_missing(path: Path) -> Path:
     if not (path / "tlaloc-serving.json").exists():
         from triton_tlaloc.export import ExportOptions, export_artifact
-        from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+        from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
 
         export_artifact(smollm2_gguf_path(), path, ExportOptions(
             batch_ladder=(1, 4), context_ladder=(512,), weight_dtype="f32",

@@ -35,6 +35,7 @@ from checks import swap_checks as W  # noqa: E402
 from checks.sequence_checks import PLACEHOLDER, PROTOCOLS, TINY_PROMPT  # noqa: E402
 
 from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
+from triton_tlaloc.export.gguf_checkpoint import 
 from triton_tlaloc.frontends.client import TlalocClient  # noqa: E402
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402

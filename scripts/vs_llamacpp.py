@@ -119,7 +119,7 @@ def main() -> int:
     ap.add_argument("--quantize", default=None, help="a llama.cpp type, e.g. Q4_K_M")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+    from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
     from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 
     gguf = (args.gguf or smollm2_gguf_path()).resolve()

