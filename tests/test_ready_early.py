@@ -3,8 +3,8 @@ without waiting for the background compiles, and every first request sent the mo
 server reports ready. Each export shape docs/serving.md documents (the default ladders, one large
 context bucket with a small prefill chunk, int8 weights with fp8 KV, int4 packed weights,
 rings, state slots, a mixture of experts) gets transformers' greedy ids over gRPC, HTTP and its
-generate model, all sent at once, and SmolLM2's chat through `tlaloc openai`, from f32 weights
-and from its GGUF's blocks kept packed (16 tokens); none is answered INTERNAL. (The held-back
+generate model, all sent at once, and SmolLM2's chat through `tlaloc openai` (its GGUF's
+blocks kept packed, 16 tokens); none is answered INTERNAL. (The held-back
 path itself, with nothing compiled but a decode entry: tests/unit/test_compiling.py.)"""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def transformers_ids(tiny, family, reference) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cold_repository(tiny, smollm2, smollm2_packed, smollm2_transformers, work):
+def cold_repository(tiny, smollm2_packed, smollm2_transformers, work):
     """Every shape's repository on one compile cache nobody has filled, and what transformers
     answers each prompt."""
     repo, cache = work / "repo-ready-early", work / "ready-early-compile-cache"
@@ -73,10 +73,11 @@ def cold_repository(tiny, smollm2, smollm2_packed, smollm2_transformers, work):
                          RepositoryOptions(compile_cache_dir=str(cache),
                                            expert_load_metrics=name == "experts"))
         want[name] = transformers_ids(tiny, family, reference)
-    art = smollm2[1]
-    for name, chat_art in (("smollm2", art), ("smollm2_gguf", smollm2_packed)):
-        write_repository(chat_art, repo, name, RepositoryOptions(compile_cache_dir=str(cache)))
-    tok = ArtifactTokenizer(art / "tokenizer")
+    # SmolLM2's chat at ready from its GGUF's blocks kept packed (its f32 export serves
+    # tests/test_generate.py's chats)
+    write_repository(smollm2_packed, repo, "smollm2_gguf",
+                     RepositoryOptions(compile_cache_dir=str(cache)))
+    tok = ArtifactTokenizer(smollm2_packed / "tokenizer")
     prompt = tok.apply_chat_template(CHAT)
     smol = load_reference(smollm2_transformers)  # the GGUF's values, dequantized
     want["smollm2"] = tok.decode(reference_greedy(smol, prompt, CHAT_TOKENS)[0])
@@ -96,11 +97,11 @@ def test_requests_sent_the_moment_the_server_is_ready_get_transformers_ids(cold_
                                                  STEPS)
         base_url, openai_stop = serve_in_thread(server.grpc_url, {
             name: ServedModel.discover(server.grpc_url, name)
-            for name in ("smollm2", "smollm2_gguf")})
+            for name in ("smollm2_gguf",)})
         client = openai.OpenAI(base_url=base_url, api_key="unused")
         chats = {name: client.chat.completions.create(
             model=name, messages=CHAT, temperature=0, max_tokens=CHAT_TOKENS)
-            for name in ("smollm2", "smollm2_gguf")}
+            for name in ("smollm2_gguf",)}
         log = server.log_text()
         metrics = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
     finally:
