@@ -226,6 +226,14 @@ def expert_slots(name: str, experts: int, n_out: int, n_in: int,
 STACKED = "layers."  # the prefix of a slot stacked over the layers
 
 
+def slot_part(name: str) -> str:
+    """A layer slot's part ("qkv.scale" of "l3.qkv.scale" or "layers.qkv.scale"); any other
+    slot's own name ("embed", "lm_head.scale")."""
+    first, _, rest = name.partition(".")
+    layer = first == STACKED[:-1] or (first[:1] == "l" and first[1:].isdigit())
+    return rest if layer else name
+
+
 def stacked_slots(first: list[WeightSlot], num_layers: int) -> list[WeightSlot]:
     """Layer 0's slots as slots stacked over every layer: "l0.qkv" [out, in] becomes
     "layers.qkv" [layers, out, in]."""
@@ -441,7 +449,7 @@ def packed_shards(tp: TensorParallel | None, slots: list[WeightSlot]) -> dict:
         split = tp.weights.get(s.name) if tp is not None else None
         if not is_packed(s.quant) or s.kind != "linear" or split is None:
             continue
-        part = s.name[len(STACKED):] if s.name.startswith(STACKED) else s.name
+        part = slot_part(s.name)
         rows = packed_row_split(tp, s)
         out[part] = (PackedShards(tp.devices, rows.device_pieces(tp.devices)) if rows
                      else PackedShards(tp.devices, by_inputs=True))
@@ -458,4 +466,4 @@ def partition(tp: TensorParallel, spec: TensorSpec):
 __all__ = ["WeightSlot", "out_first_linears", "loops_layers", "weight_slots", "layer_slots",
            "stacked_slots", "unstacked_slot", "STACKED", "kv_pools", "state_pools",
            "entry_program", "layer_pools", "make_entry_fn", "lower_entry", "packed_shards",
-           "partition"]
+           "partition", "slot_part"]

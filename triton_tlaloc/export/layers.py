@@ -65,8 +65,9 @@ class Graph:
 
     def shards_of(self, name: str) -> PackedShards:
         """A packed slot's division over the devices by its name ("l3.qkv", "lm_head")."""
-        part = name.split(".", 1)[1] if name[:1] == "l" and name[1:2].isdigit() else name
-        return self.packed_shards.get(part, ONE_DEVICE)
+        from .decoder import slot_part
+
+        return self.packed_shards.get(slot_part(name), ONE_DEVICE)
 
     @property
     def eps(self) -> np.float32:

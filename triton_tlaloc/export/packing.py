@@ -15,7 +15,7 @@ from __future__ import annotations
 from .checkpoint import Checkpoint, HfCheckpoint, linear_sources
 from .gguf_checkpoint import GgufCheckpoint
 from .config import DecoderConfig
-from .decoder import weight_slots
+from .decoder import slot_part, weight_slots
 from .gguf_packed import (BLOCKS, PackedWeight, PackError, int4_type, layout_of, mixed_type,
                           stack_rows)
 from .options import ExportError, ExportOptions
@@ -88,8 +88,8 @@ def _looped(ckpt: Checkpoint, cfg: DecoderConfig, quants: dict[str, str]) -> dic
 
 
 def _in_layer(slot_name: str) -> bool:
-    """Whether an unrolled slot name is a layer's ("l3.down"; not "lm_head")."""
-    return slot_name[:1] == "l" and slot_name[1:2].isdigit()
+    """Whether a slot name is a layer's ("l3.down"; not "lm_head")."""
+    return slot_part(slot_name) != slot_name
 
 
 def _named_types(ckpt: Checkpoint, sources) -> str:

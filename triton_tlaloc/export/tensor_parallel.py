@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from .config import DecoderConfig
+from .decoder import STACKED, slot_part
 from .gguf_packed import is_packed, layout_of
 from ..artifact.sharding import Segment, Split, TensorParallel, single_split
 
@@ -91,9 +92,7 @@ def _packed_split(model: str, s, lead: int, column: dict, row: dict,
     own); along its inputs, on group boundaries. A vocabulary-split table that does not cut
     into whole bands is copied whole, as one that does not divide."""
     layout = layout_of(s.quant)
-    first, _, rest = s.name.partition(".")
-    layer = first == "layers" or (first[:1] == "l" and first[1:].isdigit())
-    base = rest if layer else s.name
+    base = slot_part(s.name)
     for sfx in (".high", ".scale", ".offset"):
         base = base[:-len(sfx)] if base.endswith(sfx) else base
     if base in column:
@@ -123,7 +122,7 @@ def packed_row_split(tp: TensorParallel | None, slot) -> Split | None:
     """A packed weight's split along its rows (its scales', in rows: each device's piece of
     each segment is banded on its own); None when it is not packed or not split so."""
     split = tp.weights.get(f"{slot.name}.scale") if tp is not None else None
-    lead = 1 if slot.name.startswith("layers.") else 0
+    lead = 1 if slot.name.startswith(STACKED) else 0
     if not is_packed(slot.quant) or slot.kind != "linear" or split is None or split.axis != lead:
         return None
     return split
