@@ -62,7 +62,7 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
         from transformers import Qwen3MoeConfig
         cfg = Qwen3MoeConfig(**{**common, "num_hidden_layers": max(3, layers)}, head_dim=32,
                              rope_theta=1000000.0, num_experts=5, num_experts_per_tok=2,
-                             moe_intermediate_size=48, norm_topk_prob=True,
+                             moe_intermediate_size=64, norm_topk_prob=True,
                              decoder_sparse_step=1, mlp_only_layers=[1])
     elif family == "qwen3_5_moe_text":
         # the hybrid's layers (qwen3_5_text's), each MLP 6 experts, top 2, and a shared expert
@@ -77,11 +77,11 @@ def make_tiny_checkpoint(out: Path, family: str, *, layers: int = 2, tied: bool 
                                      "tie_word_embeddings", "initializer_range", "rms_norm_eps",
                                      "bos_token_id", "eos_token_id")}
         cfg = Qwen3_5MoeTextConfig(**keep, num_experts=6, num_experts_per_tok=2,
-                                   moe_intermediate_size=48, shared_expert_intermediate_size=40)
+                                   moe_intermediate_size=64, shared_expert_intermediate_size=32)
     elif family == "mixtral":
         # 8 experts, top 2, on every layer (whole experts on 2 or 4 devices)
         from transformers import MixtralConfig
-        cfg = MixtralConfig(**{**common, "intermediate_size": 48}, head_dim=16,
+        cfg = MixtralConfig(**{**common, "intermediate_size": 64}, head_dim=16,
                             rope_theta=10000.0, num_local_experts=8, num_experts_per_tok=2)
     elif family == "qwen3_5":
         # The multimodal checkpoint (text_config, a one-block vision tower, image and video
@@ -217,9 +217,14 @@ def quantized_reference(model, quant: str, wrong_axis: bool = False, head: bool 
             stacked = getattr(module, "gate_up_proj", None)
             if isinstance(stacked, torch.nn.Parameter) and stacked.dim() == 3:
                 # a mixture's experts [experts, out, in]: each expert's rows their own scales
-                assert quant != "int4" and not wrong_axis, quant
+                # (int4: each expert quantized as a linear)
+                assert not wrong_axis, quant
                 for p in (module.gate_up_proj, module.down_proj):
-                    codes, scale = quantize_rows(p.float().numpy(), quant)
+                    w = p.float().numpy()
+                    if quant == "int4":
+                        p.copy_(torch.from_numpy(np.stack([int4(e) for e in w])))
+                        continue
+                    codes, scale = quantize_rows(w, quant)
                     p.copy_(torch.from_numpy(dequantize_rows(codes, scale)))
                 continue
             if isinstance(module, torch.nn.Linear) and (".layers." in f".{name}" or (

@@ -7,6 +7,10 @@ formulation: each expert's weights read, E / k times the work) to show what read
 chosen experts buys. The targets take turns, a fresh prompt each round; medians over rounds.
 
     .venv/bin/python scripts/moe_bench.py [--rounds 3] [--experts 16] [--top-k 2]
+        [--weight-quant int4]
+
+--weight-quant exports every target so (int4: the experts packed as the dense MLP's linears
+are, and the dense model's linears).
 
 Prints each target's decode ms/token and prefill ms, and their ratios to the dense model's
 (docs/performance.md#mixtures-of-experts).
@@ -48,11 +52,11 @@ def checkpoints(out: Path, a) -> dict[str, Path]:
     return paths
 
 
-def artifacts(out: Path, ckpts: dict[str, Path]) -> dict[str, Path]:
+def artifacts(out: Path, ckpts: dict[str, Path], weight_quant) -> dict[str, Path]:
     from triton_tlaloc.export import ExportOptions, export_artifact, layers, moe
 
     opts = ExportOptions(batch_ladder=(1,), context_ladder=(1024,), prefill_chunk=512,
-                         verify_tokens=())
+                         verify_tokens=(), weight_quant=weight_quant)
     arts = {}
     for name, ckpt in (("dense", ckpts["dense"]), ("moe", ckpts["moe"]),
                        ("moe, every expert", ckpts["moe"])):
@@ -78,11 +82,12 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--weight-quant", default=None, help="e.g. int4, int8 (default f32)")
     ap.add_argument("--out", default=str(ROOT / "artifacts" / "moe-bench"))
     a = ap.parse_args()
     out = Path(a.out) / f"e{a.experts}-k{a.top_k}-i{a.inter}-h{a.hidden}-l{a.layers}"
     out.mkdir(parents=True, exist_ok=True)
-    arts = artifacts(out, checkpoints(out, a))
+    arts = artifacts(out / (a.weight_quant or "f32"), checkpoints(out, a), a.weight_quant)
 
     from triton_tlaloc.engine.core import Engine
     from triton_tlaloc.runtime.core import Runtime
@@ -101,7 +106,8 @@ def main() -> int:
     dense_d, dense_p = statistics.median(decode["dense"]), statistics.median(prefill["dense"])
     print(f"\n{a.experts} experts, top {a.top_k}, {a.inter} channels each; dense "
           f"{a.top_k * a.inter} channels; hidden {a.hidden}, {a.layers} layers; prompt "
-          f"{a.prompt}, {a.steps} tokens; medians of {a.rounds} rounds\n")
+          f"{a.prompt}, {a.steps} tokens; weights {a.weight_quant or 'f32'}; medians of "
+          f"{a.rounds} rounds\n")
     print("| target | decode ms/token | / dense | prefill ms | / dense |")
     print("|---|---:|---:|---:|---:|")
     for name in arts:

@@ -9,8 +9,9 @@ blocks equal every expert's sum on their own too, an expert with no rows and all
 expert included. Controls: top k off by one, the routing weights not renormalized, the shared
 expert ungated, each change the ids. The routing's tie rule (the lower expert index) is its
 own test. A qwen3moe GGUF is read with the same ids. Quantized experts, fp8 KV, speculation,
-prefix reuse and the host tier work on a mixture. Mixtures this exporter does not serve and
-4-bit experts are refused by name (expert parallelism: tests/multi_device)."""
+prefix reuse and the host tier work on a mixture; so do int4 experts and a GGUF's experts
+kept in their blocks. Mixtures this exporter does not serve and AWQ / GPTQ experts are refused
+by name (expert parallelism: tests/multi_device)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def test_greedy_ids_and_logits_equal_transformers(tiny, arts, family, block):
     experts = manifest["model"]["experts"]
     count, layers, tol = SHAPES[family]
     assert (experts["numExperts"], experts["topK"], experts["layers"]) == (count, 2, layers)
-    assert experts["sharedIntermediateSize"] == (40 if family == "qwen3_5_moe_text" else 0)
+    assert experts["sharedIntermediateSize"] == (32 if family == "qwen3_5_moe_text" else 0)
     assert manifest["model"]["layerLoop"] == (family == "mixtral")
     got = alone_and_together(art, PROMPT_A, PROMPT_B, STEPS)
     want = reference_outcome(tiny.checkpoint(family, False))
@@ -138,25 +139,34 @@ def test_control_routing_changed_changes_the_ids(tiny, arts, work, monkeypatch, 
     assert got != want
 
 
-@pytest.mark.parametrize("family, quant", [("qwen3_moe", "int8"), ("mixtral", "fp8")])
+# the experts' dtype as the artifact stores them
+CODES = {"int8": "i8", "fp8": "f8E4M3FN", "int4": "ui8"}
+
+
+@pytest.mark.parametrize("family, quant", [("qwen3_moe", "int8"), ("mixtral", "fp8"),
+                                           ("qwen3_moe", "int4"), ("mixtral", "int4")])
 def test_quantized_experts_equal_transformers_on_the_dequantized_weights(tiny, work, family,
                                                                          quant):
-    """--weight-quant int8 / fp8: each expert's codes with a scale per output channel (the
-    router stays f32), the same ids as transformers with every linear and expert replaced by
-    its dequantized values, logits within 1e-5; alone (a decode row's chosen experts) and in
-    chunks of 16 grouped by expert (blocks of 4). Control: the unquantized model's logits are
-    past the tolerance."""
+    """--weight-quant int8 / fp8: each expert's codes with a scale per output channel; int4:
+    each expert packed as a linear is (two codes a byte in row bands, a scale per 32 inputs),
+    the layer loop's stacked over the layers too; the router stays f32. The same ids as
+    transformers with every linear and expert replaced by its dequantized values, logits
+    within 1e-5; alone (a decode row reads its chosen experts' bytes) and in chunks of 16
+    grouped by expert (blocks of 4). Control: the unquantized model's logits are past the
+    tolerance."""
     from checks.oracle import quantized_reference
 
     ckpt = tiny.checkpoint(family, False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(moe, "EXPERT_BLOCK", 4)
-        art = export_artifact(ckpt, work / f"moe-{quant}", ExportOptions(**OPTS,
-                                                                         weight_quant=quant))
+        art = export_artifact(ckpt, work / f"moe-{family}-{quant}",
+                              ExportOptions(**OPTS, weight_quant=quant))
     slots = {w.slot: w for w in load_artifact(art).weights}
     stack = "layers." if "layers.experts_down" in slots else "l0."
-    assert slots[stack + "experts_down"].dtype == ("i8" if quant == "int8" else "f8E4M3FN")
+    assert slots[stack + "experts_down"].dtype == CODES[quant]
     assert slots[stack + "router"].dtype == "f32"
+    if quant == "int4":  # [(layers,) experts, rows / 2, inputs]
+        assert slots[stack + "experts_down"].shape[-2:] == (32, 64)
     model = quantized_reference(load_reference(ckpt), quant)
     want, first = reference_greedy(model, PROMPT_A, STEPS)
     engine = Engine(Runtime(art))
@@ -250,21 +260,28 @@ def test_expert_load_counts_the_tokens_each_layer_routes_to_each_expert(tiny, ar
     assert rt.expert_load.tolist() != want.tolist()
 
 
-def test_a_moe_gguf_gives_transformers_ids_on_the_values_it_holds(tiny, work):
+@pytest.mark.parametrize("qtype, weight_quant", [("Q8_0", None), ("Q4_1", "gguf")])
+def test_a_moe_gguf_gives_transformers_ids_on_the_values_it_holds(tiny, work, qtype,
+                                                                   weight_quant):
     """A qwen3moe GGUF as llama.cpp lays it out (the router ffn_gate_inp, each layer's experts
-    stacked in ffn_gate_exps / ffn_up_exps / ffn_down_exps, Q8_0 matrices; the dense layer's
-    ffn_gate / ffn_up / ffn_down beside), written from the tiny qwen3_moe: the exporter finds
-    its sparse layers and reads each expert out of its stack (dequantized), and the artifact
-    gives transformers' ids and logits within 1e-5 on the values the file holds."""
+    stacked in ffn_gate_exps / ffn_up_exps / ffn_down_exps, quantized matrices; the dense
+    layer's ffn_gate / ffn_up / ffn_down beside), written from the tiny qwen3_moe: the exporter
+    finds its sparse layers and reads each expert out of its stack, dequantized (Q8_0), or
+    kept in its blocks (Q4_1 with --weight-quant gguf: each expert's codes, scales and offsets
+    packed, [experts, ...]), and the artifact gives transformers' ids and logits within 1e-5
+    on the values the file holds."""
     import torch
     from checks.gguf_files import moe_gguf
 
     ckpt = tiny.checkpoint("qwen3_moe", False)
-    path = work / "tiny-qwen3moe.gguf"
-    values = moe_gguf(ckpt, path, "Q8_0")
-    art = export_artifact(path, work / "moe-gguf", ExportOptions(**OPTS))
+    path = work / f"tiny-qwen3moe-{qtype}.gguf"
+    values = moe_gguf(ckpt, path, qtype)
+    art = export_artifact(path, work / f"moe-gguf-{qtype}",
+                          ExportOptions(**OPTS, weight_quant=weight_quant))
     model_json = json.loads((art / "tlaloc-serving.json").read_text())["model"]
     assert model_json["family"] == "qwen3_moe" and model_json["experts"]["layers"] == [0, 2]
+    slots = {w.slot: w for w in load_artifact(art).weights}
+    assert slots["l0.experts_gate_up"].dtype == ("ui8" if weight_quant else "f32")
     model = load_reference(ckpt)
     params = dict(model.named_parameters())
     inter = model.config.moe_intermediate_size
@@ -301,13 +318,17 @@ def test_rows_grouped_by_expert_equal_every_expert_weighted():
     weights = jnp.asarray(rng.random((n, k)), jnp.float32)
     cases = {"random": rng.integers(0, experts, (n, k)),
              "expert 3 unused": rng.choice([0, 1, 2, 4, 5], (n, k)),
-             "all on expert 5": np.full((n, k), 5)}
+             "all on expert 5": np.full((n, k), 5),
+             # (experts past the stacks' count: another device's, left out)
+             "another device's": rng.integers(0, experts + 3, (n, k))}
+    stacks = moe.Stacks(moe.ExpertWeight({"": gate_up}), moe.ExpertWeight({"": down}))
     for what, chosen in cases.items():
-        chosen = jnp.asarray(chosen, jnp.int32)
-        args = (x, weights, chosen, moe.Stacks(gate_up, down), jax.nn.silu, inter)
-        blocks = -(-n * k // moe.EXPERT_BLOCK) + experts
-        got = np.asarray(jax.jit(lambda: moe._grouped(*args, blocks))())
-        want = np.asarray(moe._every_expert(*args))
+        held = chosen < experts
+        args = (x, weights, jnp.asarray(chosen, jnp.int32), stacks, jax.nn.silu, inter)
+        got = np.asarray(jax.jit(lambda: moe._grouped(*args, moe._blocks(n * k, experts)))())
+        want = np.asarray(moe._every_expert(x, weights * held, jnp.asarray(
+            np.where(held, chosen, 0), jnp.int32), stacks, jax.nn.silu, inter))
+        assert held.all() == (what != "another device's")
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                    err_msg=what)
 
@@ -337,7 +358,7 @@ def test_what_is_not_served_is_refused_by_name(tiny, tmp_path):
                                                   f"experts .*{missing}"):
             config.config_from_hf({**json.loads((src / "config.json").read_text()),
                                     "model_type": family}, "m")
-    with pytest.raises(ExportError, match="--weight-quant int4: a mixture of experts' weights "
-                                          "are quantized to int8 or fp8 only"):
-        export_artifact(src, tmp_path / "q", ExportOptions(**OPTS, weight_quant="int4"))
+    with pytest.raises(ExportError, match="--weight-quant awq: a mixture of experts' AWQ "
+                                          "weights are not read packed yet"):
+        export_artifact(src, tmp_path / "q", ExportOptions(**OPTS, weight_quant="awq"))
     assert not any(tmp_path.iterdir())

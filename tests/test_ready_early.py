@@ -2,8 +2,9 @@
 without waiting for the background compiles, and every first request sent the moment the
 server reports ready. Each export shape docs/serving.md documents (the default ladders, one large
 context bucket with a small prefill chunk, int8 weights with fp8 KV, int4 packed weights,
-rings, state slots, a mixture of experts) gets transformers' greedy ids over gRPC, HTTP and its
-generate model, all sent at once, and SmolLM2's chat through `tlaloc openai` (its GGUF's
+rings, state slots beside a mixture of experts with a shared expert, a mixture of int4 experts)
+gets transformers' greedy ids over gRPC, HTTP and its generate model, all sent at once (six
+sequences a model), and SmolLM2's chat through `tlaloc openai` (its GGUF's
 blocks kept packed, 16 tokens); none is answered INTERNAL. (The held-back
 path itself, with nothing compiled but a decode entry: tests/unit/test_compiling.py.)"""
 
@@ -36,8 +37,11 @@ SHAPES = {
                            **BLOCKS), "int4"),
     "rings": ("gemma3_text", dict(context_ladder=(128,), prefill_chunk=16, block_size=4),
               "plain"),
-    "state": ("qwen3_5_text", dict(context_ladder=(128,), prefill_chunk=32), "plain"),
-    "experts": ("qwen3_moe", dict(context_ladder=(128,), prefill_chunk=32, **BLOCKS), "plain"),
+    # state slots, and a mixture with a shared expert (the qwen3_5_moe hybrid)
+    "state_experts": ("qwen3_5_moe_text", dict(context_ladder=(128,), prefill_chunk=32),
+                      "plain"),
+    "experts": ("qwen3_moe", dict(context_ladder=(128,), prefill_chunk=32, weight_quant="int4",
+                                  **BLOCKS), "int4"),
 }
 # (an answer longer than CHAT_TOKENS: the OpenAI front end stops at the end of a turn)
 CHAT = [{"role": "user", "content": "Tell me about Paris in two sentences."}]

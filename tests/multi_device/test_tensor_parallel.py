@@ -18,7 +18,7 @@ import pytest
 from checks.engine_runs import alone_and_together
 from checks.oracle import logits_error
 
-from triton_tlaloc.export import ExportOptions, export_artifact
+from triton_tlaloc.export import ExportOptions, export_artifact, moe
 from triton_tlaloc.export import tensor_parallel
 from triton_tlaloc.export.options import ExportError
 from triton_tlaloc.engine.core import Engine
@@ -74,9 +74,10 @@ def assert_same(got, want):
         assert err <= TOL, f"{key} logits off by {err:.2e} of the largest"
 
 
-def collectives(rt) -> dict[str, int]:
-    """The collectives in the compiled decode entry of batch 1 (its optimized HLO)."""
-    name = min(n for n in rt.executables if n.startswith("decode_b1"))
+def collectives(rt, entry: str = "decode_b1") -> dict[str, int]:
+    """The collectives in the compiled decode entry of batch 1, or another entry (its
+    optimized HLO)."""
+    name = min(n for n in rt.executables if n.startswith(entry))
     text = "".join(m.to_string() for m in rt.executables[name].hlo_modules())
     return {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather",
                                                   "collective-permute", "all-to-all")}
@@ -380,8 +381,8 @@ def test_experts_split_over_devices_give_the_one_device_ids_and_logits(arts, tin
     loop), each device computing with its own experts: the one-device ids and logits (a decode
     row's chosen experts, a prompt's every expert), the float model's collectives (the
     experts' outputs meet in one all-reduce, as a dense MLP's do), each device holding its
-    experts' bytes; the qwen3_5_moe hybrid (its shared expert split as a dense MLP) likewise on
-    2. qwen3_moe's 5 experts over 2 devices are refused by name."""
+    experts' bytes; int4 experts likewise on 2; the qwen3_5_moe hybrid (its shared expert split
+    as a dense MLP) likewise on 2. qwen3_moe's 5 experts over 2 devices are refused by name."""
     one = outcome(arts("mixtral", 1))
     for n in (2, 4):
         got = outcome(arts("mixtral", n))
@@ -393,6 +394,20 @@ def test_experts_split_over_devices_give_the_one_device_ids_and_logits(arts, tin
         shape = next(w.shape for w in rt.artifact.weights if w.slot == "layers.experts_gate_up")
         assert [s.shape for s in rt.weights["layers.experts_gate_up"]] == [
             split.shard_shape(shape, n)] * n and split.shard_shape(shape, n)[1] == 8 // n
+    # a prompt's pairs grouped by expert on each device (blocks of 4 rows): the same, and its
+    # prefill as few collectives as the every-expert formulation's
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "EXPERT_BLOCK", 4)
+        grouped = outcome(arts("mixtral", 2, prefill_chunk=32))
+    assert_same(grouped, one)
+    assert collectives(grouped["rt"], "prefill") == collectives(got["rt"], "prefill")
+    # int4 experts (each expert's packed arrays split with it): the one-device int4 outcome,
+    # the same collectives
+    packed = outcome(arts("mixtral", 2, weight_quant="int4"))
+    assert_same(packed, outcome(arts("mixtral", 1, weight_quant="int4")))
+    assert collectives(packed["rt"]) == collectives(got["rt"])
+    tp = packed["rt"].artifact.tensor_parallel
+    assert {"layers.experts_down", "layers.experts_down.scale"} <= set(tp.weights)
     # the hybrid's shared expert splits as a dense MLP does, its routed experts by expert
     hybrid = outcome(arts("qwen3_5_moe_text", 2))
     assert_same(hybrid, outcome(arts("qwen3_5_moe_text", 1)))

@@ -215,10 +215,14 @@ def layer_slots(cfg: DecoderConfig, i: int, linear, experts=None) -> list[Weight
 def expert_slots(name: str, experts: int, n_out: int, n_in: int,
                  quant: str | None) -> list[WeightSlot]:
     """A mixture's stacked experts [experts, out, in]; int8 or fp8: their codes, then a scale
-    per expert and output channel [experts, out]."""
+    per expert and output channel [experts, out]; a packed type: each expert's packed arrays
+    stacked, [experts, ...] each (packed_slots')."""
     if quant is None:
         return [WeightSlot(name, (experts, n_out, n_in), "experts", True)]
-    assert not is_packed(quant), quant  # (refused at export: export/writer.py)
+    if is_packed(quant):
+        return [WeightSlot(s.name, (experts, *s.shape), "experts" if s.kind == "linear"
+                           else "scale", True, quant, s.stored)
+                for s in packed_slots(name, quant, n_in, n_out)]
     return [WeightSlot(name, (experts, n_out, n_in), "experts", True, quant),
             WeightSlot(f"{name}.scale", (experts, n_out), "scale")]
 

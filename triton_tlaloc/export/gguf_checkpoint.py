@@ -164,18 +164,28 @@ class GgufCheckpoint(Checkpoint):
         return None if qtype in ("F32", "F16", "BF16") else qtype
 
     def file_name(self, name: str) -> str:
-        """A tensor's name in the file ("blk.0.attn_q.weight")."""
+        """A tensor's name in the file ("blk.0.attn_q.weight"; an expert's "blk.0.ffn_up_exps
+        .weight[3]")."""
+        if name in self._experts:
+            t, e = self._experts[name]
+            return f"{t.name}[{e}]"
         return self._tensors[name].name
 
     def packed(self, name: str) -> PackedWeight:
         """A quantized tensor kept in its type ([out, in], gguf_packed's layout), its rows in
-        the order tensor() gives them."""
-        t = self._tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape))
+        the order tensor() gives them; an expert's, its blocks out of its stacked tensor."""
+        if name in self._experts:
+            t, e = self._experts[name]
+            experts, *shape = (int(d) for d in reversed(t.shape))
+            raw = np.asarray(t.data).reshape(experts, shape[0], -1)[e]
+        else:
+            t = self._tensors[name]
+            shape = [int(d) for d in reversed(t.shape)]
+            raw = np.asarray(t.data).reshape(shape[0], -1) if len(shape) == 2 else None
         if len(shape) != 2:
             raise CheckpointError(f"{self.path}: tensor {t.name} is not a matrix")
         try:
-            p = pack(t.tensor_type.name, np.asarray(t.data).reshape(shape[0], -1), shape)
+            p = pack(t.tensor_type.name, raw, tuple(shape))
         except PackError as e:
             raise CheckpointError(f"{self.path}: tensor {t.name}: {e}") from None
         order = self._unpermuted_rows(name, shape[0])

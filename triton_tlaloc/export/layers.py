@@ -30,7 +30,7 @@ from . import linear_attention as la_ops
 from .attention import FP8, FP8_BITS, LayerPool, by_length, from_bits, one_pass, ring, to_bits
 from .config import DecoderConfig
 from .gguf_packed import is_packed
-from .moe import Stacks, mixture, shared_weight
+from .moe import ExpertWeight, Stacks, mixture, shared_weight
 from .packed_linear import ONE_DEVICE, PackedShards, gathered_rows, packed_product
 from ..artifact.manifest import WindowedKv
 
@@ -281,8 +281,10 @@ def mlp(g: Graph, step: Step, w: dict, i: int, x):
     cfg = g.cfg
     hdn = rms_norm(x, w[f"l{i}.mlp_norm"], g.eps)
     if cfg.is_sparse(i):  # a mixture of experts (export/moe.py)
-        stacks = Stacks(*(w.get(f"l{i}.experts_{p}") for p in ("gate_up", "down",
-                                                                "gate_up.scale", "down.scale")))
+        quants = {name: g.slot_of[name].quant
+                  for name in (f"l{i}.experts_gate_up", f"l{i}.experts_down")}
+        stacks = Stacks(*(ExpertWeight.of(w, name, q if is_packed(q) else None)
+                          for name, q in quants.items()))
         out, load = mixture(cfg.moe, computed_once(hdn), w[f"l{i}.router"], stacks,
                             ACTIVATIONS[cfg.activation], MATVEC_ROWS, g.shards, step.real)
         step.expert_loads.append(load)

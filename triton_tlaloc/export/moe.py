@@ -17,7 +17,8 @@ What it costs follows the rows of the call (docs/design.md#mixtures-of-experts):
   Where that would be more rows than every expert over every row (a short chunk), every
   expert runs over every row instead, weighted by routing weights that are zero off the
   chosen experts.
-- On several devices (expert parallelism) each device computes with the experts it holds and
+- On several devices (expert parallelism) each device computes with the experts it holds, a
+  decode row with its chosen ones, a prompt's pairs routed to its experts grouped in blocks;
   the partial outputs meet in one all-reduce (_on_their_devices).
 
 Each call also counts the (token, expert) pairs each layer routed (the entry's EXPERT_LOAD).
@@ -25,6 +26,7 @@ Each call also counts the (token, expert) pairs each layer routed (the entry's E
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .config import Experts
+from .packed_linear import packed_matvec, packed_values
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -47,48 +50,91 @@ def route(moe: Experts, x, router):
 
 
 @dataclass(frozen=True)
-class Stacks:
-    """A sparse layer's stacked experts as the entry holds them: gate|up [E, 2 * inter,
-    hidden] and down [E, hidden, inter] (f32, bf16, or int8 / fp8 codes with a scale per
-    expert and output channel, [E, out])."""
+class ExpertWeight:
+    """One stacked expert weight as the entry holds it, [E, out, in]: its arrays by suffix, ""
+    the values (f32, bf16) or codes, ".scale" an int8 / fp8 scale per expert and output
+    channel [E, out]; or, `packed` (a packed type: gguf_packed), each expert's packed arrays
+    stacked ("", ".high", ".scale", ".offset"; packed_linear reads them)."""
 
-    gate_up: Any
-    down: Any
-    gate_up_scale: Any = None
-    down_scale: Any = None
+    arrays: Mapping[str, Any]
+    packed: str | None = None
+
+    @classmethod
+    def of(cls, w: Mapping, name: str, packed: str | None) -> ExpertWeight:
+        return cls({k[len(name):]: a for k, a in w.items()
+                    if k == name or k.startswith(name + ".")}, packed)
+
+    def map(self, f) -> ExpertWeight:
+        return ExpertWeight({k: f(a) for k, a in self.arrays.items()}, self.packed)
 
     @property
-    def arrays(self) -> tuple:
-        return self.gate_up, self.down, self.gate_up_scale, self.down_scale
+    def dtype(self):
+        return jnp.float32 if self.packed else self.arrays[""].dtype
+
+    @property
+    def precision(self):
+        # f32 values (a packed weight's widened ones too) take HIGHEST; bf16 and int8 / fp8
+        # codes widened hold exact products (layers.matmul)
+        return HIGHEST if self.dtype == jnp.float32 else None
+
+    def __call__(self, x):
+        """x [..., in] times the weight [..., out, in] (leading axes broadcast against x's):
+        [..., out]. One row of a packed weight: a product per band, each fused with its
+        band's widening (only its bytes are read)."""
+        if self.packed and x.ndim == 1:
+            return packed_matvec(self.packed, self.arrays, x)
+        y = jnp.einsum("...oi,...i->...o", self.values(), x, precision=self.precision)
+        return y * self.arrays[".scale"] if ".scale" in self.arrays and not self.packed else y
+
+    def values(self):
+        """f32 [..., out, in]: a packed weight's values, or the values or codes widened (the
+        scale not applied)."""
+        if self.packed:
+            return packed_values(self.packed, self.arrays)
+        return self.arrays[""].astype(jnp.float32)
+
+    def every_expert(self, x):
+        """Every expert over the rows of x, [n, in] (the same rows for each) or [E, n, in]
+        (each expert's own): [E, n, out]."""
+        spec = "ni,eoi->eno" if x.ndim == 2 else "eni,eoi->eno"
+        y = jnp.einsum(spec, x, self.values(), precision=self.precision)
+        if ".scale" in self.arrays and not self.packed:
+            y = y * self.arrays[".scale"][:, None, :]
+        return y
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """A sparse layer's stacked experts: gate|up [E, 2 * inter, hidden] and down
+    [E, hidden, inter] (ExpertWeight)."""
+
+    gate_up: ExpertWeight
+    down: ExpertWeight
 
     def map(self, f) -> Stacks:
-        return Stacks(*(None if a is None else f(a) for a in self.arrays))
+        return Stacks(self.gate_up.map(f), self.down.map(f))
 
     def pick(self, e) -> Stacks:
         """Expert e's weights (e traced: indexed where they lie, not gathered)."""
         return self.map(lambda a: lax.dynamic_index_in_dim(a, e, keepdims=False))
 
     @property
-    def precision(self):
-        # f32 weights take HIGHEST; bf16 and quantized codes widened hold exact products
-        # (layers.matmul)
-        return HIGHEST if self.gate_up.dtype == jnp.float32 else None
+    def experts(self) -> int:
+        return self.gate_up.arrays[""].shape[0]
 
     def mlp(self, x, act, inter: int):
         """The expert's gated MLP: x [..., hidden] with weights [..., out, in] (leading axes
         broadcast against x's): [..., hidden]."""
-        gu = _product(self.gate_up, self.gate_up_scale, x, self.precision)
-        h = act(gu[..., :inter]) * gu[..., inter:]
-        if self.down.dtype == jnp.bfloat16:
-            h = lax.reduce_precision(h, exponent_bits=8, mantissa_bits=7)
-        return _product(self.down, self.down_scale, h, self.precision)
+        gu = self.gate_up(x)
+        h = _rounded(act(gu[..., :inter]) * gu[..., inter:], self.down)
+        return self.down(h)
 
 
-def _product(w, scale, x, precision):
-    """x [..., in] times w [..., out, in] (widened as it is read), times the scale per output
-    channel when quantized: [..., out]."""
-    y = jnp.einsum("...oi,...i->...o", w.astype(jnp.float32), x, precision=precision)
-    return y if scale is None else y * scale
+def _rounded(h, w: ExpertWeight):
+    """A bf16 weight's input rounded to bf16, as layers.matmul rounds a linear's."""
+    if w.dtype == jnp.bfloat16:
+        return lax.reduce_precision(h, exponent_bits=8, mantissa_bits=7)
+    return h
 
 
 def shared_weight(x, gate):
@@ -121,8 +167,7 @@ def _experts_out(moe: Experts, flat, weights, chosen, stacks: Stacks, act, matve
     """mixture's output [n, hidden] for its flat rows."""
     hidden = flat.shape[-1]
     inter = moe.intermediate_size
-    if stacks.gate_up.dtype == jnp.bfloat16:
-        flat = lax.reduce_precision(flat, exponent_bits=8, mantissa_bits=7)
+    flat = _rounded(flat, stacks.gate_up)
     if devices > 1:
         return _on_their_devices(flat, weights, chosen, stacks, act, inter, devices,
                                  flat.shape[0] <= matvec_rows)
@@ -136,7 +181,7 @@ def _experts_out(moe: Experts, flat, weights, chosen, stacks: Stacks, act, matve
             rows.append(out)
         return jnp.stack(rows)
     n, k, experts = flat.shape[0], moe.top_k, moe.num_experts
-    blocks = -(-n * k // EXPERT_BLOCK) + experts  # every expert's rows in whole blocks, at most
+    blocks = _blocks(n * k, experts)
     if blocks * EXPERT_BLOCK < experts * n:
         out = _grouped(flat, weights, chosen, stacks, act, inter, blocks)
     else:
@@ -154,26 +199,37 @@ def _grouped(flat, weights, chosen, stacks: Stacks, act, inter: int, blocks: int
     expert's pairs in whole blocks of their own; each block runs its expert's MLP (a loop over
     the blocks, the expert's weights indexed, not copied); each pair's output, times its
     routing weight, added into its row. Each expert's weights are read once per block of its
-    rows, and the work is the chosen experts' (rounded up to whole blocks)."""
+    rows, and the work is the chosen experts' (rounded up to whole blocks). A pair whose expert
+    is not among the stacks' (chosen >= their count: another device's) is left out."""
     n, hidden = flat.shape
-    k, experts = chosen.shape[1], stacks.gate_up.shape[0]
+    k, experts = chosen.shape[1], stacks.experts
     pair_expert = chosen.reshape(-1)
     order = jnp.argsort(pair_expert, stable=True)
     sorted_expert = pair_expert[order]
+    held = sorted_expert < experts
     counts = jnp.sum(jax.nn.one_hot(pair_expert, experts, dtype=jnp.int32), axis=0)
     expert_blocks = (counts + EXPERT_BLOCK - 1) // EXPERT_BLOCK
     first_block = jnp.cumsum(expert_blocks) - expert_blocks
     first_pair = jnp.cumsum(counts) - counts
-    rank = jnp.arange(n * k, dtype=jnp.int32) - first_pair[sorted_expert]
-    dest = first_block[sorted_expert] * EXPERT_BLOCK + rank  # the pair's row in the blocks
+    at = jnp.minimum(sorted_expert, experts - 1)
+    rank = jnp.arange(n * k, dtype=jnp.int32) - first_pair[at]
+    # the pair's row in the blocks; one left out, past the last block
+    dest = jnp.where(held, first_block[at] * EXPERT_BLOCK + rank, blocks * EXPERT_BLOCK)
     padded = jnp.zeros((blocks * EXPERT_BLOCK, hidden), flat.dtype).at[dest].set(
-        flat[order // k])
+        flat[order // k], mode="drop")
     block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(expert_blocks),
                                                 jnp.arange(blocks), side="right"), experts - 1)
     ys = lax.map(lambda args: stacks.pick(args[1]).mlp(args[0], act, inter),
                  (padded.reshape(blocks, EXPERT_BLOCK, hidden), block_expert))
-    pair_out = ys.reshape(-1, hidden)[dest] * weights.reshape(-1)[order][:, None]
+    pair_out = (ys.reshape(-1, hidden).at[dest].get(mode="fill", fill_value=0.0)
+                * jnp.where(held, weights.reshape(-1)[order], 0.0)[:, None])
     return jnp.zeros_like(flat).at[order // k].add(pair_out)
+
+
+def _blocks(pairs: int, experts: int) -> int:
+    """The blocks a call's (row, expert) pairs take grouped by expert, at most: each expert's
+    in whole blocks."""
+    return -(-pairs // EXPERT_BLOCK) + experts
 
 
 def _on_their_devices(flat, weights, chosen, stacks: Stacks, act, inter: int, devices: int,
@@ -181,15 +237,31 @@ def _on_their_devices(flat, weights, chosen, stacks: Stacks, act, inter: int, de
     """Expert parallelism: the stacked experts split over the devices, device d holding
     experts d * E / devices onwards, and every device computing only with the experts it
     holds; the devices' partial outputs meet in one all-reduce (the sum over the device axis).
-    A decode call (`per_row`): the stacks viewed as [devices, E / devices, ...], each device
-    indexing each row's chosen experts among its own (one it does not hold reads its first
-    expert and counts zero). A prompt: every expert over every row, each device its own
-    experts (the partitioner keeps the expert axis where it lies)."""
-    if not per_row:
-        return _every_expert(flat, weights, chosen, stacks, act, inter)
-    local_experts = stacks.gate_up.shape[0] // devices
+    The stacks are viewed as [devices, E / devices, ...], so the device axis is a whole axis
+    of every operation on them and the partitioner moves no weight.
+    A decode call (`per_row`): each device indexes each row's chosen experts among its own
+    (one it does not hold reads its first expert and counts zero). A prompt: each device groups
+    the pairs routed to its experts into blocks (_grouped, in blocks enough for every pair on
+    one device), or, with fewer rows than those blocks would hold, runs each of its experts
+    over every row."""
+    local_experts = stacks.experts // devices
     by_device = stacks.map(lambda a: a.reshape(devices, local_experts, *a.shape[1:]))
     first = jnp.arange(devices, dtype=jnp.int32) * local_experts  # each device's first expert
+    if not per_row:
+        n, k = chosen.shape
+        blocks = _blocks(n * k, local_experts)
+        if blocks * EXPERT_BLOCK >= local_experts * n:
+            return _every_expert(flat, weights, chosen, stacks, act, inter)
+
+        def on_device(gate_up, down, first_expert):
+            own = Stacks(ExpertWeight(gate_up, stacks.gate_up.packed),
+                         ExpertWeight(down, stacks.down.packed))
+            local = chosen - first_expert
+            mine = (local >= 0) & (local < local_experts)
+            return _grouped(flat, weights, jnp.where(mine, local, local_experts), own, act,
+                            inter, blocks)
+        return jnp.sum(jax.vmap(on_device)(dict(by_device.gate_up.arrays),
+                                           dict(by_device.down.arrays), first), axis=0)
     rows = []
     for r in range(flat.shape[0]):
         out = None
@@ -208,20 +280,12 @@ def _on_their_devices(flat, weights, chosen, stacks: Stacks, act, inter: int, de
 def _every_expert(flat, weights, chosen, stacks: Stacks, act, inter: int):
     """Every expert over every row, weighted by a dense [rows, experts] matrix of routing
     weights (zero off the chosen experts): fewer rows than the grouped blocks would hold."""
-    experts = stacks.gate_up.shape[0]
-    dense = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=jnp.float32)
+    dense = jnp.sum(jax.nn.one_hot(chosen, stacks.experts, dtype=jnp.float32)
                     * weights[..., None], axis=1)  # [n, experts]
-    p = stacks.precision
-    gu = jnp.einsum("nh,eoh->eno", flat, stacks.gate_up.astype(jnp.float32), precision=p)
-    if stacks.gate_up_scale is not None:
-        gu = gu * stacks.gate_up_scale[:, None, :]
-    h = act(gu[..., :inter]) * gu[..., inter:]
-    if stacks.down.dtype == jnp.bfloat16:
-        h = lax.reduce_precision(h, exponent_bits=8, mantissa_bits=7)
-    y = jnp.einsum("eni,ehi->enh", h, stacks.down.astype(jnp.float32), precision=p)
-    if stacks.down_scale is not None:
-        y = y * stacks.down_scale[:, None, :]
+    gu = stacks.gate_up.every_expert(flat)
+    h = _rounded(act(gu[..., :inter]) * gu[..., inter:], stacks.down)
+    y = stacks.down.every_expert(h)
     return jnp.einsum("enh,ne->nh", y, dense, precision=HIGHEST)
 
 
-__all__ = ["EXPERT_BLOCK", "Stacks", "route", "mixture", "shared_weight"]
+__all__ = ["EXPERT_BLOCK", "ExpertWeight", "Stacks", "route", "mixture", "shared_weight"]

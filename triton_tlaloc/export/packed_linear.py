@@ -126,6 +126,20 @@ def packed_product(x, quant: str, w: dict, name: str, matvec_rows: int,
     return out.reshape(*lead, out.shape[-1])
 
 
+def packed_values(quant: str, parts: dict):
+    """A packed weight's f32 values [..., rows, cols] from its arrays by suffix ("", ".high",
+    ".scale", ".offset"), each with the same leading axes (a mixture's stacked experts, one
+    expert of them, or a device's)."""
+    return jnp.concatenate(_bands(layout_of(quant), parts, ONE_DEVICE), axis=-2)
+
+
+def packed_matvec(quant: str, parts: dict, row):
+    """packed_values times one row [cols]: [..., rows], a product per band fused with its
+    band's widening."""
+    return jnp.concatenate([jnp.einsum("...nc,c->...n", b, row, precision=lax.Precision.HIGHEST)
+                            for b in _bands(layout_of(quant), parts, ONE_DEVICE)], axis=-1)
+
+
 def gathered_rows(quant: str, w: dict, name: str, ids, devices: int = 1):
     """Rows `ids` of a packed table (the embedding), f32 [*ids.shape, cols]. A table split by
     vocabulary over `devices` (banded per device): each device gathers and widens the rows it

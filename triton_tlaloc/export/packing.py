@@ -8,14 +8,17 @@ layout), in which type, and each such slot's arrays.
   float ones, are refused by name before any weight is written.
 - `--weight-quant int4`: every layer's linears (the head too with --quant-head) quantized from
   the checkpoint's values (quant.quantize_int4).
+
+A mixture's stacked experts are packed expert by expert (each its own rows, as a linear's),
+their arrays stacked: [experts, ...] each.
 """
 
 from __future__ import annotations
 
-from .checkpoint import Checkpoint, HfCheckpoint, linear_sources
+from .checkpoint import Checkpoint, HfCheckpoint, expert_sources, linear_sources
 from .gguf_checkpoint import GgufCheckpoint
 from .config import DecoderConfig
-from .decoder import slot_part, weight_slots
+from .decoder import WeightSlot, slot_part, weight_slots
 from .gguf_packed import (BLOCKS, PackedWeight, PackError, int4_type, layout_of, mixed_type,
                           stack_rows)
 from .options import ExportError, ExportOptions
@@ -35,7 +38,7 @@ def slot_quants(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions,
         # lm_head (the untied table stays)
         head = ("embed_t" if cfg.tie_word_embeddings else "lm_head") if opts.quant_head else None
         quants = {"embed" if s.name == "embed_t" else s.name: qtype for s in weight_slots(cfg)
-                  if linear_sources(s.name) is not None and (_in_layer(s.name) or s.name == head)}
+                  if _sources(cfg, s) is not None and (_in_layer(s.name) or s.name == head)}
         return _looped(ckpt, cfg, quants) if layer_loop else quants
     return _own_quants(ckpt, cfg, opts.weight_quant, layer_loop)
 
@@ -52,7 +55,7 @@ def _own_quants(ckpt: Checkpoint, cfg: DecoderConfig, method: str,
                           f"{'not one' if kind is None else OWN[kind]} ({WAY_OUT})")
     quants: dict[str, str] = {}
     for slot in weight_slots(cfg):
-        sources = linear_sources(slot.name)
+        sources = _sources(cfg, slot)
         if sources is None:
             continue
         types = [ckpt.packed_type(n) for n in sources]
@@ -87,6 +90,20 @@ def _looped(ckpt: Checkpoint, cfg: DecoderConfig, quants: dict[str, str]) -> dic
     return looped
 
 
+def _sources(cfg: DecoderConfig, slot: WeightSlot) -> list[str] | None:
+    """The checkpoint tensors a slot that can be packed holds: a linear's (fused along its
+    rows), or every expert's of a stacked experts slot; None for any other slot."""
+    if slot.kind != "experts":
+        return linear_sources(slot.name)
+    return [n for names in _expert_names(cfg, slot.name) for n in names]
+
+
+def _expert_names(cfg: DecoderConfig, slot_name: str) -> list[tuple[str, ...]]:
+    """Each expert's tensors, fused along their rows, of a stacked experts slot."""
+    layer, part = slot_name.split(".", 1)
+    return expert_sources(cfg.family, int(layer[1:]), part, cfg.moe.num_experts)
+
+
 def _in_layer(slot_name: str) -> bool:
     """Whether a slot name is a layer's ("l3.down"; not "lm_head")."""
     return slot_part(slot_name) != slot_name
@@ -94,6 +111,21 @@ def _in_layer(slot_name: str) -> bool:
 
 def _named_types(ckpt: Checkpoint, sources) -> str:
     return ", ".join(f"{ckpt.file_name(n)} {ckpt.packed_type(n) or 'float'}" for n in sources)
+
+
+def packed_experts(ckpt: Checkpoint, cfg: DecoderConfig, slot_name: str, quant: str,
+                   values) -> list[PackedWeight]:
+    """A stacked experts slot's weight, expert by expert: an int4 type quantized from
+    `values()` (the slot's [experts, out, in] f32), a GGUF type each expert's blocks out of
+    the file's stacked tensors, fused along their rows."""
+    try:
+        if quant.startswith("INT4"):
+            layout = layout_of(quant)
+            return [quantize_int4(v, layout.group, layout.offset) for v in values()]
+        return [stack_rows([ckpt.packed(n) for n in names], slot_name, quant)
+                for names in _expert_names(cfg, slot_name)]
+    except PackError as e:
+        raise ExportError(f"{ckpt.path}: weight {slot_name}: {e}") from None
 
 
 def packed_slot(ckpt: Checkpoint, slot_name: str, quant: str, values) -> PackedWeight:

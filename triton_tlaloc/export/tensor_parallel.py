@@ -171,6 +171,10 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
         lead = 1 if stacked else 0  # a stacked slot's first axis is the layer
         part = s.name.split(".", 1)[-1]
         base, scale = (part[:-len(".scale")], True) if part.endswith(".scale") else (part, False)
+        if s.kind == "experts" or part.split(".")[0] in ("experts_gate_up", "experts_down"):
+            # by expert, whole experts a device (a packed one's every array too)
+            weights[s.name] = single_split(lead, cfg.moe.num_experts)
+            continue
         if is_packed(s.quant):
             vocab_rows = {"embed": (Segment(vocab),), "lm_head": (Segment(vocab),)}
             split = _packed_split(cfg.model_name, s, lead, {**column, **vocab_rows} if by_vocab
@@ -186,8 +190,6 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
             weights[s.name] = single_split(in_axis, row[base])
         elif base in params:
             weights[s.name] = Split(lead, params[base])
-        elif base in ("experts_gate_up", "experts_down"):  # by expert: whole experts a device
-            weights[s.name] = single_split(lead, cfg.moe.num_experts)
     split_pools = {}
     for p in pools:  # [pages, (layers,) block, heads, d]: by KV head
         axis = len(p.shape) - 2

@@ -104,8 +104,13 @@ def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot,
                                             zip(layers, parts)]) for sfx in suffixes}
         return np.stack([a for a, _ in parts]), after
     if is_packed(slot.quant):  # the GGUF file's blocks taken apart, or int4 codes (gguf_packed)
-        arrays = packing.packed_slot(ckpt, slot.name, slot.quant, lambda: np.asarray(
-            slot_tensor(ckpt, cfg, slot), np.float32)).arrays(pieces)
+        values = lambda: np.asarray(slot_tensor(ckpt, cfg, slot), np.float32)  # noqa: E731
+        if slot.kind == "experts":  # each expert packed on its own, the arrays stacked
+            each = [p.arrays() for p in packing.packed_experts(ckpt, cfg, slot.name,
+                                                               slot.quant, values)]
+            arrays = {sfx: np.stack([a[sfx] for a in each]) for sfx in each[0]}
+        else:
+            arrays = packing.packed_slot(ckpt, slot.name, slot.quant, values).arrays(pieces)
         return arrays.pop(""), {slot.name + sfx: a for sfx, a in arrays.items()}
     arr = slot_tensor(ckpt, cfg, slot)
     if tuple(arr.shape) != slot.shape:
@@ -243,13 +248,15 @@ def _tensor_parallel(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
 
 
 def _check_experts(cfg: DecoderConfig, opts: ExportOptions) -> None:
-    """Refuses, by name, what a mixture of experts cannot have yet: packed (4-bit) weights."""
+    """Refuses, by name, what a mixture of experts cannot have yet: an AWQ or GPTQ
+    checkpoint's packed experts."""
     if cfg.moe is None:
         return
-    if opts.weight_quant not in (None, "int8", "fp8"):
-        raise ExportError(f"--weight-quant {opts.weight_quant}: a mixture of experts' weights "
-                          f"are quantized to int8 or fp8 only, not packed yet (export it with "
-                          f"--weight-quant int8 or fp8, or unquantized)")
+    if opts.weight_quant in ("awq", "gptq"):
+        raise ExportError(f"--weight-quant {opts.weight_quant}: a mixture of experts' "
+                          f"{opts.weight_quant.upper()} weights are not read packed yet "
+                          f"(--weight-quant int4 quantizes a full-precision checkpoint's "
+                          f"experts)")
 
 
 def _check_model(ckpt: Checkpoint, num_blocks: int) -> None:
