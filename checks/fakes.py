@@ -39,12 +39,13 @@ def _entry(kind: str, batch: int, context: int, tokens: int, suffix: str = "") -
 def fake_artifact(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, vocab=256,
                   num_blocks=None, prefill_tokens=(32, 64), window=None, ring_pages=0,
                   window_blocks=0, state_slots=0, refused_tokens=(),
-                  verify_tokens=(3, 5, 9), prefill_chunk=None) -> Artifact:
+                  verify_tokens=(3, 5, 9), prefill_chunk=None, adapter_slots=0) -> Artifact:
     """The entries and pools an export of these ladders has (the tests' tiny llama by default:
     batches 1 and 2, contexts 32 and 128, pages of 8 tokens, 33 pages of which 32 usable), with
     no body, program or weight behind them. `window` adds a windowed pool of rings (schema v3),
     `state_slots` linear-attention state slots (schema v4). `prefill_chunk`: the most tokens a
-    prefill entry takes (an export's --prefill-chunk; None: the whole context)."""
+    prefill entry takes (an export's --prefill-chunk; None: the whole context).
+    `adapter_slots`: LoRA adapter pools of that many slots besides slot 0 (model.lora)."""
     if num_blocks is None:
         num_blocks = max(batch_ladder) * max(context_ladder) // block_size + 1
     entries = {}
@@ -74,9 +75,14 @@ def fake_artifact(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, v
     if state_slots:
         schema = SCHEMA_V4
         linear = LinearState((0,), state_slots, 4, 1, 1, 4, 4, ())
+    manifest = {}
+    if adapter_slots:
+        from triton_tlaloc.lora.layout import lora_layout
+        manifest = {"model": {"lora": lora_layout(4, adapter_slots + 1, 1, 4, 4, 4, 4, 4)
+                              .to_json()}}
     return Artifact(Path("fake-artifact"), schema, model, tuple(batch_ladder),
-                    tuple(context_ladder), entries, (), pools, windowed=windowed,
-                    linear_state=linear)
+                    tuple(context_ladder), entries, (), pools, manifest=manifest,
+                    windowed=windowed, linear_state=linear)
 
 
 class FakeRuntime:
@@ -94,6 +100,7 @@ class FakeRuntime:
         self.wanted: list[str] = []
         self.waited: list[str] = []
         self.calls: list[tuple[str, int]] = []
+        self.adapter_slots: list[list[int]] = []  # each call's rows' LORA_SLOTS (model.lora)
         self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
         self.fail_next = None  # an exception the next run raises
         bs = artifact.model.block_size
@@ -155,6 +162,8 @@ class FakeRuntime:
             raise e
         tokens, positions, lens = step["TOKEN_IDS"], step["POSITIONS"], step["SEQ_LENS"]
         self.calls.append((entry_name, int((lens > 0).sum())))
+        if "LORA_SLOTS" in step:
+            self.adapter_slots.append(step["LORA_SLOTS"][:int((lens > 0).sum())].tolist())
         self._write_kv(step)
         return ((tokens + positions) % self.artifact.model.vocab).astype(np.int32)
 
@@ -185,7 +194,7 @@ class Harness:
     sequence's replies are kept in order."""
 
     def __init__(self, artifact, prefix_reuse=True, host_bytes=0, preempt_wait_s=10.0,
-                 compiling=(), **policy):
+                 compiling=(), adapters=None, **policy):
         self.clock = Clock()
         self.rt = FakeRuntime(artifact, compiling)
         # KV reuse on, as the server runs it by default
@@ -193,7 +202,7 @@ class Harness:
         self.transfer = FakeTransfer(self.rt)
         host = HostTier(engine.blocks, self.transfer, host_bytes) if host_bytes else None
         self.batcher = Batcher(engine, BatchPolicy(**policy), clock=self.clock, host_tier=host,
-                               preempt_wait_s=preempt_wait_s)
+                               preempt_wait_s=preempt_wait_s, adapters=adapters)
         self.replies: dict = {}
 
     def send(self, seq_id, tokens, start=False, end=False, refusal=None, draft_tokens=0,

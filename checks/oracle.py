@@ -267,3 +267,37 @@ def fp8_kv_reference(model):
         module.apply_rotary_pos_emb = original
         for h in hooks:
             h.remove()
+
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(base: Path, out: Path, rank: int, seed: int, *, alpha: int | None = None,
+                      rslora: bool = False, modules=LORA_MODULES, layers=None,
+                      rank_pattern: dict | None = None) -> Path:
+    """A PEFT LoRA adapter of `base`, saved as PEFT saves one (adapter_config.json,
+    adapter_model.safetensors): random A and B (B not zero, so it changes the model; scaled
+    so the change is clear but the ids stay peaked)."""
+    from peft import LoraConfig, get_peft_model
+
+    if (out / "adapter_config.json").exists():
+        return out
+    model = load_reference(base)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(modules),
+                        use_rslora=rslora, layers_to_transform=layers, init_lora_weights=False,
+                        rank_pattern=rank_pattern or {})
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+def load_lora_reference(base: Path, adapter: Path):
+    """transformers + PEFT: the base model in f32 with the adapter applied (not merged)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_reference(base), str(adapter)).eval()

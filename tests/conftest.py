@@ -124,6 +124,15 @@ class Tiny:
                           lambda p: make_tiny_checkpoint(p, family, tied=family == "gemma3_text",
                                                          seed=5))
 
+    def lora_adapter(self, family: str, name: str, rank: int, seed: int, **kw) -> Path:
+        """A PEFT LoRA adapter of the untied tiny checkpoint (checks/oracle.make_lora_adapter),
+        made once per run."""
+        from checks.oracle import make_lora_adapter
+
+        base = self.checkpoint(family, False)
+        return built_once(self.run_dir / f"lora-{family}-{name}",
+                          lambda p: make_lora_adapter(base, p, rank, seed, **kw))
+
     def artifact(self, family: str, tied: bool, weight_dtype: str = "f32", layers: int = 2,
                  **overrides) -> Path:
         from triton_tlaloc.export import ExportOptions, export_artifact

@@ -53,20 +53,32 @@ def mixed_type_of(name: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def mixed(run_dir):
+def mixed(run_dir, smollm2_transformers):
     """SmolLM2's GGUF with some tensors in other types (checks/gguf_files.py), exported with
-    --weight-quant gguf, and transformers' reading of that file: (artifact, checkpoint)."""
+    --weight-quant gguf, and the values that file holds in transformers: SmolLM2's (the
+    unmixed file's) with each re-encoded tensor's dequantized values in its place (q_proj and
+    k_proj keep theirs: no rows to reorder). (artifact, model)."""
+    import gguf as gguf_py
+    import torch
     from checks.gguf_files import retyped_gguf
-    from checks.oracle import save_gguf_as_checkpoint
 
     gguf = built_once(run_dir / "smollm2-mixed-gguf", lambda p: (p.mkdir(), retyped_gguf(
         smollm2_gguf_path(), p / "mixed.gguf", mixed_type_of)))
-    ckpt = built_once(run_dir / "smollm2-mixed-hf",
-                      lambda p: save_gguf_as_checkpoint(gguf / "mixed.gguf", p))
     art = built_once(run_dir / "smollm2-mixed", lambda p: export_artifact(
         gguf / "mixed.gguf", p, ExportOptions(batch_ladder=(1,), context_ladder=(128,),
                                               weight_quant="gguf")))
-    return art, ckpt
+    model = load_reference(smollm2_transformers)
+    params = dict(model.named_parameters())
+    proj = {"attn_v": "self_attn.v_proj", "ffn_down": "mlp.down_proj"}
+    with torch.no_grad():
+        for t in gguf_py.GGUFReader(str(gguf / "mixed.gguf")).tensors:
+            if mixed_type_of(t.name) is None:
+                continue
+            _, layer, kind, _ = t.name.split(".")
+            values = np.asarray(gguf_py.quants.dequantize(t.data, t.tensor_type), np.float32)
+            params[f"model.layers.{layer}.{proj[kind]}.weight"].copy_(torch.from_numpy(
+                values.reshape(tuple(int(d) for d in reversed(t.shape)))))
+    return art, model
 
 
 def chat_prompt(art) -> list[int]:
@@ -123,13 +135,13 @@ def test_tensors_of_different_types_fused_and_looped_give_transformers_ids(mixed
     """q|k|v fusing Q4_1 and Q5_0 rows, and a loop whose ffn_down is Q5_1 in three layers and
     Q4_1 in the others: one layout each (named in the weight table), the file's values, the
     ids transformers gives on them. Control: the unmixed file's values are past tolerance."""
-    art, ckpt = mixed
+    art, mixed_model = mixed
     quants = {w["slot"]: w.get("quant") for w in json.loads(
         (art / "tlaloc-serving.json").read_text())["weights"]}
     assert quants["layers.qkv"] == "B5_G32_Z16_O" and quants["layers.down"] == "B5_G32_Z0_O"
     assert quants["layers.o"] == "Q4_1"
     prompt = chat_prompt(art)
-    want_ids, want_logits = reference_greedy(load_reference(ckpt), prompt, STEPS)
+    want_ids, want_logits = reference_greedy(mixed_model, prompt, STEPS)
     _, unmixed = reference_greedy(reference, prompt, 0)
     engine = Engine(Runtime(art))
     seq = engine.new_sequence(prompt)

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -51,6 +51,8 @@ from .scheduling.admission import Admission, Job, Reply, Request
 from .scheduling.batcher_state import BatcherState
 from .scheduling.policy import BatchPolicy, Cohort, select
 from .scheduling.room import RoomMaker
+if TYPE_CHECKING:
+    from .lora.registry import AdapterRegistry
 from .scheduling.round_plan import (RoundPlan, bucket_calls, decode_calls, forced_rows_to_decode,
                                     prefill_calls)
 
@@ -68,7 +70,8 @@ class Batcher:
     def __init__(self, engine: Engine, policy: BatchPolicy = BatchPolicy(),
                  clock: Callable[[], float] = time.monotonic,
                  observers: tuple[Observer, ...] = (), host_tier: HostTier | None = None,
-                 preempt_wait_s: float = default_int("preempt_wait_microseconds") / 1e6):
+                 preempt_wait_s: float = default_int("preempt_wait_microseconds") / 1e6,
+                 adapters: AdapterRegistry | None = None):
         self.engine = engine
         self.policy = policy
         self.clock = clock
@@ -80,7 +83,7 @@ class Batcher:
         self._observers = [self.stats, *observers]
         # What admission and room making share with this thread: held sequences, waiting
         # requests, busy ids, jobs held back for a compile.
-        self.state = BatcherState(engine, host_tier, clock, self._observe)
+        self.state = BatcherState(engine, host_tier, clock, self._observe, adapters)
         self.sequences = self.state.sequences  # held sequences by id (the same dict)
         self.room = RoomMaker(self.state, policy, preempt_wait_s)
         self.admission = Admission(self.state, self.room)

@@ -35,6 +35,7 @@ from .scheduling.observer import TimingLog
 from .triton.model_metrics import GrammarMetrics, TritonMetrics
 from .model_parameters import DEFAULTS
 from .runtime.pjrt import cpu_devices, instance_devices
+from .triton.adapters import adapter_registry, lora_parameter
 from .triton.outputs import (LOGIT_OUTPUTS, TOP_K_DEFAULT, cache_salt_parameter,
                              draft_tokens_parameter, small_outputs, top_k_parameter)
 from .scheduling.policy import BatchPolicy
@@ -94,6 +95,9 @@ class TritonPythonModel:
         self.metrics = TritonMetrics(args["model_name"],
                                      int(params["metrics_interval_microseconds"]) / 1e6,
                                      args.get("model_instance_name", ""))
+        self.adapters = adapter_registry(self.runtime, params)
+        if self.adapters is not None:
+            self.metrics.watch_adapters(self.adapters)
         if getattr(self.runtime, "expert_load", None) is not None:
             self.metrics.watch_experts(self.runtime.expert_load,
                                        artifact.manifest["model"]["experts"]["layers"])
@@ -107,7 +111,8 @@ class TritonPythonModel:
                         keep_ended=int(params["keep_ended_sequences"]))
         host = self._host_tier(engine, params)
         self.batcher = Batcher(engine, policy, observers=tuple(observers), host_tier=host,
-                               preempt_wait_s=int(params["preempt_wait_microseconds"]) / 1e6)
+                               preempt_wait_s=int(params["preempt_wait_microseconds"]) / 1e6,
+                               adapters=self.adapters)
         # Compiled entries count from here; calls held back for one run again.
         self.runtime.on_compiled = self._entry_compiled
         self._entry_compiled(len(self.runtime.executables), self.runtime.entries_total)
@@ -220,6 +225,7 @@ class TritonPythonModel:
                     start=bool(start is not None and start.as_numpy().reshape(-1)[0]),
                     end=bool(end is not None and end.as_numpy().reshape(-1)[0]),
                     reply_fn=reply_fn, cache_salt=cache_salt_parameter(parameters),
+                    lora=lora_parameter(parameters),
                     draft_tokens=draft_tokens_parameter(parameters),
                     want_logits=bool(wanted & LOGIT_OUTPUTS))
                 # Sizes first: ids past the largest context are not converted, only refused

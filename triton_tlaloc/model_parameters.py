@@ -87,6 +87,16 @@ PARAMETERS: tuple[ModelParameter, ...] = (
         "`tlaloc_expert_tokens_total{layer, expert}` (each call's expert load is read back "
         "with its logits); the flag writes `true`", "--expert-load-metrics"),
     ModelParameter(
+        "lora_adapters", "",
+        "LoRA adapters served by name, loaded when the model loads: `NAME=DIR` (a PEFT "
+        "adapter's directory) separated by commas; a START names its sequence's adapter with "
+        "the request parameter `lora` ([LoRA adapters](design.md#lora-adapters)); needs an "
+        "artifact exported with `--max-lora-rank`", "--lora", shown="none"),
+    ModelParameter(
+        "lora_host_bytes", "1073741824",
+        "host memory for adapters read from disk, so one written into a slot again is not "
+        "read again (least recently used out)", "--lora-host-bytes"),
+    ModelParameter(
         "keep_ended_sequences", "64",
         "how many ended sequences are kept whole for their next turn"),
     ModelParameter(

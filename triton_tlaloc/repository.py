@@ -55,6 +55,9 @@ class RepositoryOptions:
     # a mixture of experts: tokens routed to each expert as metrics
     expert_load_metrics: bool = default_bool("expert_load_metrics")
     host_kv_bytes: int | None = None  # the host tier's budget (None: 4x the pools; 0: off)
+    # LoRA adapters served by name: (name, PEFT adapter directory) each
+    lora: tuple[tuple[str, str], ...] = ()
+    lora_host_bytes: int = default_int("lora_host_bytes")
     # how long a request waits for pages
     preempt_wait_microseconds: int = default_int("preempt_wait_microseconds")
     # ready once a first request's entries are compiled
@@ -119,6 +122,22 @@ def _parameter(key: str, value) -> str:
     return f'  {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
 
 
+def _lora_adapters(artifact, adapters: tuple[tuple[str, str], ...]) -> str:
+    """The lora_adapters parameter: NAME=DIR,... with each directory absolute; refused when the
+    artifact takes no adapters or a name repeats (the adapters themselves are read and checked
+    when the model loads)."""
+    if artifact.lora is None:
+        raise ValueError(f"--lora: the artifact {artifact.path} takes no adapters (export it "
+                         f"with --max-lora-rank)")
+    names = [n for n, _ in adapters]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora: adapter names repeat: {', '.join(names)}")
+    for n, d in adapters:
+        if not n or "," in n or "=" in n or "," in str(d):
+            raise ValueError(f"--lora {n}={d}: a name and a directory without ',' or '='")
+    return ",".join(f"{n}={Path(d).resolve()}" for n, d in adapters)
+
+
 def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, name: str,
                      opts: RepositoryOptions = RepositoryOptions()) -> Path:
     """Write REPO/NAME; returns the model directory."""
@@ -151,6 +170,8 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         "prefix_reuse": "true" if opts.prefix_reuse else "false",
         "expert_load_metrics": "true" if opts.expert_load_metrics else "false",
         **({"host_kv_bytes": opts.host_kv_bytes} if opts.host_kv_bytes is not None else {}),
+        **({"lora_adapters": _lora_adapters(artifact, opts.lora)} if opts.lora else {}),
+        "lora_host_bytes": opts.lora_host_bytes,
         "preempt_wait_microseconds": opts.preempt_wait_microseconds,
         "background_compile": "true" if opts.background_compile else "false",
         "reply_threads": opts.reply_threads,

@@ -381,8 +381,9 @@ def test_experts_split_over_devices_give_the_one_device_ids_and_logits(arts, tin
     loop), each device computing with its own experts: the one-device ids and logits (a decode
     row's chosen experts, a prompt's every expert), the float model's collectives (the
     experts' outputs meet in one all-reduce, as a dense MLP's do), each device holding its
-    experts' bytes; int4 experts likewise on 2; the qwen3_5_moe hybrid (its shared expert split
-    as a dense MLP) likewise on 2. qwen3_moe's 5 experts over 2 devices are refused by name."""
+    experts' bytes; int4 experts, a prompt grouped by expert on each device, likewise on 2; the
+    qwen3_5_moe hybrid (its shared expert split as a dense MLP) likewise on 2. qwen3_moe's 5
+    experts over 2 devices are refused by name."""
     one = outcome(arts("mixtral", 1))
     for n in (2, 4):
         got = outcome(arts("mixtral", n))
@@ -394,18 +395,15 @@ def test_experts_split_over_devices_give_the_one_device_ids_and_logits(arts, tin
         shape = next(w.shape for w in rt.artifact.weights if w.slot == "layers.experts_gate_up")
         assert [s.shape for s in rt.weights["layers.experts_gate_up"]] == [
             split.shard_shape(shape, n)] * n and split.shard_shape(shape, n)[1] == 8 // n
-    # a prompt's pairs grouped by expert on each device (blocks of 4 rows): the same, and its
-    # prefill as few collectives as the every-expert formulation's
+    # int4 experts (each expert's packed arrays split with it), a prompt's pairs grouped by
+    # expert on each device (blocks of 4 rows): the one-device int4 outcome (every expert over
+    # a prompt), and the decode and prefill entries' collectives those of f32 every-expert's
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(moe, "EXPERT_BLOCK", 4)
-        grouped = outcome(arts("mixtral", 2, prefill_chunk=32))
-    assert_same(grouped, one)
-    assert collectives(grouped["rt"], "prefill") == collectives(got["rt"], "prefill")
-    # int4 experts (each expert's packed arrays split with it): the one-device int4 outcome,
-    # the same collectives
-    packed = outcome(arts("mixtral", 2, weight_quant="int4"))
+        packed = outcome(arts("mixtral", 2, weight_quant="int4", prefill_chunk=32))
     assert_same(packed, outcome(arts("mixtral", 1, weight_quant="int4")))
-    assert collectives(packed["rt"]) == collectives(got["rt"])
+    for entry in ("decode_b1", "prefill"):
+        assert collectives(packed["rt"], entry) == collectives(got["rt"], entry)
     tp = packed["rt"].artifact.tensor_parallel
     assert {"layers.experts_down", "layers.experts_down.scale"} <= set(tp.weights)
     # the hybrid's shared expert splits as a dense MLP does, its routed experts by expert

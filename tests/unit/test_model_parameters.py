@@ -6,6 +6,7 @@ caught."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,5 +69,5 @@ def test_every_flag_exists_and_the_options_start_from_the_table():
     assert round(policy.reclaim_allowance_s * 1e6) == int(
         DEFAULTS["reclaim_allowance_microseconds"])
     assert policy.idle_timeout_s * 1e6 == options.max_sequence_idle_microseconds
-    default_wait = Batcher.__init__.__defaults__[-1]
+    default_wait = inspect.signature(Batcher.__init__).parameters["preempt_wait_s"].default
     assert round(default_wait * 1e6) == int(DEFAULTS["preempt_wait_microseconds"])

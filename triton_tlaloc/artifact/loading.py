@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifest import (DONATION_ROLES, ENTRY_KINDS, INPUT_ROLES, KNOWN_UNBUILT_SCHEMAS,
+from .manifest import (DONATION_ROLES, ENTRY_KINDS, INPUT_ROLES, KNOWN_UNBUILT_SCHEMAS, LORA_POOL,
                        MANIFEST_NAME, OUTPUT_ROLES, POOL_IN_ROLES, POOL_OUT_ROLES, SCHEMA_V2,
                        SCHEMA_V3, SCHEMA_V4, STATE_POOL_IN, SUPPORTED_SCHEMAS, WEIGHT,
                        WINDOW_KV_POOL_IN, Artifact, ArtifactError, Entry, KvPool, LinearState,
@@ -268,6 +268,12 @@ def _check_program(entry: Entry, art: Artifact, weights: dict[str, WeightFile],
                               f"{s.dtype} {list(s.shape)} in the program", prog_path)
             _taken_alike(art.weight_inputs, s.slot, s.dtype, f"weight slot {s.slot}", entry,
                          prog_path)
+        if s.role == LORA_POOL:
+            lora = art.lora
+            want = lora.pool_shapes().get(s.pool) if lora is not None else None
+            if want is None or (s.dtype, s.shape) != ("f32", want):
+                raise _refuse(f"entry {entry.name}: input {s.name} does not match adapter pool "
+                              f"{s.pool} of model.lora", prog_path)
         if s.role == STATE_POOL_IN:
             sp = state_pools.get(s.pool)
             if sp is None or (sp.dtype, sp.shape) != (s.dtype, s.shape):

@@ -55,6 +55,10 @@ KV_POOL_OUT = "KV_POOL_OUT"
 STATE_SLOTS = "STATE_SLOTS"  # [B]: each row's slot in the state pools, -1 for a padding row
 STATE_POOL_IN = "STATE_POOL_IN"
 STATE_POOL_OUT = "STATE_POOL_OUT"
+# LoRA adapters (model.lora): each row's slot in the adapter pools, 0 for none or a padding
+# row; the pools, read by the entries and written only by the runtime between calls
+LORA_SLOTS = "LORA_SLOTS"
+LORA_POOL = "LORA_POOL"
 STEP_ROLES = (TOKEN_IDS, POSITIONS, BLOCK_TABLES, SEQ_LENS, SLOT_MAPPING)
 WINDOW_STEP_ROLES = (WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING)
 STATE_STEP_ROLES = (STATE_SLOTS,)
@@ -63,7 +67,9 @@ POOL_OUT_ROLES = (KV_POOL_OUT, WINDOW_KV_POOL_OUT, STATE_POOL_OUT)
 # Each pool output with the input it is donated from.
 DONATION_ROLES = ((KV_POOL_OUT, KV_POOL_IN), (WINDOW_KV_POOL_OUT, WINDOW_KV_POOL_IN),
                   (STATE_POOL_OUT, STATE_POOL_IN))
-INPUT_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES + POOL_IN_ROLES + (WEIGHT,)
+LORA_STEP_ROLES = (LORA_SLOTS,)
+INPUT_ROLES = (STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES + LORA_STEP_ROLES
+               + POOL_IN_ROLES + (LORA_POOL, WEIGHT))
 OUTPUT_ROLES = (LOGITS, POSITION_ARGMAX, POSITION_LOGITS, EXPERT_LOAD) + POOL_OUT_ROLES
 
 # Entry kinds. A verify entry feeds a sequence its next token and draft tokens in one call and
@@ -481,6 +487,14 @@ class Artifact:
     def devices(self) -> int:
         """The devices one instance runs the programs on."""
         return self.tensor_parallel.devices if self.tensor_parallel is not None else 1
+
+    @property
+    def lora(self):
+        """The adapter pools the entries read (model.lora: lora.layout.LoraLayout), or None."""
+        from ..lora.layout import LoraLayout
+
+        obj = self.manifest.get("model", {}).get("lora")
+        return LoraLayout.from_json(obj) if obj else None
 
     def pool_axis(self, name: str) -> int | None:
         """The axis a pool is split along over the devices (None on one device)."""

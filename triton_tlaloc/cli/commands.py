@@ -46,6 +46,7 @@ def cmd_export(args) -> int:
                          state_slots=args.state_slots, layer_loop=not args.no_layer_loop,
                          tensor_parallel=args.tensor_parallel,
                          replicate_vocab=args.replicate_vocab,
+                         max_lora_rank=args.max_lora_rank, lora_slots=args.lora_slots,
                          **{name: block for name, block in (
                              ("attention_block", args.attention_block),
                              ("decode_attention_block", args.decode_attention_block))
@@ -80,6 +81,23 @@ def _precompile(artifact_dir, args) -> None:
 def cmd_compile(args) -> int:
     _precompile(args.artifact, args)
     return 0
+
+
+def _run_adapter(args, rt) -> tuple[int, str]:
+    """`tlaloc run --lora DIR`: the adapter written into slot 1 (its slot and identity), or
+    (0, "") without one."""
+    if not args.lora:
+        return 0, ""
+    from ..lora.peft_adapter import AdapterError, read_peft_adapter
+
+    if rt.adapters is None:
+        raise AdapterError(f"--lora {args.lora}: the artifact takes no adapters (export it "
+                           f"with --max-lora-rank)")
+    adapter = read_peft_adapter(args.lora, rt.artifact.lora)
+    seconds = rt.adapters.write(1, adapter.arrays)
+    print(f"adapter {args.lora}: rank {adapter.rank}, {adapter.nbytes / 2**20:.1f} MiB, "
+          f"written into slot 1 in {seconds * 1e3:.1f} ms", file=sys.stderr)
+    return 1, adapter.content_hash
 
 
 def cmd_run(args) -> int:
@@ -119,11 +137,14 @@ def cmd_run(args) -> int:
         stop.add(tok.eos_token_id)
     if args.ignore_eos:
         stop = set()
+    adapter = _run_adapter(args, rt)
     for _ in range(args.warmup_runs):  # benchmarks: the timed run finds everything warm
-        engine.generate_greedy(prompt_ids, min(args.max_new_tokens, 2), tuple(sorted(stop)))
+        engine.generate_greedy(prompt_ids, min(args.max_new_tokens, 2), tuple(sorted(stop)),
+                               adapter=adapter)
     executions = engine.executions
     result = engine.generate_greedy(prompt_ids, args.max_new_tokens, tuple(sorted(stop)),
-                                    speculate=args.speculate, drafter=prompt_lookup)
+                                    speculate=args.speculate, drafter=prompt_lookup,
+                                    adapter=adapter)
     text = tok.decode(result.generated_ids) if tok is not None else None
     # Speculating, a call yields several tokens: the time a token is the calls' over them.
     per_token = (sum(result.decode_ms_per_token) / max(1, len(result.generated_ids) - 1)
@@ -209,6 +230,7 @@ def cmd_repository(args) -> int:
                              reply_threads=args.reply_threads,
                              generation_loop=args.generation_loop,
                              host_kv_bytes=args.host_kv_bytes,
+                             lora=tuple(args.lora), lora_host_bytes=args.lora_host_bytes,
                              preempt_wait_microseconds=args.preempt_wait_us,
                              background_compile=not args.compile_all_first)
     model_dir = write_repository(args.artifact, args.repo, args.name, opts)

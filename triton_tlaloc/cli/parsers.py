@@ -10,6 +10,14 @@ from . import commands
 DESCRIPTION = "The `tlaloc` command: export, compile, run, repository, serve, generate, openai."
 
 
+def name_and_dir(text: str) -> tuple[str, str]:
+    """NAME=DIR"""
+    name, sep, directory = text.partition("=")
+    if not sep or not name or not directory:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIR")
+    return name, directory
+
+
 def int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -97,6 +105,12 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--replicate-vocab", action="store_true",
                    help="with --tensor-parallel: copy the embedding and the head whole on every "
                         "device instead of splitting them by vocabulary")
+    p.add_argument("--max-lora-rank", type=int, default=0, metavar="R",
+                   help="entries that take LoRA adapters of rank up to R (PEFT adapters on "
+                        "q/k/v/o and gate/up/down, each row its own); default 0: none")
+    p.add_argument("--lora-slots", type=int, default=4, metavar="S",
+                   help="with --max-lora-rank: the adapters the device holds at once "
+                        "(default 4)")
     p.add_argument("--no-layer-loop", action="store_true",
                    help="unroll the layers (one set of kernels per layer) even where they are "
                         "alike; by default alike layers run as one loop over stacked weights "
@@ -151,6 +165,9 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--warmup-runs", type=int, default=0,
                    help="generate this many times first, untimed (benchmarks: a process's first "
                         "executions are slower)")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="generate with this PEFT LoRA adapter (an artifact exported with "
+                        "--max-lora-rank)")
     p.set_defaults(fn=commands.cmd_run)
 
 
@@ -214,6 +231,13 @@ def _add_repository_parser(sub) -> None:
     p.add_argument("--expert-load-metrics", action="store_true",
                    help="a mixture of experts: the tokens each layer routes to each expert "
                         "as the metric tlaloc_expert_tokens_total{layer, expert}")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   type=name_and_dir,
+                   help="a PEFT LoRA adapter served by NAME (a START's request parameter "
+                        "lora); repeat for more; the artifact exported with --max-lora-rank")
+    p.add_argument("--lora-host-bytes", type=int,
+                   default=RepositoryOptions.lora_host_bytes,
+                   help="host memory for adapters read from disk (least recently used out)")
     p.add_argument("--host-kv-bytes", type=int, default=None,
                    help="host memory for swapped-out sequences' KV (default: 4x the device's "
                         "KV pools; 0: no host tier, a request short of pages is refused)")

@@ -108,6 +108,8 @@ class Engine:
         self.rt = runtime
         self.art = runtime.artifact
         self.block_size = self.art.model.block_size
+        # each row's adapter slot a step input (model.lora)
+        self.takes_adapters = getattr(self.art, "lora", None) is not None
         windowed = self.art.windowed
         self.ring_pages = windowed.ring_pages if windowed else 0
         self.window = windowed.window if windowed else None
@@ -162,7 +164,8 @@ class Engine:
             self.blocks.reserve(seq, len(seq.token_ids) + len(tokens))
             seq.token_ids += tokens
             return Reuse()
-        return self._start(seq, tokens, root_hash(self.art.model.model_hash, cache_salt or ""))
+        return self._start(seq, tokens, root_hash(self.art.model.model_hash, cache_salt or "",
+                                                  seq.adapter))
 
     def readmit(self, seq: Sequence, tokens: list[int]) -> Reuse:
         """Append `tokens` to a sequence whose KV was dropped to make room: its whole history
@@ -349,12 +352,12 @@ class Engine:
             blocks = pages_for(s.num_cached + len(feed), self.block_size)
             rows.append(Row(tuple(feed), s.num_cached, tuple(s.pages[:blocks]),
                             tuple(s.ring[:min(blocks, self.ring_pages)]),
-                            -1 if s.state_slot is None else s.state_slot))
+                            -1 if s.state_slot is None else s.state_slot, s.adapter_slot))
         self.last_entry = entry.name
         self.executions += 1
         t0 = time.perf_counter()
         step = build_step(entry, rows, self.block_size, self.ring_pages,
-                          STATE in self.blocks.kinds)
+                          STATE in self.blocks.kinds, self.takes_adapters)
         self.build_seconds += time.perf_counter() - t0
         return step
 
@@ -362,14 +365,18 @@ class Engine:
 
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int,
                         stop_ids: tuple[int, ...] = (), cache_salt: str | None = None,
-                        speculate: int = 0, drafter=None) -> GenerationResult:
+                        speculate: int = 0, drafter=None,
+                        adapter: tuple[int, str] = (0, "")) -> GenerationResult:
         """Greedy ids for a prompt. The prompt reuses what earlier ones left cached (when the
         engine reuses prefixes) and the sequence is kept for a next turn afterwards. With
         `speculate`, each step after the prompt also verifies up to that many drafts from
-        `drafter(history, k)`: the same ids, in fewer calls when drafts are accepted."""
+        `drafter(history, k)`: the same ids, in fewer calls when drafts are accepted.
+        `adapter`: the LoRA adapter's slot in the runtime's adapter pools and its identity
+        (model.lora; (0, "") none)."""
         if len(prompt_ids) == 0:
             raise RequestError("an empty prompt", "empty")
         seq = Sequence([])
+        seq.adapter_slot, seq.adapter = adapter
         t0 = time.perf_counter()
         reuse = self.admit(seq, list(prompt_ids), cache_salt)
         try:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..artifact.manifest import (BLOCK_TABLES, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_SLOTS,
-                                 TOKEN_IDS, WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING, Entry)
+from ..artifact.manifest import (BLOCK_TABLES, LORA_SLOTS, POSITIONS, SEQ_LENS, SLOT_MAPPING,
+                                 STATE_SLOTS, TOKEN_IDS, WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING,
+                                 Entry)
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Row:
     pages: tuple[int, ...]  # the sequence's pages in logical order
     ring: tuple[int, ...] = ()  # its ring of windowed pages (schema v3): block b on ring[b % R]
     state_slot: int = -1  # its slot in the linear-attention state pools (schema v4)
+    adapter_slot: int = 0  # its slot in the adapter pools (model.lora), 0 none
 
     @property
     def end(self) -> int:
@@ -31,10 +33,11 @@ class Row:
 
 
 def build_step(entry: Entry, rows: list[Row], block_size: int, ring_pages: int = 0,
-               state_slots: bool = False) -> dict[str, np.ndarray]:
+               state_slots: bool = False, adapters: bool = False) -> dict[str, np.ndarray]:
     """The step inputs of one call; with `ring_pages` (a windowed pool) also the window block
     table (entry b: the ring page of block b) and the window slots; with `state_slots` (state
-    pools) each row's state slot."""
+    pools) each row's state slot; with `adapters` (adapter pools) each row's adapter slot (a
+    padding row's 0: none)."""
     assert 1 <= len(rows) <= entry.batch, f"{entry.name}: {len(rows)} rows for batch " \
                                            f"{entry.batch}"
     for row in rows:
@@ -73,6 +76,9 @@ def build_step(entry: Entry, rows: list[Row], block_size: int, ring_pages: int =
             assert row.state_slot >= 0, f"{entry.name}: row {r} holds no state slot"
             slots[r] = row.state_slot
         step[STATE_SLOTS] = slots
+    if adapters:
+        step[LORA_SLOTS] = np.zeros((b,), np.int32)
+        step[LORA_SLOTS][:len(rows)] = [row.adapter_slot for row in rows]
     return step
 
 

@@ -34,12 +34,13 @@ import numpy as np
 from .config import DecoderConfig
 from .gguf_packed import is_packed, layout_of
 from .quant import code_dtype
-from ..artifact.manifest import (BITS, BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, POSITIONS,
-                                 SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS,
+from ..artifact.manifest import (BITS, BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, LORA_POOL,
+                                 LORA_SLOTS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS,
                                  TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES,
                                  WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING, KvPool,
                                  Program, StatePool, TensorSpec, WindowedKv, leading_outputs)
 from ..artifact.sharding import TensorParallel, mesh_sharding
+from ..lora.layout import LoraLayout
 
 
 @dataclass(frozen=True)
@@ -291,9 +292,10 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
                   kv_dtype: str, windowed: WindowedKv | None = None,
                   num_state_slots: int = 0, weight_quant: str | None = None,
                   quant_head: bool = False, layer_loop: bool = False,
-                  kind: str = DECODE) -> Program:
+                  kind: str = DECODE, lora: LoraLayout | None = None) -> Program:
     """The signature of one entry, in @main's order; the outputs before the pools are the
-    kind's (manifest.leading_outputs): one for decode and prefill, two for verify."""
+    kind's (manifest.leading_outputs): one for decode and prefill, two for verify. With
+    `lora`, each row's adapter slot and the adapter pools (read, never donated)."""
     b, t, m = batch, tokens_per_seq, context // block_size
     inputs = [
         TensorSpec("token_ids", TOKEN_IDS, "i32", (b, t)),
@@ -307,6 +309,8 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
                    TensorSpec("window_slot_mapping", WINDOW_SLOT_MAPPING, "i32", (b, t))]
     if cfg.linear is not None:
         inputs.append(TensorSpec("state_slots", STATE_SLOTS, "i32", (b,)))
+    if lora is not None:
+        inputs.append(TensorSpec("lora_slots", LORA_SLOTS, "i32", (b,)))
     pools = kv_pools(cfg, num_blocks, block_size, kv_dtype, windowed, layer_loop)
     states = state_pools(cfg, num_state_slots)
     pool_start = len(inputs)
@@ -322,6 +326,8 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
         inputs.append(TensorSpec(f"{p.name}.in", role_of(p, WINDOW_KV_POOL_IN, KV_POOL_IN,
                                                           STATE_POOL_IN),
                                  BITS.get(p.dtype, p.dtype), p.shape, pool=p.name))
+    for name, shape in (lora.pool_shapes().items() if lora is not None else ()):
+        inputs.append(TensorSpec(name, LORA_POOL, "f32", shape, pool=name))
     for s in weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop):
         dtype = s.dtype(weight_dtype)
         if s.name.startswith(STACKED):
@@ -352,7 +358,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                   key_blocks: tuple[int, ...] = (2048,), windowed: WindowedKv | None = None,
                   num_state_slots: int = 0, weight_quant: str | None = None,
                   quant_head: bool = False, layer_loop: bool = False, kind: str = DECODE,
-                  shards: int = 1, packed_shards: dict | None = None):
+                  shards: int = 1, packed_shards: dict | None = None,
+                  lora: LoraLayout | None = None):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits,
     pools...), for a verify entry (argmax [b, t], logits [b, t, vocab], pools...).
     layers.py has its parts. With `layer_loop` the layers run as a loop (`lax.scan`) over the
@@ -372,10 +379,13 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     layer0 = [unstacked_slot(s, 0) for s in slots if s.name.startswith(STACKED)]
     slot_of = {s.name: s for s in (*slots, *layer0)}
     g = layers.Graph(cfg, slot_of, weight_dtype == "bf16", block_size, num_blocks,
-                     tuple(key_blocks), windowed, num_state_slots, shards, packed_shards or {})
+                     tuple(key_blocks), windowed, num_state_slots, shards, packed_shards or {},
+                     {p.part: p.outs for p in lora.parts} if lora is not None else {})
     pool_of = layer_pools(cfg)
-    n_step = 5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
+    n_step = (5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
+              + (1 if lora is not None else 0))
     n_pools = 2 if layer_loop else 2 * cfg.num_layers
+    lora_pools = list(lora.pool_shapes()) if lora is not None else []
 
     def outputs(x, w):
         if kind != VERIFY:
@@ -386,13 +396,19 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     def fn(*args):
         token_ids, positions, block_tables, seq_lens, slot_mapping = args[:5]
         window_tables, window_slots = args[5:7] if windowed is not None else (None, None)
-        state_slots = args[n_step - 1] if cfg.linear is not None else None
+        state_slots = args[7 if windowed is not None else 5] if cfg.linear is not None else None
         pools = list(args[n_step:n_step + n_pools])  # an fp8 pool as its bytes
-        w = dict(zip(names, args[n_step + n_pools:]))
+        adapters = dict(zip(lora_pools, args[n_step + n_pools:]))
+        w = dict(zip(names, args[n_step + n_pools + len(lora_pools):]))
         # The embedding, then the step's scatter indices: the order of the lowered text.
         x = layers.embed(g, w, token_ids)
         step = layers.make_step(g, token_ids, positions, block_tables, seq_lens, slot_mapping,
                                 window_tables, window_slots, state_slots)
+        if lora is not None:  # each part's (A, B) pools, read whole by every layer
+            step.lora_slots = args[n_step - 1]
+            step.lora_pools = {p.part: (adapters[lora.pool_name(p.part, "a")],
+                                        adapters[lora.pool_name(p.part, "b")])
+                               for p in lora.parts}
         if layer_loop:
             x, new_pools = layers.layer_loop(g, step, w, x, *pools)
         else:
@@ -414,7 +430,7 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
                 windowed: WindowedKv | None = None, num_state_slots: int = 0,
                 weight_quant: str | None = None, quant_head: bool = False,
                 layer_loop: bool = False, kind: str = DECODE,
-                tp: TensorParallel | None = None) -> str:
+                tp: TensorParallel | None = None, lora: LoraLayout | None = None) -> str:
     """StableHLO text of one entry; every pool parameter is donated (tf.aliasing_output). With
     `tp`, a program for its devices: each weight and pool annotated with its split (Shardy
     shardings over a one-axis mesh), the step inputs and the logits replicated; XLA's SPMD
@@ -427,7 +443,7 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
     fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, key_blocks, windowed,
                        num_state_slots, weight_quant, quant_head, layer_loop, kind, shards,
                        packed_shards(tp, weight_slots(cfg, weight_dtype, weight_quant,
-                                                      quant_head, layer_loop)))
+                                                      quant_head, layer_loop)), lora)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     if tp is None:

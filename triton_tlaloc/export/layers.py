@@ -30,6 +30,7 @@ from . import linear_attention as la_ops
 from .attention import FP8, FP8_BITS, LayerPool, by_length, from_bits, one_pass, ring, to_bits
 from .config import DecoderConfig
 from .gguf_packed import is_packed
+from .lora_graph import lora_update
 from .moe import ExpertWeight, Stacks, mixture, shared_weight
 from .packed_linear import ONE_DEVICE, PackedShards, gathered_rows, packed_product
 from ..artifact.manifest import WindowedKv
@@ -62,6 +63,8 @@ class Graph:
     # A tensor-parallel program's split packed weights by part ("qkv", "down", "embed"): how
     # each is divided over the devices (packed_linear.PackedShards)
     packed_shards: Mapping[str, PackedShards] = field(default_factory=dict)
+    # LoRA adapters (model.lora): each adapted part's modules' outputs ("qkv": (q, k, v))
+    lora_outs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def shards_of(self, name: str) -> PackedShards:
         """A packed slot's division over the devices by its name ("l3.qkv", "lm_head")."""
@@ -101,6 +104,11 @@ class Step:
     real: Any = None  # [b * t] bool: the call's tokens that are not padding
     # each sparse layer's expert load [experts] (i32), in layer order, as the layers are traced
     expert_loads: list = field(default_factory=list)
+    # LoRA adapters (model.lora): each row's slot [b] (0 none), each adapted part's pools
+    # (A, B), whole ([layers, slots, ...]), and the layer loop's traced layer index
+    lora_slots: Any = None
+    lora_pools: dict = field(default_factory=dict)
+    loop_layer: Any = None
 
 
 def make_step(g: Graph, token_ids, positions, block_tables, seq_lens, slot_mapping,
@@ -172,16 +180,24 @@ def matmul(x, w, out_first: bool, bf16: bool):
     return out.reshape(*lead, w.shape[0])
 
 
-def project(g: Graph, x, w: dict, name: str):
+def project(g: Graph, x, w: dict, name: str, step: Step | None = None):
     """A linear by slot name, in its slot's layout; quantized codes are widened in front of the
-    product (exact) and each output column is multiplied by its scale."""
+    product (exact) and each output column is multiplied by its scale. With adapter pools
+    beside the weight (`<name>.lora_a`), each row's adapter's update added (`step`'s
+    lora_slots; export/lora_graph.py)."""
     slot = g.slot_of[name]
     if is_packed(slot.quant):  # widened inside the product's reads (export/packed_linear.py)
-        return packed_product(computed_once(x), slot.quant, w, name, MATVEC_ROWS,
-                              g.shards_of(name))
-    y = matmul(x, w[name], slot.out_first, g.bf16)
-    if slot.quant is not None:
-        y = y * w[f"{name}.scale"]
+        y = packed_product(computed_once(x), slot.quant, w, name, MATVEC_ROWS,
+                           g.shards_of(name))
+    else:
+        y = matmul(x, w[name], slot.out_first, g.bf16)
+        if slot.quant is not None:
+            y = y * w[f"{name}.scale"]
+    part = name.split(".", 1)[-1]
+    if step is not None and part in step.lora_pools:
+        layer = step.loop_layer if step.loop_layer is not None else int(name.split(".")[0][1:])
+        y = y + lora_update(x, *step.lora_pools[part], layer, step.lora_slots,
+                            g.lora_outs[part])
     return y
 
 
@@ -253,8 +269,10 @@ def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
         w_layer = {f"l0.{part}": a if is_packed(g.slot_of[f"l0.{part}"].quant) else from_bits(a)
                    for part, a in parts.items()}
         traced = len(step.expert_loads)
+        step.loop_layer = layer  # (the adapter pools are read by it: model.lora)
         x, k, v = decoder_layer(g, step, w_layer, 0, x, LayerPool(k_all, layer),
                                 LayerPool(v_all, layer))
+        step.loop_layer = None
         load = step.expert_loads.pop() if len(step.expert_loads) > traced else None
         return (x, k.stacked, v.stacked), load  # a sparse layer's load, out of the loop
 
@@ -294,9 +312,9 @@ def mlp(g: Graph, step: Step, w: dict, i: int, x):
             shared = project(g, ACTIVATIONS[cfg.activation](gate) * up, w, f"l{i}.shared_down")
             out = out + shared_weight(hdn, w[f"l{i}.shared_gate"]) * shared
         return x + out
-    gu = project(g, hdn, w, f"l{i}.gate_up")
+    gu = project(g, hdn, w, f"l{i}.gate_up", step)
     gate, up = split_fused(g, gu, (cfg.intermediate_size,) * 2)
-    out = project(g, ACTIVATIONS[cfg.activation](gate) * up, w, f"l{i}.down")
+    out = project(g, ACTIVATIONS[cfg.activation](gate) * up, w, f"l{i}.down", step)
     if cfg.sandwich_norms:
         out = rms_norm(out, w[f"l{i}.post_mlp_norm"], g.eps)
     return x + out
@@ -336,7 +354,7 @@ def attention(g: Graph, step: Step, w: dict, i: int, hdn, k_pool, v_pool):
     """An attention layer's output (before the residual) and its K and V pools with the call's
     keys and values written."""
     cfg = g.cfg
-    q, k, v, gate = qkv_heads(g, w, i, hdn)
+    q, k, v, gate = qkv_heads(g, w, i, hdn, step)
     cos, sin = cos_sin(cfg, step, i)
     q, k = rope(q, cos, sin, cfg), rope(k, cos, sin, cfg)
     on_ring = g.on_ring(i)
@@ -345,19 +363,19 @@ def attention(g: Graph, step: Step, w: dict, i: int, hdn, k_pool, v_pool):
     out = paged_attention(g, step, i, q, k_pool, v_pool)
     if gate is not None:
         out = out * jax.nn.sigmoid(gate)
-    out = project(g, out, w, f"l{i}.o")
+    out = project(g, out, w, f"l{i}.o", step)
     if cfg.sandwich_norms:
         out = rms_norm(out, w[f"l{i}.post_attn_norm"], g.eps)
     return out, k_pool, v_pool
 
 
-def qkv_heads(g: Graph, w: dict, i: int, hdn):
+def qkv_heads(g: Graph, w: dict, i: int, hdn, step: Step | None = None):
     """The fused q|k|v projection split into heads, [b, t, heads, d], with q/k RMSNorm where the
     family has it; the output gate [b, t, heads * d] (None without one)."""
     cfg = g.cfg
     b, t, _ = hdn.shape
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-    qkv = project(g, hdn, w, f"l{i}.qkv")
+    qkv = project(g, hdn, w, f"l{i}.qkv", step)
     q_width = 2 * heads * d if cfg.attn_output_gate else heads * d
     q, k, v = split_fused(g, qkv, (q_width, kv_heads * d, kv_heads * d))
     gate = None

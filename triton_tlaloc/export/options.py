@@ -97,6 +97,11 @@ class ExportOptions:
     # are; each device reads 1/N of the head a step, the logits are gathered), or copied
     # whole on every device (a vocabulary that does not divide always is).
     replicate_vocab: bool = False
+    # LoRA adapters (docs/design.md#lora-adapters): the largest rank an adapter may have (0:
+    # the entries take no adapters), and the adapters the device holds at once (the pools'
+    # slots besides slot 0, no adapter).
+    max_lora_rank: int = 0
+    lora_slots: int = 4
 
     @property
     def linear_quant(self) -> str | Mapping[str, str] | None:
@@ -146,6 +151,10 @@ class ExportOptions:
         if any(t < 2 for t in self.verify_tokens):
             raise ExportError(f"--verify-tokens {list(self.verify_tokens)}: each must be >= 2 "
                               f"(the sequence's next token and at least one draft token)")
+        if self.max_lora_rank < 0 or self.lora_slots < 1:
+            raise ExportError(f"--max-lora-rank {self.max_lora_rank}, --lora-slots "
+                              f"{self.lora_slots}: a rank >= 0 (0: no adapters) and at least "
+                              f"one slot")
         if self.tensor_parallel < 1:
             raise ExportError(f"--tensor-parallel {self.tensor_parallel}: must be >= 1")
         if self.state_slots is not None and self.state_slots < 1:

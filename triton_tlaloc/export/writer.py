@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .adapters import adapter_layout
 from .checkpoint import Checkpoint, expert_sources, linear_sources, open_checkpoint
 from .config import DecoderConfig
 from .decoder import (STACKED, WeightSlot, entry_program, kv_pools, loops_layers, lower_entry,
@@ -173,6 +174,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
     num_blocks = opts.resolved_num_blocks()
     _check_model(ckpt, num_blocks)
     _check_experts(cfg, opts)
+    lora = adapter_layout(cfg, opts)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -203,10 +205,15 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         linear_state = _linear_state(_program_config(cfg, tp), opts)
         verify_tokens = _verify_tokens(cfg, opts, windowed)
         entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop, verify_tokens,
-                                 tp)
+                                 tp, lora)
         _log_pools(cfg, windowed, linear_state)
+        if lora is not None:
+            _log(f"[export] adapters: rank up to {lora.max_rank}, {lora.slots - 1} slots of "
+                 f"{lora.slot_bytes / 2**20:.1f} MiB")
         manifest = _manifest(cfg, opts, num_blocks, model_hash.hexdigest(), windowed,
                              linear_state, entries, weights, layer_loop, verify_tokens, tp)
+        if lora is not None:
+            manifest["model"]["lora"] = lora.to_json()
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         load_artifact(tmp)  # every body against its signature, every file against the manifest
         if out.exists():
@@ -419,7 +426,7 @@ def entry_name(opts: ExportOptions, kind: str, batch: int, context: int, tokens:
 def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
                    windowed: WindowedKv | None, out: Path, layer_loop: bool,
                    verify_tokens: tuple[int, ...] = (),
-                   tp: TensorParallel | None = None) -> list[Entry]:
+                   tp: TensorParallel | None = None, lora=None) -> list[Entry]:
     (out / "bodies").mkdir()
     (out / "programs").mkdir()
     plan = _entry_plan(opts, verify_tokens)
@@ -431,10 +438,10 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
         slots = opts.resolved_state_slots() if file_cfg.linear is not None else 0
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
                                 opts.weight_dtype, opts.kv_type, windowed, slots,
-                                opts.linear_quant, opts.quant_head, layer_loop, kind)
+                                opts.linear_quant, opts.quant_head, layer_loop, kind, lora)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
                            opts.key_blocks(kind), windowed, slots, opts.linear_quant,
-                           opts.quant_head, layer_loop, kind, tp)
+                           opts.quant_head, layer_loop, kind, tp, lora)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
             # A custom call is a platform's library function (jax's triangular solve lowers to

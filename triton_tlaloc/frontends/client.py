@@ -104,12 +104,13 @@ class TlalocClient:
 
     def request(self, seq_id, tokens, *, start: bool = False, end: bool = False,
                 outputs=("LOGITS",), top_k: int | None = None,
-                cache_salt: str | None = None, draft_tokens: int = 0) -> dict[str, np.ndarray]:
+                cache_salt: str | None = None, draft_tokens: int = 0,
+                lora: str | None = None) -> dict[str, np.ndarray]:
         """One request asking for `outputs` (LOGITS, KV_PAGES, ARGMAX, TOP_K_IDS,
         TOP_K_LOGPROBS, ACCEPTED_IDS); returns those the response holds, each flattened. top_k:
         the request parameter K of the TOP_K outputs (the server's default is 8). draft_tokens:
         the last this many of `tokens` are drafts, verified in one call (ACCEPTED_IDS: those
-        accepted, then the model's own next token)."""
+        accepted, then the model's own next token). lora: a START's LoRA adapter by name."""
         # Checked here, whole: past Triton a NUL would end the salt (generation/parameters.py).
         checked_cache_salt(cache_salt, "TlalocClient")
         mod = self._mod
@@ -119,7 +120,8 @@ class TlalocClient:
         kw = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
         parameters = {**({"top_k": int(top_k)} if top_k is not None else {}),
                       **({"cache_salt": cache_salt} if cache_salt is not None else {}),
-                      **({"draft_tokens": int(draft_tokens)} if draft_tokens else {})}
+                      **({"draft_tokens": int(draft_tokens)} if draft_tokens else {}),
+                      **({"lora": lora} if lora is not None else {})}
         if parameters:
             kw["parameters"] = parameters
         try:
@@ -162,12 +164,13 @@ class TlalocClient:
                         stop_ids: tuple[int, ...] = (), seq_id=None,
                         argmax_output: bool = False,
                         cache_salt: str | None = None, speculate: int = 0,
-                        drafter=prompt_lookup) -> Generation:
+                        drafter=prompt_lookup, lora: str | None = None) -> Generation:
         """Greedy ids chosen on the client from each step's LOGITS, or with argmax_output from
         the server's ARGMAX (4 bytes a step instead of the vocabulary's logits). cache_salt: the
         START's (prompts of different salts share no cached KV). speculate: up to this many
         drafts a step from `drafter(history, k)` (prompt lookup by default), verified by the
-        server in one call; the ids are the same, in fewer steps when drafts are accepted."""
+        server in one call; the ids are the same, in fewer steps when drafts are accepted.
+        lora: the sequence's LoRA adapter by name (the START's)."""
         seq_id = seq_id if seq_id is not None else new_sequence_id()
         outputs = ("ARGMAX",) if argmax_output else ("LOGITS",)
 
@@ -178,7 +181,7 @@ class TlalocClient:
         try:
             t0 = time.perf_counter()
             out = self.request(seq_id, prompt_ids, start=True, outputs=outputs,
-                               cache_salt=cache_salt)
+                               cache_salt=cache_salt, lora=lora)
             prefill_ms = (time.perf_counter() - t0) * 1e3
             ids, step_ms, reason = [next_token(out)], [], "length"
             while True:

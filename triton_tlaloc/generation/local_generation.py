@@ -135,7 +135,8 @@ class Generation:
             self._call_forced = len(self.constraint.queued)
             tokens += self.constraint.queued
         return Request(seq_id=self.seq_id, tokens=tokens, start=True, end=False,
-                       reply_fn=self.on_reply, cache_salt=self.params.cache_salt)
+                       reply_fn=self.on_reply, cache_salt=self.params.cache_salt,
+                       lora=self.params.lora)
 
     def on_reply(self, reply: Reply) -> None:
         """The batcher answered a step (on its thread): choose, emit, queue the next step. Any

@@ -43,6 +43,8 @@ class SamplingParams:
     # The tenant of the prompt's cached KV: prompts of different salts share none (a cache hit
     # is a timing signal that someone sent the same prefix).
     cache_salt: str | None = None
+    # The LoRA adapter the sequence runs with, by name (the sequence model's lora_adapters)
+    lora: str | None = None
     # Drafts verified in one call (generation/speculative.py); None: one token a step.
     speculative: SpeculativeParams | None = None
     # A grammar every chosen token must keep to (generation/structured.py); None: free text.
@@ -66,9 +68,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
-            "ignore_eos", "cache_salt", "speculative", "structured_output", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
-            "logprobs", "prompt_logprobs", "skip_special_tokens")
+            "ignore_eos", "cache_salt", "lora", "speculative", "structured_output",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+            "min_tokens", "logprobs", "prompt_logprobs", "skip_special_tokens")
 
     @staticmethod
     def from_dict(d: dict) -> "SamplingParams":
@@ -138,6 +140,9 @@ class SamplingParams:
         except ValueError as e:
             raise SamplingError(str(e)) from None
 
+        lora = given.get("lora")
+        if lora is not None and (not isinstance(lora, str) or not lora):
+            raise refused("lora", lora, "expected an adapter's name")
         speculative = SpeculativeParams.from_dict(given.get("speculative"))
         structured = StructuredOutput.from_dict(given.get("structured_output"))
         adjusted = penalties.checked(given)
@@ -154,7 +159,7 @@ class SamplingParams:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, stop=tuple(stop),
                                 stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                                cache_salt=cache_salt, speculative=speculative,
+                                cache_salt=cache_salt, lora=lora, speculative=speculative,
                                 structured_output=structured, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs,
                                 skip_special_tokens=skip_special_tokens, **adjusted)

@@ -33,9 +33,11 @@ def pages_for(length: int, block_size: int) -> int:
     return -(-length // block_size)
 
 
-def root_hash(model_hash: str, salt: str = "") -> bytes:
-    """The parent of a sequence's first block: two models, or two cache salts, share nothing."""
-    return blake2b(f"tlaloc-kv\0{model_hash}\0{salt}".encode(), digest_size=HASH_BYTES).digest()
+def root_hash(model_hash: str, salt: str = "", adapter: str = "") -> bytes:
+    """The parent of a sequence's first block: two models, two cache salts, or two LoRA
+    adapters (by content hash; "" none) share nothing."""
+    key = f"tlaloc-kv\0{model_hash}\0{salt}" + (f"\0lora:{adapter}" if adapter else "")
+    return blake2b(key.encode(), digest_size=HASH_BYTES).digest()
 
 
 def block_hash(parent: bytes, tokens) -> bytes:

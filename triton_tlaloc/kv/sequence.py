@@ -57,6 +57,11 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     ring: list[int] = field(default_factory=list)  # windowed pages: block b on ring[b % R]
     state_slot: int | None = None  # its linear-attention state slot (schema v4)
+    # its LoRA adapter (model.lora): its slot in the adapter pools (0: none) and its identity
+    # (a content hash; "" none), which keys its blocks
+    adapter_slot: int = 0
+    adapter: str = ""
+    adapter_name: str = ""  # the name its START gave (lora)
     last_active: float = 0.0  # clock time of its latest request (the backend's reclamation rule)
     root: bytes = b""  # the root of its block hashes: model hash and cache salt (pages.root_hash)
     block_hashes: list[bytes] = field(default_factory=list)  # of blocks 0.. whose KV is computed

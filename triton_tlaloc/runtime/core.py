@@ -33,9 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from ..artifact.loading import load_artifact
-from ..artifact.manifest import (EXPERT_LOAD, LOGITS, POOL_IN_ROLES, POOL_OUT_ROLES, POSITION_ARGMAX,
-                                 POSITION_LOGITS, STATE_STEP_ROLES, STEP_ROLES, WEIGHT,
+from ..artifact.manifest import (EXPERT_LOAD, LOGITS, LORA_POOL, LORA_STEP_ROLES, POOL_IN_ROLES,
+                                 POOL_OUT_ROLES, POSITION_ARGMAX, POSITION_LOGITS,
+                                 STATE_STEP_ROLES, STEP_ROLES, WEIGHT,
                                  WINDOW_STEP_ROLES, Artifact, Entry, numpy_dtype)
+from .adapter_pools import AdapterPools
 from .compiling import BackgroundCompiler, compile_order, compile_workers, first_entries
 from .memory import MemoryLedger
 from .pjrt import CompileStats, compile_cached, default_cache_dir, open_devices
@@ -44,7 +46,7 @@ from ..artifact.stablehlo import strip_aliasing
 log = logging.getLogger("triton_tlaloc.runtime")
 
 # The inputs a call supplies (the rest are pools and weights the runtime holds).
-CALL_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES
+CALL_ROLES = STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES + LORA_STEP_ROLES
 
 # How many runs have their pools' addresses checked: the first CHECKED_RUNS runs, and the first
 # run of every entry (checking every run costs host time and tells nothing new;
@@ -114,6 +116,7 @@ class _CallPlan:
     pools: list  # (position, pool name) of each pool input
     outputs: list  # (role, pool name or None) of each output, in order
     returns: frozenset  # the roles of the outputs that are not pools (LOGITS; verify's two)
+    adapters: list = field(default_factory=list)  # (position, adapter pool name)
 
 
 class Runtime:
@@ -160,6 +163,9 @@ class Runtime:
         self.weights = self._upload_weights()
         self.memory.mark("weights")
         self.pools = self._allocate_pools()
+        # LoRA adapters (model.lora): the adapter pools, slots written by load_adapter
+        lora = self.artifact.lora
+        self.adapters = AdapterPools(self, lora) if lora is not None else None
         self.memory.mark("pools")
         log.info("%s", self.memory.summary())
         self._plans = {name: self._plan(self.artifact.entries[name])
@@ -304,7 +310,7 @@ class Runtime:
     def _plan(self, entry: Entry) -> "_CallPlan":
         """Where each argument of an entry comes from, worked out once: `run` fills a copy of
         the weights-only argument list (walking ~300 inputs by role took 0.2 ms a step)."""
-        args, step, pools = [], [], []
+        args, step, pools, adapters = [], [], [], []
         for i, spec in enumerate(entry.program.inputs):
             if spec.role in CALL_ROLES:
                 step.append((i, spec, numpy_dtype(spec.dtype)))
@@ -312,13 +318,16 @@ class Runtime:
             elif spec.role in POOL_IN_ROLES:
                 pools.append((i, spec.pool))
                 args.append(None)
+            elif spec.role == LORA_POOL:  # read where it lies; replaced when a slot is written
+                adapters.append((i, spec.pool))
+                args.append(None)
             elif spec.role == WEIGHT:
                 args.append(self.weights[spec.slot])
             else:
                 raise AssertionError(spec.role)
         outputs = [(spec.role, spec.pool) for spec in entry.program.outputs]
         returns = frozenset(role for role, _ in outputs if role not in POOL_OUT_ROLES)
-        return _CallPlan(args, step, pools, outputs, returns)
+        return _CallPlan(args, step, pools, outputs, returns, adapters)
 
     # ---------------------------------------------------------------- run
 
@@ -376,6 +385,8 @@ class Runtime:
             args[i] = self.device.put(a)
         for i, pool in plan.pools:
             args[i] = self.pools[pool]
+        for i, pool in plan.adapters:
+            args[i] = self.adapters.values[pool]
         t_inputs = time.perf_counter()
         outs = self.device.execute(exe, args)
         del args

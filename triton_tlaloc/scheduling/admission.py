@@ -20,6 +20,8 @@ import numpy as np
 
 from ..codes import INVALID_ARG, UNAVAILABLE
 from ..engine.core import RequestError, Sequence
+from ..lora.peft_adapter import AdapterError
+from ..lora.registry import AdapterSlotsBusy
 from ..pages import WINDOWED, PagesExhausted, Reuse
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ class Request:
     # it still passes admission's START and activity rules, then is refused with this.
     refusal: tuple[str, str] | None = None
     cache_salt: str | None = None  # a START's tenant: prompts of different salts share no KV
+    lora: str | None = None  # a START's LoRA adapter by name, for the sequence's life
     waiting_since: float | None = None  # when it first waited for pages (host tier on)
     # Speculation: how many of `tokens` (the last ones) are drafts to verify in one call
     draft_tokens: int = 0
@@ -166,6 +169,8 @@ class Admission:
                          len(old.pages))
                 self.state.release(old, ended=True)
             seq = Sequence([], seq_id=r.seq_id)
+            if r.lora is not None and not self._take_adapter(r, seq):
+                return None
         else:
             seq = self.sequences.get(r.seq_id)
             if seq is None and r.end and not r.tokens and r.refusal is None:
@@ -180,7 +185,13 @@ class Admission:
                 return None
         seq.last_active = self.clock()  # a refused request counts as activity too
         if r.refusal is not None:
+            self.state.give_back_adapter(seq)
             self._refuse(r, INVALID_ARG, *r.refusal)
+            return None
+        if not r.start and r.lora is not None and r.lora != seq.adapter_name:
+            self._refuse(r, INVALID_ARG, "adapter",
+                         f"sequence {r.seq_id}: lora {r.lora!r}: its adapter is "
+                         f"{seq.adapter_name or 'none'}, set by its START for its life")
             return None
         if not r.tokens:
             if r.end and not r.start:
@@ -208,9 +219,13 @@ class Admission:
                                     (lambda: engine.readmit(seq, r.tokens)) if seq.dropped else
                                     (lambda: engine.admit(seq, r.tokens, r.cache_salt)))
         except RequestError as e:
+            if r.start:
+                self.state.give_back_adapter(seq)
             self._refuse(r, INVALID_ARG, e.reason, f"sequence {r.seq_id}: {e}")
             return None
         except PagesExhausted as e:
+            if r.start:
+                self.state.give_back_adapter(seq)  # (taken again when it is admitted)
             if not self.room.wait(r, seq, e):
                 self._refuse_exhausted(r, e)
             return None
@@ -220,6 +235,31 @@ class Admission:
             self.sequences[r.seq_id] = seq
             self._started(seq, reuse)
         return Job(r, seq, *before)
+
+    def _take_adapter(self, r: Request, seq: Sequence) -> bool:
+        """A START's adapter into a slot for the sequence's life; False: refused, or waiting
+        for a slot (every slot in use) up to the wait the host tier's requests have."""
+        adapters = self.state.adapters
+        if adapters is None:
+            self._refuse(r, INVALID_ARG, "adapter", f"sequence {r.seq_id}: lora {r.lora!r}: "
+                         f"this model takes no adapters (its artifact has no adapter pools)")
+            return False
+        try:
+            seq.adapter_slot, seq.adapter = adapters.acquire(r.lora)
+        except AdapterError as e:
+            self._refuse(r, INVALID_ARG, "adapter", f"sequence {r.seq_id}: {e}")
+            return False
+        except AdapterSlotsBusy as e:
+            now = self.clock()
+            if r.waiting_since is not None and now - r.waiting_since >= self.room.preempt_wait_s:
+                self._refuse(r, UNAVAILABLE, "adapter_slots",
+                             f"sequence {r.seq_id}: {e}; waited {now - r.waiting_since:.1f} s "
+                             f"(retry when a sequence ends)")
+            else:
+                self.room.defer(r, "an adapter slot")
+            return False
+        seq.adapter_name = r.lora
+        return True
 
     def _started(self, seq: Sequence, reuse: Reuse) -> None:
         self.state.observe("prefix", reuse.queried, reuse.reused, reuse.continued, reuse.from_host)

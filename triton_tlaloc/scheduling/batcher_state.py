@@ -1,7 +1,7 @@
 """What the batcher (batcher.py), its admission (scheduling/admission.py) and its room maker
 (scheduling/room.py) share, as one explicit object: the held sequences by id, the requests waiting
 for pages, the ids busy in the round, the jobs held back for a compile, the count of admissions, and
-the engine, host tier, clock and observer they act through. It also owns the two moves all three
+the engine, host tier, adapter registry, clock and observer they act through. It also owns the two moves all three
 make: releasing a sequence and rolling back an admitted job. Pure Python: no Triton or JAX.
 """
 
@@ -14,14 +14,16 @@ from ..kv.host_tier import HostTier
 from ..kv.sequence import Sequence
 
 if TYPE_CHECKING:
+    from ..lora.registry import AdapterRegistry
     from .admission import Job, Request
 
 
 class BatcherState:
     def __init__(self, engine: Engine, host: HostTier | None, clock: Callable[[], float],
-                 observe: Callable[..., None]):
+                 observe: Callable[..., None], adapters: AdapterRegistry | None = None):
         self.engine = engine
         self.host = host  # the host tier (None: off)
+        self.adapters = adapters  # LoRA adapters by name and their slots (None: none taken)
         self.clock = clock
         self.observe = observe  # observe("method", *args): every observer's method
         self.sequences: dict[int | str, Sequence] = {}  # held, by correlation id
@@ -51,10 +53,19 @@ class BatcherState:
         self.retry_waiting = True
         if seq.swapped is not None:
             self.host.drop(seq)
+        self.give_back_adapter(seq)
         if ended:
             self.engine.finish(seq)
         else:
             self.engine.free(seq)
+
+    def give_back_adapter(self, seq: Sequence) -> None:
+        """The sequence no longer uses its adapter's slot (it keeps the adapter's identity:
+        its kept blocks stay keyed by it)."""
+        if seq.adapter_slot:
+            self.adapters.release(seq.adapter_slot)
+            seq.adapter_slot = 0
+            self.retry_waiting = True
 
     def roll_back(self, job: Job) -> bool:
         """Undo an admitted job whose call failed or was preempted (Engine.rollback); a

@@ -194,10 +194,10 @@ class RoomMaker:
         self.state.observe("preempted")
         self.state.moves.append(("preempted", seq.seq_id))
 
-    def defer(self, r: Request) -> None:
+    def defer(self, r: Request, what: str = "KV pages") -> None:
         if r.waiting_since is None:
             r.waiting_since = self.clock()
-            log.info("sequence %s waits for KV pages (up to %.1f s)", r.seq_id,
+            log.info("sequence %s waits for %s (up to %.1f s)", r.seq_id, what,
                      self.preempt_wait_s)
         self.state.waiting.append(r)
         self.state.busy.add(r.seq_id)

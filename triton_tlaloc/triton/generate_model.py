@@ -332,11 +332,13 @@ class TritonPythonModel:
                                  f"({self.max_context})", INVALID_ARG)
 
     def _step(self, seq_id, tokens, *, start=False, end=False, outputs=("ARGMAX",),
-              cache_salt=None):
+              cache_salt=None, lora=None):
         """One request to the sequence model (BLS); returns its outputs by name."""
         flags = ((pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0)
                  | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if end else 0))
-        kw = {"parameters": {"cache_salt": cache_salt}} if cache_salt is not None else {}
+        parameters = {**({"cache_salt": cache_salt} if cache_salt is not None else {}),
+                      **({"lora": lora} if lora is not None else {})}
+        kw = {"parameters": parameters} if parameters else {}
         req = pb_utils.InferenceRequest(
             model_name=self.sequence_model,
             inputs=[pb_utils.Tensor("TOKENS", np.asarray(tokens, np.int32).reshape(1, -1))],
@@ -380,7 +382,7 @@ class TritonPythonModel:
             # Inside the try: a refused START is ENDed too, or its Triton sequence slot would
             # stay taken until the idle timeout.
             out = self._step(seq_id, prompt, start=True, outputs=outputs,
-                             cache_salt=params.cache_salt)
+                             cache_salt=params.cache_salt, lora=params.lora)
             last = None
             while True:
                 if constraint is not None and constraint.queued:

@@ -131,6 +131,15 @@ class TritonMetrics(Observer):
                                      "tokens routed to each expert, by layer and expert "
                                      "(expert_load_metrics)", F.COUNTER)
         self._experts = None  # (the runtime's running load, what was reported, layer ids)
+        self._adapters_held = family("tlaloc_lora_adapters", "LoRA adapters held, on the "
+                                     "device (in a slot) and in host memory", F.GAUGE)
+        self._adapter_moves = family("tlaloc_lora_adapter_moves_total", "LoRA adapters "
+                                     "written into a slot (load), whose slot went to another "
+                                     "(evict), dropped from host memory (host_evict)",
+                                     F.COUNTER)
+        self._adapter_sequences = family("tlaloc_lora_sequences_total", "Sequences started "
+                                         "with each LoRA adapter", F.COUNTER)
+        self._adapters = None  # (the registry, what was reported)
         if self.has_histograms:
             self._batch = family("tlaloc_batch_size", "Rows per execution", F.HISTOGRAM)
             self._exec = family("tlaloc_execution_seconds", "Execution time of a call",
@@ -192,9 +201,32 @@ class TritonMetrics(Observer):
                                                expert=str(e)), int(load[i, e] - reported[i, e]))
         reported[...] = load
 
+    def watch_adapters(self, registry) -> None:
+        """Report a LoRA adapter registry's counts (lora/registry.py) after each call."""
+        self._adapters = (registry, {})
+        self._report_adapters()
+
+    def _report_adapters(self) -> None:
+        registry, reported = self._adapters
+        stats = registry.stats
+        now = {("move", "load"): stats.loads, ("move", "evict"): stats.evictions,
+               ("move", "host_evict"): stats.host_evictions,
+               **{("adapter", name): n for name, n in stats.rows.items()}}
+        for key, n in now.items():
+            if n != reported.get(key, 0):
+                family, label = ((self._adapter_moves, "move") if key[0] == "move" else
+                                 (self._adapter_sequences, "adapter"))
+                self.writer.increment(self._metric(family, **{label: key[1]}),
+                                      n - reported.get(key, 0))
+                reported[key] = n
+        self.writer.set(self._metric(self._adapters_held, where="device"), registry.on_device)
+        self.writer.set(self._metric(self._adapters_held, where="host"), len(registry.host))
+
     def call(self, kind, entry, rows, tokens, waits_s, seconds, executions=1):
         if self._experts is not None:
             self._report_experts()
+        if self._adapters is not None:
+            self._report_adapters()
         w = self.writer
         w.increment(self._metric(self._executions, kind=kind), executions)
         w.increment(self._metric(self._tokens, kind=kind), tokens)

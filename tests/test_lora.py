@@ -1,0 +1,122 @@
+"""LoRA adapters on one base model (export/lora_graph.py, lora/, runtime/adapter_pools.py):
+two PEFT adapters made here (random A and B, ranks 4 and 8, every attention and MLP linear;
+one with rsLoRA and a rank pattern, one on some layers) loaded into an artifact's adapter
+slots give transformers + PEFT's greedy ids and logits within 1e-5, alone and with rows of
+adapter A, adapter B and no adapter in the same calls. Control: two rows' slots swapped
+change both rows' ids. Adapters that do not fit are refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from checks.engine_runs import decode_together
+from checks.oracle import load_lora_reference, load_reference, logits_error, reference_greedy
+
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.export import ExportOptions, export_artifact
+from triton_tlaloc.export.options import ExportError
+from triton_tlaloc.lora.peft_adapter import AdapterError, read_peft_adapter
+from triton_tlaloc.runtime.core import Runtime
+
+TOL = 1e-5  # of the largest logit, f32
+OPTS = dict(batch_ladder=(1, 4), context_ladder=(64,), block_size=8, prefill_chunk=16,
+            max_lora_rank=8, lora_slots=2)
+PROMPTS = [[(i * 53 + 7) % 240 + 10 for i in range(30)],
+           [(i * 31 + 3) % 240 + 10 for i in range(23)],
+           [(i * 17 + 5) % 240 + 10 for i in range(19)]]
+STEPS = 8
+
+
+def lora_setup(tiny):
+    """The tiny llama, its artifact with adapter pools, and two adapters (made once a run)."""
+    return (tiny.checkpoint("llama", False), tiny.artifact("llama", False, **OPTS), {
+        "a": tiny.lora_adapter("llama", "a", 4, seed=1),
+        # rsLoRA, q_proj at rank 8 (rank_pattern), the rest 6, on layer 1 only
+        "b": tiny.lora_adapter("llama", "b", 6, seed=2, rslora=True, layers=[1],
+                               rank_pattern={"q_proj": 8})})
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    return lora_setup(tiny)
+
+
+def reference(base, adapter, prompt):
+    model = load_lora_reference(base, adapter) if adapter else load_reference(base)
+    return reference_greedy(model, prompt, STEPS)
+
+
+def generate_together(engine: Engine, prompts, slots):
+    """Each prompt's greedy ids with its adapter slot (its prompt in chunks of 16), the rows
+    decoding in the same calls, and each prompt's last logits."""
+    seqs = []
+    for prompt, slot in zip(prompts, slots):
+        s = engine.new_sequence(prompt)
+        s.adapter_slot = slot
+        seqs.append(s)
+    firsts = np.stack([engine.prefill_chunked(s)[0] for s in seqs])
+    ids, _ = decode_together(engine, seqs, firsts, STEPS)
+    for s in seqs:
+        engine.free(s)
+    return ids, firsts
+
+
+def test_adapters_give_transformers_peft_ids_alone_and_together(setup):
+    base, art, adapters = setup
+    manifest = json.loads((art / "tlaloc-serving.json").read_text())["model"]["lora"]
+    assert (manifest["maxRank"], manifest["slots"]) == (8, 3)
+    rt = Runtime(art)
+    read = {name: read_peft_adapter(path, rt.artifact.lora) for name, path in adapters.items()}
+    for slot, name in ((1, "a"), (2, "b")):
+        rt.adapters.write(slot, read[name].arrays)
+    want = [reference(base, adapters["a"], PROMPTS[0]), reference(base, adapters["b"], PROMPTS[1]),
+            reference(base, None, PROMPTS[2])]
+    engine = Engine(rt)
+    for (ids, first), prompt, slot in zip(want, PROMPTS, (1, 2, 0)):  # alone
+        adapter = (slot, read["ab"[slot - 1]].content_hash if slot else "")
+        assert engine.generate_greedy(prompt, STEPS, adapter=adapter).generated_ids == ids
+        got, firsts = generate_together(engine, [prompt], [slot])
+        assert got[0] == ids
+        assert logits_error(firsts[0], first) <= TOL
+    calls = engine.executions
+    got, firsts = generate_together(engine, PROMPTS, (1, 2, 0))
+    assert got == [ids for ids, _ in want]
+    for f, (_, first) in zip(firsts, want):
+        assert logits_error(f, first) <= TOL
+    assert engine.executions - calls == 2 * 3 + STEPS  # each prompt 2 chunks, then together
+    # the control: rows' slots swapped change both rows' ids
+    swapped, _ = generate_together(engine, PROMPTS[:2], (2, 1))
+    assert swapped[0] != want[0][0] and swapped[1] != want[1][0]
+
+
+def test_tlaloc_run_with_an_adapter(setup):
+    base, art, adapters = setup
+    ids, _ = reference(base, adapters["a"], PROMPTS[0])
+    run = subprocess.run([sys.executable, "-m", "triton_tlaloc.cli", "run", str(art),
+                          "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens",
+                          str(STEPS), "--ignore-eos", "--json", "--lora", str(adapters["a"])],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["generated_ids"] == ids
+    assert "written into slot 1" in run.stderr
+
+
+def test_what_cannot_take_adapters_is_refused_by_name(tiny, setup, tmp_path):
+    base, art, adapters = setup
+    for family, what in (("qwen3_5_text", "linear-attention layers"),
+                         ("qwen3_moe", "mixtures of experts")):
+        with pytest.raises(ExportError, match=f"--max-lora-rank 8: adapters on {what}"):
+            export_artifact(tiny.checkpoint(family, False), tmp_path / family,
+                            ExportOptions(**OPTS))
+    with pytest.raises(ExportError, match="adapters with --tensor-parallel are not served"):
+        export_artifact(base, tmp_path / "tp", ExportOptions(**OPTS, tensor_parallel=2))
+    assert not any(tmp_path.iterdir())
+    rt_layout = json.loads((art / "tlaloc-serving.json").read_text())["model"]["lora"]
+    from triton_tlaloc.lora.layout import LoraLayout
+    small = LoraLayout.from_json({**rt_layout, "maxRank": 4})
+    with pytest.raises(AdapterError, match=r"has rank [68], over the artifact.s largest 4"):
+        read_peft_adapter(adapters["b"], small)

@@ -1,0 +1,76 @@
+"""LoRA adapters through a real tritonserver, as `tlaloc repository --lora NAME=DIR` and a
+server started without waiting for its compiles give them: sequences of adapter a, adapter b
+and none, over HTTP and gRPC all at once (the adapters' rows batched in the same calls), each
+get transformers + PEFT's greedy ids; an unknown adapter and a later request naming another
+adapter are refused by name; a model whose artifact takes no adapters refuses `lora`; the
+adapter metrics count the loads and the sequences by adapter."""
+
+from __future__ import annotations
+
+import pytest
+from checks.sequence_checks import run_parallel, url_of
+from test_lora import PROMPTS, STEPS, lora_setup, reference
+
+from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, InferError, TlalocClient,
+                                            new_sequence_id, scrape_metrics)
+from triton_tlaloc.repository import RepositoryOptions, write_repository
+from triton_tlaloc.triton.server import TritonServer
+
+pytestmark = pytest.mark.tritonserver
+
+# (adapter, prompt) of each sequence
+RUNS = [("a", PROMPTS[0]), ("b", PROMPTS[1]), (None, PROMPTS[2])]
+
+
+@pytest.fixture(scope="module")
+def served(tiny, work):
+    base, art, adapters = lora_setup(tiny)
+    repo = work / "repo-lora"
+    write_repository(art, repo, "lora", RepositoryOptions(
+        lora=tuple((name, str(path)) for name, path in adapters.items()),
+        generate_model=False))
+    write_repository(tiny.artifact("llama", False), repo, "plain",
+                     RepositoryOptions(generate_model=False))
+    want = [reference(base, adapters[a] if a else None, p)[0] for a, p in RUNS]
+    server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
+    yield server, want
+    server.stop()
+
+
+def test_adapters_over_http_and_grpc_at_once_give_transformers_peft_ids(served):
+    server, want = served
+    jobs = [(via, i) for via in ("http", "grpc") for i in range(len(RUNS))]
+    got = {}
+
+    def send(n):
+        via, i = jobs[n]
+        with TlalocClient(url_of(server, via), "lora", via) as c:
+            got[jobs[n]] = c.generate_greedy(RUNS[i][1], STEPS, lora=RUNS[i][0]).generated_ids
+    run_parallel(send, len(jobs))
+    assert {job: ids for job, ids in got.items()} == {
+        (via, i): want[i] for via, i in jobs}
+    # the metrics: both adapters written into their slots once, each started twice
+    metrics = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+
+    def value(name, **labels):
+        return sum(v for (m, got), v in metrics.items() if m == name and ("model", "lora") in got
+                   and all((k, v) in got for k, v in labels.items()))
+    assert value("tlaloc_lora_sequences_total", adapter="a") >= 2
+    assert value("tlaloc_lora_sequences_total", adapter="b") >= 2
+    assert value("tlaloc_lora_adapter_moves_total", move="load") == 2
+    assert value("tlaloc_lora_adapters", where="device") == 2
+
+
+def test_unknown_adapters_and_another_adapter_later_are_refused_by_name(served):
+    server, _ = served
+    with TlalocClient(server.grpc_url, "lora", "grpc") as c:
+        with pytest.raises(InferError, match=r"unknown adapter 'nope' \(loaded: a, b\)"):
+            c.request(new_sequence_id(), PROMPTS[0], start=True, lora="nope")
+        seq = new_sequence_id()
+        c.request(seq, PROMPTS[0], start=True, lora="a")
+        with pytest.raises(InferError, match="its adapter is a, set by its START"):
+            c.request(seq, [5], lora="b")
+        c.request(seq, [5], end=True)  # the sequence was untouched by the refusal
+    with TlalocClient(server.http_url, "plain", "http") as c:
+        with pytest.raises(InferError, match="this model takes no adapters"):
+            c.request(new_sequence_id(), PROMPTS[0], start=True, lora="a")

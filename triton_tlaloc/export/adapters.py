@@ -1,0 +1,31 @@
+"""--max-lora-rank: the adapter pools an export's entries read (lora/layout.py), or a model
+they cannot serve refused by name before anything is written."""
+
+from __future__ import annotations
+
+from ..lora.layout import LoraLayout, lora_layout
+from .config import DecoderConfig
+from .options import ExportError, ExportOptions
+
+
+def adapter_layout(cfg: DecoderConfig, opts: ExportOptions) -> LoraLayout | None:
+    """The pools of `opts.max_lora_rank` and `opts.lora_slots` (plus slot 0, no adapter) for
+    every layer's q|k|v, o, gate|up and down; None without --max-lora-rank."""
+    if not opts.max_lora_rank:
+        return None
+    flag = f"--max-lora-rank {opts.max_lora_rank}"
+    missing = ("linear-attention layers" if cfg.linear is not None else
+               "mixtures of experts" if cfg.moe is not None else
+               "gated attention outputs" if cfg.attn_output_gate else None)
+    if missing:
+        raise ExportError(f"{flag}: adapters on {missing} ({cfg.family}) are not served; "
+                          f"adapters are served on llama, qwen3, mistral and gemma3_text")
+    if opts.tensor_parallel > 1:
+        raise ExportError(f"{flag}: adapters with --tensor-parallel are not served yet")
+    d = cfg.head_size
+    return lora_layout(opts.max_lora_rank, opts.lora_slots + 1, cfg.num_layers,
+                       cfg.hidden_size, cfg.num_heads * d, cfg.num_kv_heads * d,
+                       cfg.num_heads * d, cfg.intermediate_size)
+
+
+__all__ = ["adapter_layout"]
