@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 from checks.sequence_checks import run_parallel, url_of
-from test_lora import PROMPTS, STEPS, lora_setup, reference
+from test_lora import OPTS, PROMPTS, STEPS, lora_setup, reference
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, InferError, TlalocClient,
-                                            new_sequence_id, scrape_metrics)
+                                            generate, new_sequence_id, scrape_metrics)
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.triton.server import TritonServer
 
@@ -27,25 +27,37 @@ def served(tiny, work):
     base, art, adapters = lora_setup(tiny)
     repo = work / "repo-lora"
     write_repository(art, repo, "lora", RepositoryOptions(
-        lora=tuple((name, str(path)) for name, path in adapters.items()),
-        generate_model=False))
+        lora=tuple((name, str(path)) for name, path in adapters.items())))
     write_repository(tiny.artifact("llama", False), repo, "plain",
                      RepositoryOptions(generate_model=False))
+    # six adapters for two slots
+    many = {f"c{k}": tiny.lora_adapter("llama", f"c{k}", 2 + k, seed=10 + k) for k in range(6)}
+    write_repository(tiny.artifact("llama", False, **{**OPTS, "lora_slots": 2}), repo,
+                     "cycling", RepositoryOptions(
+                         lora=tuple((n, str(p)) for n, p in many.items()), generate_model=False))
     want = [reference(base, adapters[a] if a else None, p)[0] for a, p in RUNS]
+    want_many = {n: reference(base, p, PROMPTS[k % 3])[0] for k, (n, p) in enumerate(many.items())}
     server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
-    yield server, want
+    yield server, want, want_many
     server.stop()
 
 
-def test_adapters_over_http_and_grpc_at_once_give_transformers_peft_ids(served):
-    server, want = served
-    jobs = [(via, i) for via in ("http", "grpc") for i in range(len(RUNS))]
+def test_adapters_over_http_grpc_and_the_generate_model_at_once_give_transformers_peft_ids(
+        served):
+    server, want, _ = served
+    jobs = [(via, i) for via in ("http", "grpc", "generate") for i in range(len(RUNS))]
     got = {}
 
     def send(n):
         via, i = jobs[n]
+        adapter, prompt = RUNS[i]
+        if via == "generate":  # the sampling parameter lora, the loop in the model's process
+            r = generate(server.grpc_url, "lora_generate", input_ids=prompt, sampling={
+                "max_tokens": STEPS, "ignore_eos": True, **({"lora": adapter} if adapter else {})})
+            got[jobs[n]] = r.token_ids if r.error is None else r.error
+            return
         with TlalocClient(url_of(server, via), "lora", via) as c:
-            got[jobs[n]] = c.generate_greedy(RUNS[i][1], STEPS, lora=RUNS[i][0]).generated_ids
+            got[jobs[n]] = c.generate_greedy(prompt, STEPS, lora=adapter).generated_ids
     run_parallel(send, len(jobs))
     assert {job: ids for job, ids in got.items()} == {
         (via, i): want[i] for via, i in jobs}
@@ -55,14 +67,14 @@ def test_adapters_over_http_and_grpc_at_once_give_transformers_peft_ids(served):
     def value(name, **labels):
         return sum(v for (m, got), v in metrics.items() if m == name and ("model", "lora") in got
                    and all((k, v) in got for k, v in labels.items()))
-    assert value("tlaloc_lora_sequences_total", adapter="a") >= 2
-    assert value("tlaloc_lora_sequences_total", adapter="b") >= 2
+    assert value("tlaloc_lora_sequences_total", adapter="a") >= 3
+    assert value("tlaloc_lora_sequences_total", adapter="b") >= 3
     assert value("tlaloc_lora_adapter_moves_total", move="load") == 2
     assert value("tlaloc_lora_adapters", where="device") == 2
 
 
 def test_unknown_adapters_and_another_adapter_later_are_refused_by_name(served):
-    server, _ = served
+    server, _, _ = served
     with TlalocClient(server.grpc_url, "lora", "grpc") as c:
         with pytest.raises(InferError, match=r"unknown adapter 'nope' \(loaded: a, b\)"):
             c.request(new_sequence_id(), PROMPTS[0], start=True, lora="nope")
@@ -74,3 +86,29 @@ def test_unknown_adapters_and_another_adapter_later_are_refused_by_name(served):
     with TlalocClient(server.http_url, "plain", "http") as c:
         with pytest.raises(InferError, match="this model takes no adapters"):
             c.request(new_sequence_id(), PROMPTS[0], start=True, lora="a")
+
+
+def test_more_adapters_than_slots_cycle_through_them_with_no_refusal(served):
+    """Six adapters, two slots, three users at once, each starting four sequences with the
+    next adapters in turn: every sequence gets its adapter's ids (a START waits while both
+    slots are in use, then takes the slot of an adapter no sequence uses); the adapters were
+    written into slots again and again, and nothing was refused."""
+    server, _, want = served
+    names = sorted(want)
+    got = {}
+
+    def user(u):
+        with TlalocClient(server.grpc_url, "cycling", "grpc") as c:
+            for turn in range(4):
+                name = names[(u + 2 * turn) % len(names)]
+                k = names.index(name)
+                got[u, turn] = (name, c.generate_greedy(PROMPTS[k % 3], STEPS,
+                                                        lora=name).generated_ids)
+    run_parallel(user, 3)
+    assert len(got) == 12 and all(ids == want[name] for name, ids in got.values())
+    metrics = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+    loads = sum(v for (m, labels), v in metrics.items() if m == "tlaloc_lora_adapter_moves_total"
+                and ("model", "cycling") in labels and ("move", "load") in labels)
+    refused = sum(v for (m, labels), v in metrics.items() if m == "tlaloc_refusals_total"
+                  and ("model", "cycling") in labels)
+    assert loads >= 6 and refused == 0, (loads, refused)

@@ -623,10 +623,10 @@ def test_the_command_line_builds_the_options(monkeypatch, capsys):
     from triton_tlaloc import cli
 
     served = []
-    monkeypatch.setattr(ServedModel, "discover", staticmethod(
+    monkeypatch.setattr(ServedModel, "discover_with_adapters", staticmethod(
         lambda url, name, tokenizer_dir=None, tool_parser="auto", reasoning_parser="auto":
-        ServedModel(name, name + "_generate", FakeTokenizer(), 100, tool_parser,
-                    reasoning_parser)))
+        {name: ServedModel(name, name + "_generate", FakeTokenizer(), 100, tool_parser,
+                           reasoning_parser)}))
     monkeypatch.setattr(openai_server, "serve", lambda url, models, host, port, *, options:
                         served.append((host, port, options)))
 

@@ -271,9 +271,11 @@ def cmd_openai(args) -> int:
         max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s,
         max_header_bytes=args.max_header_bytes)
-    models = {name: ServedModel.discover(args.url, name, args.tokenizer, args.tool_call_parser,
-                                         args.reasoning_parser)
-              for name in args.model}
+    models = {}  # each model, and each LoRA adapter its sequence model serves as a model
+    for name in args.model:
+        models.update(ServedModel.discover_with_adapters(
+            args.url, name, tokenizer_dir=args.tokenizer, tool_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser))
     serve(args.url, models, args.host, args.port, options=options)
     return 0
 

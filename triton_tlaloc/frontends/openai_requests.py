@@ -13,6 +13,7 @@ parameters (`GenerateCall`), every field checked by name (a 400 naming it otherw
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ class ServedModel:
     tool_parser: str = "auto"  # the format its model writes tool calls in (tool_calls.PARSERS)
     # How its model's answer holds its reasoning (reasoning.PARSERS; None: it holds none)
     reasoning_parser: str | None = "auto"
+    # A LoRA adapter of the model `parent` served under its own name (vLLM's convention): its
+    # generations carry the sampling parameter lora
+    lora: str | None = None
+    parent: str | None = None
 
     def __post_init__(self):
         template = getattr(self.tokenizer, "chat_template", None)
@@ -69,6 +74,30 @@ class ServedModel:
             raise ValueError(f"{gen} names no tokenizer directory: pass --tokenizer")
         return ServedModel(name, gen, ArtifactTokenizer(Path(directory)),
                            int(params["max_context"]), tool_parser, reasoning_parser)
+
+    def adapter(self, name: str) -> "ServedModel":
+        """This model with its LoRA adapter `name`, served as the model `name`."""
+        return dataclasses.replace(self, name=name, lora=name, parent=self.name)
+
+    @staticmethod
+    def discover_with_adapters(url: str, name: str, **kw) -> dict[str, "ServedModel"]:
+        """NAME as `discover` finds it, and each LoRA adapter its sequence model serves
+        (lora_adapters) as a model of its own name; an adapter named as another model is
+        refused."""
+        from .client import TlalocClient
+        from ..lora.registry import parse_adapters
+
+        base = ServedModel.discover(url, name, **kw)
+        with TlalocClient(url, name, "grpc") as c:
+            adapters = parse_adapters(c.model_parameters().get("lora_adapters", ""))
+        if name in adapters:
+            raise ValueError(f"model {name}: an adapter of the same name")
+        return {name: base, **{a: base.adapter(a) for a in adapters}}
+
+
+def _adapter(model: ServedModel) -> dict:
+    """An adapter model's generations run its base model with the adapter."""
+    return {"lora": model.lora} if model.lora else {}
 
 
 def _sampling(body: dict) -> dict:
@@ -255,7 +284,7 @@ def completion_call(models: dict[str, ServedModel], body: dict,
     come as a list of one); max_tokens defaults to 16."""
     model = served_model(models, body)
     stream, include_usage = _streaming(body)
-    sampling = {"max_tokens": 16, **_sampling(body)}
+    sampling = {"max_tokens": 16, **_sampling(body), **_adapter(model)}
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -352,7 +381,7 @@ def chat_call(models: dict[str, ServedModel], body: dict,
     defaults to what the largest context leaves after the prompt."""
     model = served_model(models, body)
     stream, include_usage = _streaming(body)
-    sampling = _sampling(body)
+    sampling = {**_sampling(body), **_adapter(model)}
     messages = chat_messages(body.get("messages"))
     if body.get("echo") not in (None, False):
         raise APIError(400, "echo: only on /v1/completions")

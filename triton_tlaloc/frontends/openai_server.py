@@ -253,7 +253,7 @@ class Generations:
 async def list_models(request: Request):
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "triton-tlaloc",
-         "root": name, "max_model_len": m.max_context}
+         "root": name, "parent": m.parent, "max_model_len": m.max_context}
         for name, m in request.app.state.models.items()]}
 
 

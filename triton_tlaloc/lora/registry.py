@@ -158,4 +158,15 @@ class AdapterRegistry:
             raise AdapterError(f"unknown adapter {name!r} (loaded: {known})")
 
 
-__all__ = ["AdapterRegistry", "AdapterSlotsBusy", "AdapterStats"]
+def parse_adapters(text: str) -> dict[str, str]:
+    """The lora_adapters parameter, NAME=DIR,NAME=DIR, as {NAME: DIR}."""
+    out = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        name, sep, directory = item.partition("=")
+        if not sep or not name or not directory:
+            raise AdapterError(f"lora_adapters: {item!r} is not NAME=DIR")
+        out[name] = directory
+    return out
+
+
+__all__ = ["AdapterRegistry", "AdapterSlotsBusy", "AdapterStats", "parse_adapters"]

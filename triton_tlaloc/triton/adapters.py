@@ -5,10 +5,9 @@ name), and a request's `lora` parameter."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from ..lora.peft_adapter import AdapterError, read_peft_adapter
-from ..lora.registry import AdapterRegistry
+from ..lora.registry import AdapterRegistry, parse_adapters
 
 log = logging.getLogger("triton_tlaloc.adapters")
 
@@ -33,17 +32,6 @@ def adapter_registry(runtime, params: dict) -> AdapterRegistry | None:
     return registry
 
 
-def parse_adapters(text: str) -> dict[str, str]:
-    """NAME=DIR,NAME=DIR as {NAME: DIR}."""
-    out = {}
-    for item in filter(None, (t.strip() for t in (text or "").split(","))):
-        name, sep, directory = item.partition("=")
-        if not sep or not name or not directory:
-            raise AdapterError(f"lora_adapters: {item!r} is not NAME=DIR")
-        out[name] = str(Path(directory))
-    return out
-
-
 def lora_parameter(parameters: dict) -> str | None:
     """A request's lora: the adapter's name, a string (None: none)."""
     name = parameters.get("lora")
@@ -52,4 +40,4 @@ def lora_parameter(parameters: dict) -> str | None:
     return name or None
 
 
-__all__ = ["adapter_registry", "lora_parameter", "parse_adapters"]
+__all__ = ["adapter_registry", "lora_parameter"]
