@@ -1,9 +1,10 @@
 """LoRA adapters on one base model (export/lora_graph.py, lora/, runtime/adapter_pools.py):
 two PEFT adapters made here (random A and B, ranks 4 and 8, every attention and MLP linear;
 one with rsLoRA and a rank pattern, one on some layers) loaded into an artifact's adapter
-slots give transformers + PEFT's greedy ids and logits within 1e-5, alone and with rows of
-adapter A, adapter B and no adapter in the same calls. Control: two rows' slots swapped
-change both rows' ids. Adapters that do not fit are refused by name."""
+slots give transformers + PEFT's greedy ids and logits within 1e-5, alone (prompt lookup's
+drafts verified too) and with rows of adapter A, adapter B and no adapter in the same calls.
+Control: two rows' slots swapped change both rows' ids. Adapters that do not fit are refused
+by name."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from checks.engine_runs import decode_together
 from checks.oracle import load_lora_reference, load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.generation.drafting import prompt_lookup
 from triton_tlaloc.export import ExportOptions, export_artifact
 from triton_tlaloc.export.options import ExportError
 from triton_tlaloc.lora.peft_adapter import AdapterError, read_peft_adapter
@@ -24,7 +26,7 @@ from triton_tlaloc.runtime.core import Runtime
 
 TOL = 1e-5  # of the largest logit, f32
 OPTS = dict(batch_ladder=(1, 4), context_ladder=(64,), block_size=8, prefill_chunk=16,
-            max_lora_rank=8, lora_slots=2)
+            max_lora_rank=8, lora_slots=2, verify_tokens=(3,))
 PROMPTS = [[(i * 53 + 7) % 240 + 10 for i in range(30)],
            [(i * 31 + 3) % 240 + 10 for i in range(23)],
            [(i * 17 + 5) % 240 + 10 for i in range(19)]]
@@ -82,6 +84,12 @@ def test_adapters_give_transformers_peft_ids_alone_and_together(setup):
         got, firsts = generate_together(engine, [prompt], [slot])
         assert got[0] == ids
         assert logits_error(firsts[0], first) <= TOL
+    # prompt lookup's drafts (a prompt that repeats itself) verified with adapter b: its ids
+    repeating = PROMPTS[1][:8] * 3
+    spec = engine.generate_greedy(repeating, STEPS, adapter=(2, read["b"].content_hash),
+                                  speculate=2, drafter=prompt_lookup)
+    assert spec.generated_ids == reference(base, adapters["b"], repeating)[0]
+    assert any(e.startswith("verify") for e in rt.donation.entries_checked)
     calls = engine.executions
     got, firsts = generate_together(engine, PROMPTS, (1, 2, 0))
     assert got == [ids for ids, _ in want]

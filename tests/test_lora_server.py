@@ -27,7 +27,8 @@ def served(tiny, work):
     base, art, adapters = lora_setup(tiny)
     repo = work / "repo-lora"
     write_repository(art, repo, "lora", RepositoryOptions(
-        lora=tuple((name, str(path)) for name, path in adapters.items())))
+        lora=tuple((name, str(path)) for name, path in adapters.items()),
+        lora_updates_root=str(tiny.run_dir)))  # (where the tests' adapters are made)
     write_repository(tiny.artifact("llama", False), repo, "plain",
                      RepositoryOptions(generate_model=False))
     # six adapters for two slots
@@ -112,3 +113,27 @@ def test_more_adapters_than_slots_cycle_through_them_with_no_refusal(served):
     refused = sum(v for (m, labels), v in metrics.items() if m == "tlaloc_refusals_total"
                   and ("model", "cycling") in labels)
     assert loads >= 6 and refused == 0, (loads, refused)
+
+
+def test_an_adapter_loaded_and_unloaded_while_serving(served, tiny):
+    """The request parameter lora_admin (what tlaloc openai's /v1/load_lora_adapter sends):
+    an adapter loaded from under lora_updates_root serves its ids; one outside it is refused by
+    name; unloading it while a sequence uses it is refused, after that sequence's END it is
+    gone (a START naming it: unknown)."""
+    server, _, want = served
+    with TlalocClient(server.grpc_url, "lora", "grpc") as c:
+        def admin(command):
+            c.request(new_sequence_id(), [], start=True, end=True, outputs=("KV_PAGES",),
+                      admin=command)
+        with pytest.raises(InferError, match="is outside the directory adapters may be"):
+            admin({"load": {"name": "late", "path": "../elsewhere"}})
+        admin({"load": {"name": "late", "path": tiny.lora_adapter("llama", "c0", 2, 10).name}})
+        assert c.generate_greedy(PROMPTS[0], STEPS, lora="late").generated_ids == want["c0"]
+        seq = new_sequence_id()
+        c.request(seq, PROMPTS[0], start=True, lora="late")
+        with pytest.raises(InferError, match="adapter late is in use by 1 live sequence"):
+            admin({"unload": "late"})
+        c.request(seq, [5], end=True)
+        admin({"unload": "late"})
+        with pytest.raises(InferError, match="unknown adapter 'late'"):
+            c.request(new_sequence_id(), PROMPTS[0], start=True, lora="late")

@@ -71,13 +71,14 @@ def test_64_sequences_batched_equal_their_solo_runs(tiny, work):
         # the bound that tells them apart.
         assert rows / calls >= 1.5, "the streams decoded in shared calls (alone: 1 row a call)"
 
-        # Four clients pausing 0-5 ms before each of 15 steps: one call a step (15, and at most
-        # one more), each sequence its solo ids. Bounded by the step, the control's cohort splits
-        # (verify.sh saw 37 and 47 calls with that bound as the default).
+        # Four clients pausing 0-5 ms before each of 15 steps: one call a step (15, and up to
+        # three more on a loaded machine: 17 in one CI run), each sequence its solo ids.
+        # Bounded by the step, the control's cohort splits (verify.sh saw 37 and 47 calls with
+        # that bound as the default).
         for model in ("many", "many_split"):
             solo_runs(server.grpc_url, "grpc", model, [[3, 4]], 2)  # warm: its entries compiled
         calls, same = paused_sequences(server.metrics_url, server.grpc_url, "grpc", "many")
         split, _ = paused_sequences(server.metrics_url, server.grpc_url, "grpc", "many_split")
         print(f"4 pausing clients, 60 steps: {calls} decode calls; bounded by the step: {split}")
-        assert same and calls <= 16, f"{calls} decode calls for 15 steps of 4 sequences"
+        assert same and calls <= 18, f"{calls} decode calls for 15 steps of 4 sequences"
         assert split > 20, f"the control's cohort did not split ({split} calls)"

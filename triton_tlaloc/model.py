@@ -35,7 +35,7 @@ from .scheduling.observer import TimingLog
 from .triton.model_metrics import GrammarMetrics, TritonMetrics
 from .model_parameters import DEFAULTS
 from .runtime.pjrt import cpu_devices, instance_devices
-from .triton.adapters import adapter_registry, lora_parameter
+from .triton.adapters import adapter_registry, lora_admin_parameter, lora_parameter
 from .triton.outputs import (LOGIT_OUTPUTS, TOP_K_DEFAULT, cache_salt_parameter,
                              draft_tokens_parameter, small_outputs, top_k_parameter)
 from .scheduling.policy import BatchPolicy
@@ -225,7 +225,7 @@ class TritonPythonModel:
                     start=bool(start is not None and start.as_numpy().reshape(-1)[0]),
                     end=bool(end is not None and end.as_numpy().reshape(-1)[0]),
                     reply_fn=reply_fn, cache_salt=cache_salt_parameter(parameters),
-                    lora=lora_parameter(parameters),
+                    lora=lora_parameter(parameters), admin=lora_admin_parameter(parameters),
                     draft_tokens=draft_tokens_parameter(parameters),
                     want_logits=bool(wanted & LOGIT_OUTPUTS))
                 # Sizes first: ids past the largest context are not converted, only refused

@@ -93,6 +93,12 @@ PARAMETERS: tuple[ModelParameter, ...] = (
         "the request parameter `lora` ([LoRA adapters](design.md#lora-adapters)); needs an "
         "artifact exported with `--max-lora-rank`", "--lora", shown="none"),
     ModelParameter(
+        "lora_updates_root", "",
+        "the directory adapters may be loaded from while the model serves (the request "
+        "parameter `lora_admin`, which `tlaloc openai`'s `/v1/load_lora_adapter` sends); "
+        "none: adapters are only those `lora_adapters` names", "--lora-updates-root",
+        shown="none (off)"),
+    ModelParameter(
         "lora_host_bytes", "1073741824",
         "host memory for adapters read from disk, so one written into a slot again is not "
         "read again (least recently used out)", "--lora-host-bytes"),

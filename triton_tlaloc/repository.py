@@ -58,6 +58,7 @@ class RepositoryOptions:
     # LoRA adapters served by name: (name, PEFT adapter directory) each
     lora: tuple[tuple[str, str], ...] = ()
     lora_host_bytes: int = default_int("lora_host_bytes")
+    lora_updates_root: str = ""  # adapters loaded while serving come from here ("": none)
     # how long a request waits for pages
     preempt_wait_microseconds: int = default_int("preempt_wait_microseconds")
     # ready once a first request's entries are compiled
@@ -172,6 +173,8 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         **({"host_kv_bytes": opts.host_kv_bytes} if opts.host_kv_bytes is not None else {}),
         **({"lora_adapters": _lora_adapters(artifact, opts.lora)} if opts.lora else {}),
         "lora_host_bytes": opts.lora_host_bytes,
+        **({"lora_updates_root": str(Path(opts.lora_updates_root).resolve())}
+           if opts.lora_updates_root else {}),
         "preempt_wait_microseconds": opts.preempt_wait_microseconds,
         "background_compile": "true" if opts.background_compile else "false",
         "reply_threads": opts.reply_threads,

@@ -93,3 +93,25 @@ def test_refusals_change_nothing():
     assert reg.names == ["b", "c", "d"] and reg.slot_of("a") == 0 and "a" not in reg.host
     with pytest.raises(AssertionError):
         reg.release(slot)  # no sequence holds it
+
+
+def test_loads_and_unloads_while_serving_come_only_from_under_the_updates_root(tmp_path):
+    files = Files()
+    off = AdapterRegistry(2, files.read, files.write, 1 << 20)
+    with pytest.raises(AdapterError, match="loading adapters while serving is off"):
+        off.update({"load": {"name": "x", "path": "x"}})
+    root = tmp_path / "adapters"
+    reg = AdapterRegistry(2, files.read, files.write, 1 << 20, updates_root=root)
+    assert reg.update({"load": {"name": "x", "path": "x"}}) == "adapter x loaded (rank 4)"
+    assert reg.paths["x"] == (root / "x").resolve()
+    for path in ("../elsewhere", str(tmp_path / "elsewhere"), "x/../../y"):
+        with pytest.raises(AdapterError, match="is outside the directory adapters may be"):
+            reg.update({"load": {"name": "y", "path": path}})
+    for bad in ({"load": {"name": "y"}}, {"unload": 3}, {"drop": "x"}, {}):
+        with pytest.raises(AdapterError, match="lora_admin"):
+            reg.update(bad)
+    slot, _ = reg.acquire("x")
+    with pytest.raises(AdapterError, match="in use by 1 live sequence"):
+        reg.update({"unload": "x"})
+    reg.release(slot)
+    assert reg.update({"unload": "x"}) == "adapter x unloaded" and reg.names == []

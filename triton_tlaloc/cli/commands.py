@@ -231,6 +231,7 @@ def cmd_repository(args) -> int:
                              generation_loop=args.generation_loop,
                              host_kv_bytes=args.host_kv_bytes,
                              lora=tuple(args.lora), lora_host_bytes=args.lora_host_bytes,
+                             lora_updates_root=args.lora_updates_root,
                              preempt_wait_microseconds=args.preempt_wait_us,
                              background_compile=not args.compile_all_first)
     model_dir = write_repository(args.artifact, args.repo, args.name, opts)
@@ -263,8 +264,11 @@ def cmd_openai(args) -> int:
         print(f"tlaloc openai: warning: serving {args.host}, not a loopback address, with no "
               f"API key: whoever reaches it can generate (set TLALOC_API_KEY or --api-key)",
               file=sys.stderr)
+    admin_key = (args.admin_key if args.admin_key is not None
+                 else os.environ.get("TLALOC_ADMIN_KEY")) or None
     options = ServerOptions(
-        api_key=api_key, max_body_bytes=args.max_body_bytes, max_concurrent=args.max_concurrent,
+        api_key=api_key, admin_key=admin_key, max_body_bytes=args.max_body_bytes,
+        max_concurrent=args.max_concurrent,
         cors_origins=tuple(args.cors_origin or ()),
         allowed_hosts=(tuple(args.allowed_host) if args.allowed_host
                        else default_allowed_hosts(args.host)),

@@ -235,6 +235,9 @@ def _add_repository_parser(sub) -> None:
                    type=name_and_dir,
                    help="a PEFT LoRA adapter served by NAME (a START's request parameter "
                         "lora); repeat for more; the artifact exported with --max-lora-rank")
+    p.add_argument("--lora-updates-root", default="", metavar="DIR",
+                   help="adapters may be loaded and unloaded while serving from under DIR "
+                        "(tlaloc openai's /v1/load_lora_adapter); default: off")
     p.add_argument("--lora-host-bytes", type=int,
                    default=RepositoryOptions.lora_host_bytes,
                    help="host memory for adapters read from disk (least recently used out)")
@@ -362,6 +365,10 @@ def _add_openai_parser(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="ask every request for `Authorization: Bearer KEY` (default: the "
                         "TLALOC_API_KEY environment variable, which `ps` does not show; none)")
+    p.add_argument("--admin-key", default=None,
+                   help="open /v1/load_lora_adapter and /v1/unload_lora_adapter to requests "
+                        "with the header x-tlaloc-admin-key: KEY (default: the "
+                        "TLALOC_ADMIN_KEY environment variable; none: closed)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="the largest request body read (default 4 MiB; larger: 413)")
     p.add_argument("--max-concurrent", type=int, default=64,

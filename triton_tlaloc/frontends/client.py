@@ -105,12 +105,13 @@ class TlalocClient:
     def request(self, seq_id, tokens, *, start: bool = False, end: bool = False,
                 outputs=("LOGITS",), top_k: int | None = None,
                 cache_salt: str | None = None, draft_tokens: int = 0,
-                lora: str | None = None) -> dict[str, np.ndarray]:
+                lora: str | None = None, admin: dict | None = None) -> dict[str, np.ndarray]:
         """One request asking for `outputs` (LOGITS, KV_PAGES, ARGMAX, TOP_K_IDS,
         TOP_K_LOGPROBS, ACCEPTED_IDS); returns those the response holds, each flattened. top_k:
         the request parameter K of the TOP_K outputs (the server's default is 8). draft_tokens:
         the last this many of `tokens` are drafts, verified in one call (ACCEPTED_IDS: those
-        accepted, then the model's own next token). lora: a START's LoRA adapter by name."""
+        accepted, then the model's own next token). lora: a START's LoRA adapter by name; admin: an
+        adapter load or unload (the parameter lora_admin, sent as its JSON)."""
         # Checked here, whole: past Triton a NUL would end the salt (generation/parameters.py).
         checked_cache_salt(cache_salt, "TlalocClient")
         mod = self._mod
@@ -121,7 +122,8 @@ class TlalocClient:
         parameters = {**({"top_k": int(top_k)} if top_k is not None else {}),
                       **({"cache_salt": cache_salt} if cache_salt is not None else {}),
                       **({"draft_tokens": int(draft_tokens)} if draft_tokens else {}),
-                      **({"lora": lora} if lora is not None else {})}
+                      **({"lora": lora} if lora is not None else {}),
+                      **({"lora_admin": json.dumps(admin)} if admin is not None else {})}
         if parameters:
             kw["parameters"] = parameters
         try:

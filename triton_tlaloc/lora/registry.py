@@ -44,10 +44,14 @@ class AdapterRegistry:
 
     def __init__(self, slots: int, read: Callable[[Path], LoraAdapter],
                  write: Callable[[int, dict | None], float], host_budget: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 updates_root: str | Path | None = None):
         assert slots >= 1, slots
         self.read, self.write, self.clock = read, write, clock
         self.host_budget = host_budget
+        # adapters may be loaded and unloaded while serving only from under this directory
+        # (None: not at all)
+        self.updates_root = Path(updates_root).resolve() if updates_root else None
         self.paths: dict[str, Path] = {}
         self.hashes: dict[str, str] = {}  # each adapter's identity (its files' hash)
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
@@ -84,6 +88,30 @@ class AdapterRegistry:
             self.in_slot[slot] = None
         self.host.pop(name, None)
         del self.paths[name], self.hashes[name]
+
+    def update(self, command: dict) -> str:
+        """A load or unload while serving ({"load": {"name", "path"}} or {"unload": name}):
+        what was done, or AdapterError naming why not (updates off, a path outside the
+        updates root, an adapter in use, ...), nothing changed."""
+        if self.updates_root is None:
+            raise AdapterError("loading adapters while serving is off (the model parameter "
+                               "lora_updates_root names the directory they may come from)")
+        if not isinstance(command, dict) or len(command) != 1:
+            raise AdapterError("lora_admin: expected {\"load\": {\"name\": ..., \"path\": "
+                               "...}} or {\"unload\": name}")
+        (verb, arg), = command.items()
+        if verb == "unload" and isinstance(arg, str):
+            self.unregister(arg)
+            return f"adapter {arg} unloaded"
+        if verb == "load" and isinstance(arg, dict) and set(arg) == {"name", "path"} and all(
+                isinstance(v, str) for v in arg.values()):
+            path = (self.updates_root / arg["path"]).resolve()
+            if not path.is_relative_to(self.updates_root):
+                raise AdapterError(f"adapter path {arg['path']!r} is outside the directory "
+                                   f"adapters may be loaded from")
+            adapter = self.register(arg["name"], path)
+            return f"adapter {arg['name']} loaded (rank {adapter.rank})"
+        raise AdapterError(f"lora_admin: {verb!r}: expected load {{name, path}} or unload NAME")
 
     @property
     def names(self) -> list[str]:

@@ -56,6 +56,9 @@ class Request:
     refusal: tuple[str, str] | None = None
     cache_salt: str | None = None  # a START's tenant: prompts of different salts share no KV
     lora: str | None = None  # a START's LoRA adapter by name, for the sequence's life
+    # An adapter load or unload while serving (lora_admin: lora/registry.update), answered by
+    # itself: no sequence, no call
+    admin: dict | None = None
     waiting_since: float | None = None  # when it first waited for pages (host tier on)
     # Speculation: how many of `tokens` (the last ones) are drafts to verify in one call
     draft_tokens: int = 0
@@ -159,6 +162,9 @@ class Admission:
         """`r` admitted in this round: its job, to run with `jobs`; or None, answered now (a
         refusal, an END with nothing to run) or put to wait for pages."""
         engine = self.engine
+        if r.admin is not None:
+            self._update_adapters(r)
+            return None
         if r.start:
             old = self.sequences.get(r.seq_id)
             if old is not None:
@@ -235,6 +241,19 @@ class Admission:
             self.sequences[r.seq_id] = seq
             self._started(seq, reuse)
         return Job(r, seq, *before)
+
+    def _update_adapters(self, r: Request) -> None:
+        """An adapter load or unload, on this thread (where the registry's slots change)."""
+        if self.state.adapters is None:
+            self._refuse(r, INVALID_ARG, "adapter", "lora_admin: this model takes no adapters")
+            return
+        try:
+            done = self.state.adapters.update(r.admin)
+        except AdapterError as e:
+            self._refuse(r, INVALID_ARG, "adapter", f"lora_admin: {e}")
+            return
+        log.info("%s", done)
+        r.reply(Reply(kv_pages=(0, 0)))
 
     def _take_adapter(self, r: Request, seq: Sequence) -> bool:
         """A START's adapter into a slot for the sequence's life; False: refused, or waiting

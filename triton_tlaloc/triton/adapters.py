@@ -4,6 +4,7 @@ name), and a request's `lora` parameter."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 from ..lora.peft_adapter import AdapterError, read_peft_adapter
@@ -24,12 +25,24 @@ def adapter_registry(runtime, params: dict) -> AdapterRegistry | None:
         return None
     layout = runtime.artifact.lora
     registry = AdapterRegistry(layout.slots - 1, lambda path: read_peft_adapter(path, layout),
-                               pools.write, int(params.get("lora_host_bytes") or 0))
+                               pools.write, int(params.get("lora_host_bytes") or 0),
+                               updates_root=params.get("lora_updates_root") or None)
     for name, directory in named.items():
         adapter = registry.register(name, directory)
         log.info("adapter %s: %s, rank %d, %.1f MiB", name, directory, adapter.rank,
                  adapter.nbytes / 2**20)
     return registry
+
+
+def lora_admin_parameter(parameters: dict) -> dict | None:
+    """A request's lora_admin: an adapter load or unload (lora/registry.AdapterRegistry.update
+    checks it), a JSON object, given as one or as its text."""
+    command = parameters.get("lora_admin")
+    if isinstance(command, str):
+        command = json.loads(command)
+    if command is not None and not isinstance(command, dict):
+        raise ValueError("parameter lora_admin: expected a JSON object")
+    return command
 
 
 def lora_parameter(parameters: dict) -> str | None:
@@ -40,4 +53,4 @@ def lora_parameter(parameters: dict) -> str | None:
     return name or None
 
 
-__all__ = ["adapter_registry", "lora_parameter"]
+__all__ = ["adapter_registry", "lora_admin_parameter", "lora_parameter"]
