@@ -61,6 +61,11 @@ class AdapterPools:
         self.write_seconds += seconds
         return seconds
 
+    def warm(self) -> None:
+        """Compile (or load from the compile cache) the slot write now, so the first sequence
+        that names an adapter does not wait for it."""
+        self._write_program()
+
     def _write_program(self):
         """The executable writing one slot of every pool, made on first use."""
         with self._compiling:

@@ -31,6 +31,8 @@ def adapter_registry(runtime, params: dict) -> AdapterRegistry | None:
         adapter = registry.register(name, directory)
         log.info("adapter %s: %s, rank %d, %.1f MiB", name, directory, adapter.rank,
                  adapter.nbytes / 2**20)
+    if named or registry.updates_root is not None:
+        pools.warm()  # the slot write compiled before the model reports ready
     return registry
 
 
