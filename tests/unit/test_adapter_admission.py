@@ -99,3 +99,19 @@ def test_what_cannot_be_served_is_refused_by_name():
     plain = Harness(fake_artifact())
     r = plain.step("x", [1, 2], start=True, lora="a")
     assert r.code == INVALID_ARG and "this model takes no adapters" in r.error
+
+
+def test_refused_requests_keep_or_give_back_no_more_than_they_took():
+    """A later request refused before it runs (a front end's refusal) leaves its sequence's
+    slot taken and its rows on its adapter; a START refused before admission (empty TOKENS)
+    holds no slot afterwards."""
+    h, registry, _ = harness()
+    assert h.step("x", [1, 2, 3], start=True, lora="a").error is None
+    r = h.step("x", [4], refusal=("context", "sequence x: TOKENS too long"))
+    assert r.code == INVALID_ARG and registry.users[1:] == [1, 0]
+    assert h.batcher.sequences["x"].adapter_slot == 1
+    h.step("x", [4])
+    assert h.rt.adapter_slots[-1] == [1]  # still decoding with its adapter
+    r = h.step("y", [], start=True, lora="b")
+    assert r.code == INVALID_ARG and "TOKENS is empty" in r.error
+    assert registry.users[1:] == [1, 0]

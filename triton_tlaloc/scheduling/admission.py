@@ -175,8 +175,6 @@ class Admission:
                          len(old.pages))
                 self.state.release(old, ended=True)
             seq = Sequence([], seq_id=r.seq_id)
-            if r.lora is not None and not self._take_adapter(r, seq):
-                return None
         else:
             seq = self.sequences.get(r.seq_id)
             if seq is None and r.end and not r.tokens and r.refusal is None:
@@ -191,7 +189,6 @@ class Admission:
                 return None
         seq.last_active = self.clock()  # a refused request counts as activity too
         if r.refusal is not None:
-            self.state.give_back_adapter(seq)
             self._refuse(r, INVALID_ARG, *r.refusal)
             return None
         if not r.start and r.lora is not None and r.lora != seq.adapter_name:
@@ -210,6 +207,10 @@ class Admission:
             # The call that computes its history again checks no draft: the model's own next
             # token answers, as when none is accepted.
             r.tokens, r.draft_tokens, r.drafts_unchecked = r.tokens[:-r.draft_tokens], 0, True
+        # A START's adapter slot, once nothing above refused it (given back below if it is
+        # refused or waits for pages after all)
+        if r.start and r.lora is not None and not self._take_adapter(r, seq):
+            return None
         try:
             if r.draft_tokens:
                 engine.verifier.check_verify(seq, r.tokens, r.draft_tokens)
