@@ -12,6 +12,7 @@ Reading and checking one is loading.py's `load_artifact`. Nothing here imports J
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -488,7 +489,7 @@ class Artifact:
         """The devices one instance runs the programs on."""
         return self.tensor_parallel.devices if self.tensor_parallel is not None else 1
 
-    @property
+    @functools.cached_property
     def lora(self):
         """The adapter pools the entries read (model.lora: lora.layout.LoraLayout), or None."""
         from ..lora.layout import LoraLayout

@@ -109,7 +109,7 @@ class Engine:
         self.art = runtime.artifact
         self.block_size = self.art.model.block_size
         # each row's adapter slot a step input (model.lora)
-        self.takes_adapters = getattr(self.art, "lora", None) is not None
+        self.takes_adapters = self.art.lora is not None
         windowed = self.art.windowed
         self.ring_pages = windowed.ring_pages if windowed else 0
         self.window = windowed.window if windowed else None

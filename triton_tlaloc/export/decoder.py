@@ -35,8 +35,8 @@ from .config import DecoderConfig
 from .gguf_packed import is_packed, layout_of
 from .quant import code_dtype
 from ..artifact.manifest import (BITS, BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, LORA_POOL,
-                                 LORA_SLOTS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS,
-                                 TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES,
+                                 LORA_SLOTS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN,
+                                 STATE_POOL_OUT, STATE_SLOTS, TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES,
                                  WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING, KvPool,
                                  Program, StatePool, TensorSpec, WindowedKv, leading_outputs)
 from ..artifact.sharding import TensorParallel, mesh_sharding
@@ -237,6 +237,13 @@ def slot_part(name: str) -> str:
     first, _, rest = name.partition(".")
     layer = first == STACKED[:-1] or (first[:1] == "l" and first[1:].isdigit())
     return rest if layer else name
+
+
+def slot_layer(name: str) -> int:
+    """An unrolled layer slot's layer (3 of "l3.qkv")."""
+    first = name.partition(".")[0]
+    assert first[:1] == "l" and first[1:].isdigit(), name
+    return int(first[1:])
 
 
 def stacked_slots(first: list[WeightSlot], num_layers: int) -> list[WeightSlot]:

@@ -193,9 +193,11 @@ def project(g: Graph, x, w: dict, name: str, step: Step | None = None):
         y = matmul(x, w[name], slot.out_first, g.bf16)
         if slot.quant is not None:
             y = y * w[f"{name}.scale"]
-    part = name.split(".", 1)[-1]
+    from .decoder import slot_layer, slot_part
+
+    part = slot_part(name)
     if step is not None and part in step.lora_pools:
-        layer = step.loop_layer if step.loop_layer is not None else int(name.split(".")[0][1:])
+        layer = step.loop_layer if step.loop_layer is not None else slot_layer(name)
         y = y + lora_update(x, *step.lora_pools[part], layer, step.lora_slots,
                             g.lora_outs[part])
     return y

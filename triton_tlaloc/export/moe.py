@@ -72,6 +72,12 @@ class ExpertWeight:
         return jnp.float32 if self.packed else self.arrays[""].dtype
 
     @property
+    def scale(self):
+        """An int8 / fp8 weight's scale per expert and output channel (a packed weight's scales
+        are inside its values): None when there is none."""
+        return None if self.packed else self.arrays.get(".scale")
+
+    @property
     def precision(self):
         # f32 values (a packed weight's widened ones too) take HIGHEST; bf16 and int8 / fp8
         # codes widened hold exact products (layers.matmul)
@@ -84,7 +90,7 @@ class ExpertWeight:
         if self.packed and x.ndim == 1:
             return packed_matvec(self.packed, self.arrays, x)
         y = jnp.einsum("...oi,...i->...o", self.values(), x, precision=self.precision)
-        return y * self.arrays[".scale"] if ".scale" in self.arrays and not self.packed else y
+        return y if self.scale is None else y * self.scale
 
     def values(self):
         """f32 [..., out, in]: a packed weight's values, or the values or codes widened (the
@@ -98,9 +104,7 @@ class ExpertWeight:
         (each expert's own): [E, n, out]."""
         spec = "ni,eoi->eno" if x.ndim == 2 else "eni,eoi->eno"
         y = jnp.einsum(spec, x, self.values(), precision=self.precision)
-        if ".scale" in self.arrays and not self.packed:
-            y = y * self.arrays[".scale"][:, None, :]
-        return y
+        return y if self.scale is None else y * self.scale[:, None, :]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from .checkpoint import Checkpoint, HfCheckpoint, expert_sources, linear_sources
 from .gguf_checkpoint import GgufCheckpoint
 from .config import DecoderConfig
-from .decoder import WeightSlot, slot_part, weight_slots
+from .decoder import WeightSlot, slot_layer, slot_part, weight_slots
 from .gguf_packed import (BLOCKS, PackedWeight, PackError, int4_type, layout_of, mixed_type,
                           stack_rows)
 from .options import ExportError, ExportOptions
@@ -100,8 +100,8 @@ def _sources(cfg: DecoderConfig, slot: WeightSlot) -> list[str] | None:
 
 def _expert_names(cfg: DecoderConfig, slot_name: str) -> list[tuple[str, ...]]:
     """Each expert's tensors, fused along their rows, of a stacked experts slot."""
-    layer, part = slot_name.split(".", 1)
-    return expert_sources(cfg.family, int(layer[1:]), part, cfg.moe.num_experts)
+    return expert_sources(cfg.family, slot_layer(slot_name), slot_part(slot_name),
+                          cfg.moe.num_experts)
 
 
 def _in_layer(slot_name: str) -> bool:

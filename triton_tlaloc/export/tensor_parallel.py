@@ -171,7 +171,7 @@ def plan(cfg: DecoderConfig, devices: int, slots, pools, state_pools,
         lead = 1 if stacked else 0  # a stacked slot's first axis is the layer
         part = s.name.split(".", 1)[-1]
         base, scale = (part[:-len(".scale")], True) if part.endswith(".scale") else (part, False)
-        if s.kind == "experts" or part.split(".")[0] in ("experts_gate_up", "experts_down"):
+        if part.split(".")[0] in ("experts_gate_up", "experts_down"):
             # by expert, whole experts a device (a packed one's every array too)
             weights[s.name] = single_split(lead, cfg.moe.num_experts)
             continue

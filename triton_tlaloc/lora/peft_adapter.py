@@ -46,7 +46,7 @@ class LoraAdapter:
 
 def read_peft_adapter(path: str | Path, layout: LoraLayout) -> LoraAdapter:
     """The adapter in `path` in `layout`'s pools. AdapterError names what does not fit."""
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load
 
     path = Path(path)
     where = str(path)
@@ -62,7 +62,7 @@ def read_peft_adapter(path: str | Path, layout: LoraLayout) -> LoraAdapter:
     _check_config(where, config)
     raw_config, raw_weights = config_file.read_bytes(), weights_file.read_bytes()
     try:
-        tensors = load_file(str(weights_file))
+        tensors = load(raw_weights)  # (the bytes already read for the hash)
     except Exception as e:  # safetensors' own errors name no common class
         raise AdapterError(f"adapter {where}: {WEIGHTS} cannot be read: {e}") from None
     pairs = _module_pairs(where, tensors, layout)
