@@ -37,3 +37,18 @@ def decode_together(engine, seqs: list, logits, steps: int) -> tuple[list[list[i
             seq.token_ids.append(t)
         logits = engine.decode(seqs)
     return ids, logits
+
+
+def adapters_together(engine, prompts: list[list[int]], slots, steps: int):
+    """Each prompt's greedy ids with its adapter slot (0: none), the prompts in chunks, then
+    the rows decoding in the same calls; and each prompt's last logits after its prompt."""
+    seqs = []
+    for prompt, slot in zip(prompts, slots):
+        s = engine.new_sequence(prompt)
+        s.adapter_slot = slot
+        seqs.append(s)
+    firsts = np.stack([engine.prefill_chunked(s)[0] for s in seqs])
+    ids, _ = decode_together(engine, seqs, firsts, steps)
+    for s in seqs:
+        engine.free(s)
+    return ids, firsts

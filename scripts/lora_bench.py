@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """What LoRA adapters cost a decode step, side by side in one run: SmolLM2-135M (f32, from its
 GGUF, every layer's q/k/v/o and gate/up/down adapted) exported without adapters, with adapter
-pools (rank --rank, 4 slots), and with the same pools read by the other formulation (each row's
-A and B indexed where they lie, row by row, where the default gathers them). Each target runs
+pools (rank --rank, 4 slots), and with the same pools read by the two other formulations (each
+row's A and B indexed where they lie, row by row; the call's tokens grouped by slot, a grouped
+product per part, where the default gathers each row's A and B). Each target runs
 a 4-row decode call after 64-token prompts: the plain artifact; the adapter artifacts with four
 different adapters (random A and B in PEFT's files, written here with numpy) and with no
 adapter (slot 0). Also the time to write one adapter into a slot.
@@ -60,7 +61,7 @@ def write_adapter(path: Path, rank: int, seed: int, layers: int = 30) -> Path:
     return path
 
 
-def indexed_update(x, a_pool, b_pool, layer, slots, outs):
+def indexed_update(x, a_pool, b_pool, layer, slots, outs, devices=1):
     """The other formulation (export/lora_graph.py's docstring): each row's A and B sliced
     where they lie in the pools, row by row, and multiplied as matrix-vector products."""
     import jax.numpy as jnp
@@ -80,6 +81,31 @@ def indexed_update(x, a_pool, b_pool, layer, slots, outs):
     return jnp.stack(rows)
 
 
+def grouped_update(x, a_pool, b_pool, layer, slots, outs, devices=1):
+    """The grouped formulation (Punica's SGMV, S-LoRA): the call's tokens sorted by slot and
+    each slot's A and B applied to its own group of rows, one grouped product
+    (`jax.lax.ragged_dot`) for A and one a module for B, then the rows put back in order."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    b, t, n_in = x.shape
+    rank, n_slots = b_pool.shape[-1], a_pool.shape[1]
+    token_slots = jnp.repeat(slots, t)
+    order = jnp.argsort(token_slots, stable=True)
+    sizes = jnp.bincount(token_slots, length=n_slots).astype(jnp.int32)
+    rows = x.reshape(b * t, n_in)[order]
+    a = jnp.swapaxes(a_pool[layer], 1, 2)  # [slots, in, rank x modules]
+    h = lax.ragged_dot(rows, a, sizes, precision=lax.Precision.HIGHEST)
+    parts, row = [], 0
+    for j, n in enumerate(outs):
+        bj = jnp.swapaxes(b_pool[layer][:, row:row + n], 1, 2)  # [slots, rank, n]
+        parts.append(lax.ragged_dot(h[:, j * rank:(j + 1) * rank], bj, sizes,
+                                    precision=lax.Precision.HIGHEST))
+        row += n
+    out = jnp.concatenate(parts, axis=-1)
+    return out[jnp.argsort(order)].reshape(b, t, -1)
+
+
 def artifacts(out: Path, rank: int) -> dict[str, Path]:
     from triton_tlaloc.export import ExportOptions, export_artifact, layers
     from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path
@@ -87,12 +113,13 @@ def artifacts(out: Path, rank: int) -> dict[str, Path]:
     base = dict(batch_ladder=(4,), context_ladder=(128,), prefill_chunk=64, num_blocks=40)
     update = layers.lora_update
     arts = {}
-    for name, opts in (("plain", {}), ("adapters", dict(max_lora_rank=rank, lora_slots=4)),
-                       ("adapters, indexed", dict(max_lora_rank=rank, lora_slots=4))):
+    other = {"adapters, indexed": indexed_update, "adapters, grouped": grouped_update}
+    for name in ("plain", "adapters", *other):
+        opts = dict(max_lora_rank=rank, lora_slots=4) if name != "plain" else {}
         path = out / f"smollm2-{name.replace(', ', '-')}-r{rank}"
         if not path.exists():
-            if name == "adapters, indexed":
-                layers.lora_update = indexed_update
+            if name in other:
+                layers.lora_update = other[name]
             try:
                 export_artifact(smollm2_gguf_path(), path, ExportOptions(**base, **opts))
             finally:
@@ -149,7 +176,9 @@ def main() -> int:
         engines[name] = Engine(rt)
     targets = [("plain", "plain", [0] * 4), ("adapters, 4 different", "adapters", [1, 2, 3, 4]),
                ("adapters, none (slot 0)", "adapters", [0] * 4),
-               ("adapters indexed row by row, 4 different", "adapters, indexed", [1, 2, 3, 4])]
+               ("adapters indexed row by row, 4 different", "adapters, indexed", [1, 2, 3, 4]),
+               ("adapters grouped by slot (ragged_dot), 4 different", "adapters, grouped",
+                [1, 2, 3, 4])]
     times = {t[0]: [] for t in targets}
     rng = np.random.default_rng(0)
     for r in range(a.rounds):

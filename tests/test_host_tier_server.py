@@ -53,7 +53,7 @@ def test_sequences_outgrowing_the_pool_are_preempted_not_refused(served):
 def test_a_soak_of_ended_and_vanished_sessions_leaves_nothing_held(served):
     reclaim_after = (2 * SOAK_IDLE_US + SOAK_ALLOWANCE_US) / 1e6
     assert_check(W.check_swap_soak(url_of(served, "grpc"), "grpc", served.metrics_url,
-                                   "swap_soak", seconds=15, reclaim_after_s=reclaim_after))
+                                   "swap_soak", seconds=8, reclaim_after_s=reclaim_after))
 
 
 def test_a_prefix_evicted_from_the_device_is_written_back_from_the_host(served):

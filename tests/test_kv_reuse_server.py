@@ -77,4 +77,4 @@ def test_a_small_pool_under_cycling_users_loses_nothing(served, protocol):
     prompts = [shared + R.unique_tokens(rng, rng.randint(3, 30)) for _ in range(6)]
     solo = R.solo_ids(url, protocol, "llama_cold", prompts, 12)
     assert_check(R.check_pressure(url, protocol, served.metrics_url, "pressure", solo, prompts,
-                                  seconds=20, capacity=64))
+                                  seconds=10, capacity=64))

@@ -12,9 +12,8 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from checks.engine_runs import decode_together
+from checks.engine_runs import adapters_together
 from checks.oracle import load_lora_reference, load_reference, logits_error, reference_greedy
 
 from triton_tlaloc.engine.core import Engine
@@ -52,21 +51,6 @@ def reference(base, adapter, prompt):
     return reference_greedy(model, prompt, STEPS)
 
 
-def generate_together(engine: Engine, prompts, slots):
-    """Each prompt's greedy ids with its adapter slot (its prompt in chunks of 16), the rows
-    decoding in the same calls, and each prompt's last logits."""
-    seqs = []
-    for prompt, slot in zip(prompts, slots):
-        s = engine.new_sequence(prompt)
-        s.adapter_slot = slot
-        seqs.append(s)
-    firsts = np.stack([engine.prefill_chunked(s)[0] for s in seqs])
-    ids, _ = decode_together(engine, seqs, firsts, STEPS)
-    for s in seqs:
-        engine.free(s)
-    return ids, firsts
-
-
 def test_adapters_give_transformers_peft_ids_alone_and_together(setup):
     base, art, adapters = setup
     manifest = json.loads((art / "tlaloc-serving.json").read_text())["model"]["lora"]
@@ -81,7 +65,7 @@ def test_adapters_give_transformers_peft_ids_alone_and_together(setup):
     for (ids, first), prompt, slot in zip(want, PROMPTS, (1, 2, 0)):  # alone
         adapter = (slot, read["ab"[slot - 1]].content_hash if slot else "")
         assert engine.generate_greedy(prompt, STEPS, adapter=adapter).generated_ids == ids
-        got, firsts = generate_together(engine, [prompt], [slot])
+        got, firsts = adapters_together(engine, [prompt], [slot], STEPS)
         assert got[0] == ids
         assert logits_error(firsts[0], first) <= TOL
     # prompt lookup's drafts (a prompt that repeats itself) verified with adapter b: its ids
@@ -91,13 +75,13 @@ def test_adapters_give_transformers_peft_ids_alone_and_together(setup):
     assert spec.generated_ids == reference(base, adapters["b"], repeating)[0]
     assert any(e.startswith("verify") for e in rt.donation.entries_checked)
     calls = engine.executions
-    got, firsts = generate_together(engine, PROMPTS, (1, 2, 0))
+    got, firsts = adapters_together(engine, PROMPTS, (1, 2, 0), STEPS)
     assert got == [ids for ids, _ in want]
     for f, (_, first) in zip(firsts, want):
         assert logits_error(f, first) <= TOL
     assert engine.executions - calls == 2 * 3 + STEPS  # each prompt 2 chunks, then together
     # the control: rows' slots swapped change both rows' ids
-    swapped, _ = generate_together(engine, PROMPTS[:2], (2, 1))
+    swapped, _ = adapters_together(engine, PROMPTS[:2], (2, 1), STEPS)
     assert swapped[0] != want[0][0] and swapped[1] != want[1][0]
 
 
@@ -120,8 +104,6 @@ def test_what_cannot_take_adapters_is_refused_by_name(tiny, setup, tmp_path):
         with pytest.raises(ExportError, match=f"--max-lora-rank 8: adapters on {what}"):
             export_artifact(tiny.checkpoint(family, False), tmp_path / family,
                             ExportOptions(**OPTS))
-    with pytest.raises(ExportError, match="adapters with --tensor-parallel are not served"):
-        export_artifact(base, tmp_path / "tp", ExportOptions(**OPTS, tensor_parallel=2))
     assert not any(tmp_path.iterdir())
     rt_layout = json.loads((art / "tlaloc-serving.json").read_text())["model"]["lora"]
     from triton_tlaloc.lora.layout import LoraLayout

@@ -1,11 +1,18 @@
 """LoRA adapters through a real tritonserver, as `tlaloc repository --lora NAME=DIR` and a
 server started without waiting for its compiles give them: sequences of adapter a, adapter b
 and none, over HTTP and gRPC all at once (the adapters' rows batched in the same calls), each
-get transformers + PEFT's greedy ids; an unknown adapter and a later request naming another
+get transformers + PEFT's greedy ids, and so do they drafted by the base model (the target
+verifying with the adapter); an unknown adapter and a later request naming another
 adapter are refused by name; a model whose artifact takes no adapters refuses `lora`; the
-adapter metrics count the loads and the sequences by adapter."""
+adapter metrics count the loads and the sequences by adapter. Through `tlaloc openai` (a small
+BPE tokenizer beside the tiny model; prompts as token ids), each adapter is a model of its own
+name giving the same ids, and an adapter loaded and unloaded through its admin routes while
+other adapters' completions run leaves their ids right and no page or slot held."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 from checks.sequence_checks import run_parallel, url_of
@@ -13,6 +20,8 @@ from test_lora import OPTS, PROMPTS, STEPS, lora_setup, reference
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, InferError, TlalocClient,
                                             generate, new_sequence_id, scrape_metrics)
+from triton_tlaloc.frontends.openai_adapters import ADMIN_HEADER
+from triton_tlaloc.frontends.openai_server import ServedModel, ServerOptions, serve_in_thread
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.triton.server import TritonServer
 
@@ -28,7 +37,8 @@ def served(tiny, work):
     repo = work / "repo-lora"
     write_repository(art, repo, "lora", RepositoryOptions(
         lora=tuple((name, str(path)) for name, path in adapters.items()),
-        lora_updates_root=str(tiny.run_dir)))  # (where the tests' adapters are made)
+        lora_updates_root=str(tiny.run_dir),  # (where the tests' adapters are made)
+        draft_model="plain"))  # the base model drafts, the target verifies with the adapter
     write_repository(tiny.artifact("llama", False), repo, "plain",
                      RepositoryOptions(generate_model=False))
     # six adapters for two slots
@@ -46,15 +56,20 @@ def served(tiny, work):
 def test_adapters_over_http_grpc_and_the_generate_model_at_once_give_transformers_peft_ids(
         served):
     server, want, _ = served
-    jobs = [(via, i) for via in ("http", "grpc", "generate") for i in range(len(RUNS))]
+    jobs = [(via, i) for via in ("http", "grpc", "generate", "drafted")
+            for i in range(len(RUNS))]
     got = {}
 
     def send(n):
         via, i = jobs[n]
         adapter, prompt = RUNS[i]
-        if via == "generate":  # the sampling parameter lora, the loop in the model's process
+        if via in ("generate", "drafted"):  # the sampling parameter lora, the loop in the
+            # model's process; drafted: 2 drafts a step by the base model, served beside it
+            drafts = {"speculative": {"method": "draft_model", "num_draft_tokens": 2,
+                                      "adaptive": False}}  # (a draft model as large drafts 0)
             r = generate(server.grpc_url, "lora_generate", input_ids=prompt, sampling={
-                "max_tokens": STEPS, "ignore_eos": True, **({"lora": adapter} if adapter else {})})
+                "max_tokens": STEPS, "ignore_eos": True, **({"lora": adapter} if adapter else {}),
+                **(drafts if via == "drafted" else {})})
             got[jobs[n]] = r.token_ids if r.error is None else r.error
             return
         with TlalocClient(url_of(server, via), "lora", via) as c:
@@ -71,6 +86,7 @@ def test_adapters_over_http_grpc_and_the_generate_model_at_once_give_transformer
     assert value("tlaloc_lora_sequences_total", adapter="a") >= 3
     assert value("tlaloc_lora_sequences_total", adapter="b") >= 3
     assert value("tlaloc_lora_adapter_moves_total", move="load") == 2
+    assert value("tlaloc_draft_tokens_total") > 0  # the drafted runs' drafts were verified
     assert value("tlaloc_lora_adapters", where="device") == 2
 
 
@@ -137,3 +153,74 @@ def test_an_adapter_loaded_and_unloaded_while_serving(served, tiny):
         admin({"unload": "late"})
         with pytest.raises(InferError, match="unknown adapter 'late'"):
             c.request(new_sequence_id(), PROMPTS[0], start=True, lora="late")
+
+
+def test_adapters_through_tlaloc_openai_loaded_and_unloaded_while_others_serve(served, tiny,
+                                                                             tmp_path):
+    import openai
+    from checks.taught_model import write_tokenizer
+
+    server, want, want_many = served
+    write_tokenizer(tmp_path / "tokenizer")  # (256 ids, as the tiny model's vocabulary)
+    models = ServedModel.discover_with_adapters(server.grpc_url, "lora",
+                                                tokenizer_dir=str(tmp_path / "tokenizer"))
+    base_url, stop = serve_in_thread(server.grpc_url, models,
+                                     options=ServerOptions(admin_key="admin-0123"))
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    admin = openai.OpenAI(base_url=base_url, api_key="unused",
+                          default_headers={ADMIN_HEADER: "admin-0123"})
+
+    def complete(model, prompt):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=STEPS,
+                                      temperature=0, extra_body={"ignore_eos": True,
+                                                                 "return_token_ids": True})
+        return r.model_dump()["choices"][0]["token_ids"]
+
+    done, wrong, runs = threading.Event(), [], []
+
+    def together():
+        got = {}
+        run_parallel(lambda i: got.__setitem__(i, complete(RUNS[i][0] or "lora", RUNS[i][1])),
+                     len(RUNS))
+        return [got[i] for i in range(len(RUNS))]
+
+    def traffic(i):
+        while not done.is_set():
+            ids = complete(RUNS[i][0] or "lora", RUNS[i][1])
+            runs.append(i)
+            if ids != want[i]:
+                wrong.append((i, ids))
+
+    try:
+        assert {m.id for m in client.models.list()} == {"lora", "a", "b"}
+        assert together() == want  # adapters a, b and none in the same calls
+        # adapter a and the base model served while c1 is loaded as "late", used, unloaded
+        threads = [threading.Thread(target=traffic, args=(i,)) for i in (0, 2)]
+        for t in threads:
+            t.start()
+        path = tiny.lora_adapter("llama", "c1", 3, 11).name  # (under lora_updates_root)
+        admin.post("/load_lora_adapter", body={"lora_name": "late", "lora_path": path},
+                   cast_to=str)
+        assert complete("late", PROMPTS[1]) == want_many["c1"]
+        admin.post("/unload_lora_adapter", body={"lora_name": "late"}, cast_to=str)
+        with pytest.raises(openai.NotFoundError):
+            complete("late", PROMPTS[1])
+        started = len(runs)
+        while len(runs) < started + 2 and all(t.is_alive() for t in threads):
+            time.sleep(0.05)  # the others' completions go on after the unload
+        done.set()
+        for t in threads:
+            t.join(60)
+        assert not wrong and len(runs) >= started + 2, (wrong, runs)
+        # no slot left held: a and b each take one of the two at once again
+        assert together() == want
+    finally:
+        done.set()
+        stop()
+    metrics = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+
+    def value(name, **labels):
+        return sum(v for (m, got), v in metrics.items() if m == name and ("model", "lora") in got
+                   and all((k, v) in got for k, v in labels.items()))
+    assert value("tlaloc_kv_pages_used") == 0 and value("tlaloc_sequences_held") == 0
+    assert value("tlaloc_lora_adapters", where="host") == 2  # a and b: "late" is gone

@@ -44,10 +44,16 @@ def test_64_sequences_batched_equal_their_solo_runs(tiny, work):
             server.grpc_url, "grpc", "many", prompts, STEPS, solo=solo))
         assert_check(result)
         calls = delta("tlaloc_batch_size_count", model="many")
+        rows = delta("tlaloc_batch_size_sum", model="many")
         large = calls - delta("tlaloc_batch_size_bucket", model="many", le="32")
-        print(f"{calls:.0f} calls for {SEQUENCES} sequences of {STEPS} steps, {large:.0f} of "
-              f"more than 32 rows")
-        assert large >= STEPS // 2, "the sequences ran in calls of more than 32 rows"
+        print(f"{calls:.0f} calls for {SEQUENCES} sequences of {STEPS} steps, {rows / calls:.1f} "
+              f"rows a call, {large:.0f} of more than 32 rows")
+        # Alone each sequence is a row a call. On an idle machine every step was one
+        # call of 64 rows; under CI's load the clients' requests arrive spread out, and one run
+        # had 28 calls, 3 of them over 32 rows: the bounds hold for both and fail for one row a
+        # call or calls of 8 rows at most.
+        assert large >= 1, "no call held more than 32 rows"
+        assert rows / calls >= 8, f"{rows / calls:.1f} rows a call"
 
         # 64 generate streams at once (longer than the sequences above, so that they overlap
         # though each client starts on its own): the local loops decode in shared calls too.

@@ -419,3 +419,63 @@ def test_experts_split_over_devices_give_the_one_device_ids_and_logits(arts, tin
                                           r"over 2 devices"):
         export_artifact(tiny.checkpoint("qwen3_moe", False), work / "tp-moe-5",
                         ExportOptions(**OPTS, tensor_parallel=2))
+
+
+LORA = dict(batch_ladder=(1, 4), context_ladder=(64,), block_size=8, prefill_chunk=16,
+            max_lora_rank=8, lora_slots=2)
+
+
+def test_lora_adapters_split_over_devices_give_transformers_peft_ids(tiny, work, monkeypatch):
+    """Two adapters (as tests/test_lora.py's) on 2 devices, and on 4 where each KV head is held
+    by two: rows of adapter a, adapter b and none in the same calls give transformers + PEFT's
+    ids and logits. Each device holds its part of a column-parallel part's B and of a
+    row-parallel part's A. Control: B cut into contiguous halves (not each module's rows for
+    each device) gives other ids."""
+    from checks.engine_runs import adapters_together
+    from checks.oracle import load_lora_reference, load_reference, reference_greedy
+
+    from triton_tlaloc.lora.layout import LoraLayout
+    from triton_tlaloc.lora.peft_adapter import read_peft_adapter
+
+    base = tiny.checkpoint("llama", False)
+    adapters = [tiny.lora_adapter("llama", "a", 4, seed=1),
+                tiny.lora_adapter("llama", "b", 6, seed=2, rslora=True, layers=[1],
+                                  rank_pattern={"q_proj": 8})]
+    prompts = [PROMPT_A, PROMPT_B, PROMPT_A[5:]]
+    want = [reference_greedy(load_lora_reference(base, a), p, STEPS)
+            for a, p in zip(adapters, prompts)]
+    want.append(reference_greedy(load_reference(base), prompts[2], STEPS))
+
+    def run(n):
+        art = export_artifact(base, work / f"tp-lora-{n}",
+                              ExportOptions(**LORA, tensor_parallel=n))
+        rt = Runtime(art)
+        for slot, path in enumerate(adapters, 1):
+            rt.adapters.write(slot, read_peft_adapter(path, rt.artifact.lora).arrays)
+        return rt, adapters_together(Engine(rt), prompts, (1, 2, 0), STEPS)
+
+    runtimes = {}
+    for n in (2, 4):
+        rt, (ids, firsts) = run(n)
+        runtimes[n] = rt
+        assert rt.artifact.lora.kv_copies == n // 2  # 2 KV heads: on 4 devices each on two
+        assert ids == [w for w, _ in want], f"{n} devices"
+        for got, (_, first) in zip(firsts, want):
+            assert logits_error(got, first) <= TOL
+        pools = rt.adapters.values  # q 64 | k 32 | v 32, k and v twice on 4 devices
+        assert [b.shape for b in pools["lora.qkv.b"]] == [(2, 3, {2: 64, 4: 48}[n], 8)] * n
+        assert [a.shape for a in pools["lora.o.a"]] == [(2, 3, 8, 64 // n)] * n
+        assert [a.shape for a in pools["lora.qkv.a"]] == [(2, 3, 24, 64)] * n  # copied
+
+    by_module = LoraLayout.slot_shards
+
+    def contiguous(self, name, array):
+        if name == "lora.qkv.b":
+            return np.split(array, self.devices, axis=1)
+        return by_module(self, name, array)
+
+    monkeypatch.setattr(LoraLayout, "slot_shards", contiguous)
+    rt = runtimes[2]
+    rt.adapters.write(1, read_peft_adapter(adapters[0], rt.artifact.lora).arrays)
+    ids, _ = adapters_together(Engine(rt), prompts[:1], (1,), STEPS)
+    assert ids[0] != want[0][0]

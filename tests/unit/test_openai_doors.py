@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from triton_tlaloc.frontends import openai_requests, openai_server
-from triton_tlaloc.frontends.client import GenerateResult
+from triton_tlaloc.frontends.client import GenerateResult, Piece
 from triton_tlaloc.frontends.openai_server import ServedModel, ServerOptions, serve_in_thread
 
 KEY = "sekret-key-0123"
@@ -36,6 +36,12 @@ def result(text: str, finish: str = "stop", error: str | None = None,
            status: str | None = None) -> GenerateResult:
     return GenerateResult(text, list(range(len(text))), finish, 3, len(text), 1, 1.0, error,
                           status)
+
+
+def piece(text: str, ids: list[int]) -> Piece:
+    p = Piece(text)
+    p.token_ids = ids
+    return p
 
 
 class FakeGenerate:
@@ -80,8 +86,8 @@ class FakeGenerate:
             on_text("partial")
             return result("partial", "error", "the server is unloading", "UNAVAILABLE")
         if stream:
-            on_text("hel")
-            on_text("lo")
+            on_text(piece("hel", [0, 1, 2]))
+            on_text(piece("lo", [3, 4]))
             on_text("")  # the final response's empty text, as client.generate passes it
         return result("hello")
 
@@ -235,6 +241,32 @@ def test_completions_and_chat_answer_through_the_given_generate(plain):
     # the chat default: what the largest context (100) leaves after the 2-token prompt
     assert plain.generate.calls[-1].sampling == {"max_tokens": 98, "temperature": 0,
                                                  "top_p": 1.0}
+
+
+def test_return_token_ids_and_ignore_eos_as_vllm_takes_them(plain):
+    """vLLM's extensions: return_token_ids gives the prompt's ids (a completion's choice's, a
+    chat's own) and each choice's (streamed: each chunk's); ignore_eos is passed on."""
+    prompt = [ord("h"), ord("i")]
+    status, _, body = plain.post("/v1/completions", {**COMPLETION, "return_token_ids": True,
+                                                     "ignore_eos": True})
+    assert status == 200
+    got = json.loads(body)["choices"][0]
+    assert (got["prompt_token_ids"], got["token_ids"]) == (prompt, [0, 1, 2, 3, 4])
+    assert plain.generate.calls[-1].sampling["ignore_eos"] is True
+    status, _, body = plain.post("/v1/chat/completions", {**CHAT, "return_token_ids": True})
+    got = json.loads(body)
+    assert (got["prompt_token_ids"], got["choices"][0]["token_ids"]) == (prompt, [0, 1, 2, 3, 4])
+    for path, request in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        status, _, body = plain.post(path, {**request, "stream": True, "return_token_ids": True})
+        chunks = events(body)[:-1]
+        assert [c["choices"][0].get("token_ids") for c in chunks] == [[0, 1, 2], [3, 4], None]
+        first = chunks[0] if path.endswith("chat/completions") else chunks[0]["choices"][0]
+        assert first["prompt_token_ids"] == prompt
+        assert not any("prompt_token_ids" in c for c in chunks[1:])
+    status, _, body = plain.post("/v1/completions", {**COMPLETION, "stream": True})
+    assert not any("token_ids" in c["choices"][0] for c in events(body)[:-1])
+    status, _, body = plain.post("/v1/completions", {**COMPLETION, "return_token_ids": 1})
+    assert status == 400 and b"return_token_ids" in body
 
 
 # ------------------------------------------------------------------ the API key

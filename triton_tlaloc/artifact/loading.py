@@ -53,6 +53,9 @@ def load_artifact(path: str | os.PathLike, *, check_bodies: bool = True) -> Arti
     pools = {p.name: p for p in art.pools}
     state_pools = {p.name: p for p in art.state_pools}
     _check_tensor_parallel(art.tensor_parallel, weights, {**pools, **state_pools}, mpath)
+    if art.lora is not None and art.lora.devices != art.devices:
+        raise _refuse(f"model.lora: adapter pools laid out for {art.lora.devices} device(s), "
+                      f"the programs run on {art.devices}", mpath)
     program_shapes = {w.slot: _program_shape(art.tensor_parallel, w) for w in art.weights}
     for raw in manifest["entries"]:
         entry = _read_entry(root, mpath, raw)
@@ -270,7 +273,7 @@ def _check_program(entry: Entry, art: Artifact, weights: dict[str, WeightFile],
                          prog_path)
         if s.role == LORA_POOL:
             lora = art.lora
-            want = lora.pool_shapes().get(s.pool) if lora is not None else None
+            want = lora.program_shapes().get(s.pool) if lora is not None else None
             if want is None or (s.dtype, s.shape) != ("f32", want):
                 raise _refuse(f"entry {entry.name}: input {s.name} does not match adapter pool "
                               f"{s.pool} of model.lora", prog_path)

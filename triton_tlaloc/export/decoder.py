@@ -333,7 +333,7 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
         inputs.append(TensorSpec(f"{p.name}.in", role_of(p, WINDOW_KV_POOL_IN, KV_POOL_IN,
                                                           STATE_POOL_IN),
                                  BITS.get(p.dtype, p.dtype), p.shape, pool=p.name))
-    for name, shape in (lora.pool_shapes().items() if lora is not None else ()):
+    for name, shape in (lora.program_shapes().items() if lora is not None else ()):
         inputs.append(TensorSpec(name, LORA_POOL, "f32", shape, pool=name))
     for s in weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop):
         dtype = s.dtype(weight_dtype)
@@ -387,7 +387,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     slot_of = {s.name: s for s in (*slots, *layer0)}
     g = layers.Graph(cfg, slot_of, weight_dtype == "bf16", block_size, num_blocks,
                      tuple(key_blocks), windowed, num_state_slots, shards, packed_shards or {},
-                     {p.part: p.outs for p in lora.parts} if lora is not None else {})
+                     lora.graph_pieces() if lora is not None else {})
     pool_of = layer_pools(cfg)
     n_step = (5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
               + (1 if lora is not None else 0))
@@ -456,7 +456,7 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
     if tp is None:
         lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*specs)
         return lowered.as_text()
-    ins = tuple(partition(tp, s) for s in program.inputs)
+    ins = tuple(partition(tp, s, lora) for s in program.inputs)
     outs = tuple(partition(tp, s) for s in program.outputs)
     # An abstract mesh: the exporting process needs no devices of its own.
     jitted = jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=donate,
@@ -483,8 +483,11 @@ def packed_shards(tp: TensorParallel | None, slots: list[WeightSlot]) -> dict:
     return out
 
 
-def partition(tp: TensorParallel, spec: TensorSpec):
+def partition(tp: TensorParallel, spec: TensorSpec, lora: LoraLayout | None = None):
     """A program input's or output's sharding: along its split axis, or replicated."""
+    if spec.role == LORA_POOL:
+        split = lora.pool_splits().get(spec.pool)
+        return mesh_sharding(tp.devices, len(spec.shape), split.axis if split else None)
     axis = (tp.partition_axis(spec.slot) if spec.slot is not None
             else tp.partition_axis(spec.pool, pool=True) if spec.pool is not None else None)
     return mesh_sharding(tp.devices, len(spec.shape), axis)

@@ -63,8 +63,9 @@ class Graph:
     # A tensor-parallel program's split packed weights by part ("qkv", "down", "embed"): how
     # each is divided over the devices (packed_linear.PackedShards)
     packed_shards: Mapping[str, PackedShards] = field(default_factory=dict)
-    # LoRA adapters (model.lora): each adapted part's modules' outputs ("qkv": (q, k, v))
-    lora_outs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # LoRA adapters (model.lora): each adapted part's devices and modules' outputs on one
+    # ("qkv": (1, (q, k, v)) on one device; lora.layout.graph_pieces)
+    lora_pieces: Mapping[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
     def shards_of(self, name: str) -> PackedShards:
         """A packed slot's division over the devices by its name ("l3.qkv", "lm_head")."""
@@ -198,8 +199,8 @@ def project(g: Graph, x, w: dict, name: str, step: Step | None = None):
     part = slot_part(name)
     if step is not None and part in step.lora_pools:
         layer = step.loop_layer if step.loop_layer is not None else slot_layer(name)
-        y = y + lora_update(x, *step.lora_pools[part], layer, step.lora_slots,
-                            g.lora_outs[part])
+        devices, pieces = g.lora_pieces[part]
+        y = y + lora_update(x, *step.lora_pools[part], layer, step.lora_slots, pieces, devices)
     return y
 
 

@@ -123,6 +123,9 @@ def _sampling(body: dict) -> dict:
         if isinstance(top, bool) or not 0 <= top <= 20:
             raise APIError(400, f"prompt_logprobs: {top}: from 0 to 20")
         out["prompt_logprobs"] = top
+    # vLLM's extension: the end-of-sequence tokens do not end the generation
+    if (ignore := typed(body, "ignore_eos", (bool,), "true or false")) is not None:
+        out["ignore_eos"] = ignore
     # vLLM's extension: special tokens kept in the text
     if (skip := typed(body, "skip_special_tokens", (bool,), "true or false")) is not None:
         out["skip_special_tokens"] = skip
@@ -229,6 +232,8 @@ class GenerateCall:
     n: int = 1  # choices: generations of the same prompt, each its own seed
     echo: str | None = None  # a completion's prompt text, given back before each choice's
     prompt_top: int | None = None  # prompt_logprobs as the client asked (echo may ask too)
+    # vLLM's return_token_ids: the prompt's and each choice's token ids beside the text
+    token_ids: bool = False
 
     def choice_sampling(self, i: int) -> dict:
         """Choice i's sampling parameters: a given seed advanced by i (each choice its own
@@ -310,7 +315,12 @@ def completion_call(models: dict[str, ServedModel], body: dict,
                                     "log-probabilities are not streamed)")
             sampling["prompt_logprobs"] = max(prompt_top or 0, sampling["logprobs"])
     return GenerateCall(model, ids, sampling, stream, False, include_usage,
-                        n=choices_asked(body), echo=echo, prompt_top=prompt_top)
+                        n=choices_asked(body), echo=echo, prompt_top=prompt_top,
+                        token_ids=_token_ids_asked(body))
+
+
+def _token_ids_asked(body: dict) -> bool:
+    return bool(typed(body, "return_token_ids", (bool,), "true or false"))
 
 
 def _prompt_logprobs(sampling: dict, stream: bool) -> int | None:
@@ -411,7 +421,8 @@ def chat_call(models: dict[str, ServedModel], body: dict,
         raise APIError(400, f"messages: the chat template failed: {e}")
     sampling.setdefault("max_tokens", max(1, model.max_context - len(ids)))
     return GenerateCall(model, ids, sampling, stream, True, include_usage, tools,
-                        model.reasoning_parser, choices_asked(body), prompt_top=prompt_top)
+                        model.reasoning_parser, choices_asked(body), prompt_top=prompt_top,
+                        token_ids=_token_ids_asked(body))
 
 
 # The template's variables a request cannot set through chat_template_kwargs

@@ -166,11 +166,16 @@ def completion_body(reply: Reply, *results: GenerateResult) -> dict:
             c["logprobs"] = lp
         if prompt_body is not None and not call.chat:  # vLLM: a completion's choice's
             c["prompt_logprobs"] = prompt_body
+        if call.token_ids:  # vLLM: a completion's choice carries its prompt's ids too
+            c.update({} if call.chat else {"prompt_token_ids": call.prompt_ids},
+                     token_ids=got.token_ids)
         choices.append({**c, "index": i})
     obj = "chat.completion" if call.chat else "text_completion"
     body = {**reply.body(obj, choices[0]), "choices": choices, "usage": usage(*results)}
     if prompt_body is not None and call.chat:  # vLLM: a chat completion's own
         body["prompt_logprobs"] = prompt_body
+    if call.token_ids and call.chat:
+        body["prompt_token_ids"] = call.prompt_ids
     return body
 
 
@@ -267,35 +272,41 @@ async def events(reply: Reply, generation: Generation, item, index: int | None =
     deltas = ChatDeltas(call) if call.tools is not None or call.reasoning is not None else None
     first = True
 
-    def chunk_of(body: dict) -> dict:
+    def chunk_of(body: dict, token_ids=None) -> dict:
         if index is not None:
             body["index"] = index
-        return reply.body(obj, body)
+        out = reply.body(obj, body)
+        if call.token_ids and token_ids is not None:  # vLLM's return_token_ids
+            body["token_ids"] = list(token_ids)
+            if first:  # the prompt's with the first chunk: a chat's own, a completion's choice's
+                (out if chat else body)["prompt_token_ids"] = call.prompt_ids
+        return out
 
-    def delta_chunk(delta: dict, logprobs: dict | None = None) -> str:
+    def delta_chunk(delta: dict, logprobs: dict | None = None, token_ids=None) -> str:
         nonlocal first
-        if first:
-            delta, first = {"role": "assistant", "content": None, **delta}, False
-        body = {"index": 0, "delta": delta, "finish_reason": None}
+        body = {"index": 0, "delta": ({"role": "assistant", "content": None, **delta} if first
+                                      else delta), "finish_reason": None}
         if logprobs is not None:
             body["logprobs"] = logprobs
-        return sse(chunk_of(body))
+        chunk, first = chunk_of(body, token_ids), False
+        return sse(chunk)
 
     while isinstance(item, str):
-        lp = logprobs_body(call, getattr(item, "token_ids", []), getattr(item, "logprobs", None))
+        ids = getattr(item, "token_ids", [])
+        lp = logprobs_body(call, ids, getattr(item, "logprobs", None))
         chunks = []
         if deltas is not None:
-            chunks = [delta_chunk(delta, lp if i == 0 else None)
+            chunks = [delta_chunk(delta, lp if i == 0 else None, ids if i == 0 else [])
                       for i, delta in enumerate(deltas.push(item))]
-            if lp is not None and not chunks:  # tokens that made no text yet
-                chunks = [delta_chunk({}, lp)]
-        elif item or first or lp is not None:
+            if (lp is not None or (call.token_ids and ids)) and not chunks:
+                chunks = [delta_chunk({}, lp, ids)]  # tokens that made no text yet
+        elif item or first or lp is not None or (call.token_ids and ids):
             if first and call.echo is not None:
                 item = call.echo + item
             body = choice(chat, item, None, True, first)
             if lp is not None:
                 body["logprobs"] = lp
-            chunks, first = [sse(chunk_of(body))], False
+            chunks, first = [sse(chunk_of(body, ids))], False
         for chunk in chunks:
             yield chunk
         item = await generation.items.get()
@@ -311,7 +322,8 @@ async def events(reply: Reply, generation: Generation, item, index: int | None =
                 finish = "tool_calls"
             if first:
                 yield delta_chunk({})
-        chunk = chunk_of(choice(chat, call.echo if first else None, finish, True, first))
+        chunk = chunk_of(choice(chat, call.echo if first else None, finish, True, first),
+                         [] if first else None)
         if call.include_usage and index is None:
             chunk["usage"] = usage(item)
         if ended is not None:

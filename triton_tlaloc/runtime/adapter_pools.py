@@ -2,7 +2,10 @@
 [layers, slots, ...] f32, zeros at first (slot 0 stays zeros: no adapter). An adapter is
 written into a slot by one program that takes every pool donated and updates that slot in
 place (a dynamic update slice per pool), so loading an adapter moves its own bytes, not the
-pools'. The entries read the pools as they are (never donated)."""
+pools'. The entries read the pools as they are (never donated). Over several devices each
+pool is held as the layout splits it (lora.layout: a column-parallel part's B by outputs, a
+row-parallel part's A by inputs, the rest copied), and a slot's arrays are cut for each device
+before they are written."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import time
 
 import numpy as np
 
+from ..artifact.sharding import mesh_sharding
 from .pjrt import CompileStats, compile_cached
 
 log = logging.getLogger("triton_tlaloc.adapter_pools")
@@ -24,10 +28,11 @@ class AdapterPools:
     def __init__(self, runtime, layout):
         self.rt = runtime
         self.layout = layout
-        self.shapes = layout.pool_shapes()
+        self.shapes = layout.pool_shapes()  # as an adapter's arrays are laid out
+        self.splits = layout.pool_splits()
         self.values = dict(zip(self.shapes, runtime.device.zeros(
-            [(shape, np.dtype(np.float32)) for shape in self.shapes.values()])))
-        self.nbytes = sum(4 * int(np.prod(s)) for s in self.shapes.values())
+            [(shape, np.dtype(np.float32)) for shape in layout.shard_shapes().values()])))
+        self.nbytes = sum(4 * int(np.prod(s)) for s in layout.program_shapes().values())
         self.compile_stats = CompileStats()
         self._program = None
         self._compiling = threading.Lock()
@@ -49,7 +54,9 @@ class AdapterPools:
             a = (np.zeros((shape[0], *shape[2:]), np.float32) if arrays is None
                  else arrays[name])
             assert a.shape == (shape[0], *shape[2:]) and a.dtype == np.float32, name
-            rows.append(device.put(np.ascontiguousarray(a)))
+            shards = self.layout.slot_shards(name, a)
+            rows.append(device.put(np.ascontiguousarray(a)) if shards is None
+                        else device.put_shards(shards))
         args = [*self.values.values(), device.put(np.int32(slot)), *rows]
         outs = device.execute(exe, args)
         del args
@@ -73,15 +80,32 @@ class AdapterPools:
                 return self._program
             import jax
 
-            specs = [jax.ShapeDtypeStruct(s, np.float32) for s in self.shapes.values()]
-            rows = [jax.ShapeDtypeStruct((s[0], *s[2:]), np.float32)
-                    for s in self.shapes.values()]
-            lowered = jax.jit(_write_slot, donate_argnums=0).lower(
-                specs, jax.ShapeDtypeStruct((), np.int32), rows)
-            self._program = compile_cached(self.rt.device, lowered.as_text(),
+            shapes = self.layout.program_shapes()
+            specs = [jax.ShapeDtypeStruct(s, np.float32) for s in shapes.values()]
+            rows = [jax.ShapeDtypeStruct((s[0], *s[2:]), np.float32) for s in shapes.values()]
+            slot = jax.ShapeDtypeStruct((), np.int32)
+            if self.layout.devices == 1:
+                text = jax.jit(_write_slot, donate_argnums=0).lower(specs, slot, rows).as_text()
+            else:
+                text = self._lower_split(specs, slot, rows)
+            self._program = compile_cached(self.rt.device, text,
                                            "adapter slot write", self.rt.cache_dir,
                                            self.rt.use_cache, self.compile_stats)
             return self._program
+
+    def _lower_split(self, specs, slot, rows) -> str:
+        """The slot write for the layout's devices: each pool and its slot's arrays split
+        along the pool's axis (an abstract mesh, as the entries are lowered)."""
+        import jax
+
+        n = self.layout.devices
+        axes = [self.splits[name].axis if name in self.splits else None for name in self.shapes]
+        pools = [mesh_sharding(n, 4, a) for a in axes]
+        slot_rows = [mesh_sharding(n, 3, None if a is None else a - 1) for a in axes]
+        jitted = jax.jit(_write_slot, in_shardings=(pools, mesh_sharding(n, 0), slot_rows),
+                         out_shardings=tuple(pools), donate_argnums=0)
+        return jitted.trace(specs, slot, rows).lower(
+            lowering_platforms=(jax.default_backend(),)).as_text()
 
 
 def _write_slot(pools, slot, rows):
