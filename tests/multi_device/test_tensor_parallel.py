@@ -83,8 +83,9 @@ def collectives(rt, entry: str = "decode_b1") -> dict[str, int]:
                                                   "collective-permute", "all-to-all")}
 
 
-# (qwen3 on 4 devices: the int4 test; gemma3_text's rings split alike on 2 and 4)
-@pytest.mark.parametrize("family, devices", [("llama", (2, 4)), ("qwen3", (2,)),
+# (qwen3 on 4 devices: the int4 test; llama on 4, each KV head on two devices: the LoRA test;
+# gemma3_text's rings split alike on 2 and 4)
+@pytest.mark.parametrize("family, devices", [("llama", (2,)), ("qwen3", (2,)),
                                              ("gemma3_text", (2,)), ("qwen3_5_text", (2, 4))])
 def test_two_and_four_devices_give_the_one_device_ids_and_logits(arts, family, devices):
     one = outcome(arts(family, 1))

@@ -115,10 +115,13 @@ def cmd_run(args) -> int:
     entries = sorted(e.name for e in artifact.entries.values() if e.batch == batch
                      and (args.speculate or e.kind != "verify"))
     devices = args.devices or tuple(range(artifact.devices))
-    if args.platform == "cpu":
+    capi = args.runtime == "capi"
+    if args.plugin and not capi:
+        raise SystemExit("tlaloc run: --plugin is --runtime capi's")
+    if args.platform == "cpu" and not capi:
         cpu_devices(max(devices) + 1)
     rt = Runtime(artifact, platform=args.platform, donate=not args.no_donate, entries=entries,
-                 devices=devices)
+                 devices=devices, plugin=(args.plugin or "") if capi else None)
     # KV reuse only to show it (--follow-up): warm-up runs must not make the timed one cached.
     engine = Engine(rt, prefix_reuse=bool(args.follow_up))
     tok = None

@@ -168,6 +168,12 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--lora", default=None, metavar="DIR",
                    help="generate with this PEFT LoRA adapter (an artifact exported with "
                         "--max-lora-rank)")
+    p.add_argument("--runtime", choices=("jax", "capi"), default="jax",
+                   help="capi: run the programs through a PJRT plugin's C API, with no JAX "
+                        "imported (pip install 'triton-tlaloc[capi]')")
+    p.add_argument("--plugin", default=None, metavar="PATH",
+                   help="--runtime capi: the PJRT plugin's library (default: "
+                        "$TLALOC_PJRT_PLUGIN, else the installed xla-cpu-pjrt wheel's)")
     p.set_defaults(fn=commands.cmd_run)
 
 

@@ -62,7 +62,7 @@ class AdapterPools:
         del args
         for name, out in zip(self.shapes, outs):
             self.values[name] = out
-        device.first(outs[0]).block_until_ready()
+        device.wait(device.first(outs[0]))
         seconds = time.perf_counter() - t0
         self.writes += 1
         self.write_seconds += seconds

@@ -128,10 +128,11 @@ class Runtime:
                  entries: list[str] | None = None, use_cache: bool = True,
                  check_every_run: bool = False, background: bool = False,
                  devices: tuple[int, ...] | None = None, first_use: bool | None = None,
-                 expert_load: bool = False):
+                 expert_load: bool = False, plugin: str | None = None):
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
         self.donate = donate
-        self.device = open_devices(self.artifact, platform, device_index, devices)
+        # plugin: the C API runtime's PJRT plugin ("" finds the installed one; runtime/capi.py)
+        self.device = open_devices(self.artifact, platform, device_index, devices, plugin)
         # What the load adds to the process's resident memory, by phase (runtime/memory.py); JAX and
         # its client count as before the load.
         self.memory = MemoryLedger()
@@ -258,7 +259,7 @@ class Runtime:
         # takes 0.75 s in a process holding torch and transformers (a test's), with the same
         # ledger (SmolLM2: weights +0.50 GB, pools +0.08 GB; without it +0.80 and -0.22).
         for value in out.values():
-            self.device.first(value).block_until_ready()
+            self.device.wait(self.device.first(value))
         gc.collect(1)
         self.weight_bytes = total
         self.weight_device_bytes = _per_device(self.device, out.values())
@@ -279,7 +280,7 @@ class Runtime:
                   numpy_dtype(held[p.name])) for p in every]
         pools = dict(zip((p.name for p in every), self.device.zeros(specs)))
         for value in pools.values():
-            self.device.first(value).block_until_ready()
+            self.device.wait(self.device.first(value))
         self.kv_device_bytes = _per_device(self.device, [pools[p.name]
                                                          for p in self.artifact.pools])
         self.state_device_bytes = _per_device(self.device, [pools[p.name] for p in
@@ -399,9 +400,9 @@ class Runtime:
         del outs  # outputs not asked for go with it, never copied to the host
         # (a tensor-parallel program's logits are replicated: device 0's copy is read)
         buffers = [self.device.first(wanted[r]) for r in roles]
-        buffers[0].block_until_ready()  # execution is asynchronous: the executable ends here
+        self.device.wait(buffers[0])  # execution is asynchronous: the executable ends here
         t_executed = time.perf_counter()
-        host = [np.array(b) for b in buffers]  # copies: no view of a device buffer is kept
+        host = [self.device.read(b) for b in buffers]  # copies: no view of a buffer is kept
         del buffers, wanted
         if counted:
             self.expert_load += host.pop()

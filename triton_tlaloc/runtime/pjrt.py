@@ -103,7 +103,31 @@ class _Compiling:
         return self.backend.deserialize_executable(blob, self.device_list, None)
 
 
-class PjrtDevice(_Compiling):
+class OneDevice:
+    """What a runtime asks of its devices whatever their number (PjrtMesh has the same), as
+    one device answers it: a value is a single buffer."""
+
+    size = 1
+
+    def put(self, array: np.ndarray):
+        raise NotImplementedError
+
+    def put_shards(self, shards: list[np.ndarray]):
+        return self.put(shards[0])
+
+    def put_split(self, array: np.ndarray, axis: int | None):
+        return self.put(array)
+
+    @staticmethod
+    def first(value):
+        return value
+
+    @staticmethod
+    def nbytes(value) -> list[int]:
+        return [value.nbytes]
+
+
+class PjrtDevice(OneDevice, _Compiling):
     """One PJRT client and device, reached through JAX; hides the small API differences between
     jax 0.7 and newer releases."""
 
@@ -170,18 +194,9 @@ class PjrtDevice(_Compiling):
         results = executable.execute_sharded([[a] for a in args])  # newer jaxlib
         return [arrs[0] for arrs in results.disassemble_into_single_device_arrays()]
 
-    # What a runtime asks of its devices whatever their number (PjrtMesh has the same).
-    size = 1
-
     @property
     def devices(self) -> tuple:
         return (self.device,)
-
-    def put_shards(self, shards: list[np.ndarray]):
-        return self.put(shards[0])
-
-    def put_split(self, array: np.ndarray, axis: int | None):
-        return self.put(array)
 
     @staticmethod
     def host(value, axis: int | None) -> np.ndarray:
@@ -193,12 +208,15 @@ class PjrtDevice(_Compiling):
         return (value.unsafe_buffer_pointer(),)
 
     @staticmethod
-    def first(value):
-        return value
+    def wait(buffer) -> None:
+        """Until one buffer (a value's, or one device's of a value) is computed."""
+        buffer.block_until_ready()
 
     @staticmethod
-    def nbytes(value) -> list[int]:
-        return [value.nbytes]
+    def read(buffer) -> np.ndarray:
+        """A host copy of one buffer (never a view: a live view of a CPU buffer stops
+        donation)."""
+        return np.array(buffer, copy=True)
 
 
 # A cache file is this header, the sha256 of the serialized executable, then the executable.
@@ -363,6 +381,9 @@ class PjrtMesh(_Compiling):
     def addresses(value: tuple) -> tuple[int, ...]:
         return tuple(b.unsafe_buffer_pointer() for b in value)
 
+    wait = staticmethod(PjrtDevice.wait)
+    read = staticmethod(PjrtDevice.read)
+
     @staticmethod
     def first(value: tuple):
         """Device 0's buffer of a value (a replicated output is the same on each)."""
@@ -374,10 +395,19 @@ class PjrtMesh(_Compiling):
 
 
 def open_devices(artifact, platform: str, device_index: int,
-                 devices: tuple[int, ...] | None):
+                 devices: tuple[int, ...] | None, plugin: str | None = None):
     """The device, or the devices, an artifact's programs run on: `devices` (default 0..N-1)
-    for an artifact lowered for N devices, which must name exactly N."""
+    for an artifact lowered for N devices, which must name exactly N. With `plugin` (a PJRT
+    plugin's path, or "" for the one found by default), a device of that plugin reached
+    through its C API, with no JAX (capi.CapiDevice)."""
     n = artifact.devices
+    if plugin is not None:
+        from .capi import CapiDevice, PluginError
+
+        if n > 1:
+            raise PluginError(f"{artifact.path}: its programs are lowered for {n} devices; the "
+                              f"C API runtime runs one-device artifacts (not yet several)")
+        return CapiDevice(plugin or None, devices[0] if devices else device_index)
     if devices is None:
         devices = (device_index,) if n == 1 else tuple(range(n))
     if len(devices) != n:

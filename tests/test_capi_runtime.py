@@ -1,0 +1,104 @@
+"""The C API runtime (runtime/capi.py): the artifact's programs run through OpenXLA's CPU plugin
+(the xla-cpu-pjrt wheel) reached by pypjrt, with no JAX. `tlaloc run --runtime capi` in a
+process where importing jax, jaxlib, torch or transformers raises gives transformers' greedy
+ids for a tiny llama, gemma3_text's rings and qwen3_5_text's state slots; in this process the
+logits equal the JAX runtime's within 1e-5 of the largest for the tiny llama and SmolLM2
+(control: another prompt's last token fails the tolerance), the pools stay in place over 100
+calls (control: the aliasing stripped copies them), and a missing plugin, one too old and a
+body it cannot compile are refused naming the plugin."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from checks.oracle import load_reference, logits_error, reference_greedy
+
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.runtime import capi
+from triton_tlaloc.runtime.core import Runtime
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = 1e-5  # of the largest logit, f32
+PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 5, 60]
+STEPS = 8
+BARRED = "jax,jaxlib,torch,transformers"
+# family -> (tied, export options beside the tests' tiny ladders)
+FAMILIES = {"llama": (False, {}), "gemma3_text": (True, dict(block_size=4)),
+            "qwen3_5_text": (False, {})}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tlaloc_run_capi_imports_no_jax_and_gives_transformers_ids(tiny, family):
+    tied, opts = FAMILIES[family]
+    art = tiny.artifact(family, tied, **opts)
+    want, _ = reference_greedy(load_reference(tiny.checkpoint(family, tied)), PROMPT, STEPS)
+    run = subprocess.run(
+        [sys.executable, "-m", "checks.import_guard", BARRED, "run", str(art), "--prompt-ids",
+         ",".join(map(str, PROMPT)), "--max-new-tokens", str(STEPS), "--ignore-eos", "--json",
+         "--runtime", "capi"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout)
+    assert got["generated_ids"] == want
+    assert got["pools_in_place"] == got["calls"] and got["pools_copied"] == 0
+
+
+def capi_and_jax(art, prompt, steps=STEPS):
+    """Each runtime's greedy ids and logits after the prompt (the JAX runtime's second)."""
+    out = []
+    for plugin in ("", None):
+        rt = Runtime(art, plugin=plugin, first_use=True)
+        engine = Engine(rt)
+        ids = engine.generate_greedy(prompt, steps).generated_ids
+        seq = engine.new_sequence(prompt)
+        out.append((ids, engine.prefill_chunked(seq)[0], rt))
+        engine.free(seq)
+    return out
+
+
+def test_logits_equal_the_jax_runtimes_and_the_pools_stay_in_place(tiny, smollm2):
+    (ids, first, rt), (want_ids, want_first, _) = capi_and_jax(tiny.artifact("llama", False),
+                                                                PROMPT)
+    assert isinstance(rt.device, capi.CapiDevice)
+    assert ids == want_ids and logits_error(first, want_first) <= TOL
+    other = Engine(rt)
+    seq = other.new_sequence(PROMPT[:-1] + [61])
+    assert logits_error(other.prefill_chunked(seq)[0], want_first) > TOL  # the control
+    other.free(seq)
+    # 100 decode calls: each pool's address kept (the JAX runtime's check, runtime.donation)
+    rt.check_every_run = True
+    runs = rt.donation.runs
+    other.generate_greedy(PROMPT, 100, ())
+    d = rt.donation
+    assert d.runs - runs >= 100 and d.copied == 0 and d.in_place == d.runs
+    copying = Runtime(tiny.artifact("llama", False), plugin="", first_use=True, donate=False)
+    Engine(copying).generate_greedy(PROMPT, 4)
+    assert copying.donation.copied == copying.donation.runs > 0
+    # SmolLM2 (its f32 export): the same ids, the logits within the tolerance
+    prompt = [(i * 977 + 13) % 49000 + 100 for i in range(24)]
+    (ids, first, _), (want_ids, want_first, _) = capi_and_jax(smollm2[1], prompt, 6)
+    assert ids == want_ids and logits_error(first, want_first) <= TOL
+
+
+def test_plugins_that_cannot_serve_are_refused_by_name(tiny, tmp_path, monkeypatch):
+    art = tiny.artifact("llama", False)
+    with pytest.raises(capi.PluginError, match=r"PJRT plugin .*nowhere\.so.*no such file"):
+        Runtime(art, plugin=str(tmp_path / "nowhere.so"))
+    not_a_plugin = tmp_path / "empty.so"
+    not_a_plugin.write_bytes(b"\0" * 64)
+    with pytest.raises(capi.PluginError, match=r"PJRT plugin .*empty\.so: not loaded"):
+        Runtime(art, plugin=str(not_a_plugin))
+    monkeypatch.setattr(capi, "OLDEST_API", (99, 0))
+    with pytest.raises(capi.PluginError, match=r"its C API is 0\.\d+, older than the 99\.0"):
+        Runtime(art, plugin="")
+    monkeypatch.undo()
+    device = capi.CapiDevice()
+    with pytest.raises(capi.PluginError, match=r"PJRT plugin .*xla_cpu_pjrt\.so \(cpu, API "
+                                               r"0\.\d+\) cannot compile the program"):
+        device.compile("module @m { func.func public @main() { no.such_op } }")
+    values = device.host(device.put(np.arange(6, dtype=np.int32).reshape(2, 3)))
+    assert values.tolist() == [[0, 1, 2], [3, 4, 5]]

@@ -1,0 +1,192 @@
+"""The runtime's devices over a PJRT plugin's C API, with no JAX: the plugin is a shared
+library (a wheel such as `xla-cpu-pjrt` carries XLA's CPU plugin) loaded through `pypjrt`, a
+dependency-free ctypes client of the PJRT C API (docs/design.md#the-c-api-runtime).
+
+`CapiDevice` is one device of such a plugin, with the methods the runtime asks of
+`pjrt.PjrtDevice` (compile, serialize and load an executable, put host arrays, make zeroed
+buffers, execute with the programs' donation, read values back, their addresses), so the
+runtime, the engine and the batcher run unchanged over it. An executable's donation is the
+program's own (its `tf.aliasing_output`): the pools given to a call are consumed and its
+outputs take their place, as with JAX.
+
+The plugin is found by `plugin_path`: a path given, else $TLALOC_PJRT_PLUGIN, else the CPU
+plugin of an installed `xla-cpu-pjrt` wheel (`pip install triton-tlaloc[capi]`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .pjrt import OneDevice
+
+log = logging.getLogger("triton_tlaloc.runtime")
+
+PLUGIN_ENV = "TLALOC_PJRT_PLUGIN"
+# The CPU plugin wheel found by default: its package, and its library inside it
+CPU_WHEEL = ("xla_plugins.xla_cpu_pjrt", "xla_cpu_pjrt.so")
+# The oldest PJRT C API a plugin may answer with: the calls the runtime makes are all there
+# (compile, buffers from host, execute with donation, serialize, to host) in 0.50 and later.
+OLDEST_API = (0, 50)
+# PJRT_Buffer_Type by the runtime's numpy dtype names (bf16 and f8 from ml_dtypes)
+BUFFER_TYPES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6,
+                "uint16": 7, "uint32": 8, "uint64": 9, "float16": 10, "float32": 11,
+                "float64": 12, "bfloat16": 16, "float8_e4m3fn": 20}
+
+
+class PluginError(RuntimeError):
+    """A plugin that cannot be used: missing, not a PJRT plugin, or too old; names it."""
+
+
+def plugin_path(given: str | os.PathLike | None = None) -> Path:
+    """The plugin to load: `given`, else $TLALOC_PJRT_PLUGIN, else the installed CPU wheel's."""
+    if given:
+        where = f"--plugin {given}"
+        path = Path(given)
+    elif os.environ.get(PLUGIN_ENV):
+        where = f"{PLUGIN_ENV}={os.environ[PLUGIN_ENV]}"
+        path = Path(os.environ[PLUGIN_ENV])
+    else:
+        package, library = CPU_WHEEL
+        spec = importlib.util.find_spec(package.split(".")[0])
+        if spec is None or not spec.submodule_search_locations:
+            raise PluginError(f"no PJRT plugin: give one (--plugin PATH, or {PLUGIN_ENV}) or "
+                              f"install the CPU plugin wheel (pip install "
+                              f"'triton-tlaloc[capi]', which brings xla-cpu-pjrt)")
+        path = Path(list(spec.submodule_search_locations)[0]) / package.split(".")[1] / library
+        where = f"the installed xla-cpu-pjrt wheel ({path})"
+    if not path.is_file():
+        raise PluginError(f"PJRT plugin {path} (from {where}): no such file")
+    return path
+
+
+class CapiDevice(OneDevice):
+    """One device of a PJRT plugin, reached through its C API: what the runtime asks of a
+    device (pjrt.PjrtDevice's methods), with no JAX."""
+
+    def __init__(self, plugin: str | os.PathLike | None = None, device_index: int = 0):
+        try:
+            import pypjrt
+        except ImportError:
+            raise PluginError("the C API runtime needs pypjrt (pip install "
+                              "'triton-tlaloc[capi]')") from None
+        self.plugin_file = plugin_path(plugin)
+        try:
+            self.client = pypjrt.Client.create(plugin=str(self.plugin_file))
+        except Exception as e:
+            raise PluginError(f"PJRT plugin {self.plugin_file}: not loaded: {e}") from None
+        p = self.client._plugin
+        self.api_version = tuple(p.api_version[:2])
+        if self.api_version < OLDEST_API:
+            raise PluginError(f"PJRT plugin {self.plugin_file}: its C API is "
+                              f"{self.api_version[0]}.{self.api_version[1]}, older than the "
+                              f"{OLDEST_API[0]}.{OLDEST_API[1]} the runtime needs")
+        self._device_context = self.client.devices()
+        devices = self._device_context.__enter__()
+        if not 0 <= device_index < len(devices):
+            raise PluginError(f"PJRT plugin {self.plugin_file}: device {device_index} asked, "
+                              f"it has {len(devices)}")
+        self.device = devices[device_index]
+        self.platform = self.client.platform_name
+        self.xla_version = str(getattr(p, "xla_version", "") or "")
+        log.info("PJRT C API: plugin %s (%s, API %d.%d), device %d of %d", self.plugin_file,
+                 self.platform, *self.api_version, device_index, len(devices))
+
+    @property
+    def client_identity(self) -> str:
+        """What a compile depends on besides the text and the device: the plugin's library
+        (its bytes' digest: two builds never share an executable), platform and API."""
+        return (f"capi|{self.platform}|{_file_digest(self.plugin_file)}|api "
+                f"{self.api_version[0]}.{self.api_version[1]}")
+
+    @property
+    def cache_identity(self) -> str:
+        index = self.device.id
+        return f"{self.client_identity}" + (f"|device {index}" if index else "")
+
+    @property
+    def devices(self) -> tuple:
+        return (self.device,)
+
+    def compile(self, text: str):
+        try:
+            return self.client.compile(text)
+        except Exception as e:  # pypjrt's PjrtError: the plugin's own message
+            raise PluginError(f"PJRT plugin {self.plugin_file} ({self.platform}, API "
+                              f"{self.api_version[0]}.{self.api_version[1]}) cannot compile "
+                              f"the program: {str(e)[:2000]}") from None
+
+    @staticmethod
+    def serialize(executable) -> bytes:
+        return executable.serialize()
+
+    def deserialize(self, blob: bytes):
+        return self.client.deserialize_executable(blob)
+
+    def put(self, array: np.ndarray):
+        array = np.ascontiguousarray(array)
+        code = BUFFER_TYPES.get(array.dtype.name)
+        if code is None:
+            raise TypeError(f"the C API runtime holds no {array.dtype} values")
+        return self.client.buffer_from_host(memoryview(array.reshape(-1).view(np.uint8)), code,
+                                            list(array.shape), self.device)
+
+    def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list:
+        """Zeroed buffers, each put from a zeroed host array."""
+        return [self.put(np.zeros(shape, dtype)) for shape, dtype in specs]
+
+    @staticmethod
+    def execute(executable, args: list) -> list:
+        return executable(*args)
+
+    @staticmethod
+    def host(value, axis: int | None = None, dtype=None) -> np.ndarray:
+        """A host copy of a value, as a numpy array of its type and shape."""
+        out = np.empty(tuple(value.dimensions), _numpy_dtype(value.element_type)
+                       if dtype is None else dtype)
+        value.to_host(memoryview(out.reshape(-1).view(np.uint8)))
+        return out
+
+    @staticmethod
+    def addresses(value) -> tuple[int, ...]:
+        return (value.unsafe_pointer(),)
+
+    @staticmethod
+    def wait(buffer) -> None:
+        """(An execution has ended when it returns: pypjrt awaits its completion events.)"""
+
+    def read(self, buffer) -> np.ndarray:
+        return self.host(buffer)
+
+
+def _numpy_dtype(code: int) -> np.dtype:
+    name = next((n for n, c in BUFFER_TYPES.items() if c == code), None)
+    if name is None:
+        raise TypeError(f"PJRT buffer type {code}: the C API runtime reads no such values")
+    if name in ("bfloat16", "float8_e4m3fn"):
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+_DIGESTS: dict[Path, str] = {}
+
+
+def _file_digest(path: Path) -> str:
+    """The sha256 of a plugin's bytes (read once a process)."""
+    if path not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        _DIGESTS[path] = h.hexdigest()[:16]
+    return _DIGESTS[path]
+
+
+__all__ = ["CapiDevice", "PLUGIN_ENV", "PluginError", "plugin_path"]
