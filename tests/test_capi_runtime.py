@@ -4,8 +4,9 @@ process where importing jax, jaxlib, torch or transformers raises gives transfor
 ids for a tiny llama, gemma3_text's rings and qwen3_5_text's state slots; in this process the
 logits equal the JAX runtime's within 1e-5 of the largest for the tiny llama and SmolLM2
 (control: another prompt's last token fails the tolerance), the pools stay in place over 100
-calls (control: the aliasing stripped copies them), and a missing plugin, one too old and a
-body it cannot compile are refused naming the plugin."""
+calls (control: the aliasing stripped copies them); an artifact for 2 devices runs on two
+devices the plugin makes; and a missing plugin, one too old and a body it cannot compile are
+refused naming the plugin."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ TOL = 1e-5  # of the largest logit, f32
 PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 5, 60]
 STEPS = 8
 BARRED = "jax,jaxlib,torch,transformers"
-# family -> (tied, export options beside the tests' tiny ladders)
-FAMILIES = {"llama": (False, {}), "gemma3_text": (True, dict(block_size=4)),
-            "qwen3_5_text": (False, {})}
+# family -> (tied, export options beside the tests' tiny ladders): one context of 32 (a
+# prompt of 10 and 8 steps), so `tlaloc run` compiles few entries
+ONE_CONTEXT = dict(context_ladder=(32,))
+FAMILIES = {"llama": (False, ONE_CONTEXT), "gemma3_text": (True, dict(ONE_CONTEXT, block_size=4)),
+            "qwen3_5_text": (False, ONE_CONTEXT)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -102,3 +105,26 @@ def test_plugins_that_cannot_serve_are_refused_by_name(tiny, tmp_path, monkeypat
         device.compile("module @m { func.func public @main() { no.such_op } }")
     values = device.host(device.put(np.arange(6, dtype=np.int32).reshape(2, 3)))
     assert values.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_a_tensor_parallel_artifact_runs_on_two_devices_of_the_plugin(tiny, work):
+    """The tiny llama exported for 2 devices runs on two devices of the CPU plugin (its own
+    client makes them: no XLA_FLAGS), each holding half of each split weight and of each
+    pool: transformers' ids and logits (within 1e-5 of the largest)."""
+    from triton_tlaloc.export import ExportOptions, export_artifact
+
+    ckpt = tiny.checkpoint("llama", False)
+    want, want_first = reference_greedy(load_reference(ckpt), PROMPT, STEPS)
+    art = export_artifact(ckpt, work / "capi-tp2", ExportOptions(
+        batch_ladder=(1,), context_ladder=(32,), block_size=8, tensor_parallel=2))
+    rt = Runtime(art, plugin="", first_use=True)
+    assert isinstance(rt.device, capi.CapiMesh) and rt.device.size == 2
+    engine = Engine(rt)
+    assert engine.generate_greedy(PROMPT, STEPS).generated_ids == want
+    seq = engine.new_sequence(PROMPT)
+    assert logits_error(engine.prefill_chunked(seq)[0], want_first) <= TOL
+    engine.free(seq)
+    pool = next(iter(rt.pools.values()))
+    whole = rt.artifact.pools[0].shape
+    assert [b.dimensions for b in pool] == [(*whole[:-2], whole[-2] // 2, whole[-1])] * 2
+    assert rt.donation.copied == 0 and rt.donation.in_place == rt.donation.runs

@@ -64,6 +64,19 @@ def batch_policy(config: dict, params: dict[str, str]) -> BatchPolicy:
         reclaim_allowance_s=int(params["reclaim_allowance_microseconds"]) / 1e6)
 
 
+def capi_runtime(params: dict[str, str]) -> bool:
+    """Whether the `runtime` parameter asks for the C API runtime (runtime/capi.py); what it
+    cannot serve yet (LoRA adapters: their slot write is lowered by JAX) refused by name."""
+    runtime = params["runtime"].strip()
+    if runtime not in ("jax", "capi"):
+        raise ValueError(f"runtime {runtime!r}: jax or capi")
+    if runtime == "capi" and (params["lora_adapters"].strip()
+                              or params["lora_updates_root"].strip()):
+        raise ValueError("runtime capi serves no LoRA adapters yet (lora_adapters and "
+                         "lora_updates_root need runtime jax)")
+    return runtime == "capi"
+
+
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging(args["model_name"])
@@ -83,14 +96,16 @@ class TritonPythonModel:
         else:
             devices = instance_devices(params["devices"], artifact.devices, instance, device,
                                        own_client=platform == "cpu")
-            if platform == "cpu":  # this instance's process: as many CPU devices as it uses
-                cpu_devices(max(devices) + 1)
+            capi = capi_runtime(params)
+            if platform == "cpu" and not capi:  # this instance's process: as many CPU
+                cpu_devices(max(devices) + 1)   # devices as it uses
             self.runtime = Runtime(artifact, platform=platform, devices=devices,
                                    donate=parse_bool(params["donate_kv_pools"]),
                                    cache_dir=Path(cache) if cache else None,
                                    background=parse_bool(params["background_compile"]),
                                    first_use=False,
-                                   expert_load=parse_bool(params["expert_load_metrics"]))
+                                   expert_load=parse_bool(params["expert_load_metrics"]),
+                                   plugin=params["pjrt_plugin"] if capi else None)
         policy = batch_policy(config, params)
         self.metrics = TritonMetrics(args["model_name"],
                                      int(params["metrics_interval_microseconds"]) / 1e6,
@@ -157,6 +172,12 @@ class TritonPythonModel:
             log.info("host tier off: a simulated runtime has no pools to copy")
             return None
         asked = params["host_kv_bytes"].strip()
+        if capi_runtime(params):  # its page copies are lowered by JAX at load
+            if asked and int(asked) != 0:
+                raise ValueError(f"host_kv_bytes {asked}: runtime capi has no host tier yet "
+                                 f"(leave host_kv_bytes unset or 0, or use runtime jax)")
+            log.info("host tier off: runtime capi (a request short of KV pages is refused)")
+            return None
         budget = (int(asked) if asked else
                   HOST_KV_DEFAULT_POOLS * (rt.kv_pool_bytes + rt.state_pool_bytes))
         if budget < 0:

@@ -103,6 +103,16 @@ PARAMETERS: tuple[ModelParameter, ...] = (
         "host memory for adapters read from disk, so one written into a slot again is not "
         "read again (least recently used out)", "--lora-host-bytes"),
     ModelParameter(
+        "runtime", "jax",
+        "how the programs run: `jax` (JAX's PJRT client) or `capi` (a PJRT plugin's C API "
+        "through pypjrt, with no JAX in the model's process; "
+        "[the C API runtime](design.md#the-c-api-runtime)); `capi` serves no host tier and no "
+        "LoRA adapters yet", "--runtime"),
+    ModelParameter(
+        "pjrt_plugin", "",
+        "with `runtime` `capi`: the PJRT plugin's library", "--pjrt-plugin",
+        shown="`$TLALOC_PJRT_PLUGIN`, else the installed `xla-cpu-pjrt`'s"),
+    ModelParameter(
         "keep_ended_sequences", "64",
         "how many ended sequences are kept whole for their next turn"),
     ModelParameter(

@@ -17,11 +17,12 @@ from string import Template
 
 from .artifact.loading import load_artifact
 from .artifact.manifest import MANIFEST_NAME
-from .model_parameters import (MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool, default_float,
-                               default_int)
+from .model_parameters import (DEFAULTS, MAX_SEQUENCE_IDLE_MICROSECONDS, default_bool,
+                               default_float, default_int)
 
 TEMPLATE_DIR = Path(__file__).parent / "model_repository_template"
 INSTANCE_KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
+RUNTIMES = ("jax", "capi")  # how the sequence model runs the programs (runtime parameter)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class RepositoryOptions:
     # a mixture of experts: tokens routed to each expert as metrics
     expert_load_metrics: bool = default_bool("expert_load_metrics")
     host_kv_bytes: int | None = None  # the host tier's budget (None: 4x the pools; 0: off)
+    runtime: str = DEFAULTS["runtime"]  # jax | capi (a PJRT plugin's C API, no JAX)
+    pjrt_plugin: str = ""  # runtime capi: the plugin's library ("": found by default)
     # LoRA adapters served by name: (name, PEFT adapter directory) each
     lora: tuple[tuple[str, str], ...] = ()
     lora_host_bytes: int = default_int("lora_host_bytes")
@@ -147,6 +150,10 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         raise ValueError(f"generation loop {opts.generation_loop!r}: expected local or bls")
     if opts.instance_kind not in INSTANCE_KINDS:
         raise ValueError(f"instance kind {opts.instance_kind!r}: expected cpu or gpu")
+    if opts.runtime not in RUNTIMES:
+        raise ValueError(f"runtime {opts.runtime!r}: one of {', '.join(RUNTIMES)}")
+    if opts.pjrt_plugin and opts.runtime != "capi":
+        raise ValueError("pjrt_plugin: for runtime capi only")
     if opts.max_sequence_idle_microseconds <= 0:
         raise ValueError("max_sequence_idle_microseconds must be positive (Triton's default, "
                          "1 s, would end sequences between a user's turns)")
@@ -170,6 +177,8 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         "reclaim_allowance_microseconds": opts.reclaim_allowance_microseconds,
         "prefix_reuse": "true" if opts.prefix_reuse else "false",
         "expert_load_metrics": "true" if opts.expert_load_metrics else "false",
+        "runtime": opts.runtime,
+        **({"pjrt_plugin": str(Path(opts.pjrt_plugin).resolve())} if opts.pjrt_plugin else {}),
         **({"host_kv_bytes": opts.host_kv_bytes} if opts.host_kv_bytes is not None else {}),
         **({"lora_adapters": _lora_adapters(artifact, opts.lora)} if opts.lora else {}),
         "lora_host_bytes": opts.lora_host_bytes,

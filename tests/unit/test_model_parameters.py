@@ -28,6 +28,7 @@ WRITTEN = {
     "reclaim_allowance_microseconds": ("reclaim_allowance_microseconds", str),
     "prefix_reuse": ("prefix_reuse", lambda v: "true" if v else "false"),
     "expert_load_metrics": ("expert_load_metrics", lambda v: "true" if v else "false"),
+    "runtime": ("runtime", str),
     "preempt_wait_microseconds": ("preempt_wait_microseconds", str),
     "background_compile": ("background_compile", lambda v: "true" if v else "false"),
     "reply_threads": ("reply_threads", str),

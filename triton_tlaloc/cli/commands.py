@@ -233,6 +233,7 @@ def cmd_repository(args) -> int:
                              reply_threads=args.reply_threads,
                              generation_loop=args.generation_loop,
                              host_kv_bytes=args.host_kv_bytes,
+                             runtime=args.runtime, pjrt_plugin=args.pjrt_plugin,
                              lora=tuple(args.lora), lora_host_bytes=args.lora_host_bytes,
                              lora_updates_root=args.lora_updates_root,
                              preempt_wait_microseconds=args.preempt_wait_us,

@@ -247,6 +247,13 @@ def _add_repository_parser(sub) -> None:
     p.add_argument("--lora-host-bytes", type=int,
                    default=RepositoryOptions.lora_host_bytes,
                    help="host memory for adapters read from disk (least recently used out)")
+    p.add_argument("--runtime", choices=("jax", "capi"), default=RepositoryOptions.runtime,
+                   help="capi: the model runs its programs through a PJRT plugin's C API, "
+                        "with no JAX in its process (pip install 'triton-tlaloc[capi]'; no "
+                        "host tier or LoRA adapters yet)")
+    p.add_argument("--pjrt-plugin", default="", metavar="PATH",
+                   help="--runtime capi: the plugin's library (default: $TLALOC_PJRT_PLUGIN, "
+                        "else the installed xla-cpu-pjrt wheel's)")
     p.add_argument("--host-kv-bytes", type=int, default=None,
                    help="host memory for swapped-out sequences' KV (default: 4x the device's "
                         "KV pools; 0: no host tier, a request short of pages is refused)")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .pjrt import OneDevice
+from .pjrt import ManyDevices, OneDevice
 
 log = logging.getLogger("triton_tlaloc.runtime")
 
@@ -65,19 +65,22 @@ def plugin_path(given: str | os.PathLike | None = None) -> Path:
     return path
 
 
-class CapiDevice(OneDevice):
-    """One device of a PJRT plugin, reached through its C API: what the runtime asks of a
-    device (pjrt.PjrtDevice's methods), with no JAX."""
+class _CapiClient:
+    """A client of a PJRT plugin through its C API, its devices (a CPU plugin makes `count`),
+    and compiling for them (`partitions` > 1: one SPMD program over the first that many)."""
 
-    def __init__(self, plugin: str | os.PathLike | None = None, device_index: int = 0):
+    def __init__(self, plugin: str | os.PathLike | None, count: int = 1, partitions: int = 1):
         try:
             import pypjrt
         except ImportError:
             raise PluginError("the C API runtime needs pypjrt (pip install "
                               "'triton-tlaloc[capi]')") from None
+        self.pypjrt = pypjrt
         self.plugin_file = plugin_path(plugin)
+        # A CPU plugin makes as many devices as asked (others ignore the option)
+        options = {"cpu_device_count": count} if count > 1 else {}
         try:
-            self.client = pypjrt.Client.create(plugin=str(self.plugin_file))
+            self.client = pypjrt.Client.create(plugin=str(self.plugin_file), options=options)
         except Exception as e:
             raise PluginError(f"PJRT plugin {self.plugin_file}: not loaded: {e}") from None
         p = self.client._plugin
@@ -87,35 +90,32 @@ class CapiDevice(OneDevice):
                               f"{self.api_version[0]}.{self.api_version[1]}, older than the "
                               f"{OLDEST_API[0]}.{OLDEST_API[1]} the runtime needs")
         self._device_context = self.client.devices()
-        devices = self._device_context.__enter__()
-        if not 0 <= device_index < len(devices):
-            raise PluginError(f"PJRT plugin {self.plugin_file}: device {device_index} asked, "
-                              f"it has {len(devices)}")
-        self.device = devices[device_index]
+        self.all_devices = self._device_context.__enter__()
         self.platform = self.client.platform_name
-        self.xla_version = str(getattr(p, "xla_version", "") or "")
-        log.info("PJRT C API: plugin %s (%s, API %d.%d), device %d of %d", self.plugin_file,
-                 self.platform, *self.api_version, device_index, len(devices))
+        self.partitions = partitions
+
+    def pick(self, indices: tuple[int, ...]) -> list:
+        missing = [i for i in indices if not 0 <= i < len(self.all_devices)]
+        if missing:
+            raise PluginError(f"PJRT plugin {self.plugin_file}: devices {list(indices)} asked, "
+                              f"it has {len(self.all_devices)}")
+        return [self.all_devices[i] for i in indices]
 
     @property
     def client_identity(self) -> str:
-        """What a compile depends on besides the text and the device: the plugin's library
+        """What a compile depends on besides the text and the devices: the plugin's library
         (its bytes' digest: two builds never share an executable), platform and API."""
         return (f"capi|{self.platform}|{_file_digest(self.plugin_file)}|api "
                 f"{self.api_version[0]}.{self.api_version[1]}")
 
-    @property
-    def cache_identity(self) -> str:
-        index = self.device.id
-        return f"{self.client_identity}" + (f"|device {index}" if index else "")
-
-    @property
-    def devices(self) -> tuple:
-        return (self.device,)
-
     def compile(self, text: str):
+        options = None
+        if self.partitions > 1:  # the programs' shardings are Shardy's (sdy) when lowered so
+            options = self.pypjrt.CompileOptions(
+                num_partitions=self.partitions, use_spmd_partitioning=True,
+                use_shardy_partitioner="sdy." in text)
         try:
-            return self.client.compile(text)
+            return self.client.compile(text, options=options)
         except Exception as e:  # pypjrt's PjrtError: the plugin's own message
             raise PluginError(f"PJRT plugin {self.plugin_file} ({self.platform}, API "
                               f"{self.api_version[0]}.{self.api_version[1]}) cannot compile "
@@ -128,13 +128,36 @@ class CapiDevice(OneDevice):
     def deserialize(self, blob: bytes):
         return self.client.deserialize_executable(blob)
 
-    def put(self, array: np.ndarray):
+    def put_on(self, array: np.ndarray, device):
         array = np.ascontiguousarray(array)
         code = BUFFER_TYPES.get(array.dtype.name)
         if code is None:
             raise TypeError(f"the C API runtime holds no {array.dtype} values")
         return self.client.buffer_from_host(memoryview(array.reshape(-1).view(np.uint8)), code,
-                                            list(array.shape), self.device)
+                                            list(array.shape), device)
+
+
+class CapiDevice(OneDevice, _CapiClient):
+    """One device of a PJRT plugin, reached through its C API: what the runtime asks of a
+    device (pjrt.PjrtDevice's methods), with no JAX."""
+
+    def __init__(self, plugin: str | os.PathLike | None = None, device_index: int = 0):
+        _CapiClient.__init__(self, plugin, device_index + 1)
+        self.device, = self.pick((device_index,))
+        log.info("PJRT C API: plugin %s (%s, API %d.%d), device %d of %d", self.plugin_file,
+                 self.platform, *self.api_version, device_index, len(self.all_devices))
+
+    @property
+    def cache_identity(self) -> str:
+        index = self.device.id
+        return f"{self.client_identity}" + (f"|device {index}" if index else "")
+
+    @property
+    def devices(self) -> tuple:
+        return (self.device,)
+
+    def put(self, array: np.ndarray):
+        return self.put_on(array, self.device)
 
     def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list:
         """Zeroed buffers, each put from a zeroed host array."""
@@ -164,6 +187,61 @@ class CapiDevice(OneDevice):
         return self.host(buffer)
 
 
+class CapiMesh(ManyDevices, _CapiClient):
+    """The N devices of one tensor-parallel instance of a PJRT plugin, through its C API:
+    programs compiled with N partitions (XLA's SPMD partitioner), every value a tuple of N
+    per-device buffers, as pjrt.PjrtMesh holds them."""
+
+    def __init__(self, plugin: str | os.PathLike | None, device_indices: tuple[int, ...]):
+        n = len(device_indices)
+        if tuple(device_indices) != tuple(range(n)):
+            raise PluginError(f"devices {list(device_indices)}: the C API runtime runs an "
+                              f"artifact for {n} devices on the plugin's first {n}")
+        _CapiClient.__init__(self, plugin, n, partitions=n)
+        self.devices = tuple(self.pick(tuple(device_indices)))
+        log.info("PJRT C API: plugin %s (%s, API %d.%d), devices 0..%d", self.plugin_file,
+                 self.platform, *self.api_version, n - 1)
+
+    @property
+    def cache_identity(self) -> str:
+        return f"{self.client_identity}|devices {','.join(str(d.id) for d in self.devices)}"
+
+    def put(self, array: np.ndarray) -> tuple:
+        """A copy of `array` on every device (a replicated input)."""
+        return tuple(self.put_on(array, d) for d in self.devices)
+
+    def put_shards(self, shards: list[np.ndarray]) -> tuple:
+        assert len(shards) == self.size, (len(shards), self.size)
+        return tuple(self.put_on(a, d) for a, d in zip(shards, self.devices))
+
+    def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[tuple]:
+        """Zeroed values of the shard shapes `specs`, one on each device."""
+        return [self.put(np.zeros(shape, dtype)) for shape, dtype in specs]
+
+    def execute(self, executable, args: list[tuple]) -> list[tuple]:
+        per_device = executable.execute_sharded([[a[d] for a in args]
+                                                 for d in range(self.size)])
+        return [tuple(outs) for outs in zip(*per_device)]
+
+    @staticmethod
+    def host(value: tuple, axis: int | None) -> np.ndarray:
+        if axis is None:
+            return CapiDevice.host(value[0])
+        return np.concatenate([CapiDevice.host(b) for b in value], axis=axis)
+
+    @staticmethod
+    def addresses(value: tuple) -> tuple[int, ...]:
+        return tuple(b.unsafe_pointer() for b in value)
+
+    @staticmethod
+    def wait(buffer) -> None:
+        """(An execution has ended when it returns.)"""
+
+    @staticmethod
+    def read(buffer) -> np.ndarray:
+        return CapiDevice.host(buffer)
+
+
 def _numpy_dtype(code: int) -> np.dtype:
     name = next((n for n, c in BUFFER_TYPES.items() if c == code), None)
     if name is None:
@@ -189,4 +267,4 @@ def _file_digest(path: Path) -> str:
     return _DIGESTS[path]
 
 
-__all__ = ["CapiDevice", "PLUGIN_ENV", "PluginError", "plugin_path"]
+__all__ = ["CapiDevice", "CapiMesh", "PLUGIN_ENV", "PluginError", "plugin_path"]

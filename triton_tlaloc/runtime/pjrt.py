@@ -303,7 +303,40 @@ def _load_or_compile(device, text: str, what: str, cached: Path, use_cache: bool
     return exe
 
 
-class PjrtMesh(_Compiling):
+class ManyDevices:
+    """What a runtime asks of its devices as the N devices of one tensor-parallel instance
+    answer it: every value a tuple of N per-device buffers (a shard or a copy on each)."""
+
+    devices: tuple
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    def put(self, array: np.ndarray) -> tuple:
+        raise NotImplementedError
+
+    def put_shards(self, shards: list[np.ndarray]) -> tuple:
+        raise NotImplementedError
+
+    def put_split(self, array: np.ndarray, axis: int | None) -> tuple:
+        """`array` as the program sees it, split along `axis` into equal shards (device j's
+        the j-th), or copied on every device when `axis` is None."""
+        if axis is None:
+            return self.put(array)
+        return self.put_shards(np.split(array, self.size, axis=axis))
+
+    @staticmethod
+    def first(value: tuple):
+        """Device 0's buffer of a value (a replicated output is the same on each)."""
+        return value[0]
+
+    @staticmethod
+    def nbytes(value: tuple) -> list[int]:
+        return [b.nbytes for b in value]
+
+
+class PjrtMesh(ManyDevices, _Compiling):
     """The N devices of one tensor-parallel instance of a PJRT client: programs compiled with
     N partitions, each value a tuple of per-device buffers (a shard or a copy on each)."""
 
@@ -333,10 +366,6 @@ class PjrtMesh(_Compiling):
         self._one = [PjrtDevice(platform, i) for i in device_indices]
 
     @property
-    def size(self) -> int:
-        return len(self.devices)
-
-    @property
     def cache_identity(self) -> str:
         # A compiled SPMD program keeps its device assignment: the same text for other devices
         # is another executable.
@@ -351,13 +380,6 @@ class PjrtMesh(_Compiling):
         """Shard j on device j."""
         assert len(shards) == self.size, (len(shards), self.size)
         return tuple(one.put(a) for one, a in zip(self._one, shards))
-
-    def put_split(self, array: np.ndarray, axis: int | None) -> tuple:
-        """`array` as the program sees it, split along `axis` into equal shards (device j's
-        the j-th), or copied on every device when `axis` is None."""
-        if axis is None:
-            return self.put(array)
-        return self.put_shards(np.split(array, self.size, axis=axis))
 
     @staticmethod
     def host(value: tuple, axis: int | None) -> np.ndarray:
@@ -384,35 +406,24 @@ class PjrtMesh(_Compiling):
     wait = staticmethod(PjrtDevice.wait)
     read = staticmethod(PjrtDevice.read)
 
-    @staticmethod
-    def first(value: tuple):
-        """Device 0's buffer of a value (a replicated output is the same on each)."""
-        return value[0]
-
-    @staticmethod
-    def nbytes(value: tuple) -> list[int]:
-        return [b.nbytes for b in value]
-
 
 def open_devices(artifact, platform: str, device_index: int,
                  devices: tuple[int, ...] | None, plugin: str | None = None):
     """The device, or the devices, an artifact's programs run on: `devices` (default 0..N-1)
     for an artifact lowered for N devices, which must name exactly N. With `plugin` (a PJRT
-    plugin's path, or "" for the one found by default), a device of that plugin reached
-    through its C API, with no JAX (capi.CapiDevice)."""
+    plugin's path, or "" for the one found by default), the device or devices of that plugin
+    reached through its C API, with no JAX (capi.CapiDevice, capi.CapiMesh)."""
     n = artifact.devices
-    if plugin is not None:
-        from .capi import CapiDevice, PluginError
-
-        if n > 1:
-            raise PluginError(f"{artifact.path}: its programs are lowered for {n} devices; the "
-                              f"C API runtime runs one-device artifacts (not yet several)")
-        return CapiDevice(plugin or None, devices[0] if devices else device_index)
     if devices is None:
         devices = (device_index,) if n == 1 else tuple(range(n))
     if len(devices) != n:
         raise ValueError(f"{artifact.path}: its programs are lowered for {n} device(s) "
                          f"(model.tensorParallel); {len(devices)} given: {list(devices)}")
+    if plugin is not None:
+        from .capi import CapiDevice, CapiMesh
+
+        return (CapiDevice(plugin or None, devices[0]) if n == 1
+                else CapiMesh(plugin or None, tuple(devices)))
     return PjrtDevice(platform, devices[0]) if n == 1 else PjrtMesh(platform, tuple(devices))
 
 
