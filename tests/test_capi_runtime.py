@@ -128,3 +128,21 @@ def test_a_tensor_parallel_artifact_runs_on_two_devices_of_the_plugin(tiny, work
     whole = rt.artifact.pools[0].shape
     assert [b.dimensions for b in pool] == [(*whole[:-2], whole[-2] // 2, whole[-1])] * 2
     assert rt.donation.copied == 0 and rt.donation.in_place == rt.donation.runs
+
+
+def test_lora_adapters_give_transformers_peft_ids(tiny):
+    """The adapter slot write is StableHLO text (no JAX): tests/test_lora.py's two adapters
+    and no adapter, in the same calls, give transformers + PEFT's ids."""
+    from checks.engine_runs import adapters_together
+    from test_lora import PROMPTS, STEPS as LORA_STEPS, lora_setup, reference
+
+    from triton_tlaloc.lora.peft_adapter import read_peft_adapter
+
+    base, art, adapters = lora_setup(tiny)
+    rt = Runtime(art, plugin="", first_use=True)
+    for slot, name in ((1, "a"), (2, "b")):
+        rt.adapters.write(slot, read_peft_adapter(adapters[name], rt.artifact.lora).arrays)
+    want = [reference(base, adapters["a"], PROMPTS[0])[0],
+            reference(base, adapters["b"], PROMPTS[1])[0], reference(base, None, PROMPTS[2])[0]]
+    ids, _ = adapters_together(Engine(rt), PROMPTS, (1, 2, 0), LORA_STEPS)
+    assert ids == want

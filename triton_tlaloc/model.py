@@ -65,15 +65,10 @@ def batch_policy(config: dict, params: dict[str, str]) -> BatchPolicy:
 
 
 def capi_runtime(params: dict[str, str]) -> bool:
-    """Whether the `runtime` parameter asks for the C API runtime (runtime/capi.py); what it
-    cannot serve yet (LoRA adapters: their slot write is lowered by JAX) refused by name."""
+    """Whether the `runtime` parameter asks for the C API runtime (runtime/capi.py)."""
     runtime = params["runtime"].strip()
     if runtime not in ("jax", "capi"):
         raise ValueError(f"runtime {runtime!r}: jax or capi")
-    if runtime == "capi" and (params["lora_adapters"].strip()
-                              or params["lora_updates_root"].strip()):
-        raise ValueError("runtime capi serves no LoRA adapters yet (lora_adapters and "
-                         "lora_updates_root need runtime jax)")
     return runtime == "capi"
 
 
@@ -172,11 +167,13 @@ class TritonPythonModel:
             log.info("host tier off: a simulated runtime has no pools to copy")
             return None
         asked = params["host_kv_bytes"].strip()
-        if capi_runtime(params):  # its page copies are lowered by JAX at load
+        if capi_runtime(params) and rt.device.size > 1:  # split pools' copies: JAX's
             if asked and int(asked) != 0:
-                raise ValueError(f"host_kv_bytes {asked}: runtime capi has no host tier yet "
-                                 f"(leave host_kv_bytes unset or 0, or use runtime jax)")
-            log.info("host tier off: runtime capi (a request short of KV pages is refused)")
+                raise ValueError(f"host_kv_bytes {asked}: runtime capi has no host tier on "
+                                 f"several devices yet (leave host_kv_bytes unset or 0, or "
+                                 f"use runtime jax)")
+            log.info("host tier off: runtime capi on %d devices (a request short of KV pages "
+                     "is refused)", rt.device.size)
             return None
         budget = (int(asked) if asked else
                   HOST_KV_DEFAULT_POOLS * (rt.kv_pool_bytes + rt.state_pool_bytes))

@@ -106,8 +106,8 @@ PARAMETERS: tuple[ModelParameter, ...] = (
         "runtime", "jax",
         "how the programs run: `jax` (JAX's PJRT client) or `capi` (a PJRT plugin's C API "
         "through pypjrt, with no JAX in the model's process; "
-        "[the C API runtime](design.md#the-c-api-runtime)); `capi` serves no host tier and no "
-        "LoRA adapters yet", "--runtime"),
+        "[the C API runtime](design.md#the-c-api-runtime)); over several devices `capi` has "
+        "no host tier and no LoRA adapters yet", "--runtime"),
     ModelParameter(
         "pjrt_plugin", "",
         "with `runtime` `capi`: the PJRT plugin's library", "--pjrt-plugin",

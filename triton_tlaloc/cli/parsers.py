@@ -249,8 +249,8 @@ def _add_repository_parser(sub) -> None:
                    help="host memory for adapters read from disk (least recently used out)")
     p.add_argument("--runtime", choices=("jax", "capi"), default=RepositoryOptions.runtime,
                    help="capi: the model runs its programs through a PJRT plugin's C API, "
-                        "with no JAX in its process (pip install 'triton-tlaloc[capi]'; no "
-                        "host tier or LoRA adapters yet)")
+                        "with no JAX in its process (pip install 'triton-tlaloc[capi]'; over "
+                        "several devices no host tier or LoRA adapters yet)")
     p.add_argument("--pjrt-plugin", default="", metavar="PATH",
                    help="--runtime capi: the plugin's library (default: $TLALOC_PJRT_PLUGIN, "
                         "else the installed xla-cpu-pjrt wheel's)")

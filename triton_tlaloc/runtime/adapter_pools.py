@@ -2,7 +2,9 @@
 [layers, slots, ...] f32, zeros at first (slot 0 stays zeros: no adapter). An adapter is
 written into a slot by one program that takes every pool donated and updates that slot in
 place (a dynamic update slice per pool), so loading an adapter moves its own bytes, not the
-pools'. The entries read the pools as they are (never donated). Over several devices each
+pools'. On one device that program is StableHLO text written here (`slot_write_text`: no JAX,
+so the C API runtime writes slots too); over several it is lowered by JAX with the pools'
+shardings. The entries read the pools as they are (never donated). Over several devices each
 pool is held as the layout splits it (lora.layout: a column-parallel part's B by outputs, a
 row-parallel part's A by inputs, the rest copied), and a slot's arrays are cut for each device
 before they are written."""
@@ -78,26 +80,29 @@ class AdapterPools:
         with self._compiling:
             if self._program is not None:
                 return self._program
-            import jax
-
             shapes = self.layout.program_shapes()
-            specs = [jax.ShapeDtypeStruct(s, np.float32) for s in shapes.values()]
-            rows = [jax.ShapeDtypeStruct((s[0], *s[2:]), np.float32) for s in shapes.values()]
-            slot = jax.ShapeDtypeStruct((), np.int32)
-            if self.layout.devices == 1:
-                text = jax.jit(_write_slot, donate_argnums=0).lower(specs, slot, rows).as_text()
+            if self.layout.devices == 1:  # written as text: no JAX needed (the C API runtime)
+                text = slot_write_text(list(shapes.values()))
             else:
-                text = self._lower_split(specs, slot, rows)
+                text = self._lower_split(shapes)
             self._program = compile_cached(self.rt.device, text,
                                            "adapter slot write", self.rt.cache_dir,
                                            self.rt.use_cache, self.compile_stats)
             return self._program
 
-    def _lower_split(self, specs, slot, rows) -> str:
+    def _lower_split(self, shapes: dict[str, tuple[int, ...]]) -> str:
         """The slot write for the layout's devices: each pool and its slot's arrays split
-        along the pool's axis (an abstract mesh, as the entries are lowered)."""
+        along the pool's axis (an abstract mesh, as the entries are lowered), by JAX."""
+        from .capi import CapiMesh, PluginError
+
+        if isinstance(self.rt.device, CapiMesh):
+            raise PluginError("LoRA adapters on several devices with the C API runtime: not "
+                              "yet (their slot write is lowered by JAX)")
         import jax
 
+        specs = [jax.ShapeDtypeStruct(s, np.float32) for s in shapes.values()]
+        rows = [jax.ShapeDtypeStruct((s[0], *s[2:]), np.float32) for s in shapes.values()]
+        slot = jax.ShapeDtypeStruct((), np.int32)
         n = self.layout.devices
         axes = [self.splits[name].axis if name in self.splits else None for name in self.shapes]
         pools = [mesh_sharding(n, 4, a) for a in axes]
@@ -108,6 +113,33 @@ class AdapterPools:
             lowering_platforms=(jax.default_backend(),)).as_text()
 
 
+def slot_write_text(shapes: list[tuple[int, ...]]) -> str:
+    """StableHLO of the one-device slot write: for each pool [layers, slots, ...] (f32,
+    donated: its output aliases it) a row [layers, ...] put at the slot (an in-range index:
+    AdapterPools.write asserts it) by a dynamic update slice."""
+    def ty(shape):
+        return f"tensor<{'x'.join(map(str, shape))}xf32>"
+
+    n = len(shapes)
+    params = [f"%p{i}: {ty(s)} {{tf.aliasing_output = {i} : i32}}" for i, s in enumerate(shapes)]
+    params.append("%slot: tensor<i32>")
+    params += [f"%r{i}: {ty((s[0], *s[2:]))}" for i, s in enumerate(shapes)]
+    body = ["    %zero = stablehlo.constant dense<0> : tensor<i32>"]
+    for i, s in enumerate(shapes):
+        row, one = ty((s[0], *s[2:])), ty((s[0], 1, *s[2:]))
+        dims = ", ".join(str(d) for d in (0, *range(2, len(s))))
+        starts = ", ".join(["%zero", "%slot"] + ["%zero"] * (len(s) - 2))
+        body.append(f"    %u{i} = stablehlo.broadcast_in_dim %r{i}, dims = [{dims}] : "
+                    f"({row}) -> {one}")
+        body.append(f"    %o{i} = stablehlo.dynamic_update_slice %p{i}, %u{i}, {starts} : "
+                    f"({ty(s)}, {one}, {', '.join(['tensor<i32>'] * len(s))}) -> {ty(s)}")
+    results = ", ".join(ty(s) for s in shapes)
+    body.append(f"    return {', '.join(f'%o{i}' for i in range(n))} : {results}")
+    return ("module @adapter_slot_write {\n"
+            f"  func.func public @main({', '.join(params)}) -> ({results}) {{\n"
+            + "\n".join(body) + "\n  }\n}\n")
+
+
 def _write_slot(pools, slot, rows):
     from jax import lax
 
@@ -115,4 +147,4 @@ def _write_slot(pools, slot, rows):
                  for p, r in zip(pools, rows))
 
 
-__all__ = ["AdapterPools"]
+__all__ = ["AdapterPools", "slot_write_text"]

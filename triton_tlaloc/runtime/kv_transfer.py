@@ -3,9 +3,10 @@ out of a runtime's pools to host memory, and written back into other pages with 
 donated, so they are updated in place. The host tier of the KV cache is built on them: a
 sequence swapped out is its pages' bytes on the host, swapped in anywhere free.
 
-The programs are JAX functions lowered to StableHLO per pool class and page-count bucket (a
-power of two: a set of n pages runs in the smallest bucket that holds it, the rest padded) and
-compiled as the entries are, through the on-disk compile cache (pjrt.compile_cached): reads
+The programs are StableHLO per pool class and page-count bucket (a power of two: a set of n
+pages runs in the smallest bucket that holds it, the rest padded), written here as text on one
+device (`transfer_text`: no JAX, so the C API runtime has them too) and lowered by JAX with the
+pools' shardings over several, and compiled as the entries are, through the on-disk compile cache (pjrt.compile_cached): reads
 gather the pages of every pool of a class at once; writes scatter them back with the pools
 donated, padding indices pointing past the pool, which the scatter drops. Bytes are copied as
 they are: f32, bf16 and fp8 pools come back bit for bit.
@@ -21,7 +22,7 @@ import numpy as np
 
 from ..kv.host_tier import HostPages
 from ..kv.page_pools import FULL, STATE, WINDOWED
-from ..artifact.manifest import numpy_dtype
+from ..artifact.manifest import dtype_name, numpy_dtype
 from .pjrt import CompileStats, compile_cached, x64_mode
 from ..artifact.sharding import mesh_sharding
 
@@ -114,11 +115,22 @@ class PageTransfer:
             exe = self._programs.get(key)
             if exe is not None:  # compiled by the other thread meanwhile
                 return exe
-            import jax
-
             # From the manifest, not the pools: another thread may be donating them.
             specs_by_name = pool_specs(self.rt.artifact)
             pools = [specs_by_name[name] for name in self.classes[pool_class]]
+            if self.rt.device.size == 1 and not any("float8" in str(d) for _, d in pools):
+                text = transfer_text(kind, pools, n)  # no JAX needed (the C API runtime)
+                exe = compile_cached(self.rt.device, text, f"page {kind} {pool_class} x{n}",
+                                     self.rt.cache_dir, self.rt.use_cache, self.compile_stats)
+                self._programs[key] = exe
+                return exe
+            from .capi import CapiMesh, PluginError
+
+            if isinstance(self.rt.device, CapiMesh):
+                raise PluginError("the host tier on several devices with the C API runtime: "
+                                  "not yet (its page copies are lowered by JAX)")
+            import jax
+
             specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in pools]
             idx = jax.ShapeDtypeStruct((n,), np.int32)
             split, whole = self._shardings(pool_class)
@@ -205,6 +217,53 @@ class PageTransfer:
                         "place", moved, len(names), host.pool_class)
         else:
             self.in_place += 1
+
+
+def transfer_text(kind: str, pools: list[tuple[tuple[int, ...], np.dtype]], n: int) -> str:
+    """StableHLO of a one-device page transfer: `read` gathers rows idx [n] (i32) of every
+    pool; `write` scatters rows [n, ...] into them at idx, each pool donated (its output
+    aliases it) and an index past a pool's end dropped (StableHLO's scatter skips an update
+    window out of bounds; the padding of a bucket points there)."""
+    def ty(shape, dtype):
+        return f"tensor<{'x'.join(map(str, shape))}x{dtype_name(dtype)}>"
+
+    kinds = [(ty(shape, dt), ty((n, *shape[1:]), dt), shape, dtype_name(dt))
+             for shape, dt in pools]
+
+    def window(shape):  # the dimensions a row spans, past the row index
+        return ", ".join(str(d) for d in range(1, len(shape)))
+
+    body = [f"    %idx = stablehlo.reshape %arg_idx : (tensor<{n}xi32>) -> tensor<{n}x1xi32>"]
+    if kind == "read":
+        params = [f"%p{i}: {pool}" for i, (pool, _, _, _) in enumerate(kinds)]
+        params.append(f"%arg_idx: tensor<{n}xi32>")
+        for i, (pool, rows, shape, _) in enumerate(kinds):
+            sizes = ", ".join(str(d) for d in (1, *shape[1:]))
+            body.append(
+                f'    %o{i} = "stablehlo.gather"(%p{i}, %idx) <{{dimension_numbers = '
+                f"#stablehlo.gather<offset_dims = [{window(shape)}], collapsed_slice_dims = [0], "
+                f"start_index_map = [0], index_vector_dim = 1>, indices_are_sorted = false, "
+                f"slice_sizes = array<i64: {sizes}>}}> : ({pool}, tensor<{n}x1xi32>) -> {rows}")
+        results = [rows for _, rows, _, _ in kinds]
+    else:
+        params = [f"%p{i}: {pool} {{tf.aliasing_output = {i} : i32}}"
+                  for i, (pool, _, _, _) in enumerate(kinds)]
+        params.append(f"%arg_idx: tensor<{n}xi32>")
+        params += [f"%r{i}: {rows}" for i, (_, rows, _, _) in enumerate(kinds)]
+        for i, (pool, rows, shape, element) in enumerate(kinds):
+            body += [
+                f'    %o{i} = "stablehlo.scatter"(%p{i}, %idx, %r{i}) <{{indices_are_sorted = '
+                f"false, scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = "
+                f"[{window(shape)}], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], "
+                f"index_vector_dim = 1>, unique_indices = false}}> ({{",
+                f"    ^bb0(%old{i}: tensor<{element}>, %new{i}: tensor<{element}>):",
+                f"      stablehlo.return %new{i} : tensor<{element}>",
+                f"    }}) : ({pool}, tensor<{n}x1xi32>, {rows}) -> {pool}"]
+        results = [pool for pool, _, _, _ in kinds]
+    body.append(f"    return {', '.join(f'%o{i}' for i in range(len(kinds)))} : "
+                f"{', '.join(results)}")
+    return (f"module @page_{kind} {{\n  func.func public @main({', '.join(params)}) -> "
+            f"({', '.join(results)}) {{\n" + "\n".join(body) + "\n  }\n}\n")
 
 
 def _bytes(x):
