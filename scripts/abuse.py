@@ -24,8 +24,7 @@ sys.path.insert(0, str(ROOT))
 from checks import abuse_cases as A  # noqa: E402
 
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
-from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.export.gguf_checkpoint import 
+from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.frontends.client import (InferError, TlalocClient, generate,  # noqa: E402
                                             metric, new_sequence_id, scrape_metrics)
 

@@ -35,8 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from triton_tlaloc.engine.core import Engine  # noqa: E402
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
-from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.export.gguf_checkpoint import 
+from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402
 from triton_tlaloc.runtime.core import Runtime  # noqa: E402
 

@@ -18,8 +18,7 @@ from triton_tlaloc.runtime.pjrt import cpu_devices
 cpu_devices(4)  # before JAX starts
 
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
-from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.export.gguf_checkpoint import 
+from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.export.options import ExportError  # noqa: E402
 from triton_tlaloc.runtime.core import Runtime  # noqa: E402
 

@@ -22,8 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.export.gguf_checkpoint import 
+from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.frontends.client import TlalocClient, new_sequence_id  # noqa: E402
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402

@@ -27,8 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from checks.oracle import load_reference, reference_greedy  # noqa: E402
 
-from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.export.gguf_checkpoint import 
+from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.frontends.client import TlalocClient  # noqa: E402
 from triton_tlaloc.frontends.tokenizer import ArtifactTokenizer  # noqa: E402
 from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402

@@ -8,7 +8,7 @@ The checks are checks/sequence_checks.py's and checks/programs.py's, which the s
 too; this script names them, in groups, and tabulates what they observed.
 
     scripts/verify.sh [--work DIR] [--reuse] [--soak-seconds S] [--pressure-seconds S]
-                      [--swap-soak-seconds S]
+                      [--swap-soak-seconds S] [--runtime jax|capi]
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from checks import sequence_checks as S  # noqa: E402
 from checks import swap_checks as W  # noqa: E402
 from checks.sequence_checks import PLACEHOLDER, PROTOCOLS, TINY_PROMPT  # noqa: E402
 
-from triton_tlaloc.export.checkpoint import smollm2_gguf_path  # noqa: E402
-from triton_tlaloc.export.gguf_checkpoint import 
+from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path  # noqa: E402
 from triton_tlaloc.frontends.client import TlalocClient  # noqa: E402
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.artifact.loading import load_artifact  # noqa: E402
@@ -193,6 +192,14 @@ def build_split(work: Path, arts: dict) -> dict:
     return split
 
 
+RUNTIME = "jax"  # --runtime: how every sequence model runs its programs (jax or capi)
+
+
+def options(**kw) -> RepositoryOptions:
+    """A sequence model's repository options, with the run's --runtime."""
+    return RepositoryOptions(runtime=RUNTIME, **kw)
+
+
 def write_models(arts: dict, repo: Path, work: Path) -> None:
     """Every artifact under its name, and the models that share one with other options."""
     for name, (_, art) in arts.items():
@@ -202,7 +209,7 @@ def write_models(arts: dict, repo: Path, work: Path) -> None:
         # tensor-parallel llama only:
         # each is one more backend process to start on 2 cores.
         # The small pool and the one-slot model are for refusals: no host tier there.
-        write_repository(art, repo, name, RepositoryOptions(
+        write_repository(art, repo, name, options(
             generate_model=name in ("smollm2", "qwen3_5", "llama_tp2"),
             host_kv_bytes=0 if name in ("small", "qwen3_5_one_slot") else None))
     # The tiny llama's generate model drafting with its twin, llama_copied (every draft right);
@@ -212,31 +219,31 @@ def write_models(arts: dict, repo: Path, work: Path) -> None:
                          draft_model="llama_copied")
     for family, draft in (("mistral", "gemma3_text"), ("gemma3_text", "mistral")):
         write_generate_model(load_artifact(arts[family][1]), repo, family, draft_model=draft)
-    write_repository(arts["llama"][1], repo, "llama_copied", RepositoryOptions(
+    write_repository(arts["llama"][1], repo, "llama_copied", options(
         donate_kv_pools=False, generate_model=False))
     # Two data-parallel instances of the tiny llama (two processes, their own pools).
-    write_repository(arts["llama"][1], repo, "llama_dp2", RepositoryOptions(instances=2))
+    write_repository(arts["llama"][1], repo, "llama_dp2", options(instances=2))
     # The control for backend batching: Triton's sequence batcher forms the batches after a
     # 1 ms queue delay, and the backend runs each execute() call as it came.
-    write_repository(arts["llama"][1], repo, "llama_triton_batching", RepositoryOptions(
+    write_repository(arts["llama"][1], repo, "llama_triton_batching", options(
         backend_batching=False, triton_queue_delay_microseconds=1000, generate_model=False))
     # Reclamation: the small pool, Triton ends a sequence idle 1 s, pages reclaimable after 2.5 s.
-    write_repository(arts["small"][1], repo, "reclaim", RepositoryOptions(
+    write_repository(arts["small"][1], repo, "reclaim", options(
         max_sequence_idle_microseconds=1_000_000, reclaim_allowance_microseconds=500_000,
         generate_model=False, host_kv_bytes=0))
-    write_repository(arts["soak"][1], repo, "soak", RepositoryOptions(
+    write_repository(arts["soak"][1], repo, "soak", options(
         max_sequence_idle_microseconds=2_000_000, reclaim_allowance_microseconds=1_000_000,
         host_kv_bytes=0))
     # KV reuse: the same artifacts with prefix_reuse false (the reference of every reused run),
     # and a pool for 4 sequences at the largest context under cycling users.
     # smollm2_cold is also the host tier's control: host_kv_bytes 0 refuses as before.
     for name in ("llama", "gemma3_text", "qwen3_5", "smollm2"):
-        write_repository(arts[name][1], repo, f"{name}_cold", RepositoryOptions(
+        write_repository(arts[name][1], repo, f"{name}_cold", options(
             prefix_reuse=False, generate_model=name == "smollm2",
             host_kv_bytes=0 if name == "smollm2" else None))
-    write_repository(arts["soak"][1], repo, "pressure", RepositoryOptions(generate_model=False))
+    write_repository(arts["soak"][1], repo, "pressure", options(generate_model=False))
     # The host tier's soak: the soak's pool, Triton ending sequences idle 2 s.
-    write_repository(arts["soak"][1], repo, "swap_soak", RepositoryOptions(
+    write_repository(arts["soak"][1], repo, "swap_soak", options(
         max_sequence_idle_microseconds=SWAP_SOAK_IDLE_US, generate_model=False,
         reclaim_allowance_microseconds=SWAP_SOAK_ALLOWANCE_US,
         preempt_wait_microseconds=120_000_000))
@@ -578,7 +585,7 @@ def ready_early_rows(table: Table, work: Path, arts: dict, want: dict) -> None:
     for name, (ckpt, opts, _, _) in shapes.items():
         opts = {"batch_ladder": (1, 2), "block_size": 8, **opts}
         write_repository(export_once(ckpt, work / f"art-{name}", **opts), repo, name,
-                         RepositoryOptions(compile_cache_dir=str(cache)))
+                         options(compile_cache_dir=str(cache)))
 
     def check():
         server = TritonServer(repo, log_path=work / "tritonserver-ready-early.log",
@@ -608,7 +615,12 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="keep artifacts from an earlier run (default: export afresh, so the "
                          "certificate is for the exporter as it is now)")
+    ap.add_argument("--runtime", choices=("jax", "capi"), default="jax",
+                    help="capi: every sequence model runs its programs through the PJRT "
+                         "plugin's C API (the model parameter runtime), with no JAX")
     args = ap.parse_args()
+    global RUNTIME
+    RUNTIME = args.runtime
     if not args.reuse and args.work.exists():
         shutil.rmtree(args.work)
     args.work.mkdir(parents=True, exist_ok=True)
