@@ -16,6 +16,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 
 import numpy as np
 
@@ -100,16 +101,19 @@ def run_parallel(fn, n: int, timeout: float | None = 300.0) -> None:
         raise errors[0]
 
 
-def greedy_together(url, protocol, model, prompts, steps) -> list[list[int]]:
+def greedy_together(url, protocol, model, prompts, steps,
+                    cache_salt: str | None = None) -> list[list[int]]:
     """Each prompt's `steps` greedy ids, from clients that each connect and then wait for the
-    others before sending their prompt."""
+    others before sending their prompt (with `cache_salt`: sharing no cached KV with prompts
+    of another salt)."""
     got = [None] * len(prompts)
     barrier = threading.Barrier(len(prompts), timeout=120)
 
     def run(i):
         with TlalocClient(url, model, protocol) as c:
             barrier.wait()
-            got[i] = c.generate_greedy(prompts[i], steps).generated_ids
+            got[i] = c.generate_greedy(prompts[i], steps,
+                                       cache_salt=cache_salt).generated_ids
     run_parallel(run, len(prompts))
     return got
 
@@ -640,13 +644,15 @@ def check_prompts_together(metrics_url, url, protocol, model, n, tries=10):
     2-core machine that also runs the server: 4 prompts from 4 threads over HTTP took two or
     three calls in 1 to 2 tries of 3, from 4 processes in 1 try of 10 (gRPC: 2 of 10). So the
     prompts are sent again, up to `tries` times, until a try shares one call; every try must
-    give the solo ids."""
+    give the solo ids. Each try has a cache salt of its own: the prompts' blocks cached by
+    the solo runs or an earlier try would be reused, their prompts needing no prefill call."""
     prompts = [TINY_PROMPT[:k] for k in (5, 8, 11, 14)][:n]
     solo = solo_runs(url, protocol, model, prompts, 8)
     calls, same = [], True
     while len(calls) < tries and 1 not in calls:
-        got, delta = metrics_delta(metrics_url,
-                                   lambda: greedy_together(url, protocol, model, prompts, 8))
+        salt = f"together-{uuid.uuid4().hex}"
+        got, delta = metrics_delta(metrics_url, lambda: greedy_together(
+            url, protocol, model, prompts, 8, cache_salt=salt))
         calls.append(int(delta("tlaloc_executions_total", model=model, kind="prefill")))
         same = same and got == solo
     return (f"prefill calls per try: {', '.join(map(str, calls))}; solo ids: {same}",
