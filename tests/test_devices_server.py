@@ -8,6 +8,7 @@ solo ids, also through its generate model, whose generations go to both. The che
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from checks.oracle import load_reference, reference_greedy
@@ -17,7 +18,7 @@ from checks import sequence_checks as S
 from checks.sequence_checks import assert_check
 
 from triton_tlaloc.export import ExportOptions, export_artifact
-from triton_tlaloc.frontends.client import TlalocClient
+from triton_tlaloc.frontends.client import TlalocClient, generate
 from triton_tlaloc.repository import RepositoryOptions, write_repository
 from triton_tlaloc.triton.server import TritonServer
 
@@ -75,8 +76,17 @@ def test_two_instances_share_eight_sequences(served, reference):
 
 def test_generations_spread_over_the_instances(served, reference):
     """The generate model finds both instances' local links and starts each generation on the
-    one with fewer."""
+    one with fewer. It looks for the next instance's link as a generation comes, and tries a
+    link that did not answer again 5 s later (local_streams.RECONNECT_S): a loaded CI
+    machine once sent a whole batch while instance 1's first try had failed, so the check
+    waits until both are found, as a user's later generations find them."""
     server, _ = served
+    deadline = time.monotonic() + 60
+    while "generations spread over llama_dp2's instances: 2 found" not in server.log_text():
+        assert time.monotonic() < deadline, "the generate model did not find instance 1"
+        generate(server.grpc_url, "llama_dp2_generate", input_ids=PROMPTS[0],
+                 sampling={"max_tokens": 1})
+        time.sleep(0.5)
     assert_check(D.check_generate_spread(server.grpc_url, "llama_dp2", PROMPTS, reference,
                                          server.metrics_url, 2))
 

@@ -77,7 +77,9 @@ class _CapiClient:
                               "'triton-tlaloc[capi]')") from None
         self.pypjrt = pypjrt
         self.plugin_file = plugin_path(plugin)
-        # A CPU plugin makes as many devices as asked (others ignore the option)
+        # XLA's CPU plugin makes as many devices as this client option asks (measured with
+        # xla-cpu-pjrt 0.0.1); asked only for more than one, so a one-device client of any
+        # plugin is made as the plugin makes it
         options = {"cpu_device_count": count} if count > 1 else {}
         try:
             self.client = pypjrt.Client.create(plugin=str(self.plugin_file), options=options)
