@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact.manifest import dtype_name, numpy_dtype
 from .pjrt import ManyDevices, OneDevice
 
 log = logging.getLogger("triton_tlaloc.runtime")
@@ -33,10 +34,9 @@ CPU_WHEEL = ("xla_plugins.xla_cpu_pjrt", "xla_cpu_pjrt.so")
 # The oldest PJRT C API a plugin may answer with: the calls the runtime makes are all there
 # (compile, buffers from host, execute with donation, serialize, to host) in 0.50 and later.
 OLDEST_API = (0, 50)
-# PJRT_Buffer_Type by the runtime's numpy dtype names (bf16 and f8 from ml_dtypes)
-BUFFER_TYPES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6,
-                "uint16": 7, "uint32": 8, "uint64": 9, "float16": 10, "float32": 11,
-                "float64": 12, "bfloat16": 16, "float8_e4m3fn": 20}
+# PJRT_Buffer_Type by StableHLO element type (the artifact's names: manifest.numpy_dtype)
+BUFFER_TYPES = {"i1": 1, "i8": 2, "i16": 3, "i32": 4, "i64": 5, "ui8": 6, "ui16": 7,
+                "ui32": 8, "f16": 10, "f32": 11, "f64": 12, "bf16": 16, "f8E4M3FN": 20}
 
 
 class PluginError(RuntimeError):
@@ -132,7 +132,7 @@ class _CapiClient:
 
     def put_on(self, array: np.ndarray, device):
         array = np.ascontiguousarray(array)
-        code = BUFFER_TYPES.get(array.dtype.name)
+        code = BUFFER_TYPES.get(dtype_name(array.dtype))
         if code is None:
             raise TypeError(f"the C API runtime holds no {array.dtype} values")
         return self.client.buffer_from_host(memoryview(array.reshape(-1).view(np.uint8)), code,
@@ -248,11 +248,7 @@ def _numpy_dtype(code: int) -> np.dtype:
     name = next((n for n, c in BUFFER_TYPES.items() if c == code), None)
     if name is None:
         raise TypeError(f"PJRT buffer type {code}: the C API runtime reads no such values")
-    if name in ("bfloat16", "float8_e4m3fn"):
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
-    return np.dtype(name)
+    return numpy_dtype(name)
 
 
 _DIGESTS: dict[Path, str] = {}
