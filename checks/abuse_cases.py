@@ -778,7 +778,7 @@ class ServeProcess:
     tritonserver's log in `log`, `tlaloc serve`'s output in `out`."""
 
     def __init__(self, t: Target):
-        from triton_tlaloc.runtime.pjrt import default_cache_dir
+        from triton_tlaloc.runtime.compile_cache import default_cache_dir
         from triton_tlaloc.repository import RepositoryOptions, write_repository
         from triton_tlaloc.triton.server import free_ports
 

@@ -1,12 +1,13 @@
 """The C API runtime (runtime/capi.py): the artifact's programs run through OpenXLA's CPU plugin
 (the xla-cpu-pjrt wheel) reached by pypjrt, with no JAX. `tlaloc run --runtime capi` in a
-process where importing jax, jaxlib, torch or transformers raises gives transformers' greedy
-ids for a tiny llama, gemma3_text's rings and qwen3_5_text's state slots; in this process the
-logits equal the JAX runtime's within 1e-5 of the largest for the tiny llama and SmolLM2
-(control: another prompt's last token fails the tolerance), the pools stay in place over 100
-calls (control: the aliasing stripped copies them); an artifact for 2 devices runs on two
-devices the plugin makes; and a missing plugin, one too old and a body it cannot compile are
-refused naming the plugin."""
+process where importing jax, jaxlib, torch or transformers raises, and with `--stdlib`
+(runtime/stdlib_runner.py) numpy too, gives transformers' greedy ids for a tiny llama,
+gemma3_text's rings and qwen3_5_text's state slots, and an artifact for 2 devices on two
+devices the plugin makes; in this process the logits of the engine over the C API and of the
+standard-library runner equal the JAX runtime's within 1e-5 of the largest for the tiny llama
+and SmolLM2 (control: another prompt's last token fails the tolerance), the pools stay in
+place over 100 calls (control: the aliasing stripped copies them); and a missing plugin, one
+too old and a body it cannot compile are refused naming the plugin."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from checks.oracle import load_reference, logits_error, reference_greedy
 from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.runtime import capi
 from triton_tlaloc.runtime.core import Runtime
+from triton_tlaloc.runtime.stdlib_runner import StdlibRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-5  # of the largest logit, f32
 PROMPT = [1, 17, 99, 3, 200, 41, 7, 88, 5, 60]
 STEPS = 8
 BARRED = "jax,jaxlib,torch,transformers"
+STDLIB_BARRED = BARRED + ",numpy,ml_dtypes"
 # family -> (tied, export options beside the tests' tiny ladders): one context of 32 (a
 # prompt of 10 and 8 steps), so `tlaloc run` compiles few entries
 ONE_CONTEXT = dict(context_ladder=(32,))
@@ -35,24 +38,35 @@ FAMILIES = {"llama": (False, ONE_CONTEXT), "gemma3_text": (True, dict(ONE_CONTEX
             "qwen3_5_text": (False, ONE_CONTEXT)}
 
 
+def guarded_run(art, barred: str, *flags: str) -> dict:
+    """`tlaloc run ART --runtime capi FLAGS` in a process where importing `barred` raises."""
+    run = subprocess.run(
+        [sys.executable, "-m", "checks.import_guard", barred, "run", str(art), "--prompt-ids",
+         ",".join(map(str, PROMPT)), "--max-new-tokens", str(STEPS), "--ignore-eos", "--json",
+         "--runtime", "capi", *flags], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tlaloc_run_capi_imports_no_jax_and_gives_transformers_ids(tiny, family):
     tied, opts = FAMILIES[family]
     art = tiny.artifact(family, tied, **opts)
     want, _ = reference_greedy(load_reference(tiny.checkpoint(family, tied)), PROMPT, STEPS)
-    run = subprocess.run(
-        [sys.executable, "-m", "checks.import_guard", BARRED, "run", str(art), "--prompt-ids",
-         ",".join(map(str, PROMPT)), "--max-new-tokens", str(STEPS), "--ignore-eos", "--json",
-         "--runtime", "capi"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout)
-    assert got["generated_ids"] == want
-    assert got["pools_in_place"] == got["calls"] and got["pools_copied"] == 0
+    for got in (guarded_run(art, BARRED), guarded_run(art, STDLIB_BARRED, "--stdlib")):
+        assert got["generated_ids"] == want
+        assert got["pools_in_place"] == got["calls"] >= STEPS and got["pools_copied"] == 0
+    if family == "llama":  # control: the engine's path imports numpy, and the guard says so
+        with pytest.raises(AssertionError, match="numpy: barred from this process"):
+            guarded_run(art, STDLIB_BARRED)
 
 
 def capi_and_jax(art, prompt, steps=STEPS):
-    """Each runtime's greedy ids and logits after the prompt (the JAX runtime's second)."""
-    out = []
+    """Each runtime's greedy ids and logits after the prompt: the standard-library runner's,
+    the engine's over the C API, over JAX."""
+    runner = StdlibRunner(art)
+    result = runner.generate_greedy(prompt, steps)
+    out = [(result.generated_ids, np.frombuffer(result.first_logits, np.float32), runner)]
     for plugin in ("", None):
         rt = Runtime(art, plugin=plugin, first_use=True)
         engine = Engine(rt)
@@ -64,10 +78,12 @@ def capi_and_jax(art, prompt, steps=STEPS):
 
 
 def test_logits_equal_the_jax_runtimes_and_the_pools_stay_in_place(tiny, smollm2):
-    (ids, first, rt), (want_ids, want_first, _) = capi_and_jax(tiny.artifact("llama", False),
-                                                                PROMPT)
+    (ids0, first0, runner), (ids, first, rt), (want_ids, want_first, _) = capi_and_jax(
+        tiny.artifact("llama", False), PROMPT)
     assert isinstance(rt.device, capi.CapiDevice)
     assert ids == want_ids and logits_error(first, want_first) <= TOL
+    assert ids0 == want_ids and logits_error(first0, want_first) <= TOL
+    assert runner.copied == 0 and runner.in_place == runner.calls == STEPS  # prefill + 7
     other = Engine(rt)
     seq = other.new_sequence(PROMPT[:-1] + [61])
     assert logits_error(other.prefill_chunked(seq)[0], want_first) > TOL  # the control
@@ -81,10 +97,15 @@ def test_logits_equal_the_jax_runtimes_and_the_pools_stay_in_place(tiny, smollm2
     copying = Runtime(tiny.artifact("llama", False), plugin="", first_use=True, donate=False)
     Engine(copying).generate_greedy(PROMPT, 4)
     assert copying.donation.copied == copying.donation.runs > 0
+    runner = StdlibRunner(tiny.artifact("llama", False), donate=False)
+    runner.generate_greedy(PROMPT, 4)
+    assert runner.copied == runner.calls > 0
     # SmolLM2 (its f32 export): the same ids, the logits within the tolerance
     prompt = [(i * 977 + 13) % 49000 + 100 for i in range(24)]
-    (ids, first, _), (want_ids, want_first, _) = capi_and_jax(smollm2[1], prompt, 6)
+    (ids0, first0, _), (ids, first, _), (want_ids, want_first, _) = capi_and_jax(
+        smollm2[1], prompt, 6)
     assert ids == want_ids and logits_error(first, want_first) <= TOL
+    assert ids0 == want_ids and logits_error(first0, want_first) <= TOL
 
 
 def test_plugins_that_cannot_serve_are_refused_by_name(tiny, tmp_path, monkeypatch):
@@ -128,6 +149,9 @@ def test_a_tensor_parallel_artifact_runs_on_two_devices_of_the_plugin(tiny, work
     whole = rt.artifact.pools[0].shape
     assert [b.dimensions for b in pool] == [(*whole[:-2], whole[-2] // 2, whole[-1])] * 2
     assert rt.donation.copied == 0 and rt.donation.in_place == rt.donation.runs
+    # the standard-library runner, numpy barred: each device given its parts of the bytes
+    got = guarded_run(art, STDLIB_BARRED, "--stdlib")
+    assert got["generated_ids"] == want and got["pools_copied"] == 0
 
 
 def test_lora_adapters_give_transformers_peft_ids(tiny):

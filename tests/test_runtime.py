@@ -49,7 +49,7 @@ def test_a_damaged_compile_cache_file_is_a_logged_miss_never_a_load(tiny, tmp_pa
     """4 KiB flipped in the middle of every cached executable: PJRT deserializes such bytes
     without complaint, and the first batched call on one killed the serving process. Each is
     refused by its checksum, compiled again and rewritten; results are as before."""
-    from triton_tlaloc.runtime.pjrt import unframed
+    from triton_tlaloc.runtime.compile_cache import unframed
 
     art = tiny.artifact("qwen3", True, **TWO_ENTRIES)
     first = Runtime(art, cache_dir=tmp_path, first_use=False)
@@ -128,7 +128,7 @@ def test_a_program_wanted_at_once_by_two_compilers_is_compiled_once(tmp_path, mo
     import threading
     import time
 
-    from triton_tlaloc.runtime import pjrt
+    from triton_tlaloc.runtime import compile_cache, pjrt
 
     device = pjrt.PjrtDevice("cpu", 0)
     real_compile = device.compile
@@ -139,11 +139,11 @@ def test_a_program_wanted_at_once_by_two_compilers_is_compiled_once(tmp_path, mo
     monkeypatch.setattr(device, "compile", slow_compile)
     if not locked:
         monkeypatch.setattr(fcntl, "flock", lambda *a: None)
-    stats, start = pjrt.CompileStats(), threading.Barrier(2)
+    stats, start = compile_cache.CompileStats(), threading.Barrier(2)
 
     def want():
         start.wait()
-        pjrt.compile_cached(device, ADD_ONE, "add_one", tmp_path, stats=stats)
+        compile_cache.compile_cached(device, ADD_ONE, "add_one", tmp_path, stats=stats)
     threads = [threading.Thread(target=want) for _ in range(2)]
     for t in threads:
         t.start()
@@ -156,14 +156,14 @@ def test_a_cache_that_cannot_be_locked_still_loads(tmp_path, monkeypatch):
     """A compile cache that cannot be written (a read-only image's, filled when it was built):
     no lock can be taken, and its programs load as before. (Root writes through file modes,
     so the refusal is injected where the lock file is opened.)"""
-    from triton_tlaloc.runtime import pjrt
+    from triton_tlaloc.runtime import compile_cache, pjrt
 
     device = pjrt.PjrtDevice("cpu", 0)
-    pjrt.compile_cached(device, ADD_ONE, "add_one", tmp_path)  # filled when the image was built
+    compile_cache.compile_cached(device, ADD_ONE, "add_one", tmp_path)  # the image built
 
     def read_only(cache_dir, key):
         raise PermissionError(13, "Read-only file system", str(cache_dir / f"{key}.lock"))
-    monkeypatch.setattr(pjrt, "_open_lock", read_only)
-    stats = pjrt.CompileStats()
-    pjrt.compile_cached(device, ADD_ONE, "add_one", tmp_path, stats=stats)
+    monkeypatch.setattr(compile_cache, "_open_lock", read_only)
+    stats = compile_cache.CompileStats()
+    compile_cache.compile_cached(device, ADD_ONE, "add_one", tmp_path, stats=stats)
     assert (stats.compiled, stats.cache_hits) == (0, 1)

@@ -44,9 +44,11 @@ from .kv.page_pools import (FULL, POOLS, STATE, WINDOWED, PagePool, PagesExhaust
 from .kv.sequence import HELD, SequenceStatus
 
 __all__ = ["FULL", "POOLS", "STATE", "WINDOWED", "BlockManager", "PagePool", "PagesExhausted",
-           "PoolShape", "Reuse", "SharedPagePool", "block_hash", "pages_for", "root_hash"]
+           "PoolShape", "Reuse", "SharedPagePool", "block_hash", "pages_for", "pool_shape",
+           "root_hash"]
 
 if TYPE_CHECKING:
+    from .artifact.manifest import Artifact
     from .kv.sequence import Sequence
 
 
@@ -65,7 +67,7 @@ class BlockSpill(Protocol):
 
 @dataclass(frozen=True)
 class PoolShape:
-    """What a model's pools hold (engine/core.py reads it off the artifact)."""
+    """What a model's pools hold (`pool_shape` reads it off the artifact)."""
 
     num_blocks: int
     block_size: int
@@ -74,6 +76,18 @@ class PoolShape:
     ring_pages: int = 0  # pages in one sequence's ring
     state_slots: int = 0  # linear-attention state slots (0: none)
     model_hash: str = ""
+
+
+def pool_shape(art: Artifact) -> PoolShape:
+    """What the artifact's pools hold, for the block manager."""
+    windowed, ls = art.windowed, art.linear_state
+    return PoolShape(
+        num_blocks=art.model.num_blocks, block_size=art.model.block_size,
+        # A model whose every layer is windowed (mistral) has no full-history pools to page.
+        holds_full_pages=any(p.pool_class == FULL for p in art.pools),
+        ring_blocks=windowed.num_blocks if windowed else 0,
+        ring_pages=windowed.ring_pages if windowed else 0,
+        state_slots=ls.num_slots if ls is not None else 0, model_hash=art.model.model_hash)
 
 
 @dataclass

@@ -30,6 +30,21 @@ def test_a_segment_with_copies_gives_each_piece_to_several_devices():
     assert split.shard_shape((8,), 4) == (3,)
 
 
+@pytest.mark.parametrize("split,shape", [
+    (Split(0, (Segment(4), Segment(2), Segment(2))), (8, 3)),
+    (Split(1, (Segment(8), Segment(4, copies=2), Segment(4, copies=2))), (3, 16, 5)),
+    (Split(2, (Segment(6),)), (2, 3, 6)),
+])
+def test_a_shard_cut_from_the_files_bytes_is_the_arrays_shard(split, shape):
+    """The runner with no numpy cuts each device's part from a weight file's bytes: the same
+    bytes as the numpy cut (control: the pieces of a neighbouring device differ)."""
+    array = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    for device in range(4):
+        want = split.shard(array, device, 4).tobytes()
+        assert split.shard_bytes(array.tobytes(), shape, 4, device, 4) == want
+        assert split.shard_bytes(array.tobytes(), shape, 4, (device + 1) % 4, 4) != want
+
+
 def test_the_program_sees_the_shards_one_after_another():
     full = np.arange(12).reshape(2, 6)
     split = single_split(1, 6)

@@ -11,14 +11,12 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
-
 from .manifest import (DONATION_ROLES, ENTRY_KINDS, INPUT_ROLES, KNOWN_UNBUILT_SCHEMAS, LORA_POOL,
                        MANIFEST_NAME, OUTPUT_ROLES, POOL_IN_ROLES, POOL_OUT_ROLES, SCHEMA_V2,
                        SCHEMA_V3, SCHEMA_V4, STATE_POOL_IN, SUPPORTED_SCHEMAS, WEIGHT,
                        WINDOW_KV_POOL_IN, Artifact, ArtifactError, Entry, KvPool, LinearState,
                        ModelShape, Program, StatePool, WeightFile, WindowedKv, leading_outputs,
-                       numpy_dtype, takes_as)
+                       takes_as, tensor_bytes)
 from .sharding import TensorParallel
 from .stablehlo import MainSignature, num_partitions, parse_main_signature
 
@@ -170,28 +168,36 @@ def _program_shape(tp: TensorParallel | None, w: WeightFile) -> tuple[int, ...]:
 
 def _check_packed_layout(art: Artifact, mpath: Path) -> None:
     """Packed weights in the layout this backend's programs were written for."""
-    from ..export.gguf_packed import PACKED_LAYOUT
-
     m = art.model
-    if m.packed and m.packed_layout != PACKED_LAYOUT:
+    if not m.packed:
+        return
+    from ..export.gguf_packed import PACKED_LAYOUT  # (imports numpy: only for packed weights)
+
+    if m.packed_layout != PACKED_LAYOUT:
         raise _refuse(f"model.packedLayout {m.packed_layout!r} is unknown to this backend "
                       f"(known: {PACKED_LAYOUT!r})", mpath)
+
+
+def _check_quant(w: WeightFile, mpath: Path) -> None:
+    """A packed weight's type is one this backend's programs were written for."""
+    from ..export.gguf_packed import LAYOUTS, layout_of  # (imports numpy: only for quant)
+
+    if layout_of(w.quant) is None:
+        raise _refuse(f"weight slot {w.slot}: packed type {w.quant!r} is unknown to this "
+                      f"backend (known: {', '.join(LAYOUTS)}, and mixes of them named "
+                      f"B<bits>_G<group>_Z<zero>[_O])", mpath)
 
 
 def _check_weight_files(root: Path, mpath: Path, weights: tuple[WeightFile, ...]) -> None:
     """Each weight file exists and holds exactly dtype x shape bytes; a packed one is of a
     type this backend's programs were written for."""
-    from ..export.gguf_packed import LAYOUTS, layout_of
-
     for w in weights:
-        if w.quant is not None and layout_of(w.quant) is None:
-            raise _refuse(f"weight slot {w.slot}: packed type {w.quant!r} is unknown to this "
-                          f"backend (known: {', '.join(LAYOUTS)}, and mixes of them named "
-                          f"B<bits>_G<group>_Z<zero>[_O])", mpath)
+        if w.quant is not None:
+            _check_quant(w, mpath)
         wpath = root / w.file
         if not wpath.is_file():
             raise _refuse(f"weight slot {w.slot}: file is missing", wpath)
-        expected = int(np.prod(w.shape, dtype=np.int64)) * numpy_dtype(w.dtype).itemsize
+        expected = tensor_bytes(w.dtype, w.shape)
         if w.byte_length != expected:
             raise _refuse(f"weight slot {w.slot}: manifest byteLength {w.byte_length} is not "
                           f"{w.dtype} {list(w.shape)} = {expected} bytes", mpath)

@@ -13,11 +13,9 @@ Reading and checking one is loading.py's `load_artifact`. Nothing here imports J
 from __future__ import annotations
 
 import functools
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from .sharding import TensorParallel
 
@@ -95,6 +93,9 @@ _NUMPY_DTYPES = {
     "i1": "bool",
     "f8E4M3FN": "float8_e4m3fn",
 }
+# Bytes an element of each type takes (what the runtime with no numpy sizes buffers by)
+ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i32": 4, "i64": 8, "i16": 2, "i8": 1,
+                 "ui8": 1, "ui16": 2, "ui32": 4, "i1": 1, "f8E4M3FN": 1}
 
 
 # A tensor a program may take as its bits: unsigned integers of the same width, which the program
@@ -112,8 +113,22 @@ def takes_as(program_dtype: str, stored_dtype: str) -> bool:
     return program_dtype in (stored_dtype, BITS.get(stored_dtype))
 
 
-def numpy_dtype(name: str) -> np.dtype:
+def element_bytes(name: str) -> int:
+    """Bytes one element of a StableHLO element type takes."""
+    if name not in ELEMENT_BYTES:
+        raise ArtifactError(f"unknown element type {name!r} (known: {', '.join(ELEMENT_BYTES)})")
+    return ELEMENT_BYTES[name]
+
+
+def tensor_bytes(name: str, shape) -> int:
+    """Bytes a tensor of an element type and shape takes."""
+    return math.prod(shape) * element_bytes(name)
+
+
+def numpy_dtype(name: str):
     """The numpy dtype of a StableHLO element type name (bf16 and f8 come from ml_dtypes)."""
+    import numpy as np  # (only here: an artifact is read with no numpy too)
+
     if name not in _NUMPY_DTYPES:
         raise ArtifactError(f"unknown element type {name!r} (known: {', '.join(_NUMPY_DTYPES)})")
     np_name = _NUMPY_DTYPES[name]
@@ -126,6 +141,8 @@ def numpy_dtype(name: str) -> np.dtype:
 
 def dtype_name(dtype) -> str:
     """The StableHLO element type name of a numpy dtype."""
+    import numpy as np
+
     dtype = np.dtype(dtype)
     for name, np_name in _NUMPY_DTYPES.items():
         if dtype.name == np_name:
@@ -420,7 +437,7 @@ class StatePool:
 
     @property
     def bytes_per_slot(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) * numpy_dtype(self.dtype).itemsize
+        return tensor_bytes(self.dtype, self.shape[1:])
 
     def to_json(self) -> dict:
         return {"name": self.name, "layer": self.layer, "kind": self.kind, "dtype": self.dtype,

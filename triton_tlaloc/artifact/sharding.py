@@ -11,15 +11,13 @@ segment whose pieces are fewer than the devices (a model with fewer KV heads tha
 gives each piece to `copies` consecutive devices: the program then holds every piece that many
 times, and its width along the axis is the segment's width times `copies`.
 
-Pure numpy: the loader checks a manifest's splits and the runtime cuts weight files with them,
-neither importing JAX (only `mesh_sharding`, which lowering calls, imports it).
+The loader checks a manifest's splits and the runtimes cut weight files with them, as numpy
+arrays or as bytes, neither importing JAX (only `mesh_sharding`, which lowering calls, does).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
 
 AXIS_NAME = "tp"  # the one mesh axis of a tensor-parallel artifact
 
@@ -62,17 +60,42 @@ class Split:
         out[self.axis] //= devices
         return tuple(out)
 
-    def shard(self, array: np.ndarray, device: int, devices: int) -> np.ndarray:
-        """Device `device`'s part of a file's tensor (a memory map reads only these slices)."""
-        pieces, start = [], 0
+    def shard_ranges(self, device: int, devices: int) -> list[tuple[int, int]]:
+        """Device `device`'s pieces along the axis of the file's tensor: (first, width) of
+        each segment's piece, in the order the device holds them."""
+        ranges, start = [], 0
         for s in self.segments:
             size = s.width * s.copies // devices
-            first = start + (device // s.copies) * size
+            ranges.append((start + (device // s.copies) * size, size))
+            start += s.width
+        return ranges
+
+    def shard(self, array, device: int, devices: int):
+        """Device `device`'s part of a file's tensor, a numpy array (a memory map reads only
+        these slices)."""
+        import numpy as np
+
+        pieces = []
+        for first, size in self.shard_ranges(device, devices):
             index = [slice(None)] * array.ndim
             index[self.axis] = slice(first, first + size)
             pieces.append(array[tuple(index)])
-            start += s.width
         return np.ascontiguousarray(np.concatenate(pieces, axis=self.axis))
+
+    def shard_bytes(self, data: bytes | memoryview, shape: tuple[int, ...], itemsize: int,
+                    device: int, devices: int) -> bytearray:
+        """The same part cut from a file's bytes (C order): for each index before the axis,
+        each piece's run of contiguous bytes."""
+        inner = itemsize
+        for d in shape[self.axis + 1:]:
+            inner *= d
+        row = shape[self.axis] * inner  # one index before the axis
+        outer = len(data) // row
+        ranges = [(first * inner, size * inner) for first, size in
+                  self.shard_ranges(device, devices)]
+        view = memoryview(data)
+        return bytearray().join(view[o * row + a:o * row + a + n] for o in range(outer)
+                                for a, n in ranges)
 
     def device_pieces(self, devices: int) -> tuple[int, ...]:
         """The widths of one device's pieces, one per segment, in the order the device (and

@@ -12,16 +12,13 @@ from .parsers import build_parser
 def _dispatch(args) -> int:
     """Runs the subcommand; a refusal it reports (bad artifact, checkpoint, request, file,
     server or value) is one line on stderr and exit status 2, not a traceback."""
-    from ..export.config import CheckpointError
-    from ..engine.core import RequestError
-    from ..export.options import ExportError
-    from ..artifact.manifest import ArtifactError
+    # The artifact's, checkpoint's, export's and request's errors are ValueErrors (their
+    # modules are not imported here: `tlaloc run --stdlib` imports no numpy).
     from ..triton.server import ServerError
 
     try:
         return args.fn(args)
-    except (ArtifactError, CheckpointError, ExportError, RequestError, FileNotFoundError,
-            ServerError, ValueError) as e:
+    except (FileNotFoundError, ServerError, ValueError) as e:
         print(f"tlaloc {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -100,7 +100,35 @@ def _run_adapter(args, rt) -> tuple[int, str]:
     return 1, adapter.content_hash
 
 
+def _run_stdlib(args) -> int:
+    """`tlaloc run --runtime capi --stdlib`: runtime/stdlib_runner.py, no numpy imported."""
+    from ..runtime.stdlib_runner import StdlibRunner
+
+    others = [flag for flag, on in (("--prompt (it needs a tokenizer: give --prompt-ids)",
+                                     args.prompt is not None), ("--chat", args.chat),
+                                    ("--follow-up", args.follow_up), ("--lora", args.lora),
+                                    ("--speculate", args.speculate), ("--devices", args.devices))
+              if on]
+    if args.runtime != "capi" or others:
+        raise SystemExit(f"tlaloc run --stdlib: runs with --runtime capi and --prompt-ids alone"
+                         f"{'; not ' + ', '.join(others) if others else ''}")
+    runner = StdlibRunner(args.artifact, plugin=args.plugin, donate=not args.no_donate)
+    stop = () if args.ignore_eos else tuple(runner.art.model.eos_token_ids)
+    for _ in range(args.warmup_runs):
+        runner.generate_greedy(args.prompt_ids, min(args.max_new_tokens, 2), stop)
+    calls = runner.calls
+    result = runner.generate_greedy(args.prompt_ids, args.max_new_tokens, stop)
+    report(args, result.prompt_ids, result.generated_ids, None, result.finish_reason,
+           result.prefill_ms, result.median_ms_per_token, "standard library: ", {
+               "decode_ms": [round(x, 3) for x in result.decode_ms_per_token],
+               "calls": runner.calls - calls, "pools_in_place": runner.in_place,
+               "pools_copied": runner.copied})
+    return 0
+
+
 def cmd_run(args) -> int:
+    if args.stdlib:
+        return _run_stdlib(args)
     from ..engine.core import Engine
     from ..generation.drafting import prompt_lookup
     from ..runtime.pjrt import cpu_devices

@@ -174,6 +174,10 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--plugin", default=None, metavar="PATH",
                    help="--runtime capi: the PJRT plugin's library (default: "
                         "$TLALOC_PJRT_PLUGIN, else the installed xla-cpu-pjrt wheel's)")
+    p.add_argument("--stdlib", action="store_true",
+                   help="--runtime capi with Python's standard library alone on the host (no "
+                        "numpy): the artifact and a plugin are the whole deployment (greedy, one "
+                        "sequence, --prompt-ids)")
     p.set_defaults(fn=commands.cmd_run)
 
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from ..artifact.manifest import Artifact
 from ..model_parameters import default_int
-from ..pages import (FULL, STATE, BlockManager, PagePool, PagesExhausted, PoolShape, Reuse,
-                     SharedPagePool, pages_for, root_hash)
+from ..pages import (STATE, BlockManager, PagePool, PagesExhausted, Reuse, SharedPagePool,
+                     pages_for, pool_shape, root_hash)
 from ..codes import RequestError
 from ..kv.sequence import Sequence, SequenceStatus
 from .speculation import Verified, Verifier, accepted_drafts
@@ -83,18 +83,6 @@ class GenerationResult:
     @property
     def median_ms_per_token(self) -> float:
         return float(np.median(self.decode_ms_per_token)) if self.decode_ms_per_token else 0.0
-
-
-def pool_shape(art: Artifact) -> PoolShape:
-    """What the artifact's pools hold, for the block manager."""
-    windowed, ls = art.windowed, art.linear_state
-    return PoolShape(
-        num_blocks=art.model.num_blocks, block_size=art.model.block_size,
-        # A model whose every layer is windowed (mistral) has no full-history pools to page.
-        holds_full_pages=any(p.pool_class == FULL for p in art.pools),
-        ring_blocks=windowed.num_blocks if windowed else 0,
-        ring_pages=windowed.ring_pages if windowed else 0,
-        state_slots=ls.num_slots if ls is not None else 0, model_hash=art.model.model_hash)
 
 
 class Engine:

@@ -1,35 +1,17 @@
-"""Building an entry's step inputs from rows of tokens. Pure numpy, no JAX, no Triton.
-
-A row is one sequence's part of a call: the tokens it feeds, the position of the first, and the
-pages the sequence holds. Rows are right-aligned in the token axis: padding first (token 0, the
-first token's position, slot -1: never written), then the row's tokens. Rows past the call's own
-are padding rows: block table all page 0, length 0, every slot -1, state slot -1 (schema v4: its
-state is neither read nor written).
+"""Building an entry's step inputs from rows of tokens (rows.py: a row and its values), as
+numpy arrays. No JAX, no Triton.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..artifact.manifest import (BLOCK_TABLES, LORA_SLOTS, POSITIONS, SEQ_LENS, SLOT_MAPPING,
                                  STATE_SLOTS, TOKEN_IDS, WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING,
                                  Entry)
+from .rows import Row, row_inputs
 
-
-@dataclass(frozen=True)
-class Row:
-    tokens: tuple[int, ...]
-    start: int  # position of tokens[0]
-    pages: tuple[int, ...]  # the sequence's pages in logical order
-    ring: tuple[int, ...] = ()  # its ring of windowed pages (schema v3): block b on ring[b % R]
-    state_slot: int = -1  # its slot in the linear-attention state pools (schema v4)
-    adapter_slot: int = 0  # its slot in the adapter pools (model.lora), 0 none
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
+__all__ = ["Row", "build_step", "one_token_inputs", "row_by_row_inputs"]
 
 
 def build_step(entry: Entry, rows: list[Row], block_size: int, ring_pages: int = 0,
@@ -59,15 +41,9 @@ def build_step(entry: Entry, rows: list[Row], block_size: int, ring_pages: int =
         window_tables = np.zeros((b, m), np.int32)
         window_slots = np.full((b, t), -1, np.int32)
         for r, row in enumerate(rows):
-            n = len(row.tokens)
-            blocks = -(-row.end // block_size)
-            assert len(row.ring) == min(blocks, ring_pages), \
-                f"{entry.name}: a ring of {len(row.ring)} pages for {blocks} blocks"
-            ring = np.asarray(row.ring, dtype=np.int64)
-            window_tables[r, :min(blocks, m)] = ring[np.arange(min(blocks, m)) % len(ring)]
-            pos = np.arange(row.start, row.end, dtype=np.int64)
-            window_slots[r, t - n:] = (ring[(pos // block_size) % ring_pages] * block_size
-                                       + pos % block_size)
+            values = row_inputs(row, t, m, block_size, ring_pages)
+            window_tables[r] = values.window_table
+            window_slots[r] = values.window_slots
         step[WINDOW_BLOCK_TABLES] = window_tables
         step[WINDOW_SLOT_MAPPING] = window_slots
     if state_slots:
@@ -92,19 +68,12 @@ def row_by_row_inputs(entry: Entry, rows: list[Row], block_size: int) -> dict[st
     block_tables = np.zeros((b, m), np.int32)
     seq_lens = np.zeros((b,), np.int32)
     for r, row in enumerate(rows):
-        n = len(row.tokens)
-        pos = np.arange(row.start, row.end, dtype=np.int64)
-        token_ids[r, t - n:] = row.tokens
-        # Padding tokens take the first token's position (they are never written and their
-        # outputs are dropped): no position in a call is below its earliest real one, which
-        # blockwise attention with a window relies on.
-        positions[r, :t - n] = row.start
-        positions[r, t - n:] = pos
-        if row.pages:
-            pages = np.asarray(row.pages, dtype=np.int64)
-            slot_mapping[r, t - n:] = pages[pos // block_size] * block_size + pos % block_size
-        block_tables[r, :len(row.pages)] = row.pages
-        seq_lens[r] = row.end
+        values = row_inputs(row, t, m, block_size)
+        token_ids[r] = values.token_ids
+        positions[r] = values.positions
+        slot_mapping[r] = values.slot_mapping
+        block_tables[r] = values.block_table
+        seq_lens[r] = values.seq_len
     return {TOKEN_IDS: token_ids, POSITIONS: positions, BLOCK_TABLES: block_tables,
             SEQ_LENS: seq_lens, SLOT_MAPPING: slot_mapping}
 

@@ -21,10 +21,12 @@ written (`slot_shards`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ..artifact.sharding import Segment, Split, single_split
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The parts an adapter may target, the artifact's fused layouts: (part, its modules by their
 # path inside a decoder layer)

@@ -263,7 +263,8 @@ class BoundedRuntime:
 
     def __init__(self, artifact: str | os.PathLike | BoundedArtifact, platform: str = "cpu",
                  cache_dir: Path | None = None, device_index: int = 0):
-        from ..runtime.pjrt import PjrtDevice, compile_cached, default_cache_dir
+        from ..runtime.pjrt import PjrtDevice
+        from ..runtime.compile_cache import compile_cached, default_cache_dir
 
         self.art = artifact if isinstance(artifact, BoundedArtifact) else load_bounded(artifact)
         self.device = PjrtDevice(platform, device_index)

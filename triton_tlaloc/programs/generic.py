@@ -191,7 +191,8 @@ class ProgramRuntime:
     def __init__(self, program: str | Path, arguments: list[Binding], results: list[Binding], *,
                  platform: str = "cpu", device_index: int = 0, weights_root: Path | None = None,
                  donate_state: bool = True, cache_dir: Path | None = None):
-        from ..runtime.pjrt import PjrtDevice, default_cache_dir
+        from ..runtime.pjrt import PjrtDevice
+        from ..runtime.compile_cache import default_cache_dir
 
         self.program = Path(program)
         self.text = self.program.read_text()
@@ -253,7 +254,7 @@ class ProgramRuntime:
         return None
 
     def executable(self, shapes: tuple):
-        from ..runtime.pjrt import compile_cached
+        from ..runtime.compile_cache import compile_cached
 
         with self._lock:
             exe = self.executables.get(shapes)

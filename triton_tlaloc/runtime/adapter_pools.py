@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from ..artifact.sharding import mesh_sharding
-from .pjrt import CompileStats, compile_cached
+from .compile_cache import CompileStats, compile_cached
 
 log = logging.getLogger("triton_tlaloc.adapter_pools")
 

@@ -18,13 +18,16 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from ..artifact.manifest import dtype_name, numpy_dtype
+from ..artifact.manifest import dtype_name, element_bytes, numpy_dtype
 from .pjrt import ManyDevices, OneDevice
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("triton_tlaloc.runtime")
 
@@ -131,12 +134,23 @@ class _CapiClient:
         return self.client.deserialize_executable(blob)
 
     def put_on(self, array: np.ndarray, device):
+        import numpy as np
+
         array = np.ascontiguousarray(array)
-        code = BUFFER_TYPES.get(dtype_name(array.dtype))
+        return self.put_bytes(array.reshape(-1).view(np.uint8), dtype_name(array.dtype),
+                              array.shape, device)
+
+    def put_bytes(self, data, element: str, shape, device):
+        """A buffer on `device` of a StableHLO element type and shape, from host bytes (any
+        object with the buffer protocol, C order)."""
+        code = BUFFER_TYPES.get(element)
         if code is None:
-            raise TypeError(f"the C API runtime holds no {array.dtype} values")
-        return self.client.buffer_from_host(memoryview(array.reshape(-1).view(np.uint8)), code,
-                                            list(array.shape), device)
+            raise TypeError(f"the C API runtime holds no {element} values")
+        data = memoryview(data).cast("B")
+        if data.readonly:  # pypjrt takes a writable buffer (ctypes' from_buffer)
+            data = memoryview(bytearray(data))
+        assert len(data) == element_bytes(element) * math.prod(shape), (element, shape, len(data))
+        return self.client.buffer_from_host(data, code, list(shape), device)
 
 
 class CapiDevice(OneDevice, _CapiClient):
@@ -162,8 +176,9 @@ class CapiDevice(OneDevice, _CapiClient):
         return self.put_on(array, self.device)
 
     def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list:
-        """Zeroed buffers, each put from a zeroed host array."""
-        return [self.put(np.zeros(shape, dtype)) for shape, dtype in specs]
+        """Zeroed buffers, each put from zeroed host bytes."""
+        return [self.put_bytes(bytearray(math.prod(shape) * dtype.itemsize), dtype_name(dtype),
+                               shape, self.device) for shape, dtype in specs]
 
     @staticmethod
     def execute(executable, args: list) -> list:
@@ -172,6 +187,8 @@ class CapiDevice(OneDevice, _CapiClient):
     @staticmethod
     def host(value, axis: int | None = None, dtype=None) -> np.ndarray:
         """A host copy of a value, as a numpy array of its type and shape."""
+        import numpy as np
+
         out = np.empty(tuple(value.dimensions), _numpy_dtype(value.element_type)
                        if dtype is None else dtype)
         value.to_host(memoryview(out.reshape(-1).view(np.uint8)))
@@ -218,7 +235,9 @@ class CapiMesh(ManyDevices, _CapiClient):
 
     def zeros(self, specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[tuple]:
         """Zeroed values of the shard shapes `specs`, one on each device."""
-        return [self.put(np.zeros(shape, dtype)) for shape, dtype in specs]
+        return [tuple(self.put_bytes(bytearray(math.prod(shape) * dtype.itemsize),
+                                     dtype_name(dtype), shape, d) for d in self.devices)
+                for shape, dtype in specs]
 
     def execute(self, executable, args: list[tuple]) -> list[tuple]:
         per_device = executable.execute_sharded([[a[d] for a in args]
@@ -227,6 +246,8 @@ class CapiMesh(ManyDevices, _CapiClient):
 
     @staticmethod
     def host(value: tuple, axis: int | None) -> np.ndarray:
+        import numpy as np
+
         if axis is None:
             return CapiDevice.host(value[0])
         return np.concatenate([CapiDevice.host(b) for b in value], axis=axis)
@@ -244,11 +265,16 @@ class CapiMesh(ManyDevices, _CapiClient):
         return CapiDevice.host(buffer)
 
 
-def _numpy_dtype(code: int) -> np.dtype:
+def element_name(code: int) -> str:
+    """The StableHLO element type name of a PJRT buffer type."""
     name = next((n for n, c in BUFFER_TYPES.items() if c == code), None)
     if name is None:
         raise TypeError(f"PJRT buffer type {code}: the C API runtime reads no such values")
-    return numpy_dtype(name)
+    return name
+
+
+def _numpy_dtype(code: int) -> np.dtype:
+    return numpy_dtype(element_name(code))
 
 
 _DIGESTS: dict[Path, str] = {}

@@ -40,7 +40,8 @@ from ..artifact.manifest import (EXPERT_LOAD, LOGITS, LORA_POOL, LORA_STEP_ROLES
 from .adapter_pools import AdapterPools
 from .compiling import BackgroundCompiler, compile_order, compile_workers, first_entries
 from .memory import MemoryLedger
-from .pjrt import CompileStats, compile_cached, default_cache_dir, open_devices
+from .pjrt import open_devices
+from .compile_cache import CompileStats, compile_cached, default_cache_dir
 from ..artifact.stablehlo import strip_aliasing
 
 log = logging.getLogger("triton_tlaloc.runtime")

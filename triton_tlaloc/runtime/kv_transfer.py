@@ -6,7 +6,7 @@ sequence swapped out is its pages' bytes on the host, swapped in anywhere free.
 The programs are StableHLO per pool class and page-count bucket (a power of two: a set of n
 pages runs in the smallest bucket that holds it, the rest padded), written here as text on one
 device (`transfer_text`: no JAX, so the C API runtime has them too) and lowered by JAX with the
-pools' shardings over several, and compiled as the entries are, through the on-disk compile cache (pjrt.compile_cached): reads
+pools' shardings over several, and compiled as the entries are, through the on-disk compile cache (compile_cache.compile_cached): reads
 gather the pages of every pool of a class at once; writes scatter them back with the pools
 donated, padding indices pointing past the pool, which the scatter drops. Bytes are copied as
 they are: f32, bf16 and fp8 pools come back bit for bit.
@@ -23,7 +23,8 @@ import numpy as np
 from ..kv.host_tier import HostPages
 from ..kv.page_pools import FULL, STATE, WINDOWED
 from ..artifact.manifest import dtype_name, numpy_dtype
-from .pjrt import CompileStats, compile_cached, x64_mode
+from .pjrt import x64_mode
+from .compile_cache import CompileStats, compile_cached
 from ..artifact.sharding import mesh_sharding
 
 log = logging.getLogger("triton_tlaloc.kv_transfer")

@@ -3,7 +3,7 @@ platform before any server starts (a container image's build step, or `tlaloc ex
 --precompile`), so a deployment pays compile time once, at build time.
 
 Every entry is compiled (in `compiling.compile_order`, on worker threads) and so are the host
-tier's page transfer programs, each through `pjrt.compile_cached`: the key is the program's
+tier's page transfer programs, each through `compile_cache.compile_cached`: the key is the program's
 text, the platform and its version, and the jax/jaxlib versions, so a server on the same
 machine and versions loads each from the cache instead of compiling it. Progress goes to a
 callback, one line per program with an estimate of the time left.
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from .compiling import compile_order, compile_workers
 from ..artifact.manifest import Artifact
-from .pjrt import CompileStats, PjrtDevice, compile_cached, default_cache_dir, open_devices
+from .pjrt import PjrtDevice, open_devices
+from .compile_cache import CompileStats, compile_cached, default_cache_dir
 
 
 @dataclass
