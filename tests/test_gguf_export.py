@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 from checks.oracle import load_reference, logits_error, reference_greedy
-from conftest import built_once
+from checks.built_once import built_once
 
 from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.artifact.manifest import ArtifactError

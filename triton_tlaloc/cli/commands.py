@@ -137,8 +137,7 @@ def cmd_run(args) -> int:
     from ..artifact.loading import load_artifact
 
     artifact = load_artifact(args.artifact)
-    # One sequence: only the smallest batch's entries are compiled (verify entries only to
-    # speculate).
+    # One sequence: only the smallest batch's entries (verify entries only to speculate).
     batch = min(artifact.batch_ladder)
     entries = sorted(e.name for e in artifact.entries.values() if e.batch == batch
                      and (args.speculate or e.kind != "verify"))
@@ -148,8 +147,11 @@ def cmd_run(args) -> int:
         raise SystemExit("tlaloc run: --plugin is --runtime capi's")
     if args.platform == "cpu" and not capi:
         cpu_devices(max(devices) + 1)
+    # Each entry compiled the first time a call needs it (a short run touches one context);
+    # with warm-up runs every one now, so no compile falls in the timed run.
     rt = Runtime(artifact, platform=args.platform, donate=not args.no_donate, entries=entries,
-                 devices=devices, plugin=(args.plugin or "") if capi else None)
+                 devices=devices, plugin=(args.plugin or "") if capi else None,
+                 first_use=not args.warmup_runs)
     # KV reuse only to show it (--follow-up): warm-up runs must not make the timed one cached.
     engine = Engine(rt, prefix_reuse=bool(args.follow_up))
     tok = None

@@ -164,7 +164,8 @@ def _add_run_parser(sub) -> None:
                         "greedy ids in fewer calls when the text repeats itself")
     p.add_argument("--warmup-runs", type=int, default=0,
                    help="generate this many times first, untimed (benchmarks: a process's first "
-                        "executions are slower)")
+                        "executions are slower); every entry is then compiled before them, "
+                        "where a run without warm-up compiles each entry as it first needs it")
     p.add_argument("--lora", default=None, metavar="DIR",
                    help="generate with this PEFT LoRA adapter (an artifact exported with "
                         "--max-lora-rank)")

@@ -30,6 +30,7 @@ from .decoder import (STACKED, WeightSlot, entry_program, kv_pools, loops_layers
 from . import packing, tensor_parallel
 from .gguf_packed import PACKED_LAYOUT, is_packed
 from .quant import quantize_rows
+from ..artifact.hf_config import HF_CONFIG_NAME, hf_config
 from ..artifact.loading import load_artifact
 from ..artifact.manifest import (DECODE, MANIFEST_NAME, PACKED_QUANTS, PREFILL, SCHEMA_V2,
                                  SCHEMA_V3, SCHEMA_V4, VERIFY, Entry, LinearState, WeightFile,
@@ -215,6 +216,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         if lora is not None:
             manifest["model"]["lora"] = lora.to_json()
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+        _write_hf_config(tmp, manifest)
         load_artifact(tmp)  # every body against its signature, every file against the manifest
         if out.exists():
             shutil.rmtree(out)
@@ -224,6 +226,15 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _write_hf_config(out: Path, manifest: dict) -> None:
+    """config.json (artifact/hf_config.py) and the checkpoint's generation_config.json at the
+    artifact's root, where a tool that loads a model folder (vLLM) looks for them."""
+    (out / HF_CONFIG_NAME).write_text(json.dumps(hf_config(manifest), indent=1) + "\n")
+    generation = out / "tokenizer" / "generation_config.json"
+    if generation.is_file():
+        shutil.copyfile(generation, out / "generation_config.json")
 
 
 def _tensor_parallel(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,

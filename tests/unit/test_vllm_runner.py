@@ -1,0 +1,127 @@
+"""The vLLM worker's runner (vllm_plugin/runner.py) over the fake runtime, driven as vLLM's
+scheduler drives it: prompts in chunks beside decode rows, a prefix-cache hit, a preemption.
+Each request gets the engine's greedy ids, and every position's KV lands in the page vLLM gave
+it (control: the check catches KV looked for in other pages). And what does not fit vLLM's
+settings or a request is refused by name (vllm_plugin/fit.py). No vLLM imported."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from checks.fakes import FakeRuntime, fake_artifact
+
+from triton_tlaloc.engine.core import Engine
+from triton_tlaloc.kv.page_pools import FULL
+from triton_tlaloc.vllm_plugin.fit import artifact_refusals, request_refusals
+from triton_tlaloc.vllm_plugin.runner import ArtifactRunner
+
+BS = 8
+A = [1, 17, 99, 3, 200, 41, 7, 88, 5, 60]
+B = [(i * 37 + 11) % 250 + 3 for i in range(70)]
+
+
+def engine_ids(prompt, steps):
+    return Engine(FakeRuntime(fake_artifact())).generate_greedy(prompt, steps).generated_ids
+
+
+def kv_in_pages(rt, state) -> bool:
+    """Whether each computed position's token is in the request's page for it."""
+    kv = rt.kv[FULL]
+    return all(kv[state.pages[p // BS], p % BS] == state.tokens[p] for p in range(state.computed))
+
+
+class Pages:
+    """vLLM's block pool as the scheduler hands it out: page 0 kept back."""
+
+    def __init__(self):
+        self.next = 1
+
+    def take(self, n):
+        out = list(range(self.next, self.next + n))
+        self.next += n
+        return out
+
+
+def grow(runner, pages, rid, n):
+    """The pages vLLM adds so `rid` holds n more positions."""
+    st = runner.requests[rid]
+    need = -(-(st.computed + n) // BS) - len(st.pages)
+    return pages.take(need) if need > 0 else None
+
+
+def test_chunked_prompts_beside_decode_rows_give_the_engines_ids_in_vllms_pages():
+    rt = FakeRuntime(fake_artifact())
+    runner, pages = ArtifactRunner(rt), Pages()
+    runner.add("a", A, pages.take(2), 0)
+    runner.add("b", B, pages.take(4), 0)
+    got = {"a": [], "b": []}
+    schedule = [{"a": 10, "b": 32}, {"a": 1, "b": 32}, {"a": 1, "b": 6}]
+    for _ in range(8):
+        schedule.append({"a": 1, "b": 1})
+    for step in schedule:
+        for rid, n in step.items():
+            st = runner.requests[rid]
+            if st.computed:  # a running request's next step: its new pages
+                runner.update(rid, st.computed, grow(runner, pages, rid, n))
+        for rid, new in zip(step, runner.step(step)):
+            got[rid] += new
+    assert got["a"] == engine_ids(A, 11) and got["b"] == engine_ids(B, 9)
+    # 3 steps of prompts (a prefill call each, one of a's), 2 decode rows a call after
+    assert ("decode_b2_c128", 2) in rt.calls
+    for rid in ("a", "b"):
+        assert kv_in_pages(rt, runner.requests[rid])
+    moved = runner.requests["b"]
+    moved.pages = moved.pages[1:] + moved.pages[:1]  # control: other pages than those written
+    assert not kv_in_pages(rt, moved)
+
+
+def test_a_prefix_cache_hit_and_a_preemption_compute_only_what_is_missing():
+    rt = FakeRuntime(fake_artifact())
+    runner, pages = ArtifactRunner(rt), Pages()
+    runner.add("b", B, pages.take(9), 0)
+    assert runner.step({"b": 70}) == [[engine_ids(B, 1)[0]]]
+    # c shares b's first 64 positions (8 full blocks, vLLM's hit) and computes only the rest
+    c = B[:64] + [7, 8, 9]
+    runner.add("c", c, runner.requests["b"].pages[:8] + pages.take(1), 64)
+    calls = len(rt.calls)
+    assert runner.step({"c": 3}) == [[engine_ids(c, 1)[0]]]
+    assert rt.calls[calls:] == [("prefill_b1_c128_t32", 1)]
+    assert kv_in_pages(rt, runner.requests["b"]) and kv_in_pages(rt, runner.requests["c"])
+    # c preempted (its pages given back), resumed with new pages and its whole history
+    history = runner.requests["c"].tokens
+    runner.update("c", 0, pages.take(9), resumed=True, tokens=history)
+    assert runner.step({"c": len(history)}) == [[engine_ids(c, 2)[1]]]
+    assert kv_in_pages(rt, runner.requests["c"])
+    runner.finish("c")
+    assert "c" not in runner.requests
+
+
+def test_what_does_not_fit_vllms_settings_is_refused_by_name():
+    art = fake_artifact(context_ladder=(32, 128))
+    assert artifact_refusals(art, block_size=None, max_model_len=128) == []
+    assert artifact_refusals(art, block_size=8, max_model_len=32) == []
+    wrong = artifact_refusals(art, block_size=16, max_model_len=100, tensor_parallel=2,
+                              lora=True, speculative=True)
+    assert [w.split(":")[0].split(" ")[0] for w in wrong] == ["block", "max", "tensor", "LoRA",
+                                                              "speculative"]
+    assert "--block-size 8" in wrong[0] and "[32, 128]" in wrong[1]
+    rings = artifact_refusals(fake_artifact(window=8, ring_pages=2, window_blocks=17),
+                              block_size=None, max_model_len=128)
+    assert len(rings) == 1 and "sliding-window rings" in rings[0]
+    state = artifact_refusals(fake_artifact(state_slots=4), block_size=None, max_model_len=128)
+    assert len(state) == 1 and "linear-attention state slots" in state[0]
+
+
+@pytest.mark.parametrize("asked,named", [
+    (dict(temperature=0.7), "temperature 0.7"), (dict(logprobs=2), "logprobs"),
+    (dict(prompt_logprobs=1), "prompt_logprobs"), (dict(structured_outputs={}), "structured"),
+    (dict(presence_penalty=0.5), "presence_penalty"), (dict(logit_bias={3: 1.0}), "logit_bias"),
+])
+def test_what_a_request_asks_that_the_worker_cannot_give_is_refused_by_name(asked, named):
+    greedy = dict(temperature=0.0, logprobs=None, prompt_logprobs=None, structured_outputs=None,
+                  presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                  logit_bias=None, allowed_token_ids=None, bad_words=[], min_p=0.0)
+    assert request_refusals(SimpleNamespace(**greedy)) == []
+    refused = request_refusals(SimpleNamespace(**{**greedy, **asked}))
+    assert len(refused) == 1 and named in refused[0]

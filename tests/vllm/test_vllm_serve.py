@@ -1,0 +1,108 @@
+"""`vllm serve` on an artifact (vLLM's OpenAI server started as `python -m
+vllm.entrypoints.openai.api_server`, VLLM_PLUGINS=tlaloc) answering the `openai` package: a chat,
+streamed and whole, with transformers' greedy text for the prompt ids vLLM rendered, and the
+text `tlaloc openai` answers for the same artifact (tritonserver and the front end run by make
+test's environment: checks/tlaloc_openai_chat.py); a request the worker cannot serve (sampling
+at a temperature, logprobs) is a 400 naming it, and the server goes on answering."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+# (vllm.entrypoints: where vLLM is absent, this folder is found as a namespace package "vllm")
+pytest.importorskip("vllm.entrypoints",
+                    reason="the vLLM lane: make test-vllm runs these in .venv-vllm")
+
+from checks.oracle import load_reference, reference_greedy  # noqa: E402
+from vllm_lane import EXPORTER, ROOT, smollm2_sources  # noqa: E402
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(exported, run_dir, tmp_path_factory):
+    gguf, hf = smollm2_sources(run_dir)
+    art = exported(gguf, "smollm2")
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    env = {**os.environ, "VLLM_PLUGINS": "tlaloc"}
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(art),
+             "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
+             "--block-size", "16", "--max-model-len", "256", "--dtype", "float32"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"vllm serve did not start: {log.read_text()[-4000:]}")
+                time.sleep(1)
+        yield f"http://127.0.0.1:{port}/v1", hf, art
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait()
+
+
+def test_a_chat_streamed_and_whole_has_transformers_greedy_text(served):
+    import openai
+    from transformers import AutoTokenizer
+
+    url, hf, art = served
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    whole = client.chat.completions.create(model="smollm2", messages=CHAT, temperature=0,
+                                           max_tokens=24, extra_body={"return_token_ids": True})
+    prompt_ids = whole.prompt_token_ids
+    tok = AutoTokenizer.from_pretrained(hf)
+    ids, _ = reference_greedy(load_reference(hf), prompt_ids, 24)
+    if tok.eos_token_id in ids:  # the answer ends where the model ends its turn
+        ids = ids[:ids.index(tok.eos_token_id)]
+    want = tok.decode(ids, skip_special_tokens=True)
+    assert whole.choices[0].message.content == want
+    assert "Paris" in want
+    pieces = client.chat.completions.create(model="smollm2", messages=CHAT, temperature=0,
+                                            max_tokens=24, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == want
+    # tlaloc openai on the same artifact, through tritonserver
+    run = subprocess.run([str(EXPORTER), "-m", "checks.tlaloc_openai_chat", str(art),
+                          json.dumps(CHAT), "24"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    assert theirs == {"text": want, "streamed": want}
+
+
+def test_what_the_worker_cannot_give_is_a_400_naming_it(served):
+    import openai
+
+    url, _, _ = served
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    for asked, named in ((dict(temperature=0.8), "temperature 0.8"),
+                         (dict(temperature=0, logprobs=True, top_logprobs=2), "logprobs")):
+        with pytest.raises(openai.BadRequestError, match=named):
+            client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4, **asked)
+    ok = client.chat.completions.create(model="smollm2", messages=CHAT, temperature=0,
+                                        max_tokens=4)
+    assert ok.choices[0].message.content

@@ -1,0 +1,60 @@
+"""Whether an artifact can run under a vLLM configuration, and what a request may ask of it:
+each refusal names what does not fit and what would (no vLLM imported here)."""
+
+from __future__ import annotations
+
+from ..artifact.manifest import SCHEMA_V2, Artifact
+
+# SamplingParams fields whose default is all the worker gives: (field, its default)
+SAMPLING_DEFAULTS = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                     ("repetition_penalty", 1.0), ("logit_bias", None),
+                     ("allowed_token_ids", None), ("bad_words", None), ("min_p", 0.0))
+
+
+def artifact_refusals(art: Artifact, *, block_size: int | None, max_model_len: int | None,
+                      tensor_parallel: int = 1, pipeline_parallel: int = 1, lora: bool = False,
+                      speculative: bool = False) -> list[str]:
+    """Why `art` cannot run with these vLLM settings (empty: it can). `block_size` is the one
+    the user asked for (None: the artifact's is taken)."""
+    out = []
+    m = art.model
+    if art.schema != SCHEMA_V2:
+        kind = ("sliding-window rings" if art.windowed is not None
+                else "linear-attention state slots" if art.linear_state is not None
+                else f"schema {art.schema}")
+        out.append(f"{art.path}: its {kind} ({art.schema}) have no vLLM block table; only "
+                   f"full-history pages ({SCHEMA_V2}) run under vLLM")
+    if block_size is not None and block_size != m.block_size:
+        out.append(f"block size {block_size}: the artifact's pages hold {m.block_size} tokens "
+                   f"(--block-size {m.block_size})")
+    if max_model_len is not None and max_model_len not in art.context_ladder:
+        out.append(f"max model length {max_model_len} is not on the artifact's context ladder "
+                   f"{list(art.context_ladder)} (--max-model-len one of them)")
+    if art.devices != 1 or tensor_parallel != 1 or pipeline_parallel != 1:
+        out.append(f"tensor parallel {tensor_parallel}, pipeline parallel {pipeline_parallel} "
+                   f"for an artifact of {art.devices} device(s): the worker runs one-device "
+                   f"artifacts on one device")
+    if lora:
+        out.append("LoRA adapters: not run under vLLM (tlaloc serve runs them)")
+    if speculative:
+        out.append("speculative decoding: not run under vLLM (tlaloc serve runs it)")
+    return out
+
+
+def request_refusals(params) -> list[str]:
+    """What a request's SamplingParams ask that the worker (greedy, the argmax of each row's
+    logits, nothing else returned) does not give."""
+    out = []
+    if getattr(params, "temperature", 0.0) > 0.0:
+        out.append(f"temperature {params.temperature}: the tlaloc worker decodes greedily "
+                   f"(temperature 0)")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name, None) is not None:
+            out.append(f"{name}: not returned by the tlaloc worker")
+    if getattr(params, "structured_outputs", None) is not None:
+        out.append("structured outputs: not applied by the tlaloc worker")
+    for name, default in SAMPLING_DEFAULTS:
+        value = getattr(params, name, default)
+        if value not in (default, [], {}):
+            out.append(f"{name} {value!r}: not applied by the tlaloc worker")
+    return out

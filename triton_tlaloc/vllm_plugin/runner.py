@@ -1,0 +1,125 @@
+"""vLLM's scheduled rows run on an artifact's entries (no vLLM imported here: the worker turns
+its SchedulerOutput into these calls, and the tests drive this over a fake runtime).
+
+vLLM's scheduler decides everything a step holds: which requests run, how many of their
+tokens, and in which pages (its block ids are the artifact's page numbers: the same block size,
+and both keep page 0 back). The runner keeps each request's tokens, pages and computed count
+(vLLM sends its sampled tokens back only to a pipeline), and runs the step as the engine would:
+a prompt's rows on the smallest prefill entry that holds them, in calls of at most the largest
+prefill entry's tokens; one-token rows (decode steps, and a prompt's last token after a
+prefix-cache hit) together on the smallest decode entry, in groups of the largest decode batch.
+A request whose whole history is computed gets the argmax of its last logits; a prompt chunk
+gets nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..engine.steps import Row, build_step
+from ..pages import pages_for
+
+
+@dataclass
+class RequestState:
+    tokens: list[int]  # the prompt and the tokens generated so far
+    pages: list[int]  # vLLM's block ids for it, in order: the artifact's pages
+    computed: int  # tokens whose KV the pages hold (vLLM's num_computed_tokens)
+
+
+class ArtifactRunner:
+    """Requests by vLLM's id, and `step`: one scheduler step's rows as entry calls."""
+
+    def __init__(self, runtime):
+        self.rt = runtime
+        self.art = runtime.artifact
+        self.block_size = self.art.model.block_size
+        self.requests: dict[str, RequestState] = {}
+        self.max_prefill = max(e.tokens_per_seq for e in self.art.entries.values()
+                               if e.kind == "prefill")
+        self.max_decode_batch = max(e.batch for e in self.art.entries.values()
+                                    if e.kind == "decode")
+        self.adapters = self.art.lora is not None  # (rows run on slot 0: no adapter)
+        self.calls = 0
+
+    # ---------------------------------------------------------------- vLLM's requests
+
+    def add(self, req_id: str, tokens: list[int], pages: list[int], computed: int) -> None:
+        """A request scheduled for the first time (`computed`: its prefix-cache hit)."""
+        self.requests[req_id] = RequestState(list(tokens), list(pages), computed)
+
+    def update(self, req_id: str, computed: int, new_pages: list[int] | None = None,
+               resumed: bool = False, tokens: list[int] | None = None) -> None:
+        """A running request's next step: pages added, or (resumed after a preemption) its pages
+        replaced and, when vLLM sends them, its tokens."""
+        st = self.requests[req_id]
+        if resumed:
+            st.pages = list(new_pages or [])
+            if tokens is not None:
+                st.tokens = list(tokens)
+        elif new_pages:
+            st.pages.extend(new_pages)
+        st.computed = computed
+
+    def finish(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    # ---------------------------------------------------------------- a step
+
+    def step(self, scheduled: dict[str, int]) -> list[list[int]]:
+        """Run `scheduled` (request id: tokens to compute); each request's new token, or none
+        for a prompt chunk, in the same order."""
+        logits: dict[str, np.ndarray] = {}
+        single = [rid for rid, n in scheduled.items() if n == 1]
+        for rid, n in scheduled.items():
+            if n > 1:
+                logits[rid] = self._prefill(self.requests[rid], n)
+        for i in range(0, len(single), self.max_decode_batch):
+            group = single[i:i + self.max_decode_batch]
+            states = [self.requests[rid] for rid in group]
+            out = self._call("decode", [(st, 1) for st in states])
+            for rid, st, row in zip(group, states, out):
+                st.computed += 1
+                logits[rid] = row
+        sampled = []
+        for rid in scheduled:
+            st = self.requests[rid]
+            assert st.computed <= len(st.tokens), (rid, st.computed, len(st.tokens))
+            if st.computed < len(st.tokens):
+                sampled.append([])  # a prompt chunk
+                continue
+            token = int(np.argmax(logits[rid]))
+            st.tokens.append(token)
+            sampled.append([token])
+        return sampled
+
+    def _prefill(self, st: RequestState, n: int) -> np.ndarray:
+        """n tokens of one request, in calls of at most the largest prefill entry's."""
+        end = st.computed + n
+        while st.computed < end:
+            k = min(end - st.computed, self.max_prefill)
+            out = self._call("prefill", [(st, k)])[0]
+            st.computed += k
+        return out
+
+    def _call(self, kind: str, rows: list[tuple[RequestState, int]]) -> np.ndarray:
+        """One call of `kind` feeding each row k tokens from its computed count."""
+        end = max(st.computed + k for st, k in rows)
+        tokens = max(k for _, k in rows)
+        entry = self.art.smallest_entry(kind, len(rows), end, tokens)
+        if entry is None:
+            raise ValueError(f"no {kind} entry holds {len(rows)} rows of {tokens} tokens "
+                             f"reaching position {end - 1}")
+        step_rows = []
+        for st, k in rows:
+            last = st.computed + k
+            assert len(st.pages) * self.block_size >= last, \
+                f"{len(st.pages)} pages do not hold {last} positions"
+            step_rows.append(Row(tuple(st.tokens[st.computed:last]), st.computed,
+                                 tuple(st.pages[:pages_for(last, self.block_size)])))
+        step = build_step(entry, step_rows, self.block_size, adapters=self.adapters)
+        self.rt.wait_for(entry.name)  # (compiling in the background: waited for)
+        self.calls += 1
+        return self.rt.run(entry.name, step)[:len(rows)]

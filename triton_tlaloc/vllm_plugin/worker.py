@@ -1,0 +1,100 @@
+"""TlalocWorker: vLLM's worker with no torch model. It loads the artifact on the project's
+runtime (the C API runtime by default: vLLM's environment holds no JAX; TLALOC_VLLM_RUNTIME=jax
+for JAX's), reports the artifact's pools as one full-attention KV cache, and runs each
+SchedulerOutput through runner.ArtifactRunner."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from ..runtime.core import Runtime
+from .runner import ArtifactRunner
+
+log = logging.getLogger("triton_tlaloc.vllm")
+RUNTIME_ENV = "TLALOC_VLLM_RUNTIME"
+POOLS = "tlaloc.pools"  # the one KV cache "layer" standing for all of the artifact's pools
+
+
+class TlalocWorker(WorkerBase):
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        runtime = os.environ.get(RUNTIME_ENV, "capi")
+        t0 = time.perf_counter()
+        # The first entries now, the rest on compile threads; a call waits for its own.
+        self.rt = Runtime(self.model_config.model, background=True,
+                          plugin="" if runtime == "capi" else None)
+        self.runner = ArtifactRunner(self.rt)
+        log.info("tlaloc: artifact %s on the %s runtime, %d of %d entries compiled in %.1f s",
+                 self.model_config.model, runtime, len(self.rt.executables),
+                 self.rt.entries_total, time.perf_counter() - t0)
+
+    def get_kv_cache_spec(self):
+        m = self.rt.artifact.model
+        # Only the block size and a page's bytes matter to vLLM: the count is the artifact's
+        # (num_gpu_blocks_override, set by the platform)
+        return {POOLS: FullAttentionSpec(block_size=m.block_size, num_kv_heads=m.kv_heads,
+                                         head_size=m.head_size, dtype=torch.float32)}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return [layout.name for layout in get_supported_kv_cache_layouts([])]
+
+    def determine_available_memory(self) -> int:
+        spec = self.get_kv_cache_spec()[POOLS]
+        return self.rt.artifact.model.num_blocks * spec.page_size_bytes
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        blocks = self.rt.artifact.model.num_blocks
+        assert kv_cache_config.num_blocks == blocks, (kv_cache_config.num_blocks, blocks)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=self.rt.compile_stats.seconds, encoder=0.0)
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self.model_config.max_model_len = max_model_len
+
+    def reset_encoder_cache(self) -> None:
+        pass
+
+    def get_model_inspection(self) -> str:
+        art = self.rt.artifact
+        return (f"tlaloc artifact {art.path} ({art.model.family}, {len(art.entries)} entries, "
+                f"pages of {art.model.block_size})")
+
+    def get_runner_calls(self) -> int:
+        """Entry calls run so far (tests)."""
+        return self.runner.calls
+
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        so = scheduler_output
+        assert so.kv_cache_block_copies is None, "partial-block copies need several KV groups"
+        runner = self.runner
+        for rid in so.finished_req_ids:
+            runner.finish(rid)
+        for new in so.scheduled_new_reqs:
+            runner.add(new.req_id, new.prompt_token_ids, new.block_ids[0],
+                       new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            pages = cached.new_block_ids[i]
+            runner.update(rid, cached.num_computed_tokens[i],
+                          None if pages is None else pages[0],
+                          resumed=rid in cached.resumed_req_ids,
+                          tokens=cached.all_token_ids.get(rid))
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = runner.step(dict(so.num_scheduled_tokens)) if req_ids else []
+        return ModelRunnerOutput(req_ids=req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled)
