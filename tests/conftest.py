@@ -5,8 +5,11 @@ under an import guard (no JAX, torch or Triton)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +70,23 @@ def run_dir(tmp_path_factory) -> Path:
     path = root / "shared"
     path.mkdir(exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_server_left_running(tmp_path_factory):
+    """The run fails (an error at its end) if a tritonserver it started, or one of their model
+    processes, is still running when it ends: found by their repositories, in this worker's
+    folders. What is found is killed, so the next run starts clean."""
+    yield
+    if "triton_tlaloc.triton.server" not in sys.modules:  # (tests/unit never starts one)
+        return
+    from triton_tlaloc.triton.server import servers_mentioning
+
+    left = servers_mentioning(str(tmp_path_factory.getbasetemp()))
+    for pid, _ in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running at the end of the run: {left}"
 
 
 @pytest.fixture(scope="session", autouse=True)

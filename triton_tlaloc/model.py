@@ -21,6 +21,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .triton.backend import error_response, model_settings, parse_bool, setup_logging
+from .triton.parent_watch import watch_parent
 from .batcher import INVALID_ARG, Batcher, Reply, Request
 from .codes import coded_message
 from .engine.core import Engine
@@ -75,6 +76,7 @@ def capi_runtime(params: dict[str, str]) -> bool:
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging(args["model_name"])
+        watch_parent()  # this process ends with its tritonserver
         t0 = time.perf_counter()
         config, params, version_dir, platform, device, instance = model_settings(args, DEFAULTS)
         manifest = Path(params["serving_manifest"])

@@ -14,7 +14,11 @@ pytest.importorskip("vllm.entrypoints",
                     reason="the vLLM lane: make test-vllm runs these in .venv-vllm")
 
 from checks.oracle import load_reference, reference_greedy  # noqa: E402
-from vllm_lane import vllm_run  # noqa: E402
+from vllm_lane import exported_fixture, vllm_run  # noqa: E402
+
+# (a fixture here, not in a conftest.py of this folder: a second module named conftest would
+# shadow tests/conftest.py for the tests that import from it)
+exported = pytest.fixture(scope="session")(exported_fixture)
 
 STEPS = 16
 PROMPTS = [[1, 17, 99, 3, 200, 41, 7, 88, 5, 60], [(i * 37 + 11) % 250 + 3 for i in range(70)],

@@ -22,7 +22,9 @@ pytest.importorskip("vllm.entrypoints",
                     reason="the vLLM lane: make test-vllm runs these in .venv-vllm")
 
 from checks.oracle import load_reference, reference_greedy  # noqa: E402
-from vllm_lane import EXPORTER, ROOT, smollm2_sources  # noqa: E402
+from vllm_lane import EXPORTER, ROOT, exported_fixture, smollm2_sources  # noqa: E402
+
+exported = pytest.fixture(scope="session")(exported_fixture)
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -1,4 +1,4 @@
-"""What the vLLM lane's tests share (conftest.py makes `exported` a fixture). The lane runs in
+"""What the vLLM lane's tests share (each test module makes `exported` a fixture). The lane runs in
 .venv-vllm (`make test-vllm`: vLLM, torch and the C API runtime, no JAX): artifacts are
 exported by make test's environment (.venv, which has JAX), checkpoints and transformers' ids
 are made here."""

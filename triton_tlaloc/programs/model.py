@@ -24,6 +24,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..triton.backend import error_response, model_settings, parse_bool, setup_logging
+from ..triton.parent_watch import watch_parent
 from ..triton.metrics import MetricsWriter
 from .bounded import BoundedError, BoundedRuntime
 from .generic import (ARGUMENT_KINDS, RESULT_KINDS, ProgramError, ProgramRuntime, parse_bindings,
@@ -64,6 +65,7 @@ def _output_tensor(name: str, a: np.ndarray):
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging(args["model_name"])
+        watch_parent()  # this process ends with its tritonserver
         t0 = time.perf_counter()
         config, params, version_dir, platform, device, _ = model_settings(args, DEFAULTS)
         cache = Path(params["compile_cache_dir"]) if params["compile_cache_dir"] else None

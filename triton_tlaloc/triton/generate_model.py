@@ -42,6 +42,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .backend import error_response, model_settings, setup_logging
+from .parent_watch import watch_parent
 from ..codes import CANCELLED, INTERNAL, INVALID_ARG, coded_message, split_coded_message
 from .metrics import MetricsWriter
 from .model_metrics import GrammarMetrics
@@ -80,6 +81,7 @@ class TritonPythonModel:
                                        "max_prompt_characters": "",
                                        "generation_loop": "local", "draft_model": ""}).params
         setup_logging(args["model_name"])
+        watch_parent()  # this process ends with its tritonserver
         self.model_name = args["model_name"]
         self.sequence_model = params["sequence_model"]
         # The sequence model that drafts for speculative.method draft_model ("": none)

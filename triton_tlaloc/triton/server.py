@@ -91,6 +91,14 @@ def processes_named(name: str, parent: int | None = None) -> list[int]:
             if Path(argv[0]).name == name and parent in (None, ppid)]
 
 
+def servers_mentioning(text: str) -> list[tuple[int, str]]:
+    """(pid, command name) of the live tritonservers and model processes (stubs) whose
+    arguments mention `text` (a folder their repository lies in)."""
+    return [(pid, Path(argv[0]).name) for pid, _, argv in _processes()
+            if Path(argv[0]).name in ("tritonserver", STUB_NAME)
+            and any(text in a for a in argv[1:]) and not _exited(pid)]
+
+
 def stub_processes(parent: int) -> list[StubProcess]:
     """The Python-backend stubs whose parent is `parent` (a tritonserver), read from /proc."""
     return [StubProcess(pid, Path(argv[1]).parent.parent.name)
@@ -367,6 +375,8 @@ class TritonServer:
             try:
                 self.proc.wait(self.exit_timeout_s + grace_s)
             except subprocess.TimeoutExpired:
+                log.warning("tritonserver (pid %d) had not exited %.0f s after SIGINT: killed "
+                            "with its process group", self.proc.pid, self.exit_timeout_s + grace_s)
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
