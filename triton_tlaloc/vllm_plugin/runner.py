@@ -5,9 +5,10 @@ vLLM's scheduler decides everything a step holds: which requests run, how many o
 tokens, and in which pages (its block ids are the artifact's page numbers: the same block size,
 and both keep page 0 back). The runner keeps each request's tokens, pages and computed count
 (vLLM sends its sampled tokens back only to a pipeline), and runs the step as the engine would:
-a prompt's rows on the smallest prefill entry that holds them, in calls of at most the largest
-prefill entry's tokens; one-token rows (decode steps, and a prompt's last token after a
-prefix-cache hit) together on the smallest decode entry, in groups of the largest decode batch.
+the step's prompts together on the smallest prefill entry that holds them, in groups of the
+largest prefill batch and pieces of at most the largest prefill entry's tokens; one-token rows
+(decode steps, and a prompt's last token after a prefix-cache hit) together on the smallest
+decode entry, in groups of the largest decode batch.
 A request whose whole history is computed gets the argmax of its last logits; a prompt chunk
 gets nothing.
 """
@@ -41,6 +42,8 @@ class ArtifactRunner:
                                if e.kind == "prefill")
         self.max_decode_batch = max(e.batch for e in self.art.entries.values()
                                     if e.kind == "decode")
+        self.max_prefill_batch = max(e.batch for e in self.art.entries.values()
+                                     if e.kind == "prefill")
         self.adapters = self.art.lora is not None  # (rows run on slot 0: no adapter)
         self.calls = 0
 
@@ -71,11 +74,8 @@ class ArtifactRunner:
     def step(self, scheduled: dict[str, int]) -> list[list[int]]:
         """Run `scheduled` (request id: tokens to compute); each request's new token, or none
         for a prompt chunk, in the same order."""
-        logits: dict[str, np.ndarray] = {}
         single = [rid for rid, n in scheduled.items() if n == 1]
-        for rid, n in scheduled.items():
-            if n > 1:
-                logits[rid] = self._prefill(self.requests[rid], n)
+        logits = self._prefill({rid: n for rid, n in scheduled.items() if n > 1})
         for i in range(0, len(single), self.max_decode_batch):
             group = single[i:i + self.max_decode_batch]
             states = [self.requests[rid] for rid in group]
@@ -95,14 +95,21 @@ class ArtifactRunner:
             sampled.append([token])
         return sampled
 
-    def _prefill(self, st: RequestState, n: int) -> np.ndarray:
-        """n tokens of one request, in calls of at most the largest prefill entry's."""
-        end = st.computed + n
-        while st.computed < end:
-            k = min(end - st.computed, self.max_prefill)
-            out = self._call("prefill", [(st, k)])[0]
-            st.computed += k
-        return out
+    def _prefill(self, tokens: dict[str, int]) -> dict[str, np.ndarray]:
+        """Each request's `tokens[rid]` tokens, the requests together in calls of the largest
+        prefill batch, each call feeding a row at most the largest prefill entry's tokens;
+        each request's logits after its last piece."""
+        left, logits = dict(tokens), {}
+        while left:
+            group = list(left)[:self.max_prefill_batch]
+            rows = [(self.requests[rid], min(left[rid], self.max_prefill)) for rid in group]
+            for rid, (st, k), row in zip(group, rows, self._call("prefill", rows)):
+                st.computed += k
+                left[rid] -= k
+                logits[rid] = row
+                if not left[rid]:
+                    del left[rid]
+        return logits
 
     def _call(self, kind: str, rows: list[tuple[RequestState, int]]) -> np.ndarray:
         """One call of `kind` feeding each row k tokens from its computed count."""
