@@ -129,6 +129,10 @@ def end_stubs(prefix: str, grace_s: float = 5.0) -> int:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    # until they are gone (a SIGKILLed process takes a moment to exit), so callers find none
+    deadline = time.monotonic() + 2.0
+    while stubs_with_prefix(prefix) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return len(left)
 
 
