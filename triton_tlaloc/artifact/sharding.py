@@ -17,6 +17,7 @@ arrays or as bytes, neither importing JAX (only `mesh_sharding`, which lowering 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 AXIS_NAME = "tp"  # the one mesh axis of a tensor-parallel artifact
@@ -86,9 +87,7 @@ class Split:
                     device: int, devices: int) -> bytearray:
         """The same part cut from a file's bytes (C order): for each index before the axis,
         each piece's run of contiguous bytes."""
-        inner = itemsize
-        for d in shape[self.axis + 1:]:
-            inner *= d
+        inner = itemsize * math.prod(shape[self.axis + 1:])
         row = shape[self.axis] * inner  # one index before the axis
         outer = len(data) // row
         ranges = [(first * inner, size * inner) for first, size in

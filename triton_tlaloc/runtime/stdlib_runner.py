@@ -26,7 +26,7 @@ from ..artifact.loading import load_artifact
 from ..artifact.manifest import (BLOCK_TABLES, LOGITS, LORA_POOL, POOL_IN_ROLES, POOL_OUT_ROLES,
                                  POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_SLOTS, TOKEN_IDS, WEIGHT,
                                  WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING, ArtifactError,
-                                 element_bytes)
+                                 element_bytes, tensor_bytes)
 from ..artifact.stablehlo import strip_aliasing
 from ..kv.sequence import Sequence
 from ..pages import BlockManager, pages_for, pool_shape
@@ -111,7 +111,7 @@ class StdlibRunner:
         out = {}
         for p in (*self.art.pools, *self.art.state_pools):
             shape = p.shape if tp is None else tp.pools[p.name].shard_shape(p.shape, tp.devices)
-            out[p.name] = self._put([bytearray(math.prod(shape) * element_bytes(held[p.name]))],
+            out[p.name] = self._put([bytearray(tensor_bytes(held[p.name], shape))],
                                     held[p.name], shape)
         return out
 
@@ -240,7 +240,7 @@ def _read(path: Path) -> bytearray:
 def _first_row(logits) -> array:
     """The first row of a logits buffer [batch, vocab] as f32 values (bf16 widened)."""
     element, vocab = element_name(logits.element_type), logits.dimensions[-1]
-    raw = bytearray(math.prod(logits.dimensions) * element_bytes(element))
+    raw = bytearray(tensor_bytes(element, logits.dimensions))
     logits.to_host(memoryview(raw))
     if element == "f32":
         return array("f", raw[:4 * vocab])
