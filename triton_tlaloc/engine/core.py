@@ -22,6 +22,7 @@ from ..pages import (STATE, BlockManager, PagePool, PagesExhausted, Reuse, Share
 from ..codes import RequestError
 from ..kv.sequence import Sequence, SequenceStatus
 from .speculation import Verified, Verifier, accepted_drafts
+from .rows import ring_room
 from .steps import Row, build_step
 
 __all__ = ["Engine", "EntryCompiling", "GenerationResult", "RequestError", "Sequence",
@@ -407,9 +408,6 @@ class Engine:
         return self.ring_pages * self.block_size
 
     def ring_room(self, seq: Sequence | None) -> int:
-        """The tokens one call may feed `seq` (None: any sequence whose window is full) within
-        its ring: a call of n tokens from p0 needs min(p0, window - 1) + n positions of the ring
-        at once (docs/design.md#the-windowed-pool); the KV a verify call writes for drafts it
-        rejects then overwrites nothing still in the window."""
-        before = self.window - 1 if seq is None else min(seq.num_cached, self.window - 1)
-        return self.ring_positions - before
+        """The tokens one call may feed `seq` within its ring (None: any sequence whose window
+        is full; rows.ring_room)."""
+        return ring_room(self.ring_positions, self.window, None if seq is None else seq.num_cached)

@@ -73,3 +73,13 @@ def padding_inputs(tokens: int, table: int, ring_pages: int = 0) -> RowInputs:
     """A padding row's values: nothing read, nothing written."""
     return RowInputs([0] * tokens, [0] * tokens, [-1] * tokens, [0] * table, 0,
                      [0] * table if ring_pages else None, [-1] * tokens if ring_pages else None)
+
+
+def ring_room(ring_positions: int, window: int, num_cached: int | None) -> int:
+    """The tokens one call may feed a sequence with `num_cached` positions computed (None: any
+    sequence whose window is full) within its ring of `ring_positions`: a call of n tokens from
+    p0 needs min(p0, window - 1) + n positions of the ring at once
+    (docs/design.md#the-windowed-pool); the KV a verify call writes for drafts it rejects then
+    overwrites nothing still in the window."""
+    before = window - 1 if num_cached is None else min(num_cached, window - 1)
+    return ring_positions - before

@@ -30,7 +30,7 @@ from ..artifact.manifest import (BLOCK_TABLES, LOGITS, LORA_POOL, POOL_IN_ROLES,
 from ..artifact.stablehlo import strip_aliasing
 from ..kv.sequence import Sequence
 from ..pages import BlockManager, pages_for, pool_shape
-from ..engine.rows import Row, RowInputs, padding_inputs, row_inputs
+from ..engine.rows import Row, RowInputs, padding_inputs, ring_room, row_inputs
 from .capi import element_name
 from .compile_cache import CompileStats, compile_cached, default_cache_dir
 from .pjrt import open_devices
@@ -202,8 +202,8 @@ class StdlibRunner:
             while seq.num_cached < len(seq.token_ids):
                 room = most
                 if self.window is not None:  # a call's positions within its ring
-                    room = min(room, self.ring_pages * self.art.model.block_size
-                               - min(seq.num_cached, self.window - 1))
+                    room = min(room, ring_room(self.ring_pages * self.art.model.block_size,
+                                               self.window, seq.num_cached))
                 feed = seq.token_ids[seq.num_cached:seq.num_cached + room]
                 logits = self._call("prefill", seq, feed)
             first, generated, step_ms = logits, [], []
