@@ -4,10 +4,11 @@ run a fresh engine): what tests/vllm check. Run in vLLM's environment (.venv-vll
     python -m checks.vllm_runs ARTIFACT '{"prompts": [[1, 2, 3]], "steps": 16, "together": true,
                                           "llm": {"block_size": 16, "max_model_len": 256}}'
 
-prints one JSON line: each prompt's greedy ids, vLLM's count of its prompt tokens found in its
-prefix cache, and the worker's entry calls; or {"error": "..."} when the engine refuses to start.
-Prompts run all at once with "together", else one after another (later ones finding what the
-earlier ones cached)."""
+prints one JSON line: each prompt's ids (greedy, or drawn as its entry of "sampling" asks: a
+SamplingParams' fields by name), their logprobs where asked ([[token id, logprob], ...] a token),
+vLLM's count of its prompt tokens found in its prefix cache, and the worker's entry calls; or
+{"error": "..."} when the engine refuses to start. Prompts run all at once with "together", else
+one after another (later ones finding what the earlier ones cached)."""
 
 from __future__ import annotations
 
@@ -28,14 +29,20 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # the refusal, as the engine reports it
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         return 0
-    sampling = SamplingParams(temperature=0.0, max_tokens=spec.get("steps", 16),
-                              ignore_eos=True, detokenize=False)
+    asked = spec.get("sampling") or [{}] * len(spec["prompts"])
+    sampling = [SamplingParams(**{"temperature": 0.0, "max_tokens": spec.get("steps", 16),
+                                  "ignore_eos": True, "detokenize": False, **a}) for a in asked]
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     if spec.get("together"):
         outs = llm.generate(prompts, sampling, use_tqdm=False)
     else:
-        outs = [llm.generate([p], sampling, use_tqdm=False)[0] for p in prompts]
+        outs = [llm.generate([p], s, use_tqdm=False)[0] for p, s in zip(prompts, sampling)]
+
+    def logprobs(out):
+        return None if out.logprobs is None else [
+            [[t, lp.logprob] for t, lp in sorted(step.items())] for step in out.logprobs]
     print(json.dumps({"ids": [list(o.outputs[0].token_ids) for o in outs],
+                      "logprobs": [logprobs(o.outputs[0]) for o in outs],
                       "cached": [o.num_cached_tokens or 0 for o in outs],
                       "calls": llm.collective_rpc("get_runner_calls")[0]}))
     return 0

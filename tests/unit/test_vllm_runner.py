@@ -114,14 +114,20 @@ def test_what_does_not_fit_vllms_settings_is_refused_by_name():
 
 
 @pytest.mark.parametrize("asked,named", [
-    (dict(temperature=0.7), "temperature 0.7"), (dict(logprobs=2), "logprobs"),
     (dict(prompt_logprobs=1), "prompt_logprobs"), (dict(structured_outputs={}), "structured"),
-    (dict(presence_penalty=0.5), "presence_penalty"), (dict(logit_bias={3: 1.0}), "logit_bias"),
+    (dict(logit_bias={3: 1.0}), "logit_bias"), (dict(min_p=0.1), "min_p"),
+    (dict(min_tokens=4), "min_tokens"), (dict(allowed_token_ids=[3]), "allowed_token_ids"),
+    (dict(bad_words=["x"]), "bad_words"),
 ])
 def test_what_a_request_asks_that_the_worker_cannot_give_is_refused_by_name(asked, named):
     greedy = dict(temperature=0.0, logprobs=None, prompt_logprobs=None, structured_outputs=None,
                   presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                  logit_bias=None, allowed_token_ids=None, bad_words=[], min_p=0.0)
+                  logit_bias=None, allowed_token_ids=None, bad_words=[], min_p=0.0,
+                  min_tokens=0)
     assert request_refusals(SimpleNamespace(**greedy)) == []
+    # what the worker's sampler gives (vllm_plugin/sampling.py)
+    assert request_refusals(SimpleNamespace(**{**greedy, **dict(
+        temperature=0.7, top_p=0.9, top_k=5, seed=3, logprobs=2, presence_penalty=0.5,
+        frequency_penalty=0.2, repetition_penalty=1.1)})) == []
     refused = request_refusals(SimpleNamespace(**{**greedy, **asked}))
     assert len(refused) == 1 and named in refused[0]

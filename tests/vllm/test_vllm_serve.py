@@ -2,8 +2,9 @@
 vllm.entrypoints.openai.api_server`, VLLM_PLUGINS=tlaloc) answering the `openai` package: a chat,
 streamed and whole, with transformers' greedy text for the prompt ids vLLM rendered, and the
 text `tlaloc openai` answers for the same artifact (tritonserver and the front end run by make
-test's environment: checks/tlaloc_openai_chat.py); a request the worker cannot serve (sampling
-at a temperature, logprobs) is a 400 naming it, and the server goes on answering."""
+test's environment: checks/tlaloc_openai_chat.py); seeded sampling repeating, greedy logprobs;
+a request the worker cannot serve (a logit bias, min_tokens) is a 400 naming it, and the
+server goes on answering."""
 
 from __future__ import annotations
 
@@ -96,13 +97,24 @@ def test_a_chat_streamed_and_whole_has_transformers_greedy_text(served):
     assert theirs == {"text": want, "streamed": want}
 
 
-def test_what_the_worker_cannot_give_is_a_400_naming_it(served):
+def test_sampling_and_logprobs_are_served_and_what_the_worker_cannot_give_is_a_400(served):
     import openai
 
     url, _, _ = served
     client = openai.OpenAI(base_url=url, api_key="unused")
-    for asked, named in ((dict(temperature=0.8), "temperature 0.8"),
-                         (dict(temperature=0, logprobs=True, top_logprobs=2), "logprobs")):
+    seeded = [client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12,
+                                             temperature=0.9, top_p=0.95, seed=s)
+              .choices[0].message.content for s in (3, 3, 4)]
+    assert seeded[0] == seeded[1] and seeded[0]  # (another seed: most likely another answer)
+    print("seeded answers:", seeded)
+    lp = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0.0 for t in content)
+    assert all(t.logprob == max(x.logprob for x in t.top_logprobs) for t in content)  # greedy
+    for asked, named in ((dict(logit_bias={"5": 1.0}), "logit_bias"),
+                         (dict(extra_body={"min_tokens": 3}), "min_tokens")):
         with pytest.raises(openai.BadRequestError, match=named):
             client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4, **asked)
     ok = client.chat.completions.create(model="smollm2", messages=CHAT, temperature=0,

@@ -34,9 +34,10 @@ def exported_fixture(run_dir):
 
 
 def vllm_run(art: Path, prompts: list[list[int]], steps: int = 16, together: bool = False,
-             **llm) -> dict:
-    """checks/vllm_runs.py in a process of its own: a fresh engine a run."""
-    spec = {"prompts": prompts, "steps": steps, "together": together,
+             sampling: list[dict] | None = None, **llm) -> dict:
+    """checks/vllm_runs.py in a process of its own: a fresh engine a run (`sampling`: each
+    prompt's SamplingParams fields beside greedy's)."""
+    spec = {"prompts": prompts, "steps": steps, "together": together, "sampling": sampling,
             "llm": {"block_size": 16, "max_model_len": 256, **llm}}
     run = subprocess.run([sys.executable, "-m", "checks.vllm_runs", str(art), json.dumps(spec)],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)

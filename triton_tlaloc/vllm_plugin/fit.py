@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from ..artifact.manifest import SCHEMA_V2, Artifact
 
-# SamplingParams fields whose default is all the worker gives: (field, its default)
-SAMPLING_DEFAULTS = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                     ("repetition_penalty", 1.0), ("logit_bias", None),
-                     ("allowed_token_ids", None), ("bad_words", None), ("min_p", 0.0))
+# SamplingParams fields whose default is all the worker gives: (field, its default). vLLM
+# applies these through logits processors that follow its own input batch, or bans words by
+# their token sequences; the worker's sampler (sampling.py) gives temperature, top-p, top-k,
+# seeds, the presence, frequency and repetition penalties, and logprobs.
+SAMPLING_DEFAULTS = (("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None),
+                     ("min_p", 0.0), ("min_tokens", 0))
 
 
 def artifact_refusals(art: Artifact, *, block_size: int | None, max_model_len: int | None,
@@ -42,15 +44,11 @@ def artifact_refusals(art: Artifact, *, block_size: int | None, max_model_len: i
 
 
 def request_refusals(params) -> list[str]:
-    """What a request's SamplingParams ask that the worker (greedy, the argmax of each row's
-    logits, nothing else returned) does not give."""
+    """What a request's SamplingParams ask that the worker (vLLM's Sampler over each row's
+    last logits: no prompt logprobs, no logits processors) does not give."""
     out = []
-    if getattr(params, "temperature", 0.0) > 0.0:
-        out.append(f"temperature {params.temperature}: the tlaloc worker decodes greedily "
-                   f"(temperature 0)")
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(params, name, None) is not None:
-            out.append(f"{name}: not returned by the tlaloc worker")
+    if getattr(params, "prompt_logprobs", None) is not None:
+        out.append("prompt_logprobs: not returned by the tlaloc worker")
     if getattr(params, "structured_outputs", None) is not None:
         out.append("structured outputs: not applied by the tlaloc worker")
     for name, default in SAMPLING_DEFAULTS:

@@ -9,8 +9,8 @@ the step's prompts together on the smallest prefill entry that holds them, in gr
 largest prefill batch and pieces of at most the largest prefill entry's tokens; one-token rows
 (decode steps, and a prompt's last token after a prefix-cache hit) together on the smallest
 decode entry, in groups of the largest decode batch.
-A request whose whole history is computed gets the argmax of its last logits; a prompt chunk
-gets nothing.
+A request whose whole history is computed gets its last logits (the worker samples them with
+vLLM's Sampler, `step` takes their argmax); a prompt chunk gets nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +28,15 @@ class RequestState:
     tokens: list[int]  # the prompt and the tokens generated so far
     pages: list[int]  # vLLM's block ids for it, in order: the artifact's pages
     computed: int  # tokens whose KV the pages hold (vLLM's num_computed_tokens)
+    prompt_len: int = 0  # tokens[:prompt_len] are the prompt, the rest generated
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.tokens[:self.prompt_len]
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
 
 
 class ArtifactRunner:
@@ -51,7 +60,7 @@ class ArtifactRunner:
 
     def add(self, req_id: str, tokens: list[int], pages: list[int], computed: int) -> None:
         """A request scheduled for the first time (`computed`: its prefix-cache hit)."""
-        self.requests[req_id] = RequestState(list(tokens), list(pages), computed)
+        self.requests[req_id] = RequestState(list(tokens), list(pages), computed, len(tokens))
 
     def update(self, req_id: str, computed: int, new_pages: list[int] | None = None,
                resumed: bool = False, tokens: list[int] | None = None) -> None:
@@ -72,8 +81,26 @@ class ArtifactRunner:
     # ---------------------------------------------------------------- a step
 
     def step(self, scheduled: dict[str, int]) -> list[list[int]]:
-        """Run `scheduled` (request id: tokens to compute); each request's new token, or none
-        for a prompt chunk, in the same order."""
+        """Run `scheduled` (request id: tokens to compute) and decode greedily: each request's
+        new token, or none for a prompt chunk, in the same order."""
+        logits = self.run(scheduled)
+        sampled = []
+        for rid in scheduled:
+            if rid not in logits:
+                sampled.append([])  # a prompt chunk
+                continue
+            token = int(np.argmax(logits[rid]))
+            self.append(rid, token)
+            sampled.append([token])
+        return sampled
+
+    def append(self, req_id: str, token: int) -> None:
+        """The token drawn from the request's last logits."""
+        self.requests[req_id].tokens.append(token)
+
+    def run(self, scheduled: dict[str, int]) -> dict[str, np.ndarray]:
+        """Run `scheduled` (request id: tokens to compute): the last logits of each request
+        whose whole history is now computed (prompt chunks have none)."""
         single = [rid for rid, n in scheduled.items() if n == 1]
         logits = self._prefill({rid: n for rid, n in scheduled.items() if n > 1})
         for i in range(0, len(single), self.max_decode_batch):
@@ -83,17 +110,12 @@ class ArtifactRunner:
             for rid, st, row in zip(group, states, out):
                 st.computed += 1
                 logits[rid] = row
-        sampled = []
         for rid in scheduled:
             st = self.requests[rid]
             assert st.computed <= len(st.tokens), (rid, st.computed, len(st.tokens))
             if st.computed < len(st.tokens):
-                sampled.append([])  # a prompt chunk
-                continue
-            token = int(np.argmax(logits[rid]))
-            st.tokens.append(token)
-            sampled.append([token])
-        return sampled
+                del logits[rid]  # a prompt chunk: nothing to sample yet
+        return logits
 
     def _prefill(self, tokens: dict[str, int]) -> dict[str, np.ndarray]:
         """Each request's `tokens[rid]` tokens, the requests together in calls of the largest

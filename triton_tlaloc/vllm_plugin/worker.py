@@ -1,7 +1,8 @@
 """TlalocWorker: vLLM's worker with no torch model. It loads the artifact on the project's
 runtime (the C API runtime by default: vLLM's environment holds no JAX; TLALOC_VLLM_RUNTIME=jax
 for JAX's), reports the artifact's pools as one full-attention KV cache, and runs each
-SchedulerOutput through runner.ArtifactRunner."""
+SchedulerOutput through runner.ArtifactRunner, drawing each step's tokens with vLLM's own
+Sampler (sampling.RequestSampler)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import torch
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -17,6 +19,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from ..runtime.core import Runtime
 from .runner import ArtifactRunner
+from .sampling import RequestSampler
 
 log = logging.getLogger("triton_tlaloc.vllm")
 RUNTIME_ENV = "TLALOC_VLLM_RUNTIME"
@@ -34,6 +37,8 @@ class TlalocWorker(WorkerBase):
         self.rt = Runtime(self.model_config.model, background=True,
                           plugin="" if runtime == "capi" else None)
         self.runner = ArtifactRunner(self.rt)
+        self.sampler = RequestSampler(self.rt.artifact.model.vocab,
+                                      str(self.model_config.logprobs_mode))
         log.info("tlaloc: artifact %s on the %s runtime, %d of %d entries compiled in %.1f s",
                  self.model_config.model, runtime, len(self.rt.executables),
                  self.rt.entries_total, time.perf_counter() - t0)
@@ -83,9 +88,11 @@ class TlalocWorker(WorkerBase):
         runner = self.runner
         for rid in so.finished_req_ids:
             runner.finish(rid)
+            self.sampler.finish(rid)
         for new in so.scheduled_new_reqs:
             runner.add(new.req_id, new.prompt_token_ids, new.block_ids[0],
                        new.num_computed_tokens)
+            self.sampler.add(new.req_id, new.sampling_params)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             pages = cached.new_block_ids[i]
@@ -94,7 +101,22 @@ class TlalocWorker(WorkerBase):
                           resumed=rid in cached.resumed_req_ids,
                           tokens=cached.all_token_ids.get(rid))
         req_ids = list(so.num_scheduled_tokens)
-        sampled = runner.step(dict(so.num_scheduled_tokens)) if req_ids else []
+        logits = runner.run(dict(so.num_scheduled_tokens)) if req_ids else {}
+        rows = [rid for rid in req_ids if rid in logits]  # prompt chunks draw nothing
+        drawn, logprobs = {}, None
+        if rows:
+            states = [runner.requests[rid] for rid in rows]
+            tokens, logprobs = self.sampler.sample(
+                rows, np.stack([logits[rid] for rid in rows]),
+                [st.prompt for st in states], [st.output for st in states])
+            for rid, token in zip(rows, tokens):
+                runner.append(rid, token)
+                drawn[rid] = token
+        if logprobs is not None:  # a row for each request that drew a token: where each starts
+            starts = np.cumsum([0] + [rid in drawn for rid in req_ids]).tolist()
+            logprobs = logprobs._replace(cu_num_generated_tokens=starts)
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled)
+                                 sampled_token_ids=[[drawn[r]] if r in drawn else []
+                                                    for r in req_ids],
+                                 logprobs=logprobs)

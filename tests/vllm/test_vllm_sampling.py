@@ -1,0 +1,100 @@
+"""Sampling under vLLM (VLLM_PLUGINS=tlaloc): the worker draws each step's tokens with vLLM's own
+Sampler from the artifact's logits (triton_tlaloc/vllm_plugin/sampling.py). Four requests at
+once on the tiny llama, greedy and sampled side by side: seeded requests (temperature and top-p
+and top-k; temperature alone) give the ids vLLM's Sampler draws, one row at a time with the
+same seed, from transformers' logits, and a greedy request under presence, frequency and
+repetition penalties the Sampler's penalized argmax (no token twice); a plain greedy request
+keeps transformers' greedy ids and its logprobs are transformers' log-softmax within 1e-4, its
+top 3 transformers' top 3. Controls: another seed gives other ids; plain greedy repeats
+tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+# (vllm.entrypoints: where vLLM is absent, this folder is found as a namespace package "vllm")
+pytest.importorskip("vllm.entrypoints",
+                    reason="the vLLM lane: make test-vllm runs these in .venv-vllm")
+
+from checks.oracle import load_reference, reference_greedy  # noqa: E402
+from vllm_lane import exported_fixture, vllm_run  # noqa: E402
+
+exported = pytest.fixture(scope="session")(exported_fixture)
+
+STEPS = 16
+PROMPTS = [[1, 17, 99, 3, 200, 41, 7, 88, 5, 60], [(i * 37 + 11) % 250 + 3 for i in range(70)],
+           [5, 9, 200, 31], [(i * 13 + 5) % 240 + 4 for i in range(33)]]
+TOP = dict(temperature=0.8, top_p=0.9, top_k=40, seed=7)
+# greedy under penalties (the tiny model's logits lie close together: penalties large enough
+# to matter there keep it from choosing any token twice, where plain greedy repeats)
+PENALIZED = dict(temperature=0.0, presence_penalty=2.0, frequency_penalty=1.0,
+                 repetition_penalty=1.5)
+SAMPLING = [dict(logprobs=3), TOP, PENALIZED, dict(temperature=0.7, seed=5)]
+
+
+def logits_after(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1:].float()
+
+
+def samplers_ids(model, prompt, steps, params) -> list[int]:
+    """vLLM's Sampler, one row a step over transformers' logits, its generator seeded as vLLM
+    seeds a request's (temperature 0: greedy, after the penalties)."""
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+
+    greedy = params["temperature"] == 0.0
+    gens = {} if greedy else {0: torch.Generator().manual_seed(params["seed"])}
+    pen = [params.get("presence_penalty", 0.0), params.get("frequency_penalty", 0.0),
+           params.get("repetition_penalty", 1.0)]
+    penalized = pen != [0.0, 0.0, 1.0]
+    sampler, ids = Sampler(), []
+    for _ in range(steps):
+        logits = logits_after(model, prompt + ids)
+        vocab = logits.shape[1]
+        meta = SamplingMetadata(
+            temperature=torch.tensor([params["temperature"]]), all_greedy=greedy,
+            all_random=not greedy,
+            top_p=torch.tensor([params["top_p"]]) if "top_p" in params else None,
+            top_k=(torch.tensor([params["top_k"]], dtype=torch.int32) if "top_k" in params
+                   else None),
+            generators=gens, max_num_logprobs=None, no_penalties=not penalized,
+            prompt_token_ids=torch.tensor([prompt]) if penalized else None,
+            presence_penalties=torch.tensor(pen[:1]), frequency_penalties=torch.tensor(pen[1:2]),
+            repetition_penalties=torch.tensor(pen[2:]),
+            output_token_ids=[list(ids)] if penalized else [],
+            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+        assert vocab > 2
+        ids.append(int(sampler(logits, meta).sampled_token_ids[0, 0]))
+    return ids
+
+
+def test_greedy_and_seeded_requests_at_once_give_vllms_sampler_over_transformers_logits(
+        tiny, exported):
+    import torch
+
+    ckpt = tiny.checkpoint("llama", False)
+    art = exported(ckpt, "llama-False")
+    model = load_reference(ckpt)
+    got = vllm_run(art, PROMPTS, STEPS, together=True, sampling=SAMPLING)
+    greedy, _ = reference_greedy(model, PROMPTS[0], STEPS)
+    assert got["ids"][0] == greedy
+    for prompt, params, ids in zip(PROMPTS[1:], SAMPLING[1:], got["ids"][1:]):
+        assert ids == samplers_ids(model, prompt, STEPS, params), params
+    # controls: another seed; the penalties left out
+    assert got["ids"][1] != samplers_ids(model, PROMPTS[1], STEPS, {**TOP, "seed": 8})
+    plain, _ = reference_greedy(model, PROMPTS[2], STEPS)
+    assert len(set(got["ids"][2])) == STEPS and len(set(plain)) < STEPS, (got["ids"][2], plain)
+    assert got["logprobs"][1] is None
+    # the greedy request's logprobs: its token's and the top 3, transformers' log-softmax
+    for i, step in enumerate(got["logprobs"][0]):
+        want = torch.log_softmax(logits_after(model, PROMPTS[0] + greedy[:i]).double(), -1)[0]
+        top = torch.topk(want, 3).indices.tolist()
+        assert {t for t, _ in step} == {greedy[i], *top}, (i, step, top)
+        for t, lp in step:
+            assert abs(lp - float(want[t])) <= 1e-4, (i, t, lp, float(want[t]))
+
