@@ -30,6 +30,9 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         return 0
     asked = spec.get("sampling") or [{}] * len(spec["prompts"])
+    # (JSON keys are strings; a logit bias is keyed by token id)
+    asked = [{**a, **({"logit_bias": {int(k): v for k, v in a["logit_bias"].items()}}
+                      if "logit_bias" in a else {})} for a in asked]
     sampling = [SamplingParams(**{"temperature": 0.0, "max_tokens": spec.get("steps", 16),
                                   "ignore_eos": True, "detokenize": False, **a}) for a in asked]
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]

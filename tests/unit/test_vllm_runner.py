@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 from checks.fakes import FakeRuntime, fake_artifact
 
 from triton_tlaloc.engine.core import Engine
@@ -113,21 +112,42 @@ def test_what_does_not_fit_vllms_settings_is_refused_by_name():
     assert len(state) == 1 and "linear-attention state slots" in state[0]
 
 
-@pytest.mark.parametrize("asked,named", [
-    (dict(prompt_logprobs=1), "prompt_logprobs"), (dict(structured_outputs={}), "structured"),
-    (dict(logit_bias={3: 1.0}), "logit_bias"), (dict(min_p=0.1), "min_p"),
-    (dict(min_tokens=4), "min_tokens"), (dict(allowed_token_ids=[3]), "allowed_token_ids"),
-    (dict(bad_words=["x"]), "bad_words"),
-])
-def test_what_a_request_asks_that_the_worker_cannot_give_is_refused_by_name(asked, named):
-    greedy = dict(temperature=0.0, logprobs=None, prompt_logprobs=None, structured_outputs=None,
-                  presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                  logit_bias=None, allowed_token_ids=None, bad_words=[], min_p=0.0,
-                  min_tokens=0)
+def test_what_a_request_asks_that_the_worker_cannot_give_is_refused_by_name():
+    greedy = dict(temperature=0.0, logprobs=None, prompt_logprobs=None)
     assert request_refusals(SimpleNamespace(**greedy)) == []
     # what the worker's sampler gives (vllm_plugin/sampling.py)
     assert request_refusals(SimpleNamespace(**{**greedy, **dict(
         temperature=0.7, top_p=0.9, top_k=5, seed=3, logprobs=2, presence_penalty=0.5,
-        frequency_penalty=0.2, repetition_penalty=1.1)})) == []
-    refused = request_refusals(SimpleNamespace(**{**greedy, **asked}))
-    assert len(refused) == 1 and named in refused[0]
+        frequency_penalty=0.2, repetition_penalty=1.1, structured_outputs={"json": {}},
+        logit_bias={3: 1.0}, min_p=0.1, min_tokens=4, allowed_token_ids=[3],
+        bad_words=["x"])})) == []
+    refused = request_refusals(SimpleNamespace(**{**greedy, "prompt_logprobs": 1}))
+    assert len(refused) == 1 and "prompt_logprobs" in refused[0]
+
+
+def test_a_grammar_bitmask_leaves_exactly_its_tokens_on_its_rows():
+    """vLLM's structured-output bitmask (xgrammar's layout: bit j of word k allows token
+    32k + j) on the rows it names, in its order; the other rows untouched. Control: the bits
+    read most significant first allow other tokens."""
+    import numpy as np
+
+    from triton_tlaloc.vllm_plugin.runner import mask_rows
+
+    rng = np.random.default_rng(0)
+    vocab, rows = 100, ["a", "b", "c"]
+    allowed = {"c": rng.choice(vocab, 7, replace=False), "a": rng.choice(vocab, 30, replace=False)}
+    bitmask = np.zeros((2, 4), dtype=np.int32)  # rows in vLLM's order: c, a
+    for k, rid in enumerate(("c", "a")):
+        for t in allowed[rid]:
+            bitmask[k, t // 32] |= np.array(1 << (t % 32), dtype=np.uint32).view(np.int32)
+    logits = rng.standard_normal((3, vocab)).astype(np.float32)
+    masked = logits.copy()
+    mask_rows(masked, rows, ["c", "a"], bitmask)
+    for i, rid in enumerate(rows):
+        finite = set(np.flatnonzero(np.isfinite(masked[i])).tolist())
+        assert finite == (set(allowed[rid].tolist()) if rid in allowed else set(range(vocab)))
+        assert np.array_equal(masked[i][np.isfinite(masked[i])],
+                              logits[i][np.isfinite(masked[i])])
+    # control: each word's bits read the other way round
+    swapped = np.unpackbits(bitmask.astype("<i4").view(np.uint8), axis=1, bitorder="big")
+    assert set(np.flatnonzero(swapped[0]).tolist()) != set(allowed["c"].tolist())

@@ -98,3 +98,45 @@ def test_greedy_and_seeded_requests_at_once_give_vllms_sampler_over_transformers
         for t, lp in step:
             assert abs(lp - float(want[t])) <= 1e-4, (i, t, lp, float(want[t]))
 
+
+
+def masked_greedy(model, prompt, steps, allowed=None, bias=None, banned_for=0):
+    """Greedy over transformers' logits: only `allowed` tokens, `bias` added, and the tokens
+    `bias` names banned for the first `banned_for` steps (min_tokens' stop tokens)."""
+    import torch
+
+    ids = []
+    for i in range(steps):
+        z = logits_after(model, prompt + ids)[0]
+        if allowed is not None:
+            keep = torch.full_like(z, float("-inf"))
+            keep[allowed] = 0.0
+            z = z + keep
+        for t, b in (bias or {}).items():
+            z[t] = float("-inf") if i < banned_for else z[t] + b
+        ids.append(int(z.argmax()))
+    return ids
+
+
+def test_logit_bias_allowed_tokens_min_tokens_and_min_p_at_once(tiny, exported):
+    """vLLM's logits processors and masks, four requests at once: a logit bias of +100 on a
+    token makes greedy choose it every step; allowed_token_ids keep greedy to transformers'
+    argmax over those five; min_tokens 5 with a stop token biased to the top holds it back for
+    five tokens, then it ends the request; min_p 1.0 leaves a seeded temperature-1 draw only the
+    most likely token, transformers' greedy ids. Control: the plain greedy ids are none of
+    these."""
+    ckpt = tiny.checkpoint("llama", False)
+    art = exported(ckpt, "llama-False")
+    model = load_reference(ckpt)
+    allowed = [3, 50, 77, 140, 201]
+    sampling = [dict(logit_bias={"42": 100.0}), dict(allowed_token_ids=allowed),
+                dict(logit_bias={"99": 100.0}, stop_token_ids=[99], min_tokens=5),
+                dict(temperature=1.0, seed=3, min_p=1.0)]
+    got = vllm_run(art, PROMPTS, STEPS, together=True, sampling=sampling)["ids"]
+    assert got[0] == [42] * STEPS
+    assert got[1] == masked_greedy(model, PROMPTS[1], STEPS, allowed=allowed)
+    held = masked_greedy(model, PROMPTS[2], 6, bias={99: 100.0}, banned_for=5)
+    assert held[-1] == 99 and 99 not in held[:5] and got[2] == held
+    assert got[3] == reference_greedy(model, PROMPTS[3], STEPS)[0]
+    for i in range(3):  # control
+        assert got[i] != reference_greedy(model, PROMPTS[i], STEPS)[0][:len(got[i])]

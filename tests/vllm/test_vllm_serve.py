@@ -2,9 +2,9 @@
 vllm.entrypoints.openai.api_server`, VLLM_PLUGINS=tlaloc) answering the `openai` package: a chat,
 streamed and whole, with transformers' greedy text for the prompt ids vLLM rendered, and the
 text `tlaloc openai` answers for the same artifact (tritonserver and the front end run by make
-test's environment: checks/tlaloc_openai_chat.py); seeded sampling repeating, greedy logprobs;
-a request the worker cannot serve (a logit bias, min_tokens) is a 400 naming it, and the
-server goes on answering."""
+test's environment: checks/tlaloc_openai_chat.py); seeded sampling repeating, greedy logprobs,
+bad words avoided, structured outputs following their grammar; prompt logprobs, which the
+worker cannot give, a 400 naming them, and the server goes on answering."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_a_chat_streamed_and_whole_has_transformers_greedy_text(served):
     assert theirs == {"text": want, "streamed": want}
 
 
-def test_sampling_and_logprobs_are_served_and_what_the_worker_cannot_give_is_a_400(served):
+def test_sampling_logprobs_and_bad_words_are_served_and_prompt_logprobs_are_a_400(served):
     import openai
 
     url, _, _ = served
@@ -113,10 +113,47 @@ def test_sampling_and_logprobs_are_served_and_what_the_worker_cannot_give_is_a_4
     assert len(content) == lp.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0.0 for t in content)
     assert all(t.logprob == max(x.logprob for x in t.top_logprobs) for t in content)  # greedy
-    for asked, named in ((dict(logit_bias={"5": 1.0}), "logit_bias"),
-                         (dict(extra_body={"min_tokens": 3}), "min_tokens")):
-        with pytest.raises(openai.BadRequestError, match=named):
-            client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4, **asked)
+    # bad words (vLLM tokenizes them): greedy goes around them
+    plain = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12,
+                                           temperature=0).choices[0].message.content
+    banned = client.chat.completions.create(
+        model="smollm2", messages=CHAT, max_tokens=12, temperature=0,
+        extra_body={"bad_words": ["Paris"]}).choices[0].message.content
+    assert "Paris" in plain and "Paris" not in banned, (plain, banned)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4,
+                                       extra_body={"prompt_logprobs": 1})
     ok = client.chat.completions.create(model="smollm2", messages=CHAT, temperature=0,
                                         max_tokens=4)
     assert ok.choices[0].message.content
+
+
+def test_structured_outputs_follow_their_grammar_and_the_plain_answer_does_not(served):
+    """vLLM's grammar (xgrammar) masks the rows of its structured-output requests before the
+    worker's sampler: a JSON schema's answer parses and validates, a choice's is one of the
+    choices, greedy and seeded-sampled; control: the same chat unconstrained is neither."""
+    import jsonschema
+    import openai
+
+    url, _, _ = served
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string", "maxLength": 20},
+                             "country": {"enum": ["France", "Italy", "Spain"]}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}
+    choices = ["Paris", "London", "Rome"]
+    for temperature in (0.0, 0.8):
+        answer = client.chat.completions.create(
+            model="smollm2", messages=CHAT, max_tokens=60, temperature=temperature, seed=5,
+            response_format=fmt).choices[0]
+        assert answer.finish_reason == "stop", answer
+        jsonschema.validate(json.loads(answer.message.content), schema)
+        chosen = client.chat.completions.create(
+            model="smollm2", messages=CHAT, max_tokens=8, temperature=temperature, seed=5,
+            extra_body={"structured_outputs": {"choice": choices}}).choices[0].message.content
+        assert chosen in choices, chosen
+    plain = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=60,
+                                           temperature=0).choices[0].message.content
+    assert plain not in choices
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(plain)

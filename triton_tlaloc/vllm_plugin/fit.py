@@ -5,13 +5,6 @@ from __future__ import annotations
 
 from ..artifact.manifest import SCHEMA_V2, Artifact
 
-# SamplingParams fields whose default is all the worker gives: (field, its default). vLLM
-# applies these through logits processors that follow its own input batch, or bans words by
-# their token sequences; the worker's sampler (sampling.py) gives temperature, top-p, top-k,
-# seeds, the presence, frequency and repetition penalties, and logprobs.
-SAMPLING_DEFAULTS = (("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None),
-                     ("min_p", 0.0), ("min_tokens", 0))
-
 
 def artifact_refusals(art: Artifact, *, block_size: int | None, max_model_len: int | None,
                       tensor_parallel: int = 1, pipeline_parallel: int = 1, lora: bool = False,
@@ -44,15 +37,11 @@ def artifact_refusals(art: Artifact, *, block_size: int | None, max_model_len: i
 
 
 def request_refusals(params) -> list[str]:
-    """What a request's SamplingParams ask that the worker (vLLM's Sampler over each row's
-    last logits: no prompt logprobs, no logits processors) does not give."""
+    """What a request's SamplingParams ask that the worker (vLLM's Sampler and logits
+    processors over each row's last logits, under its grammar's mask) does not give: the
+    prompt's own logprobs (an entry's logits are its last position's)."""
     out = []
     if getattr(params, "prompt_logprobs", None) is not None:
-        out.append("prompt_logprobs: not returned by the tlaloc worker")
-    if getattr(params, "structured_outputs", None) is not None:
-        out.append("structured outputs: not applied by the tlaloc worker")
-    for name, default in SAMPLING_DEFAULTS:
-        value = getattr(params, name, default)
-        if value not in (default, [], {}):
-            out.append(f"{name} {value!r}: not applied by the tlaloc worker")
+        out.append("prompt_logprobs: not returned by the tlaloc worker (an entry gives the "
+                   "logits of a row's last position only)")
     return out

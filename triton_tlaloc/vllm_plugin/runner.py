@@ -152,3 +152,19 @@ class ArtifactRunner:
         self.rt.wait_for(entry.name)  # (compiling in the background: waited for)
         self.calls += 1
         return self.rt.run(entry.name, step)[:len(rows)]
+
+
+def mask_rows(logits: np.ndarray, rows: list[str], masked: list[str],
+              bitmask: np.ndarray) -> None:
+    """Set to -inf, in place, the logits of every token a request's grammar does not allow
+    now: `bitmask` has a row for each of `masked` (vLLM's structured-output requests of the
+    step, in its order), bit j of its word k allowing token 32k + j (xgrammar's layout)."""
+    where = {rid: i for i, rid in enumerate(rows)}
+    vocab = logits.shape[1]
+    words = np.ascontiguousarray(bitmask, dtype="<i4")
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").astype(bool)
+    if allowed.shape[1] < vocab:  # tokens past the grammar's vocabulary: never allowed
+        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    for k, rid in enumerate(masked):
+        assert rid in where, f"{rid}: a grammar row for a request that samples nothing now"
+        logits[where[rid], ~allowed[k, :vocab]] = -np.inf

@@ -1,8 +1,9 @@
-"""A step's tokens drawn by vLLM's own Sampler from the artifact's logits: temperature, top-p,
-top-k, a seed per request, presence, frequency and repetition penalties, and logprobs, as
-vLLM's GPU runner gives them (its input batch's sampling metadata, built here for the rows that
-sample this step). What vLLM applies through its batch-tracking logits processors (min-p,
-logit bias, min tokens) or elsewhere is refused by name before a request runs (fit.py)."""
+"""A step's tokens drawn by vLLM's own Sampler from the artifact's logits, as vLLM's GPU runner
+gives them: temperature, top-p, top-k, a seed per request, presence, frequency and repetition
+penalties, allowed token ids, bad words and logprobs through its input batch's sampling
+metadata, built here for the rows that sample this step; min-p, logit bias, min tokens (and any
+logits processor the server was started with) through vLLM's logits processors, made for the
+step and told its rows; after a structured-output request's grammar mask (the worker's)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 from vllm.sampling_params import SamplingType
 from vllm.v1.outputs import LogprobsLists
-from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors, build_logitsprocs
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
@@ -19,9 +20,10 @@ class RequestSampler:
     """Each request's SamplingParams and seeded generator, kept from its first step to its
     end (a generator goes on where the request's last step left it, as in vLLM's runner)."""
 
-    def __init__(self, vocab: int, logprobs_mode: str = "raw_logprobs"):
+    def __init__(self, vllm_config, vocab: int):
+        self.vllm_config = vllm_config
         self.vocab = vocab
-        self.sampler = Sampler(logprobs_mode=logprobs_mode)
+        self.sampler = Sampler(logprobs_mode=vllm_config.model_config.logprobs_mode)
         self.params: dict[str, object] = {}
         self.generators: dict[str, torch.Generator] = {}
 
@@ -65,6 +67,14 @@ class RequestSampler:
             prompt_ids = torch.full((n, width), self.vocab, dtype=torch.int64)
             for i, p in enumerate(prompts):
                 prompt_ids[i, :len(p)] = torch.tensor(p, dtype=torch.int64)
+        allowed = None
+        if any(p.allowed_token_ids for p in params):  # True: not allowed (vLLM's mask)
+            allowed = torch.zeros((n, self.vocab), dtype=torch.bool)
+            for i, p in enumerate(params):
+                if p.allowed_token_ids:
+                    allowed[i] = True
+                    allowed[i, p.allowed_token_ids] = False
+        outputs = [list(o) for o in outputs]
         return SamplingMetadata(
             temperature=torch.tensor([0.0 if g else p.temperature
                                       for g, p in zip(greedy, params)], dtype=torch.float32),
@@ -80,6 +90,19 @@ class RequestSampler:
             presence_penalties=torch.tensor([x[0] for x in penalties], dtype=torch.float32),
             frequency_penalties=torch.tensor([x[1] for x in penalties], dtype=torch.float32),
             repetition_penalties=torch.tensor([x[2] for x in penalties], dtype=torch.float32),
-            output_token_ids=[list(o) for o in outputs] if not no_penalties else [],
-            allowed_token_ids_mask=None, bad_words_token_ids={},
-            logitsprocs=LogitsProcessors())
+            output_token_ids=outputs, allowed_token_ids_mask=allowed,
+            bad_words_token_ids={i: p.bad_words_token_ids for i, p in enumerate(params)
+                                 if p.bad_words_token_ids},
+            logitsprocs=self.logits_processors(params, prompts, outputs))
+
+    def logits_processors(self, params, prompts, outputs) -> LogitsProcessors:
+        """vLLM's logits processors for this step's rows: made anew and told the rows as
+        added (they keep per-row state for vLLM's persistent batch, which the worker does not
+        keep; a fresh set a step holds what the rows' params and tokens say now)."""
+        procs = build_logitsprocs(self.vllm_config, torch.device("cpu"), False, False)
+        update = BatchUpdate(batch_size=len(params), removed=[], moved=[],
+                             added=[(i, p, prompt, out) for i, (p, prompt, out)
+                                    in enumerate(zip(params, prompts, outputs))])
+        for proc in procs.all:
+            proc.update_state(update)
+        return procs

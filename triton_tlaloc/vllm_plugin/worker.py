@@ -18,7 +18,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from ..runtime.core import Runtime
-from .runner import ArtifactRunner
+from .runner import ArtifactRunner, mask_rows
 from .sampling import RequestSampler
 
 log = logging.getLogger("triton_tlaloc.vllm")
@@ -37,8 +37,8 @@ class TlalocWorker(WorkerBase):
         self.rt = Runtime(self.model_config.model, background=True,
                           plugin="" if runtime == "capi" else None)
         self.runner = ArtifactRunner(self.rt)
-        self.sampler = RequestSampler(self.rt.artifact.model.vocab,
-                                      str(self.model_config.logprobs_mode))
+        self.step_logits: tuple[list[str], dict] = ([], {})  # execute_model to sample_tokens
+        self.sampler = RequestSampler(self.vllm_config, self.rt.artifact.model.vocab)
         log.info("tlaloc: artifact %s on the %s runtime, %d of %d entries compiled in %.1f s",
                  self.model_config.model, runtime, len(self.rt.executables),
                  self.rt.entries_total, time.perf_counter() - t0)
@@ -82,7 +82,10 @@ class TlalocWorker(WorkerBase):
         """Entry calls run so far (tests)."""
         return self.runner.calls
 
-    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output) -> None:
+        """Run the step's entry calls and keep the logits of the rows that sample; vLLM then
+        asks for the tokens (`sample_tokens`) with the grammar bitmask of the step's
+        structured-output requests."""
         so = scheduler_output
         assert so.kv_cache_block_copies is None, "partial-block copies need several KV groups"
         runner = self.runner
@@ -101,14 +104,25 @@ class TlalocWorker(WorkerBase):
                           resumed=rid in cached.resumed_req_ids,
                           tokens=cached.all_token_ids.get(rid))
         req_ids = list(so.num_scheduled_tokens)
-        logits = runner.run(dict(so.num_scheduled_tokens)) if req_ids else {}
+        self.step_logits = (req_ids, runner.run(dict(so.num_scheduled_tokens)) if req_ids else {})
+        return None
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        """The step's tokens: each sampling row's logits under its grammar's mask (a
+        structured-output request), drawn by vLLM's Sampler."""
+        req_ids, logits = self.step_logits
+        self.step_logits = ([], {})
+        runner = self.runner
         rows = [rid for rid in req_ids if rid in logits]  # prompt chunks draw nothing
         drawn, logprobs = {}, None
         if rows:
             states = [runner.requests[rid] for rid in rows]
-            tokens, logprobs = self.sampler.sample(
-                rows, np.stack([logits[rid] for rid in rows]),
-                [st.prompt for st in states], [st.output for st in states])
+            table = np.stack([logits[rid] for rid in rows]).astype(np.float32)
+            if grammar_output is not None:
+                mask_rows(table, rows, grammar_output.structured_output_request_ids,
+                          grammar_output.grammar_bitmask)
+            tokens, logprobs = self.sampler.sample(rows, table, [st.prompt for st in states],
+                                                   [st.output for st in states])
             for rid, token in zip(rows, tokens):
                 runner.append(rid, token)
                 drawn[rid] = token
