@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import pytest
 from checks.oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
                            reference_greedy)

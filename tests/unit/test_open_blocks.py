@@ -9,7 +9,7 @@ is copied from a sequence cut back, freed or of another cache salt, nor without 
 from __future__ import annotations
 
 import numpy as np
-from checks.fakes import FakeRuntime, FakeTransfer, Harness, fake_artifact
+from checks.fakes import FakeRuntime, Harness, fake_artifact
 from test_host_tier import BIG, check_round, engine_with_host, next_token, run_prompt
 
 from triton_tlaloc.engine.core import Engine, Sequence

@@ -120,9 +120,11 @@ def test_what_a_request_asks_that_the_worker_cannot_give_is_refused_by_name():
         temperature=0.7, top_p=0.9, top_k=5, seed=3, logprobs=2, presence_penalty=0.5,
         frequency_penalty=0.2, repetition_penalty=1.1, structured_outputs={"json": {}},
         logit_bias={3: 1.0}, min_p=0.1, min_tokens=4, allowed_token_ids=[3],
-        bad_words=["x"])})) == []
+        bad_words=["x"], prompt_logprobs=2)}), verify_tokens=(3, 5, 9)) == []
+    # the prompt's logprobs need verify entries (the logits after every position)
     refused = request_refusals(SimpleNamespace(**{**greedy, "prompt_logprobs": 1}))
     assert len(refused) == 1 and "prompt_logprobs" in refused[0]
+    assert "--verify-tokens" in refused[0]
 
 
 def test_a_grammar_bitmask_leaves_exactly_its_tokens_on_its_rows():
@@ -151,3 +153,44 @@ def test_a_grammar_bitmask_leaves_exactly_its_tokens_on_its_rows():
     # control: each word's bits read the other way round
     swapped = np.unpackbits(bitmask.astype("<i4").view(np.uint8), axis=1, bitorder="big")
     assert set(np.flatnonzero(swapped[0]).tolist()) != set(allowed["c"].tolist())
+
+
+def test_a_request_asking_for_its_prompts_logprobs_gets_every_positions_logits():
+    """Its prompt chunks run alone on verify entries (at most the largest's 9 tokens a call),
+    the logits after each position kept for the step (the fake's rule: the token after
+    position p is (token + p) mod vocab); its ids stay the engine's. A request beside it that
+    does not ask keeps the prefill entries and gets none (control)."""
+    rt = FakeRuntime(fake_artifact())
+    runner, pages = ArtifactRunner(rt), Pages()
+    runner.add("a", B, pages.take(4), 0, every_position=True)
+    runner.add("b", A, pages.take(2), 0)
+    chunks, got = [], []
+    for scheduled in ({"a": 32, "b": 6}, {"a": 32, "b": 4}, {"a": 6, "b": 1}, {"a": 1}):
+        for rid, n in scheduled.items():
+            runner.update(rid, runner.requests[rid].computed, grow(runner, pages, rid, n))
+        before = runner.requests["a"].computed
+        out = runner.step(scheduled)
+        assert set(runner.chunk_logits) == {"a"}
+        chunk = runner.chunk_logits["a"]
+        assert chunk.shape[0] == scheduled["a"]
+        chunks.append((before, chunk.argmax(axis=1).tolist()))
+        got += out[0]
+    tokens = runner.requests["a"].tokens
+    vocab = rt.artifact.model.vocab
+    for before, argmax in chunks:
+        assert argmax == [(tokens[p] + p) % vocab for p in range(before, before + len(argmax))]
+    assert got == engine_ids(B, 2)
+    verify = [name for name, _ in rt.calls if name.startswith("verify")]
+    assert len(verify) == 4 + 4 + 1  # 32 tokens: 9 + 9 + 9 + 5, twice; then 6
+    assert all(rows == 1 for name, rows in rt.calls if name.startswith("verify"))
+
+
+def test_a_step_of_nothing_runs_nothing_and_keeps_no_chunk():
+    rt = FakeRuntime(fake_artifact())
+    runner, pages = ArtifactRunner(rt), Pages()
+    runner.add("a", A, pages.take(2), 0, every_position=True)
+    runner.run({"a": 10})
+    assert set(runner.chunk_logits) == {"a"}
+    runner.finish("a")
+    calls = len(rt.calls)
+    assert runner.run({}) == {} and runner.chunk_logits == {} and len(rt.calls) == calls

@@ -140,3 +140,33 @@ def test_logit_bias_allowed_tokens_min_tokens_and_min_p_at_once(tiny, exported):
     assert got[3] == reference_greedy(model, PROMPTS[3], STEPS)[0]
     for i in range(3):  # control
         assert got[i] != reference_greedy(model, PROMPTS[i], STEPS)[0][:len(got[i])]
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_at_every_prompt_position(tiny, exported):
+    """prompt_logprobs 2 on a prompt of 10 and one of 70 tokens, vLLM cutting the steps at 32
+    tokens (so the long prompt comes in chunks, each run by the worker in verify calls): each
+    prompt token after the first has transformers' log-probability within 1e-4, with
+    transformers' top 2 beside it. Control: the log-softmax one position late is off by more.
+    The generated ids stay transformers' greedy ids."""
+    import torch
+
+    ckpt = tiny.checkpoint("llama", False)
+    art = exported(ckpt, "llama-False")
+    model = load_reference(ckpt)
+    prompts = PROMPTS[:2]
+    got = vllm_run(art, prompts, 4, together=True, max_num_batched_tokens=32,
+                   sampling=[dict(prompt_logprobs=2)] * 2)
+    for prompt, ids, scored in zip(prompts, got["ids"], got["prompt_logprobs"]):
+        assert ids == reference_greedy(model, prompt, 4)[0]
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1)
+        assert scored[0] is None and len(scored) == len(prompt)
+        late = 0.0
+        for p in range(1, len(prompt)):
+            step = dict(map(tuple, scored[p]))
+            top = torch.topk(want[p - 1], 2).indices.tolist()
+            assert set(step) == {prompt[p], *top}, (p, step, top)
+            for t, lp in step.items():
+                assert abs(lp - float(want[p - 1, t])) <= 1e-4, (p, t, lp)
+            late = max(late, abs(step[prompt[p]] - float(want[p, prompt[p]])))
+        assert late > 1e-3  # control

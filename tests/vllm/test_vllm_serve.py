@@ -3,8 +3,8 @@ vllm.entrypoints.openai.api_server`, VLLM_PLUGINS=tlaloc) answering the `openai`
 streamed and whole, with transformers' greedy text for the prompt ids vLLM rendered, and the
 text `tlaloc openai` answers for the same artifact (tritonserver and the front end run by make
 test's environment: checks/tlaloc_openai_chat.py); seeded sampling repeating, greedy logprobs,
-bad words avoided, structured outputs following their grammar; prompt logprobs, which the
-worker cannot give, a 400 naming them, and the server goes on answering."""
+bad words avoided, prompt logprobs, structured outputs following their grammar; a bad value a
+400 naming it, and the server goes on answering."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_a_chat_streamed_and_whole_has_transformers_greedy_text(served):
     assert theirs == {"text": want, "streamed": want}
 
 
-def test_sampling_logprobs_and_bad_words_are_served_and_prompt_logprobs_are_a_400(served):
+def test_sampling_logprobs_prompt_logprobs_and_bad_words_are_served(served):
     import openai
 
     url, _, _ = served
@@ -120,9 +120,18 @@ def test_sampling_logprobs_and_bad_words_are_served_and_prompt_logprobs_are_a_40
         model="smollm2", messages=CHAT, max_tokens=12, temperature=0,
         extra_body={"bad_words": ["Paris"]}).choices[0].message.content
     assert "Paris" in plain and "Paris" not in banned, (plain, banned)
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+    # the prompt's own logprobs (the artifact has verify entries): one a prompt token, the
+    # first None, each a log-probability with its rank
+    scored = client.chat.completions.create(
+        model="smollm2", messages=CHAT, max_tokens=4, temperature=0,
+        extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    prompt_lp = scored.model_extra["prompt_logprobs"]
+    assert len(prompt_lp) == len(scored.prompt_token_ids) and prompt_lp[0] is None
+    assert all(lp and all(v["logprob"] <= 0.0 for v in lp.values()) for lp in prompt_lp[1:])
+    # min_p beyond its range: vLLM's own 400, the server going on
+    with pytest.raises(openai.BadRequestError, match="min_p"):
         client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4,
-                                       extra_body={"prompt_logprobs": 1})
+                                       extra_body={"min_p": 2.0})
     ok = client.chat.completions.create(model="smollm2", messages=CHAT, temperature=0,
                                         max_tokens=4)
     assert ok.choices[0].message.content

@@ -36,12 +36,13 @@ def artifact_refusals(art: Artifact, *, block_size: int | None, max_model_len: i
     return out
 
 
-def request_refusals(params) -> list[str]:
+def request_refusals(params, verify_tokens: tuple[int, ...] = ()) -> list[str]:
     """What a request's SamplingParams ask that the worker (vLLM's Sampler and logits
-    processors over each row's last logits, under its grammar's mask) does not give: the
-    prompt's own logprobs (an entry's logits are its last position's)."""
+    processors over each row's last logits, under its grammar's mask) cannot give: the
+    prompt's own logprobs from an artifact without verify entries (only those give the logits
+    after every position)."""
     out = []
-    if getattr(params, "prompt_logprobs", None) is not None:
-        out.append("prompt_logprobs: not returned by the tlaloc worker (an entry gives the "
-                   "logits of a row's last position only)")
+    if getattr(params, "prompt_logprobs", None) is not None and not verify_tokens:
+        out.append("prompt_logprobs: the artifact has no verify entries, which give the logits "
+                   "after every prompt position (export it with --verify-tokens)")
     return out

@@ -15,6 +15,7 @@ WORKER = "triton_tlaloc.vllm_plugin.worker.TlalocWorker"
 
 class TlalocPlatform(CpuPlatform):
     device_name = "tlaloc"  # (device_type stays "cpu": vLLM's CPU paths and defaults)
+    verify_tokens: tuple[int, ...] = ()  # the artifact's, for the requests' refusals
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
@@ -31,6 +32,7 @@ class TlalocPlatform(CpuPlatform):
                 speculative=vllm_config.speculative_config is not None)
             if refusals:
                 raise ValueError("tlaloc: " + "; ".join(refusals))
+            cls.verify_tokens = art.verify_tokens
             # vLLM's blocks are the artifact's pages: block 0 is kept back by both
             cache.block_size = art.model.block_size
             cache.user_specified_block_size = True  # (else the CPU platform takes 128)
@@ -47,6 +49,6 @@ class TlalocPlatform(CpuPlatform):
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
-        refusals = request_refusals(params)
+        refusals = request_refusals(params, cls.verify_tokens)
         if refusals:  # (a ValidationError: a 400 from the server, not a 500)
             raise VLLMValidationError("tlaloc: " + "; ".join(refusals))

@@ -10,7 +10,9 @@ largest prefill batch and pieces of at most the largest prefill entry's tokens; 
 (decode steps, and a prompt's last token after a prefix-cache hit) together on the smallest
 decode entry, in groups of the largest decode batch.
 A request whose whole history is computed gets its last logits (the worker samples them with
-vLLM's Sampler, `step` takes their argmax); a prompt chunk gets nothing.
+vLLM's Sampler, `step` takes their argmax); a prompt chunk gets nothing. A request that asks for
+its prompt's logprobs runs its prompt chunks alone on verify entries, which give the logits
+after every position (`chunk_logits`), not only after the last.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class RequestState:
     pages: list[int]  # vLLM's block ids for it, in order: the artifact's pages
     computed: int  # tokens whose KV the pages hold (vLLM's num_computed_tokens)
     prompt_len: int = 0  # tokens[:prompt_len] are the prompt, the rest generated
+    every_position: bool = False  # its chunks' logits after every position are kept
 
     @property
     def prompt(self) -> list[int]:
@@ -54,13 +57,19 @@ class ArtifactRunner:
         self.max_prefill_batch = max(e.batch for e in self.art.entries.values()
                                      if e.kind == "prefill")
         self.adapters = self.art.lora is not None  # (rows run on slot 0: no adapter)
+        self.max_verify = max(self.art.verify_tokens, default=0)
+        self.chunk_logits: dict[str, np.ndarray] = {}  # this step's, of every_position rows
         self.calls = 0
 
     # ---------------------------------------------------------------- vLLM's requests
 
-    def add(self, req_id: str, tokens: list[int], pages: list[int], computed: int) -> None:
-        """A request scheduled for the first time (`computed`: its prefix-cache hit)."""
-        self.requests[req_id] = RequestState(list(tokens), list(pages), computed, len(tokens))
+    def add(self, req_id: str, tokens: list[int], pages: list[int], computed: int,
+            every_position: bool = False) -> None:
+        """A request scheduled for the first time (`computed`: its prefix-cache hit;
+        `every_position`: its prompt's logprobs are asked for)."""
+        assert not every_position or self.max_verify, "every position needs verify entries"
+        self.requests[req_id] = RequestState(list(tokens), list(pages), computed, len(tokens),
+                                             every_position)
 
     def update(self, req_id: str, computed: int, new_pages: list[int] | None = None,
                resumed: bool = False, tokens: list[int] | None = None) -> None:
@@ -100,9 +109,17 @@ class ArtifactRunner:
 
     def run(self, scheduled: dict[str, int]) -> dict[str, np.ndarray]:
         """Run `scheduled` (request id: tokens to compute): the last logits of each request
-        whose whole history is now computed (prompt chunks have none)."""
+        whose whole history is now computed (prompt chunks have none). The logits after each
+        position the step computed of an `every_position` request: `chunk_logits`."""
+        self.chunk_logits = {}
         single = [rid for rid, n in scheduled.items() if n == 1]
-        logits = self._prefill({rid: n for rid, n in scheduled.items() if n > 1})
+        every = {rid: n for rid, n in scheduled.items()
+                 if n > 1 and self.requests[rid].every_position}
+        logits = self._prefill({rid: n for rid, n in scheduled.items()
+                                if n > 1 and rid not in every})
+        for rid, n in every.items():
+            self.chunk_logits[rid] = self._every_position(self.requests[rid], n)
+            logits[rid] = self.chunk_logits[rid][-1]
         for i in range(0, len(single), self.max_decode_batch):
             group = single[i:i + self.max_decode_batch]
             states = [self.requests[rid] for rid in group]
@@ -110,6 +127,8 @@ class ArtifactRunner:
             for rid, st, row in zip(group, states, out):
                 st.computed += 1
                 logits[rid] = row
+                if st.every_position:
+                    self.chunk_logits[rid] = row[None]
         for rid in scheduled:
             st = self.requests[rid]
             assert st.computed <= len(st.tokens), (rid, st.computed, len(st.tokens))
@@ -133,8 +152,20 @@ class ArtifactRunner:
                     del left[rid]
         return logits
 
+    def _every_position(self, st: RequestState, n: int) -> np.ndarray:
+        """`st`'s next n tokens alone, in verify calls of at most the largest verify entry's
+        tokens: the logits after each of them [n, vocab]."""
+        out = []
+        while n:
+            k = min(n, self.max_verify)
+            out.append(self._call("verify", [(st, k)])[0, -k:])  # (rows are right-aligned)
+            st.computed += k
+            n -= k
+        return np.concatenate(out)
+
     def _call(self, kind: str, rows: list[tuple[RequestState, int]]) -> np.ndarray:
-        """One call of `kind` feeding each row k tokens from its computed count."""
+        """One call of `kind` feeding each row k tokens from its computed count (a verify
+        call: the logits after every position of the call)."""
         end = max(st.computed + k for st, k in rows)
         tokens = max(k for _, k in rows)
         entry = self.art.smallest_entry(kind, len(rows), end, tokens)
@@ -151,6 +182,8 @@ class ArtifactRunner:
         step = build_step(entry, step_rows, self.block_size, adapters=self.adapters)
         self.rt.wait_for(entry.name)  # (compiling in the background: waited for)
         self.calls += 1
+        if kind == "verify":
+            return self.rt.run_positions(entry.name, step, True)[1][:len(rows)]
         return self.rt.run(entry.name, step)[:len(rows)]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from vllm.sampling_params import SamplingType
-from vllm.v1.outputs import LogprobsLists
+from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors, build_logitsprocs
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
@@ -30,6 +30,7 @@ class RequestSampler:
             vllm_config, torch.device("cpu"), False, False).all]
         self.params: dict[str, object] = {}
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_scores: dict[str, LogprobsTensors] = {}  # filled chunk by chunk
 
     def add(self, req_id: str, params) -> None:
         self.params[req_id] = params
@@ -39,6 +40,37 @@ class RequestSampler:
     def finish(self, req_id: str) -> None:
         self.params.pop(req_id, None)
         self.generators.pop(req_id, None)
+        self.prompt_scores.pop(req_id, None)
+
+    def wants_prompt_logprobs(self, req_id: str) -> bool:
+        return self.params[req_id].prompt_logprobs is not None
+
+    def prompt_logprobs(self, req_id: str, prompt: list[int], start: int,
+                        chunk_logits: np.ndarray) -> LogprobsTensors | None:
+        """A prompt chunk's logprobs, as vLLM's GPU runner makes them: the logits after each
+        position from `start` score the prompt's next token (its logprob, rank and the top
+        asked for), kept until the prompt's last token is scored; then the whole prompt's (one
+        row a token after the first), else None."""
+        asked = self.params[req_id].prompt_logprobs
+        asked = self.vocab if asked == -1 else asked
+        done = self.prompt_scores.get(req_id)
+        if done is None:
+            done = self.prompt_scores[req_id] = LogprobsTensors.empty_cpu(len(prompt) - 1,
+                                                                          asked + 1)
+        left = len(prompt) - (start + 1)  # prompt tokens after `start` still to score
+        n = min(len(chunk_logits), left)
+        if n > 0:
+            logits = torch.from_numpy(np.ascontiguousarray(chunk_logits[:n], dtype=np.float32))
+            scores = (logits if self.sampler.logprobs_mode in ("raw_logits", "processed_logits")
+                      else self.sampler.compute_logprobs(logits))
+            ids, logprobs, ranks, *_ = self.sampler.gather_logprobs(
+                scores, asked, torch.tensor(prompt[start + 1:start + 1 + n]))
+            done.logprob_token_ids[start:start + n] = ids
+            done.logprobs[start:start + n] = logprobs
+            done.selected_token_ranks[start:start + n] = ranks
+        if len(chunk_logits) <= left:  # (scored to the end: returned with the first token)
+            return None
+        return self.prompt_scores.pop(req_id)
 
     def sample(self, req_ids: list[str], logits: np.ndarray, prompts: list[list[int]],
                outputs: list[list[int]]) -> tuple[list[int], LogprobsLists | None]:

@@ -38,6 +38,7 @@ class TlalocWorker(WorkerBase):
                           plugin="" if runtime == "capi" else None)
         self.runner = ArtifactRunner(self.rt)
         self.step_logits: tuple[list[str], dict] = ([], {})  # execute_model to sample_tokens
+        self.prompt_logprobs: dict = {}  # the step's finished prompts' logprobs, by request
         self.sampler = RequestSampler(self.vllm_config, self.rt.artifact.model.vocab)
         log.info("tlaloc: artifact %s on the %s runtime, %d of %d entries compiled in %.1f s",
                  self.model_config.model, runtime, len(self.rt.executables),
@@ -93,9 +94,10 @@ class TlalocWorker(WorkerBase):
             runner.finish(rid)
             self.sampler.finish(rid)
         for new in so.scheduled_new_reqs:
-            runner.add(new.req_id, new.prompt_token_ids, new.block_ids[0],
-                       new.num_computed_tokens)
             self.sampler.add(new.req_id, new.sampling_params)
+            runner.add(new.req_id, new.prompt_token_ids, new.block_ids[0],
+                       new.num_computed_tokens,
+                       every_position=self.sampler.wants_prompt_logprobs(new.req_id))
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             pages = cached.new_block_ids[i]
@@ -104,7 +106,16 @@ class TlalocWorker(WorkerBase):
                           resumed=rid in cached.resumed_req_ids,
                           tokens=cached.all_token_ids.get(rid))
         req_ids = list(so.num_scheduled_tokens)
-        self.step_logits = (req_ids, runner.run(dict(so.num_scheduled_tokens)) if req_ids else {})
+        starts = {rid: runner.requests[rid].computed for rid in req_ids}
+        # (a step of nothing runs nothing, and leaves no chunk of a finished request behind)
+        self.step_logits = (req_ids, runner.run(dict(so.num_scheduled_tokens)))
+        self.prompt_logprobs = {}
+        for rid, chunk in runner.chunk_logits.items():
+            st = runner.requests[rid]
+            if starts[rid] < st.prompt_len and self.sampler.wants_prompt_logprobs(rid):
+                scored = self.sampler.prompt_logprobs(rid, st.prompt, starts[rid], chunk)
+                if scored is not None:
+                    self.prompt_logprobs[rid] = scored
         return None
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
@@ -133,4 +144,4 @@ class TlalocWorker(WorkerBase):
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=[[drawn[r]] if r in drawn else []
                                                     for r in req_ids],
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, prompt_logprobs_dict=self.prompt_logprobs)
