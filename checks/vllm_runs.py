@@ -6,9 +6,8 @@ run a fresh engine): what tests/vllm check. Run in vLLM's environment (.venv-vll
 
 prints one JSON line: each prompt's ids (greedy, or drawn as its entry of "sampling" asks: a
 SamplingParams' fields by name), their logprobs and the prompt's where asked ([[token id,
-logprob], ...] a token),
-vLLM's count of its prompt tokens found in its prefix cache, and the worker's entry calls; or
-{"error": "..."} when the engine refuses to start. Prompts run all at once with "together", else
+logprob], ...] a token), vLLM's count of its prompt tokens found in its prefix cache, and the
+worker's entry calls; or {"error": "..."} when the engine refuses to start. Prompts run all at once with "together", else
 one after another (later ones finding what the earlier ones cached)."""
 
 from __future__ import annotations
@@ -42,16 +41,13 @@ def main(argv: list[str]) -> int:
     else:
         outs = [llm.generate([p], s, use_tqdm=False)[0] for p, s in zip(prompts, sampling)]
 
-    def logprobs(out):
-        return None if out.logprobs is None else [
-            [[t, lp.logprob] for t, lp in sorted(step.items())] for step in out.logprobs]
-    def prompt_logprobs(out):  # (the first token's is None: nothing before it)
-        return None if out.prompt_logprobs is None else [
+    def scored(steps):  # (a prompt's first token's is None: nothing before it)
+        return None if steps is None else [
             None if step is None else [[t, lp.logprob] for t, lp in sorted(step.items())]
-            for step in out.prompt_logprobs]
+            for step in steps]
     print(json.dumps({"ids": [list(o.outputs[0].token_ids) for o in outs],
-                      "logprobs": [logprobs(o.outputs[0]) for o in outs],
-                      "prompt_logprobs": [prompt_logprobs(o) for o in outs],
+                      "logprobs": [scored(o.outputs[0].logprobs) for o in outs],
+                      "prompt_logprobs": [scored(o.prompt_logprobs) for o in outs],
                       "cached": [o.num_cached_tokens or 0 for o in outs],
                       "calls": llm.collective_rpc("get_runner_calls")[0]}))
     return 0

@@ -110,9 +110,9 @@ class TlalocWorker(WorkerBase):
         # (a step of nothing runs nothing, and leaves no chunk of a finished request behind)
         self.step_logits = (req_ids, runner.run(dict(so.num_scheduled_tokens)))
         self.prompt_logprobs = {}
-        for rid, chunk in runner.chunk_logits.items():
+        for rid, chunk in runner.chunk_logits.items():  # (only requests asking for them)
             st = runner.requests[rid]
-            if starts[rid] < st.prompt_len and self.sampler.wants_prompt_logprobs(rid):
+            if starts[rid] < st.prompt_len:
                 scored = self.sampler.prompt_logprobs(rid, st.prompt, starts[rid], chunk)
                 if scored is not None:
                     self.prompt_logprobs[rid] = scored
