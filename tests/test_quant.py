@@ -4,6 +4,7 @@ dequantized weights, and keys and values rounded through e4m3fn."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -13,6 +14,7 @@ import pytest
 from checks.oracle import (fp8_kv_reference, load_reference, logits_error, quantized_reference,
                            reference_greedy)
 
+from triton_tlaloc.cli import main
 from triton_tlaloc.export.checkpoint import _read_safetensor, open_checkpoint
 from triton_tlaloc.export.config import CheckpointError
 from triton_tlaloc.engine.core import Engine
@@ -73,16 +75,15 @@ def first_logits_and_ids(art):
     return first, engine.generate_greedy(PROMPT, STEPS).generated_ids
 
 
-@pytest.mark.parametrize("family,quant", [("llama", "int8"), ("llama", "fp8"),
-                                          ("qwen3_5_text", "int8")])
-def test_quantized_weights_equal_transformers_on_the_dequantized_weights(llama, tiny, family,
-                                                                        quant):
+# (llama's and qwen3's linears, int8 and fp8: test_tlaloc_export_quantized_weights_with_every_head)
+@pytest.mark.parametrize("family,quant", [("qwen3_5_text", "int8")])
+def test_quantized_weights_equal_transformers_on_the_dequantized_weights(tiny, family, quant):
     """The oracle computes with the codes times their scales; negative controls: the
     unquantized model (quantization changes the numbers) and the quantizer bug (codes taken
     along the input axis while the scales stay per output channel). qwen3_5: its Gated DeltaNet
     projections are quantized too."""
     ckpt = tiny.checkpoint(family, False)
-    art = llama[quant] if family == "llama" else tiny.artifact(family, False, weight_quant=quant)
+    art = tiny.artifact(family, False, weight_quant=quant)
     err_bug = check_against_the_dequantized_model(art, ckpt, quant, f"{family} {quant}")
     assert err_bug > 100 * TOL
 
@@ -106,31 +107,81 @@ def check_against_the_dequantized_model(art, ckpt, quant: str, what: str, **args
     return err_bug
 
 
-@pytest.mark.parametrize("tied,quant", [(True, "int8"), (False, "int8"), (True, "fp8")])
-def test_quantized_head_equals_transformers_on_the_dequantized_weights(tiny, tied, quant):
-    """--quant-head: the head quantized per vocab row (a tied table: the embedding gathers the
-    same codes, times their row's scale). Oracle: transformers with the linears and the head's
-    weight dequantized; negative control: the same without the head quantized (what an
-    artifact that left the head alone computes) fails the tolerance."""
-    ckpt = tiny.checkpoint("llama", tied)
-    art = tiny.artifact("llama", tied, weight_quant=quant, quant_head=True)
+# `tlaloc export --weight-quant int8|fp8` of every kind of head: tied and untied, each with and
+# without --quant-head, fp8 pools in two cases, the tiny qwen3 (q/k norms) in two. One batch
+# and one context: two entries an artifact.
+HEAD_CASES = [  # family, tied, quant, --quant-head, --kv-dtype
+    ("llama", True, "int8", False, "f32"),
+    ("llama", True, "int8", True, "f32"),
+    ("qwen3", True, "fp8", False, "fp8"),
+    ("llama", True, "fp8", True, "f32"),
+    ("llama", False, "int8", False, "f32"),
+    ("llama", False, "int8", True, "fp8"),
+    ("qwen3", False, "fp8", False, "f32"),
+    ("llama", False, "fp8", True, "f32"),
+]
+CLI_LADDERS = ["--batch-ladder", "1", "--context-ladder", "64", "--block-size", "8",
+               "--prefill-tokens", "none", "--verify-tokens", "none"]
+
+
+def head_case_id(case) -> str:
+    family, tied, quant, head, kv = case
+    return (f"{family}-{'tied' if tied else 'untied'}-{quant}{'-quant-head' if head else ''}"
+            f"-kv-{kv}")
+
+
+@pytest.mark.parametrize("family,tied,quant,head,kv", HEAD_CASES,
+                         ids=[head_case_id(c) for c in HEAD_CASES])
+def test_tlaloc_export_quantized_weights_with_every_head(tiny, tmp_path, family, tied, quant,
+                                                        head, kv):
+    """`tlaloc export --weight-quant int8|fp8` of tied and untied heads, with and without
+    --quant-head (the head quantized per vocab row; a tied table: the embedding gathers the
+    same codes, times their row's scale). Without --quant-head the head keeps the weight dtype:
+    a tied f32 table its [hidden, vocab] layout. Oracle: transformers with the linears (and
+    with --quant-head the head's weight) dequantized, keys and values rounded through e4m3fn
+    where the pools are fp8: the same greedy ids, logits within TOL. Negative controls, each
+    past 10 TOL: the quantizer bug (codes taken along the input axis, the scales per output
+    channel), the other head (quantized where the artifact's is not, and the reverse), and with
+    fp8 pools the same weights with f32 keys and values."""
+    ckpt = tiny.checkpoint(family, tied)
+    art = tmp_path / "art"
+    assert main(["export", str(ckpt), str(art), *CLI_LADDERS, "--weight-quant", quant,
+                 "--kv-dtype", kv, *(["--quant-head"] if head else [])]) == 0
     model = load_artifact(art)
     slots = {w.slot: w for w in model.weights}
-    head = "embed" if tied else "lm_head"
-    assert model.model.head_quant and slots[head].dtype == ("i8" if quant == "int8"
-                                                           else "f8E4M3FN")
-    assert slots[f"{head}.scale"].shape == (model.model.vocab,)
-    want_ids, want = reference_greedy(quantized_reference(load_reference(ckpt), quant,
-                                                          head=True), PROMPT, STEPS)
-    _, linears_only = reference_greedy(quantized_reference(load_reference(ckpt), quant),
-                                       PROMPT, 1)
+    code = "i8" if quant == "int8" else "f8E4M3FN"
+    vocab, hidden = model.model.vocab, model.model.hidden_size
+    assert model.model.head_quant == head
+    assert {p.dtype for p in model.pools} == {"f32" if kv == "f32" else "f8E4M3FN"}
+    if tied and head:
+        assert slots["embed"].dtype == code and slots["embed.scale"].shape == (vocab,)
+    elif tied:
+        assert "embed" not in slots
+        assert (slots["embed_t"].dtype, slots["embed_t"].shape) == ("f32", (hidden, vocab))
+    else:
+        assert slots["embed"].dtype == "f32" and "embed.scale" not in slots
+        assert slots["lm_head"].dtype == (code if head else "f32")
+        assert ("lm_head.scale" in slots) == head
+
+    def reference(quant_head: bool, fp8_kv: bool, steps: int = 1, wrong_axis: bool = False):
+        m = quantized_reference(load_reference(ckpt), quant, wrong_axis, head=quant_head)
+        with fp8_kv_reference(m) if fp8_kv else contextlib.nullcontext():
+            return reference_greedy(m, PROMPT, steps)
+
+    fp8_kv = kv == "fp8"
+    want_ids, want = reference(head, fp8_kv, STEPS)
+    controls = {"the quantizer's bug": reference(head, fp8_kv, wrong_axis=True)[1],
+                "the other head": reference(not head, fp8_kv)[1]}
+    if fp8_kv:
+        controls["f32 keys and values"] = reference(head, False)[1]
     logits, ids = first_logits_and_ids(art)
-    err, err_control = logits_error(logits, want), logits_error(logits, linears_only)
-    print(f"llama tied={tied} {quant} --quant-head: logits error {err:.2e}; against the head "
-          f"unquantized {err_control:.2e}")
+    err = logits_error(logits, want)
+    errs = {what: logits_error(logits, w) for what, w in controls.items()}
+    print(f"{head_case_id((family, tied, quant, head, kv))}: logits error {err:.2e}; "
+          + "; ".join(f"against {what} {e:.2e}" for what, e in errs.items()))
     assert ids == want_ids
     assert err <= TOL
-    assert err_control > 10 * TOL
+    assert all(e > 10 * TOL for e in errs.values()), errs
 
 
 # (mistral's linears are llama's: its int4 path is tests/test_quant_kv_matrix.py's llama one)

@@ -142,10 +142,14 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
     # dot against a [vocab, hidden] table contracting [1] x [1] took 62.6 ms at 4 rows against
     # 6.4 ms for this layout); the embedding gathers its columns. A tied table in an
     # [out, in] artifact is [vocab, hidden], which is already the head's [out, in]. An untied
-    # table stays [vocab, hidden] (row gathers) beside its own lm_head.
+    # table stays [vocab, hidden] (row gathers) beside its own lm_head. The table is quantized
+    # only when a packed --weight-quant names a type for it, or with quant_head: int8 and fp8
+    # (a name, not a mapping) are the linears', and without quant_head the table keeps the
+    # weight dtype and its layout.
     table_quant = quant_of(weight_quant, "embed")
-    transposed = cfg.tie_word_embeddings and not of and not quant_head and table_quant is None
-    if is_packed(table_quant):  # gathered row by row, and a tied head's [out, in]
+    packed_table = is_packed(table_quant)
+    transposed = cfg.tie_word_embeddings and not of and not quant_head and not packed_table
+    if packed_table:  # gathered row by row, and a tied head's [out, in]
         slots = packed_slots("embed", table_quant, h, cfg.vocab_size)
     elif quant_head and cfg.tie_word_embeddings:
         slots = [WeightSlot("embed", (cfg.vocab_size, h), "embed", True, weight_quant),
