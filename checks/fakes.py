@@ -85,11 +85,21 @@ def fake_artifact(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, v
                     windowed=windowed, linear_state=linear)
 
 
+# What the fake's full-history KV holds at a slot a faulty row wrote: NaN (see FakeRuntime).
+NAN_KV = -2
+
+
 class FakeRuntime:
     """Runs no program: each row's logits are one-hot at (last token + last position) % vocab,
     so a reply shows which row it came from. Records every call as (entry, live rows). Its
     "KV" is the token written at each slot (`kv`, per pool class; a state slot holds a hash of
-    every token fed to it), so a test can read back what a sequence's pages hold."""
+    every token fed to it), so a test can read back what a sequence's pages hold.
+
+    NaN, as attention spreads it: a token in `nan_once` makes the next row that feeds it write
+    NaN KV (NAN_KV at every full-history slot the row writes; a fault, once, so the same tokens
+    computed again are finite), and a row whose logits read a NAN_KV slot (a position below
+    its length in its block table) gets NaN logits. The host tier's transfers carry NAN_KV like
+    any token."""
 
     def __init__(self, artifact: Artifact, compiling=()):
         self.artifact = artifact
@@ -103,6 +113,8 @@ class FakeRuntime:
         self.adapter_slots: list[list[int]] = []  # each call's rows' LORA_SLOTS (model.lora)
         self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
         self.fail_next = None  # an exception the next run raises
+        self.nan_once: set[int] = set()  # tokens whose next row writes NaN KV
+        self.nan_rows: list[int] = []  # the last call's rows whose logits are NaN
         bs = artifact.model.block_size
         self.kv = {FULL: np.full((artifact.model.num_blocks, bs), -1, np.int64)}
         if artifact.windowed is not None:
@@ -145,15 +157,41 @@ class FakeRuntime:
                     h = 0 if pos == 0 else int(self.kv[STATE][slot, 0])
                     self.kv[STATE][slot, 0] = (h * 31 + int(t) + 1) % (1 << 40)
 
+    def _write_nan(self, step: dict) -> None:
+        """The rows feeding a token of `nan_once` write NaN KV (that token is then spent); the
+        rows that read NaN KV are `nan_rows`."""
+        self.nan_rows = []
+        if "SLOT_MAPPING" not in step:
+            return
+        tokens, slots = step["TOKEN_IDS"], step["SLOT_MAPPING"]
+        flat = self.kv[FULL].reshape(-1)
+        faulty = [r for r, row in enumerate(tokens) if self.nan_once
+                  and any(int(t) in self.nan_once for t, s in zip(row, slots[r]) if s >= 0)]
+        for r in faulty:
+            flat[slots[r][slots[r] >= 0]] = NAN_KV
+            self.nan_once -= {int(t) for t in tokens[r]}
+        if not (flat == NAN_KV).any():
+            return
+        bs = self.artifact.model.block_size
+        for r, (table, length) in enumerate(zip(step["BLOCK_TABLES"], step["SEQ_LENS"])):
+            read = [int(table[p // bs]) * bs + p % bs for p in range(int(length))]
+            if (flat[read] == NAN_KV).any():
+                self.nan_rows.append(r)
+
     def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
         argmax = self._execute(entry_name, step)
-        return one_hot(argmax[:, -1], self.artifact.model.vocab)
+        out = one_hot(argmax[:, -1], self.artifact.model.vocab)
+        out[self.nan_rows] = np.nan
+        return out
 
     def run_positions(self, entry_name: str, step: dict[str, np.ndarray],
                       logits: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
         """A verify entry: the same rule after every position."""
         argmax = self._execute(entry_name, step)
-        return argmax, one_hot(argmax, self.artifact.model.vocab) if logits else None
+        out = one_hot(argmax, self.artifact.model.vocab) if logits else None
+        if out is not None:
+            out[self.nan_rows] = np.nan
+        return argmax, out
 
     def _execute(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
         """One call: recorded, its KV written; the rule's next token after every position."""
@@ -165,6 +203,7 @@ class FakeRuntime:
         if "LORA_SLOTS" in step:
             self.adapter_slots.append(step["LORA_SLOTS"][:int((lens > 0).sum())].tolist())
         self._write_kv(step)
+        self._write_nan(step)
         return ((tokens + positions) % self.artifact.model.vocab).astype(np.int32)
 
 

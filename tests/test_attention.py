@@ -1,5 +1,7 @@
 """Blockwise attention against the one-pass form at the edges listed in
-docs/design.md#paged-attention."""
+docs/design.md#paged-attention; every form's output unchanged, bit for bit, when each position a
+row does not hold is NaN (what an earlier sequence may leave in a page), with the control: the
+values masked by the softmax weights alone come out NaN."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from triton_tlaloc.export.attention import blockwise, by_length, one_pass, usable_key_blocks
+from triton_tlaloc.export import attention
+from triton_tlaloc.export.attention import (blockwise, by_length, one_pass, ring,
+                                            usable_key_blocks)
 
 # Pages of 4 positions, key blocks of 8 (2 pages), a context of 32 (4 key blocks).
 BLOCK, KEY_BLOCK, PAGES_PER_ROW = 4, 8, 8
@@ -105,22 +109,43 @@ def test_key_blocks_chosen_by_length_equal_one_pass(rows, t, window):
     assert np.max(np.abs(one - got)) <= TOL
 
 
-def test_the_block_follows_the_length():
-    """Which block a call ran, told by NaN keys a block of 8 reads and a block of 4 does not:
-    at positions 12..15, a call holding 10 positions (blocks of 4: it reads up to 11) comes
-    out finite; at positions 20..23, a call holding 17 (more than two blocks of 8: it reads up
-    to 23) comes out NaN, where blocks of 4 would stop at 19."""
-    def run(held, nan_page):
-        q, k, v, tables, positions, _ = setup([(held, held - 3)])
-        k, v = k.copy(), v.copy()
-        k[tables[0, nan_page]] = np.nan
-        v[tables[0, nan_page]] = np.nan
-        lens = np.array([held], np.int32)
-        return np.asarray(jax.jit(by_length, static_argnums=6)(q, k, v, tables, positions, lens,
-                                                               (4, 8)))
+def gathered(monkeypatch, fn):
+    """`fn` compiled with a callback in `attention._gather` (patched while the test runs) that
+    records the pages each gather of a call reads (row 0's): a loop's iterations each once, of
+    a `by_length` call only the branch it chose. Returns a function that runs the compiled
+    call and returns what its gathers read, sorted."""
+    read = []
+    gather = attention._gather
 
-    assert np.isfinite(run(10, 3)).all()
-    assert np.isnan(run(17, 5)).any()
+    def spy(k_pool, v_pool, tables):
+        jax.debug.callback(lambda t: read.append(np.asarray(t)[0].tolist()), tables)
+        return gather(k_pool, v_pool, tables)
+
+    monkeypatch.setattr(attention, "_gather", spy)
+    call = jax.jit(lambda *a: fn(*a))  # a new function: traced with the spy
+
+    def run(*args):
+        read.clear()
+        jax.block_until_ready(call(*args))
+        return sorted(read)
+    return run
+
+
+def test_the_block_follows_the_length(monkeypatch):
+    """Which block a call ran, told by the pages it gathered: a call holding 10 positions
+    (blocks of 4) reads pages 0..2 one at a time, never page 3 (positions 12..15, which a
+    block of 8 reads); a call holding 17 (more than two blocks of 8) reads pages 0..5 two at a
+    time, where blocks of 4 would stop at page 4."""
+    run = gathered(monkeypatch, lambda *a: by_length(*a, (4, 8)))
+
+    def pages(held):
+        q, k, v, tables, positions, _ = setup([(held, held - 3)])
+        return run(q, k, v, tables, positions, np.array([held], np.int32)), tables[0].tolist()
+
+    read, table = pages(10)
+    assert read == sorted([[p] for p in table[:3]])
+    read, table = pages(17)
+    assert read == sorted([table[i:i + 2] for i in range(0, 6, 2)])
 
 
 @pytest.mark.parametrize("t", [1, 3])
@@ -165,14 +190,92 @@ def test_tolerance_tells_a_missing_block():
     assert np.max(np.abs(full[:, -1] - short[:, -1])) > 100 * TOL
 
 
-def test_the_loop_stops_at_the_last_live_block():
-    """A call early in a large bucket scores only the blocks its rows reach: with the pages past
-    the first block filled with NaN, the result is still finite."""
+def test_the_loop_stops_at_the_last_live_block(monkeypatch):
+    """A call early in a large bucket gathers only the blocks its rows reach: a row of 6
+    positions reads its first key block (2 pages) and no other; the control, a row of 9,
+    reads two."""
+    run = gathered(monkeypatch, lambda *a: blockwise(*a, KEY_BLOCK))
     q, k, v, tables, positions, lens = setup([(6, 3)])
-    k, v = k.copy(), v.copy()
-    for page in tables[0, 2:]:  # pages of blocks 1.. (key block = 2 pages)
-        k[page] = np.nan
-        v[page] = np.nan
-    blk = np.asarray(jax.jit(blockwise, static_argnums=6)(q, k, v, tables, positions, lens,
-                                                            KEY_BLOCK))
-    assert np.isfinite(blk).all()
+    assert run(q, k, v, tables, positions, lens) == [tables[0, :2].tolist()]
+    assert run(q, k, v, tables, positions + 3, lens + 3) == sorted(
+        [tables[0, :2].tolist(), tables[0, 2:4].tolist()])
+
+
+# ------------------------------------------------------------------ stale pages
+
+def stale_nan(pools, tables, lens, held=None):
+    """The pools with NaN at every position no row holds: past each row's length in its pages,
+    every page of a padding row, page 0 (what an earlier sequence whose KV was NaN may leave in
+    the pages a new one takes). `held` [b, table positions]: which positions each row holds
+    (default: those below its length)."""
+    out = [p.copy() for p in pools]
+    if held is None:
+        held = np.arange(tables.shape[1] * BLOCK)[None, :] < lens[:, None]
+    keep = np.zeros(out[0].shape[:2], bool)  # [pages, offset]
+    for r in range(len(tables)):
+        for j, page in enumerate(tables[r]):
+            keep[page] |= held[r, j * BLOCK:(j + 1) * BLOCK]
+    for p in out:
+        p[~keep] = np.nan
+    return out
+
+
+def multiplied(values, held):
+    """The values as the softmax weights alone masked them: a masked key's zero weight times
+    its page's old value (NaN times 0 is NaN)."""
+    return values.astype(np.float32)
+
+
+# Cases of the tests above (their compiles are shared): rows ending mid-page beside a full
+# one; decode rows ending mid-page beside a padding row, with a window.
+# The control runs one form a case: one pass for the prompt rows, blockwise for the decode rows.
+STALE_CASES = {
+    "prompt rows": (CASES["blocks fully masked for some rows"], 3, None, "one pass"),
+    "decode rows and a padding row, window 8": (
+        DECODE_CASES["rows in different blocks, and a padding row"], 1, 8, "blockwise"),
+}
+
+
+@pytest.mark.parametrize("rows,t,window,control", STALE_CASES.values(), ids=STALE_CASES.keys())
+def test_nan_where_a_row_holds_nothing_changes_no_output(rows, t, window, control, monkeypatch):
+    q, k, v, tables, positions, lens = setup(rows, t=t)
+    nan_k, nan_v = stale_nan((k, v), tables, lens)
+    assert all(np.isnan(nan_v[tables[r]]).any() for r in range(len(rows)) if lens[r] < 32)
+    clean = both((q, k, v, tables, positions, lens), window)
+    got = both((q, nan_k, nan_v, tables, positions, lens), window)
+    for name, c, g in zip(("one pass", "blockwise"), clean, got):
+        assert np.array_equal(c, g), name
+        assert not any(g[r].any() for r, row in enumerate(rows) if row is None), name
+    # control: the values masked by the weights alone let the NaN through to every live row
+    # that does not hold its whole table
+    monkeypatch.setattr(attention, "held_values", multiplied)
+    form = {"one pass": lambda *a: one_pass(*a, window),
+            "blockwise": lambda *a: blockwise(*a, KEY_BLOCK, window)}[control]
+    got = np.asarray(jax.jit(form)(q, nan_k, nan_v, tables, positions, lens))
+    assert all(np.isnan(got[r]).any() for r, row in enumerate(rows)
+               if row is not None and row[0] < 32), f"{control}: the control held"
+
+
+def test_nan_in_ring_slots_not_written_yet_changes_no_output(monkeypatch):
+    """A ring of 4 pages (period 16, window 8): rows whose ring is not full yet (lengths 3
+    and 10: slots from their length on hold a page's old contents, NaN here) beside a row
+    that has wrapped (length 21) and a padding row; the same outputs, and the control comes
+    out NaN."""
+    rows = [(3, 0), (10, 7), (21, 18), None]
+    period, window = 4 * BLOCK, 8
+    q, k, v, tables, positions, lens = setup(rows, t=3)
+    tables = tables[:, :4]
+    last = (lens - 1)[:, None]
+    slot = np.arange(period)[None, :]
+    written = ((last - np.mod(last - slot, period)) >= 0) & (lens > 0)[:, None]
+    nan_k, nan_v = stale_nan((k, v), tables, lens, held=written)
+    assert np.isnan(nan_v[tables[0]]).any() and np.isnan(nan_v[tables[1]]).any()
+
+    def form(*a):
+        return ring(*a, window, period)
+    clean = np.asarray(jax.jit(form)(q, k, v, tables, positions, lens))
+    got = np.asarray(jax.jit(form)(q, nan_k, nan_v, tables, positions, lens))
+    assert np.array_equal(clean, got) and not got[3].any()
+    monkeypatch.setattr(attention, "held_values", multiplied)
+    got = np.asarray(jax.jit(lambda *a: form(*a))(q, nan_k, nan_v, tables, positions, lens))
+    assert np.isnan(got[0]).any() and np.isnan(got[1]).any()

@@ -2,7 +2,10 @@
 sequence whole, gives the same greedy ids as the same prompt computed cold, and its first logits
 within 1e-5. Negative controls: block hashes that forget their parent serve the wrong KV and
 fail the comparison; a continuation offered to a prompt that differs in one history token is
-not taken."""
+not taken. Pages reused whatever they hold: with every page a sequence can take filled with NaN
+(what a sequence whose KV was NaN leaves in the pages it frees), prompts give the ids they give
+over clean pools; control: an export whose masks weight the values without selecting them
+fails it."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import pytest
 
 from triton_tlaloc import pages
 from triton_tlaloc.engine.core import Engine
-from triton_tlaloc.export import ExportOptions, export_artifact
+from triton_tlaloc.export import ExportOptions, attention, export_artifact
 from triton_tlaloc.runtime.core import Runtime
 from triton_tlaloc.kv.sequence import Sequence
 
@@ -191,3 +194,50 @@ def test_a_hybrid_chat_continues_through_its_state_slot(tiny):
         history += warm.generated_ids
         fed = len(history) - 1
     assert logits_checked
+
+
+# ------------------------------------------------------------------ pages holding NaN
+
+# Prompts in chunks of 24 over key blocks of 16 (blockwise), decode steps in one pass
+# (tests/test_long_context.py's artifact).
+STALE_OPTS = dict(prefill_chunk=24, attention_block=16)
+# Prompts ending mid-page: 3 tokens (a page whose tail holds what its last holder left), 13,
+# and 45 (two chunks, a context of 128).
+STALE_PROMPTS = [tokens(100, 3), tokens(101, 13), tokens(102, 45)]
+
+
+def nan_pages(rt: Runtime) -> None:
+    """Every KV pool's pages but page 0 (which no sequence is given) set to NaN on the device,
+    as a sequence whose KV was NaN leaves the pages it frees for the next ones."""
+    for pool in rt.artifact.pools:
+        values = rt.pool_snapshot(pool.name)
+        values[1:] = np.nan
+        rt.pools[pool.name] = rt.device.put(values)
+
+
+def ids_over_nan_pages(art, prompts) -> tuple[list[list[int]], list[list[int]]]:
+    """Each prompt's greedy ids over clean pools, then with every page NaN (no prefix reuse:
+    each prompt takes pages as a cold START does)."""
+    engine = Engine(Runtime(art))
+    clean = [engine.generate_greedy(p, STEPS).generated_ids for p in prompts]
+    nan_pages(engine.rt)
+    return clean, [engine.generate_greedy(p, STEPS).generated_ids for p in prompts]
+
+
+def test_pages_an_earlier_sequence_left_nan_change_no_later_ids(tiny):
+    clean, over_nan = ids_over_nan_pages(tiny.artifact("llama", False, **STALE_OPTS),
+                                         STALE_PROMPTS)
+    assert over_nan == clean
+
+
+def test_control_values_weighted_by_the_mask_alone_give_nan_ids(tiny, work, monkeypatch):
+    """The old masking (a zero softmax weight times a value the row does not hold): the NaN
+    past a prompt's length reaches its result. One prompt, in the smallest export that runs
+    it."""
+    monkeypatch.setattr(attention, "held_values", lambda values, held: values.astype(np.float32))
+    art = export_artifact(tiny.checkpoint("llama", False), work / "stale-multiplied",
+                          ExportOptions(batch_ladder=(1,), context_ladder=(32,), block_size=8,
+                                        prefill_tokens=(), **STALE_OPTS))
+    monkeypatch.undo()
+    clean, over_nan = ids_over_nan_pages(art, STALE_PROMPTS[1:2])
+    assert over_nan != clean

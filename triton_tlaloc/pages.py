@@ -204,8 +204,9 @@ class BlockManager:
 
     def register(self, seq: Sequence) -> None:
         """Hash the blocks `seq` has filled since the last call, so other prompts can share
-        them (the KV of a block is final once its last position is computed)."""
-        if not self.prefix_reuse:
+        them (the KV of a block is final once its last position is computed). A sequence whose
+        logits were not finite registers nothing (`withhold`)."""
+        if not self.prefix_reuse or seq.nonfinite:
             return
         bs = self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else seq.root
@@ -215,6 +216,21 @@ class BlockManager:
             self.full.register(seq.pages[b], parent)
         if self.copier is not None:
             self.open_blocks.update(seq)
+
+    def withhold(self, seq: Sequence) -> None:
+        """A call's logits of `seq` held NaN or infinity (the engine calls this in place of
+        `register`): its KV may hold them too, and a page's contents must never reach another
+        sequence's result. So from now on none of its blocks is offered to another: the blocks
+        it registered that only it holds are forgotten (they are never cached, so never
+        evicted to the host tier, whose spill takes cached blocks only), its open block is not
+        copied for another prompt, it registers nothing more (nor when swapped back in), and
+        once ended it is freed rather than kept for a next turn. Blocks other sequences hold
+        too were published by calls whose logits were finite, and stay."""
+        seq.nonfinite = True
+        self.open_blocks.forget(seq)
+        for page, h in zip(seq.pages, seq.block_hashes):
+            if self.full.block_of(page) == h and self.full.refs[page] == 1:
+                self.full.unregister(page)
 
     def check_writes(self, seq: Sequence) -> None:
         """A call writes from position num_cached on: never into a block others may share."""
@@ -404,8 +420,9 @@ class BlockManager:
 
     def finish(self, seq: Sequence) -> None:
         """A sequence ended by its client (END): kept whole for its conversation's next turn
-        when there is something to continue, else freed."""
-        if self.keep_ended == 0 or seq.num_cached == 0:
+        when there is something to continue, else freed (and so is one whose logits were not
+        finite: its KV is no one's next turn)."""
+        if self.keep_ended == 0 or seq.num_cached == 0 or seq.nonfinite:
             self.free(seq)
             return
         self._keep(seq)
@@ -456,8 +473,9 @@ class BlockManager:
         return len(prefix)
 
     def register_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of pages written back from the host (see `attach`)."""
-        if self.prefix_reuse:
+        """Register the blocks of pages written back from the host (see `attach`); none of a
+        sequence whose logits were not finite (`withhold`)."""
+        if self.prefix_reuse and not seq.nonfinite:
             for page, h in zip(seq.pages, seq.block_hashes):
                 self.full.register(page, h)
 

@@ -319,11 +319,17 @@ class Engine:
 
     def _call(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:
         step = self.step_inputs(entry, seqs, feeds)
-        logits = self.rt.run(entry.name, step)
-        for s, feed in zip(seqs, feeds):
+        logits = self.rt.run(entry.name, step)[:len(seqs)]
+        # A row whose logits hold NaN or infinity may have written them into its KV: its
+        # blocks are not offered to other sequences (the batcher answers it with an error).
+        finite = np.isfinite(logits).all(axis=-1)
+        for s, feed, ok in zip(seqs, feeds, finite):
             s.num_cached += len(feed)
-            self.blocks.register(s)
-        return logits[:len(seqs)]
+            if ok:
+                self.blocks.register(s)
+            else:
+                self.blocks.withhold(s)
+        return logits
 
     def step_inputs(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> dict:
         """The step inputs of one call, after checking each row's pages."""

@@ -158,7 +158,10 @@ class Verifier:
             last = before + m
             s.num_cached += len(feed) - d + m
             self.blocks.truncate(s, s.num_cached)
-            self.blocks.register(s)
+            if position_logits is not None and not np.isfinite(position_logits[r, last]).all():
+                self.blocks.withhold(s)  # as Engine._call: its KV may hold NaN
+            else:
+                self.blocks.register(s)
             out.append(Verified(row_drafts[:m] + [following],
                                 np.array(position_logits[r, last]) if logits else None))
         return out

@@ -4,6 +4,13 @@ Both take the queries of a call, the pools, each row's block table, each token's
 each row's length; a token sees the keys at positions <= its own and < its row's length. Scores,
 softmax and P.V are f32. A token that sees no key (a row of length 0, a padding row) comes out 0.
 
+Masks select (jnp.where), on the scores and on the values, never multiply: a page given to a
+new sequence still holds its earlier holder's keys and values past the new row's length (a
+ring, in the slots the row has not written yet), and those may be NaN or infinite (a sequence
+whose weights or adapter gave NaN). A zero weight times NaN is NaN, so a value a row does not
+hold is set to 0 before P.V, and a score it may not see to the lowest float before the
+softmax: no page's old contents reach another sequence's result.
+
 - `one_pass`: gather every page the block table names once per row, score all of them, mask,
   normalize. Used by entries whose context is one key block.
 - `blockwise`: a while loop over key blocks of `key_block` positions, from block 0 to the block
@@ -95,8 +102,9 @@ def _gather(k_pool, v_pool, tables):
 
 
 def _masked_scores(q, keys, key_pos, positions, seq_lens, scale, window):
-    """q [b,t,kh,g,d], keys [b,c,kh,d], key_pos [c] -> (scores [b,kh,g,t,c], mask [b,1,1,t,c]).
-    A token at position p sees the keys at p - window + 1 .. p (all up to p without a window)."""
+    """q [b,t,kh,g,d], keys [b,c,kh,d], key_pos [c] -> (scores [b,kh,g,t,c], mask [b,1,1,t,c],
+    held [b,c]: the key positions each row holds, below its length). A token at position p
+    sees the keys at p - window + 1 .. p (all up to p without a window)."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -106,7 +114,15 @@ def _masked_scores(q, keys, key_pos, positions, seq_lens, scale, window):
     mask = (kp <= pos) & (kp < seq_lens[:, None, None])
     if window is not None:
         mask = mask & (kp > pos - window)
-    return s, mask[:, None, None, :, :]
+    return s, mask[:, None, None, :, :], key_pos[None, :] < seq_lens[:, None]
+
+
+def held_values(values, held):
+    """values [b,c,kh,d] as f32, 0 at the key positions a row does not hold (held [b,c]
+    False): selected, since a zero weight times a stale NaN there would be NaN."""
+    import jax.numpy as jnp
+
+    return jnp.where(held[:, :, None, None], values.astype(jnp.float32), np.float32(0))
 
 
 def one_pass(q, k_pool, v_pool, block_tables, positions, seq_lens, window=None, scale=None):
@@ -120,23 +136,23 @@ def one_pass(q, k_pool, v_pool, block_tables, positions, seq_lens, window=None, 
     context = m * block_size
     keys, values = _gather(k_pool, v_pool, block_tables)
     scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
-    s, mask = _masked_scores(q, keys, jnp.arange(context, dtype=jnp.int32), positions, seq_lens,
-                             scale, window)
-    return _softmax_pv(s, mask, values)
+    s, mask, held = _masked_scores(q, keys, jnp.arange(context, dtype=jnp.int32), positions,
+                                   seq_lens, scale, window)
+    return _softmax_pv(s, mask, held_values(values, held))
 
 
 def _softmax_pv(s, mask, values):
-    """Softmax over the live keys and P.V: [b,kh,g,t,c] scores and mask, [b,c,kh,d] values ->
-    [b,t,kh,g,d]. Masked keys add exactly nothing; a token with no live key comes out 0."""
+    """Softmax over the live keys and P.V: [b,kh,g,t,c] scores and mask, [b,c,kh,d] values
+    (f32, 0 where the row holds no key: `held_values`) -> [b,t,kh,g,d]. Masked keys add
+    exactly nothing, whatever their page holds; a token with no live key comes out 0."""
     import jax.numpy as jnp
     from jax import lax
 
     s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)) * mask
+    p = jnp.where(mask, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), np.float32(0))
     total = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(total > 0, total, 1.0)
-    return jnp.einsum("bkgtc,bckd->btkgd", p, values.astype(jnp.float32),
-                      precision=lax.Precision.HIGHEST)
+    return jnp.einsum("bkgtc,bckd->btkgd", p, values, precision=lax.Precision.HIGHEST)
 
 
 def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: int, window=None,
@@ -176,14 +192,15 @@ def blockwise(q, k_pool, v_pool, block_tables, positions, seq_lens, key_block: i
                                          axis=1)
         keys, values = _gather(k_pool, v_pool, pages)
         key_pos = j * key_block + jnp.arange(key_block, dtype=jnp.int32)
-        s, mask = _masked_scores(q, keys, key_pos, positions, seq_lens, scale, window)
+        s, mask, held = _masked_scores(q, keys, key_pos, positions, seq_lens, scale, window)
         s = jnp.where(mask, s, neg)
         new_max = jnp.maximum(run_max, jnp.max(s, axis=-1))
         correction = jnp.exp(run_max - new_max)
-        p = jnp.exp(s - new_max[..., None]) * mask  # masked keys add nothing, even at neg
+        # masked keys add nothing, even at neg, and whatever their page holds
+        p = jnp.where(mask, jnp.exp(s - new_max[..., None]), np.float32(0))
         run_sum = run_sum * correction + jnp.sum(p, axis=-1)
         acc = acc * correction[..., None] + jnp.einsum(
-            "bkgtc,bckd->bkgtd", p, values.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+            "bkgtc,bckd->bkgtd", p, held_values(values, held), precision=lax.Precision.HIGHEST)
         return new_max, run_sum, acc
 
     init = (jnp.full((b, kh, g, t), neg, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
@@ -245,4 +262,6 @@ def ring(q, k_pool, v_pool, ring_tables, positions, seq_lens, window: int, perio
     held = last - jnp.mod(last - slot, period)  # [b, width]: the position in each slot
     kp, pos = held[:, None, :], positions[:, :, None]
     mask = (kp >= 0) & (kp <= pos) & (kp > pos - window) & (seq_lens > 0)[:, None, None]
-    return _softmax_pv(s, mask[:, None, None, :, :], values)
+    # a slot the row has not written yet (its ring is not full) holds a page's old contents
+    written = (held >= 0) & (seq_lens > 0)[:, None]
+    return _softmax_pv(s, mask[:, None, None, :, :], held_values(values, written))

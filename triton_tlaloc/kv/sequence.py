@@ -76,6 +76,9 @@ class Sequence:
     # positions after the shared blocks, copied into its own page by the reservation
     # (pages.BlockManager.start, kv/open_blocks.py).
     copy_from: int | None = None
+    # A call's logits of it held NaN or infinity: its KV may too, so none of its blocks is
+    # offered to another sequence (pages.BlockManager.withhold), for the rest of its life.
+    nonfinite: bool = False
 
     def move_to(self, status: SequenceStatus) -> None:
         assert status in NEXT[self.status], \
