@@ -69,6 +69,23 @@ def check_cache_salts(url, protocol, metrics_url, model, seed, block_size=8):
     return f"tokens reused under A, B, A: {hits}", ok
 
 
+def check_binary_salts(url, protocol, metrics_url, model, seed, block_size=8):
+    """Salts as the CACHE_SALT input's bytes, which carry a NUL whole: b'g\\0one', b'g\\0two'
+    and b'g' reuse nothing of each other, and b'g\\0one' again reuses its first run's blocks;
+    the parameter salt 'g' is the input's b'g' (the same tenant)."""
+    rng = random.Random(seed)
+    prompt = unique_tokens(rng, 3 * block_size + 2)
+    hits = []
+    with TlalocClient(url, model, protocol) as c:
+        for salt in (b"g\0one", b"g\0two", b"g", b"g\0one", "g"):
+            counters = Counters(metrics_url)
+            c.generate_greedy(prompt + [7], 1, cache_salt=salt)
+            hits.append(counters.delta(model)["hits"])
+    whole = (3 * block_size, len(prompt))
+    ok = hits[:3] == [0, 0, 0] and hits[3] in whole and hits[4] in whole
+    return f"tokens reused under b'g\\0one', b'g\\0two', b'g', b'g\\0one', 'g': {hits}", ok
+
+
 def check_control_character_salts(url, protocol, model):
     """Salts that differ only after a NUL ('g\\0one', 'g\\0two') would reach the sequence model
     as one salt (Triton's string parameters end at a NUL) and share cached KV: TlalocClient

@@ -51,6 +51,9 @@ def test_different_cache_salts_share_no_block(served, protocol):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_salts_with_a_nul_are_refused_before_they_reach_triton(served, protocol):
     assert_check(R.check_control_character_salts(url_of(served, protocol), protocol, "llama"))
+    # ... and carried whole by the CACHE_SALT input
+    assert_check(R.check_binary_salts(url_of(served, protocol), protocol, served.metrics_url,
+                                      "llama", seed=20 + PROTOCOLS.index(protocol)))
 
 
 def test_a_chat_through_the_generate_model_continues_each_turn(served):

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.tritonserver
 
 # (adapter, prompt) of each sequence
 RUNS = [("a", PROMPTS[0]), ("b", PROMPTS[1]), (None, PROMPTS[2])]
+ADMIN_KEY = "admin-0123"  # the server's (tlaloc serve --admin-key), which lora_admin needs
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def served(tiny, work):
                          lora=tuple((n, str(p)) for n, p in many.items()), generate_model=False))
     want = [reference(base, adapters[a] if a else None, p)[0] for a, p in RUNS]
     want_many = {n: reference(base, p, PROMPTS[k % 3])[0] for k, (n, p) in enumerate(many.items())}
-    server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
+    server = TritonServer(repo, exit_timeout_s=3, admin_key=ADMIN_KEY).start(wait_compiled=False)
     yield server, want, want_many
     server.stop()
 
@@ -132,18 +133,32 @@ def test_more_adapters_than_slots_cycle_through_them_with_no_refusal(served):
 
 
 def test_an_adapter_loaded_and_unloaded_while_serving(served, tiny):
-    """The request parameter lora_admin (what tlaloc openai's /v1/load_lora_adapter sends):
-    an adapter loaded from under lora_updates_root serves its ids; one outside it is refused by
-    name; unloading it while a sequence uses it is refused, after that sequence's END it is
-    gone (a START naming it: unknown)."""
+    """The request parameter lora_admin (what tlaloc openai's /v1/load_lora_adapter sends),
+    with the server's admin key: an adapter loaded from under lora_updates_root serves its ids;
+    one outside it is refused by name; unloading it while a sequence uses it is refused, after
+    that sequence's END it is gone (a START naming it: unknown). Without the key (missing or
+    wrong, over HTTP and gRPC: Triton's inference port is open to every client) a load and an
+    unload are refused by name and change nothing."""
     server, _, want = served
-    with TlalocClient(server.grpc_url, "lora", "grpc") as c:
-        def admin(command):
-            c.request(new_sequence_id(), [], start=True, end=True, outputs=("KV_PAGES",),
-                      admin=command)
+    path = tiny.lora_adapter("llama", "c0", 2, 10).name
+    with TlalocClient(server.grpc_url, "lora", "grpc") as c, \
+            TlalocClient(server.http_url, "lora", "http") as h:
+        def admin(command, key=ADMIN_KEY, client=c):
+            client.request(new_sequence_id(), [], start=True, end=True, outputs=("KV_PAGES",),
+                           admin=command, admin_key=key)
+
+        def refused_without_the_key(command):
+            for client in (c, h):
+                for key in (None, "wrong"):
+                    with pytest.raises(InferError, match="admin key .* is missing or wrong"):
+                        admin(command, key, client)
+        refused_without_the_key({"load": {"name": "late", "path": path}})
+        with pytest.raises(InferError, match="unknown adapter 'late'"):
+            c.request(new_sequence_id(), PROMPTS[0], start=True, lora="late")
         with pytest.raises(InferError, match="is outside the directory adapters may be"):
             admin({"load": {"name": "late", "path": "../elsewhere"}})
-        admin({"load": {"name": "late", "path": tiny.lora_adapter("llama", "c0", 2, 10).name}})
+        admin({"load": {"name": "late", "path": path}})
+        refused_without_the_key({"unload": "late"})
         assert c.generate_greedy(PROMPTS[0], STEPS, lora="late").generated_ids == want["c0"]
         seq = new_sequence_id()
         c.request(seq, PROMPTS[0], start=True, lora="late")
@@ -165,10 +180,10 @@ def test_adapters_through_tlaloc_openai_loaded_and_unloaded_while_others_serve(s
     models = ServedModel.discover_with_adapters(server.grpc_url, "lora",
                                                 tokenizer_dir=str(tmp_path / "tokenizer"))
     base_url, stop = serve_in_thread(server.grpc_url, models,
-                                     options=ServerOptions(admin_key="admin-0123"))
+                                     options=ServerOptions(admin_key=ADMIN_KEY))
     client = openai.OpenAI(base_url=base_url, api_key="unused")
     admin = openai.OpenAI(base_url=base_url, api_key="unused",
-                          default_headers={ADMIN_HEADER: "admin-0123"})
+                          default_headers={ADMIN_HEADER: ADMIN_KEY})
 
     def complete(model, prompt):
         r = client.completions.create(model=model, prompt=prompt, max_tokens=STEPS,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -36,7 +37,9 @@ from .scheduling.observer import TimingLog
 from .triton.model_metrics import GrammarMetrics, TritonMetrics
 from .model_parameters import DEFAULTS
 from .runtime.pjrt import cpu_devices, instance_devices
+from .lora.peft_adapter import AdapterError
 from .triton.adapters import adapter_registry, lora_admin_parameter, lora_parameter
+from .triton.server import ADMIN_KEY_ENV
 from .triton.outputs import (LOGIT_OUTPUTS, TOP_K_DEFAULT, cache_salt_parameter,
                              draft_tokens_parameter, small_outputs, top_k_parameter)
 from .scheduling.policy import BatchPolicy
@@ -108,6 +111,7 @@ class TritonPythonModel:
                                      int(params["metrics_interval_microseconds"]) / 1e6,
                                      args.get("model_instance_name", ""))
         self.adapters = adapter_registry(self.runtime, params)
+        self.admin_key = os.environ.get(ADMIN_KEY_ENV) or None  # lora_admin's key
         if self.adapters is not None:
             self.metrics.watch_adapters(self.adapters)
         if getattr(self.runtime, "expert_load", None) is not None:
@@ -134,7 +138,8 @@ class TritonPythonModel:
         self.metrics.memory(*self._device_bytes())
         self.local = None
         if parse_bool(params["local_generation"]):
-            speculation = Speculation.of(self.batcher.engine, self.batcher.stats)
+            speculation = Speculation.of(self.batcher.engine, self.batcher.stats,
+                                         int(params["prompt_logprobs_max_tokens"]))
             grammars = Grammars(artifact.tokenizer_dir, artifact.model.vocab,
                                 list(artifact.model.eos_token_ids),
                                 observer=GrammarMetrics(self.metrics.writer,
@@ -240,12 +245,15 @@ class TritonPythonModel:
                 tokens = pb_utils.get_input_tensor_by_name(r, "TOKENS").as_numpy().reshape(-1)
                 start = pb_utils.get_input_tensor_by_name(r, "START")
                 end = pb_utils.get_input_tensor_by_name(r, "END")
+                salt = pb_utils.get_input_tensor_by_name(r, "CACHE_SALT")
                 request = Request(
                     seq_id=r.correlation_id(), tokens=[],
                     start=bool(start is not None and start.as_numpy().reshape(-1)[0]),
                     end=bool(end is not None and end.as_numpy().reshape(-1)[0]),
-                    reply_fn=reply_fn, cache_salt=cache_salt_parameter(parameters),
-                    lora=lora_parameter(parameters), admin=lora_admin_parameter(parameters),
+                    reply_fn=reply_fn,
+                    cache_salt=cache_salt_parameter(parameters, _salt_bytes(salt)),
+                    lora=lora_parameter(parameters),
+                    admin=lora_admin_parameter(parameters, self.admin_key),
                     draft_tokens=draft_tokens_parameter(parameters),
                     want_logits=bool(wanted & LOGIT_OUTPUTS))
                 # Sizes first: ids past the largest context are not converted, only refused
@@ -256,6 +264,9 @@ class TritonPythonModel:
                                        f"{self.max_context}")
                 else:
                     request.tokens = tokens.tolist()
+            except AdapterError as e:  # (says what it is about)
+                reply_fn(Reply(error=str(e), code=INVALID_ARG))
+                continue
             except Exception as e:  # a malformed request: answered here, once
                 reply_fn(Reply(error=f"malformed request: {e}", code=INVALID_ARG))
                 continue
@@ -278,6 +289,17 @@ class TritonPythonModel:
         self.metrics.writer.close()
         if self.timing_log is not None:
             self.timing_log.close()
+
+
+def _salt_bytes(tensor) -> bytes | None:
+    """The CACHE_SALT input's one element as bytes (None when the request has none)."""
+    if tensor is None:
+        return None
+    values = tensor.as_numpy().reshape(-1)
+    if values.size != 1:
+        raise ValueError(f"CACHE_SALT holds {values.size} elements: expected one")
+    value = values[0]
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 class _Reply:

@@ -115,3 +115,34 @@ def test_refused_requests_keep_or_give_back_no_more_than_they_took():
     r = h.step("y", [], start=True, lora="b")
     assert r.code == INVALID_ARG and "TOKENS is empty" in r.error
     assert registry.users[1:] == [1, 0]
+
+
+def test_a_bad_admin_command_or_a_failing_admission_costs_only_its_own_request(tmp_path):
+    """An adapter load whose path holds a NUL (the system refuses such a path) and one whose
+    admission fails unexpectedly are each answered alone, while sequences decode in the same
+    rounds: the others get their tokens, the adapters are as they were."""
+    h, registry, _ = harness()
+    registry.updates_root = tmp_path
+    for s in "xy":
+        assert h.step(s, [1, 2, 3], start=True).error is None
+    h.send("x", [4])
+    h.send("admin", [], start=True, end=True, admin={"load": {"name": "e", "path": "a\0b"}})
+    h.send("y", [4])
+    h.clock.advance(1.0)
+    h.run()
+    assert h.last("admin").code == INVALID_ARG and "U+0000" in h.last("admin").error
+    assert h.last("x").error is None and h.last("y").error is None
+    assert registry.names == ["a", "b", "c"]
+
+    def fails(command):
+        raise ZeroDivisionError("division by zero")
+    registry.update = fails
+    h.send("x", [5])
+    h.send("admin2", [], start=True, end=True, admin={"unload": "a"})
+    h.send("y", [5])
+    h.clock.advance(1.0)
+    h.run()
+    assert h.last("admin2").code == "INTERNAL" and "admitting the request" in h.last(
+        "admin2").error
+    assert h.last("x").error is None and h.last("y").error is None
+    assert [len(h.replies[s]) for s in ("x", "y", "admin", "admin2")] == [3, 3, 1, 1]

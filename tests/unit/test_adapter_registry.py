@@ -115,3 +115,46 @@ def test_loads_and_unloads_while_serving_come_only_from_under_the_updates_root(t
         reg.update({"unload": "x"})
     reg.release(slot)
     assert reg.update({"unload": "x"}) == "adapter x unloaded" and reg.names == []
+
+
+def test_paths_and_names_the_system_refuses_are_refused_by_name(tmp_path):
+    """A NUL in a load's path (realpath raises ValueError on it), a path too long, an unload of
+    a malformed name, and a reader failing with OSError: each an AdapterError naming it,
+    nothing changed."""
+    files = Files()
+    reg = AdapterRegistry(2, files.read, files.write, 1 << 20, updates_root=tmp_path)
+    for command, message in (({"load": {"name": "x", "path": "a\0b"}}, r"U\+0000"),
+                             ({"load": {"name": "x", "path": "p" * 5000}}, "1 to 4096"),
+                             ({"load": {"name": "x", "path": ""}}, "1 to 4096"),
+                             ({"load": {"name": "a\0b", "path": "x"}}, "adapter name"),
+                             ({"unload": "\0"}, "adapter name")):
+        with pytest.raises(AdapterError, match=message):
+            reg.update(command)
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", str(path))
+    reg.read = unreadable
+    with pytest.raises(AdapterError, match="adapter x: .*Permission denied"):
+        reg.update({"load": {"name": "x", "path": "x"}})
+    assert reg.names == [] and files.reads == []
+
+
+def test_lora_admin_is_obeyed_only_with_the_servers_admin_key():
+    """The sequence model's request parameter lora_admin, checked where the request arrives:
+    whoever reaches Triton's inference port may send it, so without the server's admin key
+    (none configured, missing, wrong) it is refused by name; with it, a malformed command is
+    refused there too, before the batching thread sees it."""
+    from triton_tlaloc.triton.adapters import lora_admin_parameter
+
+    unload = {"lora_admin": '{"unload": "tenant"}'}
+    assert lora_admin_parameter({}, None) is None and lora_admin_parameter({}, "k") is None
+    with pytest.raises(AdapterError, match="this server has none"):
+        lora_admin_parameter({**unload, "lora_admin_key": "k"}, None)
+    for given in ({}, {"lora_admin_key": "wrong"}, {"lora_admin_key": 7}):
+        with pytest.raises(AdapterError, match="lora_admin_key\\) is missing or wrong"):
+            lora_admin_parameter({**unload, **given}, "k")
+    assert lora_admin_parameter({**unload, "lora_admin_key": "k"}, "k") == {"unload": "tenant"}
+    for bad, message in (('{"load": {"name": "e", "path": "a\\u0000b"}}', r"U\+0000"),
+                         ("not json", "expected a JSON object"), ("[1]", "expected")):
+        with pytest.raises(AdapterError, match=message):
+            lora_admin_parameter({"lora_admin": bad, "lora_admin_key": "k"}, "k")

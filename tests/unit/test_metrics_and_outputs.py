@@ -80,3 +80,13 @@ def test_small_outputs_argmax_and_top_k():
                                                        f"control character {code}")):
             cache_salt_parameter({"cache_salt": bad})
     assert cache_salt_parameter({"cache_salt": "tenant é 7"}) == "tenant é 7"
+    # The CACHE_SALT input's bytes carry what a parameter cannot: salts differing after a NUL
+    # are different keys, neither a string salt's; printable UTF-8 is that string's salt.
+    keys = [cache_salt_parameter({}, raw) for raw in (b"g\0one", b"g\0two", b"g", b"\xff")]
+    assert keys[2] == "g" and len(set(keys)) == 4 and "g" not in keys[:2]
+    assert all(k.startswith("\x01") for k in (keys[0], keys[1], keys[3]))
+    with pytest.raises(ValueError, match="cache salt given twice"):
+        cache_salt_parameter({"cache_salt": "g"}, b"g")
+    for raw in (b"", b"x" * 1025):
+        with pytest.raises(ValueError, match="input CACHE_SALT: expected 1 to 1024 bytes"):
+            cache_salt_parameter({}, raw)

@@ -48,11 +48,15 @@ def test_adapters_are_models_that_run_the_base_with_their_adapter(served):
 def admin_served():
     sent = []
 
-    def send(url, model, command):
+    def send(url, model, command, key):
         from triton_tlaloc.frontends.client import InferError
+        assert key == "sesame"  # the sequence model checks it against its server's
         if command.get("load", {}).get("path") == "bad":
             raise InferError("[INVALID_ARG] lora_admin: adapter path 'bad' is outside the "
                              "directory adapters may be loaded from", "INVALID_ARGUMENT")
+        if command.get("load", {}).get("path") == "fails":
+            raise InferError("[INTERNAL] sequence 5: internal error admitting the request",
+                             "INTERNAL")
         sent.append((model, command))
 
     def generate(url, model, *, input_ids, sampling, stream, on_text, cancel):
@@ -93,6 +97,10 @@ def test_adapters_load_and_unload_behind_the_admin_key(admin_served):
     status, text = post(base, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "bad"},
                         "sesame")
     assert status == 400 and "outside the directory" in text
+    # the sequence model's failure is the server's: a 500, not the client's 400
+    status, text = post(base, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "fails"},
+                        "sesame")
+    assert status == 500 and '"type":"server_error"' in text.replace(" ", "")
     assert post(base, "/v1/load_lora_adapter", load, "sesame")[0] == 400  # the name is taken
     status, _ = post(base, "/v1/unload_lora_adapter", {"lora_name": "late"}, "sesame")
     assert status == 200 and sent[-1] == ("base", {"unload": "late"})

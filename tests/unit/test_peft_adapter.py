@@ -103,6 +103,11 @@ def test_modules_placed_in_their_parts_with_their_scaling(tmp_path):
     ({}, "wide", "weight where the base model's is"),
     ({}, "no B", "without its pair"),
     ({"r": 3}, None, "its config says rank 3, its tensors 2"),
+    # rank 0 (alpha / r would divide by zero), non-finite values, an alpha that is no number
+    ({"r": 0}, "rank 0", "are not a rank-r pair"),
+    ({}, "NaN B", "lora_B holds 8 values that are NaN or infinite"),
+    ({}, "inf A", "lora_A holds 1 values that are NaN or infinite"),
+    ({"lora_alpha": "4"}, None, "lora_alpha '4': expected a finite number"),
 ])
 def test_what_does_not_fit_is_refused_by_name(tmp_path, config, tensors, message):
     rng = np.random.default_rng(0)
@@ -114,6 +119,14 @@ def test_what_does_not_fit_is_refused_by_name(tmp_path, config, tensors, message
                    for k, v in base.items()}
     elif tensors == "no B":
         tensors = {k: v for k, v in base.items() if "lora_A" in k}
+    elif tensors == "rank 0":
+        tensors = module_tensors(rng, 0, "self_attn.o_proj", 0)
+    elif tensors == "NaN B":  # (o_proj's B: 8 outputs x rank 2, the first column)
+        tensors = {k: v.copy() for k, v in base.items()}
+        next(v for k, v in tensors.items() if "lora_B" in k)[:, 0] = np.nan
+    elif tensors == "inf A":
+        tensors = {k: v.copy() for k, v in base.items()}
+        next(v for k, v in tensors.items() if "lora_A" in k)[0, 0] = np.inf
     path = write_adapter(tmp_path / "ad", {"r": 2, "lora_alpha": 4, **config},
                          tensors if isinstance(tensors, dict) else base)
     with pytest.raises(AdapterError, match=message):

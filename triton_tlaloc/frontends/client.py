@@ -104,30 +104,40 @@ class TlalocClient:
 
     def request(self, seq_id, tokens, *, start: bool = False, end: bool = False,
                 outputs=("LOGITS",), top_k: int | None = None,
-                cache_salt: str | None = None, draft_tokens: int = 0,
-                lora: str | None = None, admin: dict | None = None) -> dict[str, np.ndarray]:
+                cache_salt: str | bytes | None = None, draft_tokens: int = 0,
+                lora: str | None = None, admin: dict | None = None,
+                admin_key: str | None = None) -> dict[str, np.ndarray]:
         """One request asking for `outputs` (LOGITS, KV_PAGES, ARGMAX, TOP_K_IDS,
         TOP_K_LOGPROBS, ACCEPTED_IDS); returns those the response holds, each flattened. top_k:
         the request parameter K of the TOP_K outputs (the server's default is 8). draft_tokens:
         the last this many of `tokens` are drafts, verified in one call (ACCEPTED_IDS: those
-        accepted, then the model's own next token). lora: a START's LoRA adapter by name; admin: an
-        adapter load or unload (the parameter lora_admin, sent as its JSON)."""
-        # Checked here, whole: past Triton a NUL would end the salt (generation/parameters.py).
-        checked_cache_salt(cache_salt, "TlalocClient")
+        accepted, then the model's own next token). cache_salt: a string (the parameter), or bytes
+        (the CACHE_SALT input: any bytes, NUL included). lora: a START's LoRA adapter by name;
+        admin: an adapter load or unload (the parameter lora_admin, sent as its JSON), obeyed
+        only with the server's admin key `admin_key`."""
         mod = self._mod
         arr = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
         inp = mod.InferInput("TOKENS", list(arr.shape), "INT32")
         inp.set_data_from_numpy(arr)
+        inputs = [inp]
+        if isinstance(cache_salt, bytes):
+            salt = mod.InferInput("CACHE_SALT", [1, 1], "BYTES")
+            salt.set_data_from_numpy(np.array([[cache_salt]], dtype=np.object_))
+            inputs.append(salt)
+            cache_salt = None
+        # Checked here, whole: past Triton a NUL would end the salt (generation/parameters.py).
+        checked_cache_salt(cache_salt, "TlalocClient")
         kw = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
         parameters = {**({"top_k": int(top_k)} if top_k is not None else {}),
                       **({"cache_salt": cache_salt} if cache_salt is not None else {}),
                       **({"draft_tokens": int(draft_tokens)} if draft_tokens else {}),
                       **({"lora": lora} if lora is not None else {}),
-                      **({"lora_admin": json.dumps(admin)} if admin is not None else {})}
+                      **({"lora_admin": json.dumps(admin)} if admin is not None else {}),
+                      **({"lora_admin_key": admin_key} if admin_key is not None else {})}
         if parameters:
             kw["parameters"] = parameters
         try:
-            res = self._client.infer(self.model, [inp],
+            res = self._client.infer(self.model, inputs,
                                      outputs=[mod.InferRequestedOutput(n) for n in outputs],
                                      sequence_id=seq_id, sequence_start=start,
                                      sequence_end=end, headers={SESSION_HEADER: str(seq_id)},
@@ -165,7 +175,7 @@ class TlalocClient:
     def generate_greedy(self, prompt_ids: list[int], max_new_tokens: int,
                         stop_ids: tuple[int, ...] = (), seq_id=None,
                         argmax_output: bool = False,
-                        cache_salt: str | None = None, speculate: int = 0,
+                        cache_salt: str | bytes | None = None, speculate: int = 0,
                         drafter=prompt_lookup, lora: str | None = None) -> Generation:
         """Greedy ids chosen on the client from each step's LOGITS, or with argmax_output from
         the server's ARGMAX (4 bytes a step instead of the vocabulary's logits). cache_salt: the
@@ -261,6 +271,31 @@ def _status_name(err, message: str) -> str | None:
     return None if code is None else GRPC_STATUS[code]
 
 
+def next_response(responses, cancelled, timeout_s: float, model: str, t0: float,
+                  count: int, clock=time.perf_counter):
+    """The next (result, error) a generate stream's callback queued on `responses`, looking at
+    `cancelled()` every CANCEL_POLL_S meanwhile (None: it was set); TimeoutError when none has
+    come `timeout_s` after this call (t0: when the request was sent; count: responses so far).
+    The wait is read from the clock, not counted in polls: a busy process returns from each
+    get later than asked, and counting them let a 120 s limit run for 248 s."""
+    import queue
+
+    since = clock()
+    while True:
+        try:
+            return responses.get(timeout=CANCEL_POLL_S)
+        except queue.Empty:
+            if cancelled():
+                return None
+            now = clock()
+            if now - since >= timeout_s:
+                after = "its last response" if count else "it was sent"
+                raise TimeoutError(
+                    f"{model}: no response in {now - since:.1f} s after {after} (the limit "
+                    f"is {timeout_s:g} s; {now - t0:.1f} s since the request was sent, "
+                    f"{count} responses)") from None
+
+
 def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
              sampling: dict | None = None, stream: bool = True, timeout_s: float = 120.0,
              cancel_after: int | None = None, on_text=None, cancel=None) -> GenerateResult:
@@ -304,20 +339,13 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        waited = 0.0
         while True:
-            try:
-                result, err = responses.get(timeout=CANCEL_POLL_S)
-            except queue.Empty:
-                waited += CANCEL_POLL_S
-                if cancelled():
-                    client.stop_stream(cancel_requests=True)
-                    final = {"finish_reason": "cancelled"}
-                    break
-                if waited >= timeout_s:
-                    raise TimeoutError(f"{model}: no response in {timeout_s:.0f} s") from None
-                continue
-            waited = 0.0
+            got = next_response(responses, cancelled, timeout_s, model, t0, count)
+            if got is None:
+                client.stop_stream(cancel_requests=True)
+                final = {"finish_reason": "cancelled"}
+                break
+            result, err = got
             count += 1
             if err is not None:
                 error = err.message() if hasattr(err, "message") else str(err)

@@ -5,7 +5,9 @@
 
 Closed (404) unless the server was given an admin key (`--admin-key`), and then only for a
 request that carries it in the `x-tlaloc-admin-key` header (403 otherwise); the API key, when
-there is one, is asked for as on every route. The path is the sequence model's to check: it
+there is one, is asked for as on every route. The sequence model obeys the command only with
+its server's admin key, which this server sends as its own: `tlaloc serve` and `tlaloc openai`
+are given the same key (TLALOC_ADMIN_KEY). The path is the sequence model's to check: it
 loads only from under its `lora_updates_root` (a relative path is taken from there). A load or
 unload is one request to the base model's sequence model (the request parameter lora_admin);
 what it refuses comes back as a 400 naming why, and nothing changes. After a load the adapter
@@ -22,18 +24,20 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from .http_doors import APIError, parse_body, typed
+from .openai_responses import failure_error
 
 router = APIRouter()
 ADMIN_HEADER = "x-tlaloc-admin-key"
 
 
-def send_admin(url: str, model: str, command: dict) -> None:
-    """The command to `model`'s sequence model at `url` (gRPC): InferError when refused."""
+def send_admin(url: str, model: str, command: dict, key: str) -> None:
+    """The command to `model`'s sequence model at `url` (gRPC) with the admin key `key`, which
+    the sequence model checks against its server's: InferError when refused."""
     from .client import TlalocClient, new_sequence_id
 
     with TlalocClient(url, model, "grpc") as c:
         c.request(new_sequence_id(), [], start=True, end=True, outputs=("KV_PAGES",),
-                  admin=command)
+                  admin=command, admin_key=key)
 
 
 def _checked(request: Request) -> None:
@@ -64,9 +68,10 @@ async def _send(request: Request, base, command: dict) -> None:
 
     send = request.app.state.send_admin
     try:
-        await run_in_threadpool(send, request.app.state.url, base.name, command)
-    except InferError as e:
-        raise APIError(400, str(e)) from None
+        await run_in_threadpool(send, request.app.state.url, base.name, command,
+                                request.app.state.options.admin_key)
+    except InferError as e:  # its refusal a 400, a full model a 503, its failure a 500
+        raise failure_error(str(e), e.status) from None
 
 
 @router.post("/v1/load_lora_adapter")

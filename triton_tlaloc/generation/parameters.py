@@ -5,6 +5,7 @@ check, which every front end applies where the salt can still be seen whole."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import reprlib
 import unicodedata
@@ -72,5 +73,24 @@ def checked_cache_salt(salt, what: str):
     return salt
 
 
-__all__ = ["MAX_CACHE_SALT_CHARS", "SamplingError", "checked_cache_salt", "integer", "real",
-           "refused", "shown"]
+# The sequence model's CACHE_SALT input (bytes, any value): at most this many
+MAX_CACHE_SALT_BYTES = 1024
+
+
+def salt_of_bytes(raw: bytes, what: str) -> str:
+    """The cache salt a client gave as bytes (the sequence model's CACHE_SALT input, which
+    carries any byte, NUL included): its key for the block hashes. Printable UTF-8 is the same
+    salt as that string given as a parameter; anything else is keyed by its SHA-256 behind
+    U+0001, which no checked string salt holds, so two different byte strings never share a
+    key and none is a string salt's. ValueError naming `what` when empty or too long."""
+    if not 0 < len(raw) <= MAX_CACHE_SALT_BYTES:
+        raise ValueError(f"{what} CACHE_SALT: expected 1 to {MAX_CACHE_SALT_BYTES} bytes, got "
+                         f"{len(raw)}")
+    try:
+        return checked_cache_salt(raw.decode("utf-8"), what)
+    except ValueError:  # (UnicodeDecodeError is one)
+        return "\x01" + hashlib.sha256(raw).hexdigest()
+
+
+__all__ = ["MAX_CACHE_SALT_BYTES", "MAX_CACHE_SALT_CHARS", "SamplingError", "checked_cache_salt",
+           "integer", "real", "refused", "salt_of_bytes", "shown"]

@@ -74,9 +74,16 @@ def read_peft_adapter(path: str | Path, layout: LoraLayout) -> LoraAdapter:
         part, j = by_module[module]
         full = f"model.layers.{layer}.{module}"
         r = a.shape[0]
-        if a.ndim != 2 or b.ndim != 2 or b.shape[1] != r:
+        if a.ndim != 2 or b.ndim != 2 or b.shape[1] != r or r < 1:
             raise AdapterError(f"adapter {where}: {full}: lora_A {list(a.shape)} and lora_B "
-                               f"{list(b.shape)} are not a rank-r pair")
+                               f"{list(b.shape)} are not a rank-r pair (r >= 1)")
+        for which, t in (("lora_A", a), ("lora_B", b)):
+            # NaN or infinity would reach the logits of every row that uses the adapter, and
+            # through their KV the sequences that continue or reuse it
+            if not np.isfinite(t).all():
+                raise AdapterError(f"adapter {where}: {full}.{which} holds "
+                                   f"{int((~np.isfinite(t)).sum())} values that are NaN or "
+                                   f"infinite")
         if r > layout.max_rank:
             raise AdapterError(f"adapter {where}: {full} has rank {r}, over the artifact's "
                                f"largest {layout.max_rank} (export with --max-lora-rank {r} "
@@ -149,6 +156,9 @@ def _scaling(where: str, config: dict, module: str, rank: int) -> float:
     if r != rank:
         raise AdapterError(f"adapter {where}: {module}: its config says rank {r}, its tensors "
                            f"{rank}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise AdapterError(f"adapter {where}: {module}: lora_alpha {alpha!r}: expected a finite "
+                           f"number")
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 

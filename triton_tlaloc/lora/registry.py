@@ -24,6 +24,40 @@ from .peft_adapter import AdapterError, LoraAdapter
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
 
+# The longest adapter path a load names (Linux's PATH_MAX)
+MAX_PATH_CHARS = 4096
+
+
+def checked_admin_command(command) -> tuple[str, object]:
+    """A load or unload command's verb and argument, its shape checked (the front end checks it
+    before the request is queued, the registry again before it acts): ("unload", NAME) or
+    ("load", {"name", "path"}); AdapterError naming what is wrong."""
+    if not isinstance(command, dict) or len(command) != 1:
+        raise AdapterError("lora_admin: expected {\"load\": {\"name\": ..., \"path\": "
+                           "...}} or {\"unload\": name}")
+    (verb, arg), = command.items()
+    if verb == "unload" and isinstance(arg, str):
+        _checked_name(arg)
+        return verb, arg
+    if verb == "load" and isinstance(arg, dict) and set(arg) == {"name", "path"} and all(
+            isinstance(v, str) for v in arg.values()):
+        _checked_name(arg["name"])
+        path = arg["path"]
+        if not path or "\0" in path or len(path) > MAX_PATH_CHARS:
+            raise AdapterError(f"lora_admin: adapter path {path[:200]!r}: expected a "
+                               f"directory's path, without U+0000, of 1 to {MAX_PATH_CHARS} "
+                               f"characters")
+        return verb, arg
+    raise AdapterError(f"lora_admin: {str(verb)[:100]!r}: expected load {{name, path}} or "
+                       f"unload NAME")
+
+
+def _checked_name(name: str) -> None:
+    if not NAME.fullmatch(name):
+        raise AdapterError(f"adapter name {name[:200]!r}: letters, digits and . _ : / - (up to "
+                           f"128, not starting with punctuation)")
+
+
 class AdapterSlotsBusy(Exception):
     """Every slot holds an adapter that a live sequence uses: wait for one to end."""
 
@@ -65,13 +99,16 @@ class AdapterRegistry:
     def register(self, name: str, path: str | Path) -> LoraAdapter:
         """Know `name` as the adapter in `path`, read and checked now (an adapter that does
         not fit is refused here, by name, and nothing changes)."""
-        if not NAME.fullmatch(name or ""):
-            raise AdapterError(f"adapter name {name!r}: letters, digits and . _ : / - (up to "
-                               f"128, not starting with punctuation)")
+        _checked_name(name or "")
         if name in self.paths:
             raise AdapterError(f"adapter {name} is loaded already (from {self.paths[name]}); "
                                f"unload it first")
-        adapter = self.read(Path(path))
+        try:
+            adapter = self.read(Path(path))
+        except AdapterError:
+            raise
+        except (OSError, ValueError) as e:  # a path the system refuses, unreadable files
+            raise AdapterError(f"adapter {name}: {path!s:.200}: {e}") from None
         self.paths[name] = Path(path)
         self.hashes[name] = adapter.content_hash
         self._keep_on_host(name, adapter)
@@ -96,22 +133,16 @@ class AdapterRegistry:
         if self.updates_root is None:
             raise AdapterError("loading adapters while serving is off (the model parameter "
                                "lora_updates_root names the directory they may come from)")
-        if not isinstance(command, dict) or len(command) != 1:
-            raise AdapterError("lora_admin: expected {\"load\": {\"name\": ..., \"path\": "
-                               "...}} or {\"unload\": name}")
-        (verb, arg), = command.items()
-        if verb == "unload" and isinstance(arg, str):
+        verb, arg = checked_admin_command(command)
+        if verb == "unload":
             self.unregister(arg)
             return f"adapter {arg} unloaded"
-        if verb == "load" and isinstance(arg, dict) and set(arg) == {"name", "path"} and all(
-                isinstance(v, str) for v in arg.values()):
-            path = (self.updates_root / arg["path"]).resolve()
-            if not path.is_relative_to(self.updates_root):
-                raise AdapterError(f"adapter path {arg['path']!r} is outside the directory "
-                                   f"adapters may be loaded from")
-            adapter = self.register(arg["name"], path)
-            return f"adapter {arg['name']} loaded (rank {adapter.rank})"
-        raise AdapterError(f"lora_admin: {verb!r}: expected load {{name, path}} or unload NAME")
+        path = (self.updates_root / arg["path"]).resolve()
+        if not path.is_relative_to(self.updates_root):
+            raise AdapterError(f"adapter path {arg['path']!r} is outside the directory "
+                               f"adapters may be loaded from")
+        adapter = self.register(arg["name"], path)
+        return f"adapter {arg['name']} loaded (rank {adapter.rank})"
 
     @property
     def names(self) -> list[str]:
@@ -197,4 +228,5 @@ def parse_adapters(text: str) -> dict[str, str]:
     return out
 
 
-__all__ = ["AdapterRegistry", "AdapterSlotsBusy", "AdapterStats", "parse_adapters"]
+__all__ = ["AdapterRegistry", "AdapterSlotsBusy", "AdapterStats", "checked_admin_command",
+           "parse_adapters"]

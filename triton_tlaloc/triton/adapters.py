@@ -4,11 +4,13 @@ name), and a request's `lora` parameter."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 
 from ..lora.peft_adapter import AdapterError, read_peft_adapter
-from ..lora.registry import AdapterRegistry, parse_adapters
+from .server import ADMIN_KEY_ENV
+from ..lora.registry import AdapterRegistry, checked_admin_command, parse_adapters
 
 log = logging.getLogger("triton_tlaloc.adapters")
 
@@ -36,14 +38,31 @@ def adapter_registry(runtime, params: dict) -> AdapterRegistry | None:
     return registry
 
 
-def lora_admin_parameter(parameters: dict) -> dict | None:
-    """A request's lora_admin: an adapter load or unload (lora/registry.AdapterRegistry.update
-    checks it), a JSON object, given as one or as its text."""
+def lora_admin_parameter(parameters: dict, admin_key: str | None) -> dict | None:
+    """A request's lora_admin: an adapter load or unload, a JSON object given as one or as its
+    text, its shape checked here (so that nothing malformed reaches the batching thread, where
+    lora/registry.AdapterRegistry.update acts on it). Whoever reaches the inference port may
+    send it, so it is obeyed only with the server's admin key (`admin_key`) in the parameter
+    lora_admin_key: refused by name when the key is missing or wrong, or the server has none.
+    AdapterError naming the problem."""
     command = parameters.get("lora_admin")
+    if command is None:
+        return None
+    if not admin_key:
+        raise AdapterError(f"lora_admin: adapter updates need the server's admin key, and this "
+                           f"server has none (tlaloc serve --admin-key, or {ADMIN_KEY_ENV} in "
+                           f"tritonserver's environment)")
+    given = parameters.get("lora_admin_key")
+    if not isinstance(given, str) or not hmac.compare_digest(given.encode(), admin_key.encode()):
+        log.warning("lora_admin refused: the admin key is missing or wrong")
+        raise AdapterError("lora_admin: the admin key (parameter lora_admin_key) is missing or "
+                           "wrong")
     if isinstance(command, str):
-        command = json.loads(command)
-    if command is not None and not isinstance(command, dict):
-        raise ValueError("parameter lora_admin: expected a JSON object")
+        try:
+            command = json.loads(command)
+        except ValueError:
+            raise AdapterError("lora_admin: expected a JSON object, as text or as one") from None
+    checked_admin_command(command)
     return command
 
 

@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from ..generation.parameters import checked_cache_salt
+from ..generation.parameters import checked_cache_salt, salt_of_bytes
 
 TOP_K_DEFAULT = 8
 
@@ -24,12 +24,21 @@ def top_k_parameter(parameters: str | dict | None, vocab: int) -> int:
     return k
 
 
-def cache_salt_parameter(parameters: str | dict | None) -> str | None:
-    """A request's cache_salt (generation/parameters.py checks it): prompts of different
-    salts never share cached KV. None when absent; ValueError naming the problem otherwise."""
+def cache_salt_parameter(parameters: str | dict | None, raw: bytes | None = None) -> str | None:
+    """A request's cache salt: prompts of different salts never share cached KV. Given as the
+    parameter cache_salt (a printable string: Triton ends a string parameter at a NUL, so
+    generation/parameters.py refuses control characters) or as the CACHE_SALT input's bytes
+    `raw` (any bytes, NUL included, hashed whole), not both. None when absent; ValueError
+    naming the problem otherwise."""
     if not isinstance(parameters, dict):
         parameters = json.loads(parameters or "{}")
-    return checked_cache_salt(parameters.get("cache_salt"), "parameter")
+    salt = checked_cache_salt(parameters.get("cache_salt"), "parameter")
+    if raw is None:
+        return salt
+    if salt is not None:
+        raise ValueError("cache salt given twice (the parameter cache_salt and the CACHE_SALT "
+                         "input): give one")
+    return salt_of_bytes(raw, "input")
 
 
 # The outputs computed from a reply's logits: a verify call copies them out only for these.

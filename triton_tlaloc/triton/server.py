@@ -150,6 +150,9 @@ def _exited(pid: int) -> bool:
 # statistics.
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 ADMIN_KEY_HEADER = "tlaloc-admin-key"
+# The server's admin key in its environment and its model processes': `tlaloc serve`, `tlaloc
+# openai` and the sequence model (its adapter loads and unloads) read it from there.
+ADMIN_KEY_ENV = "TLALOC_ADMIN_KEY"
 SHM_DIR = Path("/dev/shm")
 
 
@@ -279,8 +282,11 @@ class TritonServer:
     def _start(self, timeout_s: float, wait_compiled: bool, progress) -> "TritonServer":
         self._log = open(self.log_path, "ab")
         self._read_to = self._log_start = self.log_path.stat().st_size
+        # The model processes read the admin key from their environment: a sequence model's
+        # adapter loads and unloads (the request parameter lora_admin) need it too.
+        env = {**server_environment(), ADMIN_KEY_ENV: self.admin_key}
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=server_environment(), start_new_session=True)
+                                     env=env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -24,9 +24,10 @@ def serve(args) -> int:
     """`tlaloc serve`: tritonserver started, watched and restarted when a model's process dies;
     stopped on SIGINT or SIGTERM. The exit status: 0 stopped when asked, 1 the server exited on
     its own, 3 a model process kept dying."""
-    from .server import RESTRICTED_APIS, TritonServer, dead_stubs, stub_processes
+    from .server import (ADMIN_KEY_ENV, RESTRICTED_APIS, TritonServer, dead_stubs,
+                         stub_processes)
 
-    admin_key = args.admin_key or os.environ.get("TLALOC_ADMIN_KEY") or None
+    admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
     if args.cpu_devices:  # every backend process inherits it (each instance its own devices)
         from ..runtime.pjrt import with_cpu_devices
 
