@@ -232,7 +232,7 @@ def write_generate_model(artifact, repo: Path, name: str, generation_loop: str =
     (model_dir / "1").mkdir(parents=True)
     shutil.copyfile(TEMPLATE_DIR / "generate" / "model.py", model_dir / "1" / "model.py")
     params = {"sequence_model": name, "tokenizer_dir": _tokenizer_dir(artifact),
-              "max_context": artifact.max_context,
+              "max_context": artifact.max_context, "vocab": artifact.model.vocab,
               "eos_token_ids": ",".join(str(t) for t in artifact.model.eos_token_ids),
               "generation_loop": generation_loop, "draft_model": draft_model}
     text = Template((TEMPLATE_DIR / "generate" / "config.pbtxt.in").read_text()).substitute(

@@ -229,6 +229,9 @@ def test_completions_and_chat_answer_through_the_given_generate(plain):
     assert plain.generate.calls[-1].input_ids == [ord("h"), ord("i")]
     assert plain.generate.calls[-1].sampling == {"max_tokens": 16, "temperature": 1.0,
                                                  "top_p": 1.0}
+    # asked of the generate model as a stream all the same: generate's wait for a response
+    # then bounds the time between tokens, not a long completion's whole length
+    assert plain.generate.calls[-1].stream
     status, _, body = plain.post("/v1/chat/completions", {
         **CHAT, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0})
     assert status == 200

@@ -56,7 +56,8 @@ def test_tokenize_gives_the_ids_a_generation_gets_and_detokenize_their_text(serv
             ("/tokenize", {"model": "x", "prompt": "a"}, 404, "not served here"),
             ("/tokenize", {"model": "m", "messages": [{"role": "bot", "content": "a"}]}, 400,
              "messages[0].role"),
-            ("/detokenize", {"model": "m", "tokens": [1, -2]}, 400, "tokens: a list of token"),
+            ("/detokenize", {"model": "m", "tokens": [1, -2]}, 400,
+             "tokens: token id -2 (at 1) is negative"),
             ("/detokenize", {"model": "m", "tokens": "12"}, 400, "tokens: a list of token")):
         status, got = call(base, path, body)
         assert status == code and says in got["error"]["message"], (path, body, got)

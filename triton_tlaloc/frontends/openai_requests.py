@@ -42,6 +42,9 @@ class ServedModel:
     # generations carry the sampling parameter lora
     lora: str | None = None
     parent: str | None = None
+    # The model's vocabulary (its generate model's parameter vocab; None: a repository written
+    # before it was one): the ids a prompt may hold, which may be more than its tokenizer's
+    model_vocab: int | None = None
 
     def __post_init__(self):
         template = getattr(self.tokenizer, "chat_template", None)
@@ -73,7 +76,15 @@ class ServedModel:
         if not directory:
             raise ValueError(f"{gen} names no tokenizer directory: pass --tokenizer")
         return ServedModel(name, gen, ArtifactTokenizer(Path(directory)),
-                           int(params["max_context"]), tool_parser, reasoning_parser)
+                           int(params["max_context"]), tool_parser, reasoning_parser,
+                           model_vocab=int(params["vocab"]) if params.get("vocab") else None)
+
+    @property
+    def vocab(self) -> int | None:
+        """How many token ids a request may name: the model's vocabulary, which is often
+        padded past its tokenizer's; the tokenizer's where the model's is not known (None:
+        neither says)."""
+        return self.model_vocab or getattr(self.tokenizer, "vocab_size", None)
 
     def adapter(self, name: str) -> "ServedModel":
         """This model with its LoRA adapter `name`, served as the model `name`."""
@@ -100,10 +111,11 @@ def _adapter(model: ServedModel) -> dict:
     return {"lora": model.lora} if model.lora else {}
 
 
-def _sampling(body: dict) -> dict:
+def _sampling(body: dict, vocab: int | None = None) -> dict:
     """The generate model's sampling_parameters from an OpenAI request body. Each value is
     passed on as sent once it has the JSON type its parameter takes: the generate model checks
-    its range, and names it when it refuses (a 400)."""
+    its range, and names it when it refuses (a 400); token ids are checked here against the
+    tokenizer's vocabulary of `vocab` ids."""
     out = {"temperature": number(body, "temperature", 1.0), "top_p": number(body, "top_p", 1.0)}
     max_tokens = number(body, "max_completion_tokens")
     if max_tokens is None:
@@ -140,6 +152,9 @@ def _sampling(body: dict) -> dict:
         raise APIError(400, "stop: an empty stop string (leave stop out for none)")
     if stop:
         out["stop"] = stop
+    # vLLM's extension: token ids that end the generation (not part of its text)
+    if (stop_ids := _stop_token_ids(body, vocab)) is not None:
+        out["stop_token_ids"] = stop_ids
     # vLLM's extension: prompts of different salts never share cached KV.
     if (salt := typed(body, "cache_salt", (str,), "a string")) is not None:
         out["cache_salt"] = salt
@@ -283,13 +298,42 @@ def too_long(what: str, length: int, max_chars: int, unit: str = "characters") -
 MAX_TOKEN_ID = 2**31 - 1
 
 
+def token_id_problem(ids: list[int], vocab: int | None) -> str | None:
+    """What is wrong with the first id of `ids` that is no token id: negative, or past the
+    vocabulary of `vocab` ids (None: past the largest id the generate model takes); None when
+    every one is one."""
+    top = MAX_TOKEN_ID + 1 if vocab is None else vocab
+    for i, t in enumerate(ids):
+        if t < 0:
+            return f"token id {t} (at {i}) is negative: ids run from 0 to {top - 1}"
+        if t >= top:
+            where = (f"past the vocabulary of {vocab} tokens (ids 0 to {vocab - 1})"
+                     if vocab is not None else f"past the largest token id, {MAX_TOKEN_ID}")
+            return f"token id {t} (at {i}) is {where}"
+    return None
+
+
+def _stop_token_ids(body: dict, vocab: int | None) -> list[int] | None:
+    """vLLM's stop_token_ids: a list of token ids (a JSON number with no fraction is one), each
+    inside the vocabulary; None when absent."""
+    given = typed(body, "stop_token_ids", (list,), "a list of token ids")
+    if given is None:
+        return None
+    if not all(type(t) is int or (type(t) is float and t.is_integer()) for t in given):
+        raise APIError(400, f"stop_token_ids: a list of token ids, not {shown(given)}")
+    ids = [int(t) for t in given]
+    if (problem := token_id_problem(ids, vocab)) is not None:
+        raise APIError(400, f"stop_token_ids: {problem}")
+    return ids
+
+
 def completion_call(models: dict[str, ServedModel], body: dict,
                     max_prompt_chars: int = MAX_PROMPT_CHARS) -> GenerateCall:
     """POST /v1/completions: the prompt is one string or one list of token ids (either may
     come as a list of one); max_tokens defaults to 16."""
     model = served_model(models, body)
     stream, include_usage = _streaming(body)
-    sampling = {"max_tokens": 16, **_sampling(body), **_adapter(model)}
+    sampling = {"max_tokens": 16, **_sampling(body, model.vocab), **_adapter(model)}
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -299,8 +343,9 @@ def completion_call(models: dict[str, ServedModel], body: dict,
         ids = model.tokenizer.encode(prompt)
     elif isinstance(prompt, list) and len(prompt) > max_prompt_chars:
         raise too_long("prompt", len(prompt), max_prompt_chars, "token ids")
-    elif isinstance(prompt, list) and all(
-            type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        if (problem := token_id_problem(prompt, model.vocab)) is not None:
+            raise APIError(400, f"prompt: {problem}")
         ids = list(prompt)
     else:
         raise APIError(400, f"prompt: one string or one list of token ids, not "
@@ -391,7 +436,7 @@ def chat_call(models: dict[str, ServedModel], body: dict,
     defaults to what the largest context leaves after the prompt."""
     model = served_model(models, body)
     stream, include_usage = _streaming(body)
-    sampling = {**_sampling(body), **_adapter(model)}
+    sampling = {**_sampling(body, model.vocab), **_adapter(model)}
     messages = chat_messages(body.get("messages"))
     if body.get("echo") not in (None, False):
         raise APIError(400, "echo: only on /v1/completions")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..codes import GRPC_STATUS, split_coded_message
 from .client import GenerateResult
 from . import reasoning
 from .http_doors import APIError
@@ -29,6 +31,23 @@ HTTP_OF_GRPC_STATUS = {
 }
 
 
+# Triton puts this before a failed request's message when the request has an id
+_REQUEST_ID = re.compile(r"^\[request id: [^\]]*\] ")
+
+
+def failure_error(message: str, status: str | None) -> APIError:
+    """What a model's failure is answered with: the code its message names in brackets at its
+    start (codes.coded_message; after Triton's "[request id: ...] " when there is one), else
+    the gRPC status name the error carries (status: "INTERNAL", "StatusCode.INTERNAL").
+    INVALID_ARGUMENT is a 400, UNAVAILABLE a 503, DEADLINE_EXCEEDED a 504; anything else
+    (INTERNAL, UNKNOWN, no code at all) is the server's failure: a 500 server_error."""
+    code, _ = split_coded_message(_REQUEST_ID.sub("", message))
+    name = GRPC_STATUS[code] if code is not None else (
+        None if status is None else str(status).rsplit(".", 1)[-1])
+    http, kind = HTTP_OF_GRPC_STATUS.get(name, (500, "server_error"))
+    return APIError(http, message, kind)
+
+
 def refusal(item) -> APIError | None:
     """The error a generation's outcome (a GenerateResult, or the exception generate raised)
     is answered with, or None when it succeeded."""
@@ -38,8 +57,7 @@ def refusal(item) -> APIError | None:
         return APIError(500, f"the generation failed: {item}", "server_error")
     if item.error is None:
         return None
-    status, kind = HTTP_OF_GRPC_STATUS.get(item.status, (500, "server_error"))
-    return APIError(status, item.error, kind)
+    return failure_error(item.error, item.status)
 
 
 def choice(chat: bool, text: str | None, finish, delta: bool, first: bool = False) -> dict:

@@ -107,15 +107,17 @@ class Generation:
     `cancel` stops it; `release` (its slot's, idempotent) is called when it ends, however it
     ends, or when abandoned, whichever comes first."""
 
-    def __init__(self, generate, url: str, call: GenerateCall, release, index: int = 0,
-                 stream: bool | None = None):
-        """Choice `index` of the call (its own seed); `stream`: whether its pieces come (the
-        call's own, unless given)."""
+    def __init__(self, generate, url: str, call: GenerateCall, release, index: int = 0):
+        """Choice `index` of the call (its own seed). Its pieces always come, whether or not
+        the client streams: the generate model answers a generation it does not stream only
+        at its end, and the wait for a response (generate's 120 s) would then bound the whole
+        generation's length rather than the time between its tokens."""
         self.items: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.release = release
         self._loop = asyncio.get_running_loop()
-        self._args = (generate, url, call, index, call.stream if stream is None else stream)
+        self._args = (generate, url, call, index, True)
+        self._looked = time.monotonic()  # when next_item last looked at the client
         threading.Thread(target=self._run, daemon=True, name="tlaloc-generation").start()
 
     def abandon(self) -> None:
@@ -146,16 +148,22 @@ class Generation:
 
     async def next_item(self, request: Request):
         """The next item, watching the client meanwhile: if it disconnects, the generation is
-        cancelled and ClientGone raised. (Inside a streamed response starlette watches
-        instead, cancelling the response's generator.)"""
+        cancelled and ClientGone raised. The client is looked at every DISCONNECT_POLL_S by
+        the clock, whether items come or not: a choice streamed inside a whole completion
+        hands over a piece a token, and looking only when none came for a poll's time never
+        looked while it ran. (Inside a streamed response starlette watches instead,
+        cancelling the response's generator.)"""
         getter = asyncio.ensure_future(self.items.get())
         try:
             while True:
                 done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                now = time.monotonic()
+                if now - self._looked >= DISCONNECT_POLL_S:
+                    self._looked = now
+                    if await request.is_disconnected():
+                        raise ClientGone
                 if done:
                     return getter.result()
-                if await request.is_disconnected():
-                    raise ClientGone
         except BaseException:  # the client gone, or this task cancelled (the server stops)
             self.abandon()
             raise
@@ -201,8 +209,7 @@ async def _generation(request: Request, parse) -> Response:
             lambda: parse(state.models, parse_body(raw), state.options.max_prompt_chars))
         for _ in range(call.n - 1):  # one at a time: a 429 at the last gives back the rest
             releases.append(state.slots.take())
-        generations = [Generation(state.generate, state.url, call, releases[0],
-                                  stream=call.stream or call.n > 1)]
+        generations = [Generation(state.generate, state.url, call, releases[0])]
     except BaseException:
         for release in releases:
             release()  # no generation started to release it
@@ -228,7 +235,14 @@ async def _generation(request: Request, parse) -> Response:
     if call.stream:
         together = Generations(generations)
         return GenerationStream(choice_events(reply, generations, firsts), together)
-    results = [await _result(g, first, request) for g, first in zip(generations, firsts)]
+    try:
+        results = [await _result(g, first, request) for g, first in zip(generations, firsts)]
+    except BaseException as e:  # the client gone, or the server stopping: none goes on
+        for g in generations:
+            g.abandon()
+        if isinstance(e, ClientGone):
+            return Response(status_code=499)
+        raise
     for got in results:
         if (error := refusal(got)) is not None:
             raise error

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from .http_doors import APIError, parse_body, shown, typed
-from .openai_requests import MAX_TOKEN_ID, served_model, too_long, chat_call
+from .openai_requests import chat_call, served_model, token_id_problem, too_long
 
 router = APIRouter()
 
@@ -71,9 +71,11 @@ def detokenized(models: dict, body: dict, max_prompt_chars: int) -> dict:
     tokens = body.get("tokens")
     if isinstance(tokens, list) and len(tokens) > max_prompt_chars:
         raise too_long("tokens", len(tokens), max_prompt_chars, "token ids")
-    if not isinstance(tokens, list) or not all(
-            type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise APIError(400, f"tokens: a list of token ids, not {shown(tokens)}")
+    # Checked here: the tokenizer decodes an id it does not know as nothing, silently.
+    if (problem := token_id_problem(tokens, model.vocab)) is not None:
+        raise APIError(400, f"tokens: {problem}")
     try:
         return {"prompt": model.tokenizer.decode(tokens)}
     except Exception as e:  # an id past the vocabulary

@@ -61,6 +61,11 @@ class ArtifactTokenizer:
         eos = self._special("eos_token")
         return None if eos is None else self.tok.token_to_id(eos)
 
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids it knows (its added tokens too): ids run from 0 to one less."""
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 

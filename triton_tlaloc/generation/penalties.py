@@ -72,6 +72,16 @@ def check_vocabulary(logit_bias, vocab: int) -> None:
                             f"outside the vocabulary of {vocab} tokens")
 
 
+def check_token_ids(params, vocab: int) -> None:
+    """A request's token ids past the model's vocabulary (logit_bias's, stop_token_ids) are
+    refused by name."""
+    check_vocabulary(params.logit_bias, vocab)
+    past = [t for t in params.stop_token_ids if t >= vocab]
+    if past:
+        raise SamplingError(f"sampling parameter stop_token_ids: token id {past[0]} is "
+                            f"outside the vocabulary of {vocab} tokens (ids 0 to {vocab - 1})")
+
+
 class LogitsAdjuster:
     """One generation's adjustments: `adjust(logits)` for the next choice, `took(tokens)` as
     tokens come next."""

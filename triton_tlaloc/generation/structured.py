@@ -17,6 +17,33 @@ MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema's JSON text, a regex, the choices, 
 MAX_CHOICES = 1024
 
 
+# Keywords that constrain nothing: a schema of these and a $ref is what its $ref names
+_ANNOTATIONS = {"$ref", "$schema", "$id", "$comment", "$defs", "definitions", "title",
+                "description", "default", "examples", "deprecated", "readOnly", "writeOnly"}
+
+
+def _ref_loop(schema: dict) -> str | None:
+    """The $ref chain (as "'#' -> '#'") that leads from the root back to a schema on it with
+    nothing but references on the way, such as {"$ref": "#"}; None when there is none (a
+    $ref under a constraint, such as a property of a tree's node, is no such loop). Only
+    local references ("#", "#/$defs/name") are followed."""
+    seen, node, chain = ["#"], schema, []
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) \
+            and set(node) <= _ANNOTATIONS:
+        ref = node["$ref"]
+        chain.append(repr(ref))
+        if ref in seen:
+            return " -> ".join(chain)
+        if not ref.startswith("#"):
+            return None
+        seen.append(ref)
+        node = schema
+        for part in ref[1:].lstrip("/").split("/") if ref != "#" else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+    return None
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """One request's constraint: `kind` (one of KINDS) and its source text (a schema's JSON
@@ -54,6 +81,10 @@ class StructuredOutput:
         if kind == "json_schema":
             if not isinstance(value, dict):
                 raise SamplingError(f"{where} {shown(value)}: expected a JSON schema object")
+            if (loop := _ref_loop(value)) is not None:
+                raise SamplingError(f"{where}: $ref {loop}: a recursive schema that refers only "
+                                    f"to itself, with nothing to keep to (it would match any "
+                                    f"JSON value): it cannot be compiled into a grammar")
             # Key order kept: llguidance writes properties in the schema's order.
             text = json.dumps(value, separators=(",", ":"))
         elif kind == "json_object":

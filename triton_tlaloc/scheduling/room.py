@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from ..codes import UNAVAILABLE
 from ..engine.core import Sequence
 from ..pages import FULL, PagesExhausted
 from .policy import BatchPolicy, choose_reclaim, choose_swap_out
@@ -146,9 +147,9 @@ class RoomMaker:
             jobs.remove(job)
             if job.request.start:  # nothing of it is computed: it starts again when it can
                 self.state.release(victim)
-                self.defer(job.request)
-                log.info("sequence %s preempted before its prompt ran: it waits for pages",
-                         victim.seq_id)
+                if self.defer(job.request):
+                    log.info("sequence %s preempted before its prompt ran: it waits for "
+                             "pages", victim.seq_id)
                 return
             self.state.roll_back(job)
             self.defer(job.request)
@@ -194,13 +195,28 @@ class RoomMaker:
         self.state.observe("preempted")
         self.state.moves.append(("preempted", seq.seq_id))
 
-    def defer(self, r: Request, what: str = "KV pages") -> None:
+    def defer(self, r: Request, what: str = "KV pages") -> bool:
+        """`r` waits for `what`, up to preempt_wait_s from the first time it waited. A request
+        put back to wait when that has run out (admitted meanwhile, then preempted again
+        before its call ran) is refused now instead, naming how long it waited: False."""
+        now = self.clock()
         if r.waiting_since is None:
-            r.waiting_since = self.clock()
+            r.waiting_since = now
             log.info("sequence %s waits for %s (up to %.1f s)", r.seq_id, what,
                      self.preempt_wait_s)
+        elif now - r.waiting_since >= self.preempt_wait_s:
+            from .admission import Reply  # (admission imports this module)
+
+            message = (f"sequence {r.seq_id}: waited {now - r.waiting_since:.1f} s for {what} "
+                       f"(preempt_wait_microseconds {self.preempt_wait_s * 1e6:.0f}), "
+                       f"preempted again before its call ran (retry later)")
+            self.state.observe("refusal", "pages")
+            log.info("sequence %s refused (pages): %s", r.seq_id, message)
+            r.reply(Reply(error=message, code=UNAVAILABLE))
+            return False
         self.state.waiting.append(r)
         self.state.busy.add(r.seq_id)
+        return True
 
     def _drop(self, seq: Sequence, why: str) -> None:
         log.info("sequence %s dropped: %d pages%s given up (%s; the host tier is full): its "
