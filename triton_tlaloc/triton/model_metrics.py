@@ -12,6 +12,17 @@ from ..scheduling.observer import Observer
 from .metrics import MetricsWriter
 
 
+class _Family:
+    """A MetricFamily whose metrics the writer names (family and labels) in its log lines."""
+
+    def __init__(self, family, name: str, writer: MetricsWriter):
+        self.family, self.name, self.writer = family, name, writer
+
+    def Metric(self, labels: dict, **kw):
+        text = self.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        return self.writer.name(self.family.Metric(labels=labels, **kw), text)
+
+
 class TritonMetrics(Observer):
     """The batcher's observer: Prometheus metrics on Triton's metrics port (docs/serving.md
     names them). Every metric carries the model's name as a label."""
@@ -34,7 +45,7 @@ class TritonMetrics(Observer):
 
         def family(name, description, kind):
             self.families.append(F(name=name, description=description, kind=kind))
-            return self.families[-1]
+            return _Family(self.families[-1], name, self.writer)
 
         pages_used = family("tlaloc_kv_pages_used", "KV pages held by live sequences", F.GAUGE)
         pages_cached = family("tlaloc_kv_pages_cached", "KV pages no live sequence holds that "
@@ -53,8 +64,10 @@ class TritonMetrics(Observer):
         self.pages_free["state"] = family(
             "tlaloc_state_slots_free", "Linear-attention state slots free",
             F.GAUGE).Metric(labels=self.labels)
-        self.sequences = family("tlaloc_sequences_held", "Sequences holding state in the "
-                                "backend", F.GAUGE).Metric(labels=self.labels)
+        self.sequences = family("tlaloc_sequences_held", "Live sequences: started, not yet "
+                                "ended or reclaimed (swapped out or dropped ones too; not the "
+                                "ended ones kept for a next turn)", F.GAUGE).Metric(
+            labels=self.labels)
         self._memory = family("tlaloc_device_bytes", "Bytes the model holds on each of its "
                               "devices, by what (weights, kv_pools, state_pools) and device",
                               F.GAUGE)
@@ -308,7 +321,7 @@ class GrammarMetrics(GrammarObserver):
 
         def family(name, description, kind):
             families.append(F(name=name, description=description, kind=kind))
-            return families[-1]
+            return _Family(families[-1], name, writer)
 
         def by_kind(name, description):  # made here: the reports come from several threads
             f = family(name, description, F.COUNTER)
