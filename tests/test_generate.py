@@ -504,6 +504,34 @@ def test_a_constraint_that_cannot_compile_is_refused_by_name(served, loop):
     assert got.status == "INVALID_ARGUMENT" and "tokenizer" in got.error
 
 
+@pytest.mark.parametrize("loop", ["", "_bls"], ids=["local loop", "BLS loop"])
+def test_forced_tokens_count_against_max_tokens_and_a_grammar_without_end_ends_by_length(
+        served, loop):
+    """A regex whose answer is all forced (`Q{100}`) with max_tokens 1: one token, finish
+    length, and the sequence model runs the prompt alone (the old START fed the prompt and
+    all 100 forced tokens: a run of over 100 tokens, which the count tells apart). A grammar
+    that never ends (`start: "ab" start`) ends by length at max_tokens, as in vLLM."""
+    server, tok = served
+    prompt = [1, 17, 99]
+    before = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+    got = generate(server.grpc_url, f"smollm2_generate{loop}", input_ids=prompt,
+                   sampling={"max_tokens": 1, "structured_output": {"regex": "Q{100}"}})
+    assert got.error is None and got.finish_reason == "length", got
+    assert got.completion_tokens == 1 and set(got.text) == {"Q"}
+    for _ in range(20):  # applied every 250 ms by the model's writer
+        after = scrape_metrics(server.metrics_url, settle_s=METRICS_SETTLE_S)
+        ran = (metric(after, "tlaloc_tokens_total", model="smollm2")
+               - metric(before, "tlaloc_tokens_total", model="smollm2"))
+        if ran:
+            break
+    assert 0 < ran <= len(prompt), ran
+    got = generate(server.grpc_url, f"smollm2_generate{loop}", input_ids=prompt,
+                   sampling={"max_tokens": 8, "structured_output": {
+                       "grammar": 'start: "ab" start'}})
+    assert got.error is None and got.finish_reason == "length", got
+    assert got.completion_tokens == 8 and got.text.startswith("abab")
+
+
 def test_penalties_give_the_same_ids_in_both_loops_and_through_openai(served, openai_url):
     """SmolLM2, greedy under every sampling control: the local loop and the BLS loop give the
     same ids, other than without them (the control), and `tlaloc openai` passes OpenAI's and

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from checks.fakes import fake_artifact
+from checks.schemas import byte_level_bpe
 
 from triton_tlaloc.scheduling.admission import Reply
 from triton_tlaloc.batcher import Batcher
@@ -21,6 +22,7 @@ from triton_tlaloc.generation.local_streams import (LocalLoop, LocalStream, Outb
 from triton_tlaloc.generation.sampling import SamplingParams, TextStream
 from triton_tlaloc.generation.generation_link import LinkError, connect, link_paths, listen
 from triton_tlaloc.generation.speculative import SpeculativeParams
+from triton_tlaloc.generation.grammar import Grammars
 from triton_tlaloc.generation.link_server import LocalGenerations
 from triton_tlaloc.generation.local_generation import Generation, Speculation
 from triton_tlaloc.scheduling.policy import BatchPolicy
@@ -158,11 +160,13 @@ class Served:
     """A batcher over the simulated runtime with local generations, and a generate model's
     loop linked to it through a real socket; `run` generates and shuts everything down."""
 
-    def __init__(self, step_s: float, send_delay_s: float = 0.0, cancelled: bool = False):
+    def __init__(self, step_s: float, send_delay_s: float = 0.0, cancelled: bool = False,
+                 grammars=None):
         self.rt = SimulatedRuntime(ART, step_s)
         self.batcher = Batcher(Engine(self.rt), BatchPolicy(prefill_wait_s=0.001))
         self.local = LocalGenerations("tiny", self.batcher.submit_group, ART.max_context,
-                                      SERVER_PID, Speculation.of(self.batcher.engine))
+                                      SERVER_PID, Speculation.of(self.batcher.engine),
+                                      grammars=grammars)
         self.batcher.round_listeners.append(self.local.round_ended)
         self.batcher.start()
         self.sent = Sent(send_delay_s)
@@ -318,3 +322,115 @@ def test_the_link_refuses_a_peer_without_its_key_and_a_shared_directory(private_
     os.chmod(directory, 0o755)
     with pytest.raises(LinkError, match="not a directory private to this user"):
         link_paths("tiny", SERVER_PID)
+
+
+# ------------------------------------------------------------------ constraints compiling
+
+class HeldGrammars(Grammars):
+    """A grammar engine whose compiles wait for `release`; `inline`: the thread asking (the
+    link's reader) waits as long first, as when it compiled there (the known-wrong
+    variant)."""
+
+    def __init__(self, directory, inline: bool = False):
+        super().__init__(directory, 360, [0])
+        self.release, self.inline = threading.Event(), inline
+        self.compiling = threading.Event()
+
+    def prepare(self, spec, stops, done):
+        if self.inline:
+            self.compiling.set()
+            self.release.wait(10)
+        return super().prepare(spec, stops, done)
+
+    def _compile(self, spec):
+        self.compiling.set()
+        self.release.wait(10)
+        return super()._compile(spec)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bpe")
+    (directory / "tokenizer.json").write_text(byte_level_bpe(354, ["<eos>"]).to_str())
+    return directory
+
+
+def final_of(sent: Sent, stream: LocalStream, timeout: float) -> Outbound | None:
+    """`stream`'s final response, once it came within `timeout` (None if it did not)."""
+    with sent.done:
+        sent.done.wait_for(lambda: any(o.final for o in sent.by_stream.get(id(stream), ())),
+                           timeout)
+        outs = sent.by_stream.get(id(stream), [])
+    return outs[-1] if outs and outs[-1].final else None
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["compile threads", "control: in line"])
+def test_a_plain_generation_runs_while_a_constraint_compiles(private_tmp, tokenizer_dir,
+                                                             inline):
+    """Through the socket and a real batcher: a constrained stream whose compile is held,
+    then a plain one in the same frame. The plain one generates all its tokens while the
+    compile is held, and the constrained one starts (its START sent) once it is released.
+    Control: compiled on the link's reader thread, as before, the plain one gets nothing
+    while the compile is held."""
+    grammars = HeldGrammars(tokenizer_dir, inline=inline)
+    served = Served(0.002, grammars=grammars)
+    constrained = LocalStream(None, [5, 6], SamplingParams.from_dict(
+        {"max_tokens": 8, "structured_output": {"regex": "ok"}}), True,
+        TextStream(lambda ids: "", ()), {0}, time.perf_counter())
+    plain, = streams_for([[7, 8, 9]], 12)
+    try:
+        served.loop.start([constrained, plain])
+        assert grammars.compiling.wait(5)
+        out = final_of(served.sent, plain, 1.0 if inline else 10.0)
+        if inline:
+            assert out is None and not served.rt.runs
+            return
+        assert out is not None and out.finish == "length" and plain.generated == 12
+        assert final_of(served.sent, constrained, 0.1) is None  # still compiling
+        runs = served.rt.runs
+        grammars.release.set()
+        out = final_of(served.sent, constrained, 10.0)
+        assert out is not None and out.finish == "stop" and out.error is None
+        assert constrained.generated >= 1  # "ok": its forced tokens
+        assert served.rt.runs > runs  # its START ran after the release
+    finally:
+        grammars.release.set()
+        served.loop.close()
+        served.senders.stop()
+        served.batcher.stop()
+        served.local.stop()
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["watched", "control: unwatched"])
+def test_a_stream_cancelled_while_its_constraint_compiles_ends_unstarted(
+        private_tmp, tokenizer_dir, monkeypatch, watched):
+    """A constrained stream whose client went away while its compile is held: the generate
+    model's loop looks at quiet streams too, so the cancel reaches the sequence model, which
+    answers it at once (CANCELLED) and never sends its START. Control: without that watch
+    (a stream is only looked at when a token comes), nothing is cancelled while the compile
+    is held."""
+    if not watched:
+        monkeypatch.setattr(LocalLoop, "_watch_quiet", lambda self, conn: None)
+    grammars = HeldGrammars(tokenizer_dir)
+    served = Served(0.002, cancelled=True, grammars=grammars)
+    stream = LocalStream(None, [5, 6], SamplingParams.from_dict(
+        {"max_tokens": 8, "structured_output": {"regex": "[0-9]+"}}), False,
+        TextStream(lambda ids: "", ()), {0}, time.perf_counter())
+    try:
+        served.loop.start([stream])
+        assert grammars.compiling.wait(5)
+        out = final_of(served.sent, stream, 2.0)
+        if not watched:
+            assert out is None
+            return
+        assert out is not None and out.error[0] == "CANCELLED"
+        grammars.release.set()
+        time.sleep(0.2)  # the compile ends: nothing is started for it
+        assert not served.rt.runs and not served.batcher.sequences
+        assert not served.local.connections[0].generations
+    finally:
+        grammars.release.set()
+        served.loop.close()
+        served.senders.stop()
+        served.batcher.stop()
+        served.local.stop()

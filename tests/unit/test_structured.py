@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import numpy as np
@@ -18,7 +20,8 @@ from triton_tlaloc.engine.speculation import accepted_drafts
 from triton_tlaloc.generation.local_generation import Generation, Speculation
 from triton_tlaloc.generation.parameters import SamplingError
 from triton_tlaloc.generation.sampling import Sampler, SamplingParams
-from triton_tlaloc.generation.grammar import GrammarObserver, Grammars
+from triton_tlaloc.generation.grammar import (GrammarObserver, Grammars, GrammarsBusy,
+                                              llguidance_grammar)
 from triton_tlaloc.generation.structured import MAX_CONSTRAINT_BYTES, StructuredOutput
 from triton_tlaloc.generation.speculative import StepCost
 from triton_tlaloc.scheduling.admission import Reply
@@ -406,7 +409,7 @@ def oracle(grammars, model: RandomModel, prompt: list[int]) -> list[int]:
     import llguidance
     import llguidance.numpy as llnp
 
-    matcher = llguidance.LLMatcher(grammars.tokenizer(), grammars.grammar(spec(
+    matcher = llguidance.LLMatcher(grammars.tokenizer(), llguidance_grammar(spec(
         json_schema=PERSON)))
     bits = llnp.allocate_token_bitmask(1, VOCAB)
     ids = []
@@ -508,3 +511,229 @@ def test_rows_with_and_without_grammars_batched_together_keep_their_solo_ids(gra
     jsonschema.validate(json.loads(tokenizer[1].decode(alone[0])), PERSON)
     assert re.fullmatch("[0-9]{3}-[a-z]+", tokenizer[1].decode(alone[2]))
     assert len(alone[1]) == len(alone[3]) == 12
+
+
+# ------------------------------------------------------------------ the compiles: off the way
+
+class HeldGrammars(Grammars):
+    """Grammars whose compiles wait for `release` (a compile as slow as a test needs) and
+    record what they compiled; `inline`: the caller's thread waits as long first, as when the
+    link's reader thread compiled (the known-wrong variant)."""
+
+    def __init__(self, *args, inline: bool = False, **kw):
+        super().__init__(*args, **kw)
+        self.release, self.inline = threading.Event(), inline
+        self.compiled_texts: list[str] = []
+
+    def prepare(self, spec, stops, done):
+        if self.inline:
+            self.release.wait(10)
+        return super().prepare(spec, stops, done)
+
+    def _compile(self, spec):
+        self.compiled_texts.append(spec.text)
+        self.release.wait(10)
+        return super()._compile(spec)
+
+
+class Answers:
+    """`done`'s answers, by name, as they come."""
+
+    def __init__(self):
+        self.got: dict[str, tuple] = {}
+        self.cv = threading.Condition()
+
+    def done(self, name: str):
+        def answer(constraint, error):
+            with self.cv:
+                self.got[name] = (constraint, error, time.monotonic())
+                self.cv.notify_all()
+        return answer
+
+    def wait(self, *names: str, timeout: float) -> bool:
+        with self.cv:
+            return self.cv.wait_for(lambda: all(n in self.got for n in names), timeout)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["compile threads", "control: in line"])
+def test_a_compile_never_holds_the_callers_thread_and_one_serves_all_who_ask(tokenizer,
+                                                                              inline):
+    """`prepare` returns at once while the compile runs (held here for 0.5 s), and two
+    generations asking for the same constraint meanwhile share one compile (the second
+    counted as a hit); both get a constraint of their own. Control: the in-line variant (the
+    reader thread compiling, as before) holds the caller for the whole compile."""
+    grammars = HeldGrammars(tokenizer[0], VOCAB, [EOS], inline=inline)
+    answers = Answers()
+    releaser = threading.Timer(0.5, grammars.release.set)
+    releaser.start()
+    t0 = time.monotonic()
+    first = grammars.prepare(spec(regex="[0-9]{3}"), {EOS}, answers.done("first"))
+    second = grammars.prepare(spec(regex="[0-9]{3}"), {EOS}, answers.done("second"))
+    held = time.monotonic() - t0
+    try:
+        if inline:
+            assert held >= 0.45
+            return
+        assert held < 0.25 and not answers.got
+        assert answers.wait("first", "second", timeout=10)
+        (a, error_a, _), (b, error_b, _) = answers.got["first"], answers.got["second"]
+        assert error_a is error_b is None and a is not b and a.matcher is not b.matcher
+        assert grammars.compiled_texts == ["[0-9]{3}"]
+        assert grammars.compiles == 1 and grammars.cache_hits == 1
+        assert not first.cancel() and not second.cancel()  # answered: nothing to take back
+    finally:
+        releaser.cancel()
+        grammars.release.set()
+        grammars.close()
+
+
+@pytest.mark.parametrize("limit", [0.3, 30.0], ids=["limit 0.3 s", "control: limit 30 s"])
+def test_a_slow_compile_is_refused_by_name_and_what_waits_behind_it_as_busy(tokenizer, limit):
+    """One compile thread, one place to wait: a compile held past its 0.3 s is refused
+    (INVALID_ARGUMENT's SamplingError, naming the limit) at its deadline, not when it ends,
+    and so is its constraint, at once and without a second compile, while it still runs;
+    once it ends, its result is kept (a retry finds it compiled). The one that waited 0.3 s
+    for the thread is refused as busy; a third finds the queue full (busy at once). Control:
+    with a 30 s limit nothing is answered before the compile ends."""
+    grammars = HeldGrammars(tokenizer[0], VOCAB, [EOS], threads=1, waiting=1,
+                            compile_seconds=limit)
+    answers = Answers()
+    try:
+        t0 = time.monotonic()
+        grammars.prepare(spec(regex="a[0-9]+"), {EOS}, answers.done("slow"))
+        for _ in range(100):  # the thread took it: the next one waits
+            if grammars.compiled_texts:
+                break
+            time.sleep(0.01)
+        grammars.prepare(spec(regex="b[0-9]+"), {EOS}, answers.done("waiting"))
+        grammars.prepare(spec(regex="c[0-9]+"), {EOS}, answers.done("full"))
+        assert answers.wait("full", timeout=0.2)
+        assert isinstance(answers.got["full"][1], GrammarsBusy)
+        answered = answers.wait("slow", "waiting", timeout=3)
+        if limit > 1:
+            assert not answered and set(answers.got) == {"full"}
+            return
+        assert answered
+        _, error, at = answers.got["slow"]
+        assert isinstance(error, SamplingError) and at - t0 < 2.5
+        assert "structured_output.regex: took more than 0.3 s to compile" in str(error)
+        assert isinstance(answers.got["waiting"][1], GrammarsBusy)
+        assert "no compile thread free within 0.3 s" in str(answers.got["waiting"][1])
+        grammars.prepare(spec(regex="a[0-9]+"), {EOS}, answers.done("again"))
+        assert "took more than 0.3 s" in str(answers.got["again"][1])  # at once, no compile
+        grammars.release.set()
+        for _ in range(500):  # the compile ends by itself
+            if grammars.compiles:
+                break
+            time.sleep(0.01)
+        grammars.prepare(spec(regex="a[0-9]+"), {EOS}, answers.done("retry"))
+        constraint, error, _ = answers.got["retry"]  # answered at once: found compiled
+        assert error is None and constraint is not None and grammars.cache_hits == 1
+        assert grammars.compiled_texts == ["a[0-9]+"]
+    finally:
+        grammars.release.set()
+        grammars.close()
+
+
+@pytest.mark.parametrize("cancel", [True, False], ids=["cancelled", "control: not cancelled"])
+def test_a_compile_whose_generations_went_away_is_dropped_before_it_starts(tokenizer, cancel):
+    """A compile waiting for the one thread, whose only generation is cancelled (its client
+    went away), is never compiled and its `done` never called. Control: not cancelled, it
+    is compiled once the thread is free."""
+    grammars = HeldGrammars(tokenizer[0], VOCAB, [EOS], threads=1)
+    answers = Answers()
+    try:
+        grammars.prepare(spec(regex="a[0-9]+"), {EOS}, answers.done("first"))
+        waiting = grammars.prepare(spec(regex="b[0-9]+"), {EOS}, answers.done("waiting"))
+        if cancel:
+            assert waiting.cancel() and not waiting.cancel()
+        grammars.release.set()
+        assert answers.wait("first", timeout=10)
+        assert answers.wait("waiting", timeout=1) is not cancel
+        assert grammars.compiled_texts == ["a[0-9]+"] + ([] if cancel else ["b[0-9]+"])
+    finally:
+        grammars.release.set()
+        grammars.close()
+
+
+# ------------------------------------------------------------------ forced tokens, limits
+
+def started_within(request_tokens: list[int], prompt: list[int], max_tokens: int,
+                   max_context: int) -> bool:
+    """Whether a START leaves room for the token after it within max_tokens and the context
+    (forced tokens fed in it count as generated ones)."""
+    fed = len(request_tokens) - len(prompt)
+    return request_tokens[:len(prompt)] == prompt and fed + 1 <= max_tokens and \
+        len(request_tokens) + 1 <= max_context
+
+
+def run_local(gen: Generation, queued: list, logits: np.ndarray, steps: int = 50) -> None:
+    """Answers `gen`'s requests with `logits` until its END."""
+    queued.append(gen.start_request())
+    for _ in range(steps):
+        request = queued.pop(0)
+        if request.end:
+            return
+        gen.on_reply(Reply(logits=logits))
+    raise AssertionError("no END")
+
+
+@pytest.mark.parametrize("regex, complete", [("x{300}", True), ("x{300}[ab]", False)])
+@pytest.mark.parametrize("max_tokens, max_context", [(1, 4096), (5, 4096), (100, 12)])
+def test_forced_tokens_count_against_max_tokens_and_the_context(grammars, tokenizer, regex,
+                                                                 complete, max_tokens,
+                                                                 max_context):
+    """`x{300}` (its answer all forced) and `x{300}[ab]` (a choice after them): the START
+    feeds no more forced tokens than max_tokens and the context leave room for with the token
+    after them (none when the answer ends with them: nothing needs their logits), and the
+    generation ends by length after max_tokens tokens (or at the context), the text all x.
+    Control: the START as it was (the prompt and every forced token, when they fit the
+    context) fails the same check."""
+    prompt = [7, 8, 9]
+    events, queued = [], []
+    params = SamplingParams.from_dict({"max_tokens": max_tokens,
+                                       "structured_output": {"regex": regex}})
+    gen = Generation(1, prompt, params, {EOS}, max_context, events.append, queued.extend,
+                     grammars=grammars)
+    assert gen.constraint.complete is complete and len(gen.constraint.queued) >= 100
+    start = gen.start_request()
+    assert started_within(start.tokens, prompt, max_tokens, max_context)
+    assert len(start.tokens) == (len(prompt) if complete else
+                                 min(len(prompt) + max_tokens, max_context) - 1)
+    run_local(gen, queued, np.zeros(VOCAB, np.float32))
+    ids = [e[1] for e in events if e[1] >= 0]
+    assert len(ids) == min(max_tokens, max_context - len(prompt)) and events[-1][2] == "length"
+    assert set(tokenizer[1].decode(ids)) == {"x"}
+
+    old = prompt + gen.constraint.queued  # (the queue now: fewer than it was)
+    if len(old) < max_context:
+        assert not started_within(old, prompt, max_tokens, max_context)
+
+
+def test_a_grammar_that_never_ends_ends_by_length(grammars, tokenizer):
+    """`start: "ab" start` forces "ab" for ever: llguidance computes its forced tokens
+    (about 25,000) but its parser cannot take them (its item limit, counted again as it takes
+    them). The generation emits them and ends by length at max_tokens or at the context,
+    feeding only its prompt; as vLLM does, no error. Control: llguidance's own matcher
+    does fail to take them (what refused the request before)."""
+    import llguidance
+
+    from triton_tlaloc.generation.grammar import FORCED_PAST_LIMIT
+
+    never = 'start: "ab" start'
+    for max_tokens, max_context in ((12, 4096), (4000, 40)):
+        events, queued = [], []
+        params = SamplingParams.from_dict({"max_tokens": max_tokens,
+                                           "structured_output": {"grammar": never}})
+        gen = Generation(1, [7, 8], params, {EOS}, max_context, events.append,
+                         queued.extend, grammars=grammars)
+        assert gen.start_request().tokens == [7, 8]
+        run_local(gen, queued, np.zeros(VOCAB, np.float32))
+        ids = [e[1] for e in events if e[1] >= 0]
+        assert len(ids) == min(max_tokens, max_context - 2) and events[-1][2] == "length"
+        assert set(tokenizer[1].decode(ids)) == {"a", "b"}
+    matcher = llguidance.LLMatcher(grammars.tokenizer(), llguidance_grammar(spec(
+        grammar=never)), limits=grammars._limits)
+    forced = matcher.compute_ff_tokens()
+    assert len(forced) > 10_000 and not matcher.consume_tokens(forced)
+    assert FORCED_PAST_LIMIT in matcher.get_error()

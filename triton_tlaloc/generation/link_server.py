@@ -15,18 +15,19 @@ fake batcher and real sockets (tests/unit/test_local_generation.py, test_draft_m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Callable
 
 from ..scheduling.admission import Request
-from ..codes import INVALID_ARG
+from ..codes import INVALID_ARG, UNAVAILABLE
 from .draft_model import DraftClients, DraftError, DraftSession
 from .sampling import SamplingError, SamplingParams
 from .generation_link import (LinkError, hang_up, instance_link, knock, listen, receive_frame,
                               send_frame)
 from .local_generation import NO_TOKEN, Generation, Speculation
-from .grammar import Grammars
+from .grammar import Grammars, GrammarsBusy, TokenConstraint
 
 log = logging.getLogger("triton_tlaloc.local_generation")
 
@@ -143,6 +144,8 @@ class LinkConnection:
             gen = self.generations.get(gen_id)
             if gen is not None:
                 gen.cancelled = True
+                if gen.grammar_ticket is not None and gen.grammar_ticket.cancel():
+                    self._end_unstarted(gen, "cancelled")  # its compile dropped, or left
             with self._cv:
                 session = self.drafts.pop(gen_id, None)
             if session is not None:
@@ -162,10 +165,36 @@ class LinkConnection:
         stops = {int(t) for t in spec.get("stops", ())}  # the generate model's end ids
         gen = Generation(gen_id, prompt, params, stops, self.max_context, self.emit,
                          self.queue_next, self.speculation, str(spec.get("draft_model") or ""),
-                         self.submit, self.grammars)
+                         self.submit, self.grammars, grammar_later=True)
         with self._cv:
             self.generations[gen_id] = gen
-        return gen
+        if params.structured_output is None:
+            return gen
+        # Its constraint is made off this thread (the next command may be a plain
+        # generation's START); the START is sent once it is, and never if it is refused.
+        gen.grammar_ticket = self.grammars.prepare(params.structured_output, stops,
+                                                   functools.partial(self._grammar_ready, gen))
+        return None
+
+    def _grammar_ready(self, gen: Generation, constraint: TokenConstraint | None,
+                       error: Exception | None) -> None:
+        """`gen`'s constraint, or why it has none (on a compile thread, or this one when it
+        was found compiled): its START goes to the batcher, or it ends unstarted."""
+        if error is not None:
+            code = UNAVAILABLE if isinstance(error, GrammarsBusy) else INVALID_ARG
+            self._end_unstarted(gen, "error", code, str(error))
+        elif gen.cancelled or self.closed:
+            self._end_unstarted(gen, "cancelled")
+        else:
+            gen.constraint = constraint
+            self.submit([gen.start_request()])
+
+    def _end_unstarted(self, gen: Generation, reason: str, code: str | None = None,
+                       message: str | None = None) -> None:
+        """A generation that never sent its START ends: its one event (no END to send)."""
+        gen.finished = True
+        self.emit([gen.gen_id, NO_TOKEN, reason] + ([code, message] if code else []))
+        self.flush()
 
     def _lost(self, doing: str) -> None:
         """The generate model went away: its generations are cancelled (ended at their next
@@ -180,6 +209,8 @@ class LinkConnection:
             self._cv.notify()
         for g in gens:
             g.cancelled = True
+            if g.grammar_ticket is not None:
+                g.grammar_ticket.cancel()  # a compile nobody else waits for is dropped
         for session in sessions:
             session.cancel(self.submit)
         self.on_closed(self)

@@ -30,8 +30,9 @@ import numpy as np
 
 from ..scheduling.admission import Reply, Request
 from ..codes import INTERNAL, INVALID_ARG, RequestError
+from ..model_parameters import default_int
 from .logprobs import PromptScoring, logprob_entry
-from .penalties import check_vocabulary
+from .penalties import check_token_ids
 from .sampling import Sampler, SamplingError, SamplingParams
 from .speculative import (DraftModelCost, Speculator, StepCost, best_length,
                           greedy_acceptance, sampled_acceptance)
@@ -76,11 +77,13 @@ class Generation:
                  submit: Callable[[list[Request]], None],
                  speculation: "Speculation | None" = None, draft_model: str = "",
                  submit_now: Callable[[list[Request]], None] | None = None,
-                 grammars: "Grammars | None" = None):
+                 grammars: "Grammars | None" = None, grammar_later: bool = False):
         """`submit` queues the next step when the round ends (from the batching thread);
         `submit_now` hands it to the batcher at once (from another thread: a draft model's
         drafts arriving); `draft_model` names the model a draft_model speculation drafts with;
-        `grammars` compiles a structured_output constraint (here, on the caller's thread)."""
+        `grammars` compiles a structured_output constraint: here, waiting for it, or with
+        `grammar_later` not here: the caller sets `constraint` (Grammars.prepare's answer)
+        before it sends `start_request()` (the link does, off its reader thread)."""
         assert prompt, "a generation needs a prompt"
         self.gen_id, self.prompt, self.params = gen_id, prompt, params
         self.stops, self.max_context = stops, max_context
@@ -91,9 +94,10 @@ class Generation:
         self.cancelled = False  # set by the link's reader thread, read by the batching thread
         self.finished = False
         self.speculator = self.drafter = self.constraint = None
+        self.grammar_ticket = None  # its wait for its constraint (grammar_later)
         self.speculation = speculation or Speculation()  # what fast-forward feeds through
         if self.speculation.vocab:
-            check_vocabulary(params.logit_bias, self.speculation.vocab)
+            check_token_ids(params, self.speculation.vocab)
         self._call_forced = 0  # forced tokens the START fed after the prompt
         self._logprob = None  # the emitted token's (logprobs.logprob_entry), when asked for
         self._entries: list = []  # those of the step's tokens, in order
@@ -101,12 +105,14 @@ class Generation:
         if params.prompt_logprobs is not None:  # (refused with speculation and grammars)
             spec = self.speculation
             self.scoring = PromptScoring(prompt, params.prompt_logprobs,
-                                         1 if spec.refused else spec.most_drafts + 1)
+                                         1 if spec.refused else spec.most_drafts + 1,
+                                         spec.most_scored)
         if params.structured_output is not None:
             if grammars is None:
                 raise SamplingError("sampling parameter structured_output: this sequence model "
                                     "has no grammar engine")
-            self.constraint = grammars.constraint(params.structured_output, stops)
+            if not grammar_later:
+                self.constraint = grammars.constraint(params.structured_output, stops)
         if params.speculative is not None:
             speculation = self.speculation
             if speculation.refused:
@@ -125,15 +131,20 @@ class Generation:
 
     def start_request(self) -> Request:
         """The START: the prompt, and the tokens a grammar forces first (`{"` of a JSON
-        object) after it, computed in the same call."""
+        object) after it, computed in the same call: as many as max_tokens and the context
+        leave room for with the token after them (they count as generated ones do), and none
+        when the answer ends with them (no logits are needed for them, nor after them)."""
+        assert self.params.structured_output is None or self.constraint is not None, \
+            "a constrained generation starts once its constraint is made"
         tokens = list(self.prompt)
         if self.scoring is not None:
             tokens = tokens[:1]
+        c = self.constraint
         # (with logprobs asked for, forced tokens wait for calls that give their logits)
-        if self.constraint is not None and self.params.logprobs is None and \
-                len(tokens) + len(self.constraint.queued) < self.max_context:
-            self._call_forced = len(self.constraint.queued)
-            tokens += self.constraint.queued
+        if c is not None and self.params.logprobs is None and not c.complete:
+            room = min(self.params.max_tokens, self.max_context - len(tokens)) - 1
+            self._call_forced = max(0, min(len(c.queued), room))
+            tokens += c.queued[:self._call_forced]
         return Request(seq_id=self.seq_id, tokens=tokens, start=True, end=False,
                        reply_fn=self.on_reply, cache_salt=self.params.cache_salt,
                        lora=self.params.lora)
@@ -192,7 +203,8 @@ class Generation:
             if c.complete and (self.params.logprobs is None or not c.queued):
                 # What is queued ends the answer: no call to make (with logprobs asked for,
                 # the queued tokens are fed first, their logits the entries')
-                if self._emit(c.queued):
+                if self._emit(c.queued):  # (ends by length when they pass a limit)
+                    c.ended()  # a parser that stopped short of the grammar's end: its error
                     self._finish(NO_TOKEN, "stop")
                 return
             if c.queued:  # the next step feeds forced tokens, and drafts none
@@ -225,7 +237,7 @@ class Generation:
             self.submit([Request(seq_id=self.seq_id, tokens=feed, start=False, end=False,
                                  reply_fn=self.on_reply, draft_tokens=len(feed) - 1,
                                  want_logits=False, acceptor=scoring.accept,
-                                 forced_tokens=len(feed) - 1)])
+                                 forced_tokens=len(feed) - 1, scoring=True)])
         return True
 
     def _next_under_grammar(self, logits: np.ndarray) -> list[int]:
@@ -374,6 +386,8 @@ class Speculation:
     vocab: int = 0  # the model's (a draft model must have the same)
     rewinds: bool = False  # whether its sequences can be cut back (it can be a draft model)
     drafters: "DraftClients | None" = None  # where draft models are reached (draft_model.py)
+    # The longest prompt whose log-probabilities a generation may ask for (PromptScoring)
+    most_scored: int = default_int("prompt_logprobs_max_tokens")
 
     def model_drafter(self, name: str, prompt: list[int], salt: str | None) -> "ModelDrafter":
         """A generation's drafter on draft model `name`, or SamplingError naming why none."""
@@ -389,19 +403,23 @@ class Speculation:
             raise SamplingError(f"{why}: {e}") from None
 
     @staticmethod
-    def of(engine, stats: "BatcherStats | None" = None) -> "Speculation":
+    def of(engine, stats: "BatcherStats | None" = None,
+           most_scored: int = default_int("prompt_logprobs_max_tokens")) -> "Speculation":
         """What `engine` can verify; `stats` (the batcher's) times its entries' recent calls,
-        by which a verify call of one row is weighed against a decode call."""
+        by which a verify call of one row is weighed against a decode call; `most_scored`:
+        the model parameter prompt_logprobs_max_tokens."""
         vocab, rewinds = engine.art.model.vocab, engine.blocks.rewinds
         try:
             engine.verifier.check_speculation()
         except RequestError as e:
-            return Speculation(0, str(e), vocab=vocab, rewinds=rewinds)
+            return Speculation(0, str(e), vocab=vocab, rewinds=rewinds,
+                               most_scored=most_scored)
         entries = engine.art.entries
         seconds = None if stats is None else (
             lambda kind, tokens: stats.call_seconds(entries, kind, 1, tokens))
         return Speculation(engine.verifier.most_drafts(), None,
-                           StepCost(engine.art.verify_tokens, seconds), vocab, rewinds)
+                           StepCost(engine.art.verify_tokens, seconds), vocab, rewinds,
+                           most_scored=most_scored)
 
 
 __all__ = ["Generation", "LocalSequenceId", "NO_TOKEN", "PROMPT_LOGPROBS", "Speculation", "end_request"]

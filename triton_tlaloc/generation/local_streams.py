@@ -4,8 +4,10 @@
 `LocalLoop` holds the link to the sequence model's process: it sends each request's start (a
 frame per batch of requests) and cancellations, and its receiver thread turns the frames of
 tokens that come back into each stream's text (`TextStream`: incremental decoding and stop
-strings). `StreamSenders` sends the responses: a stream with something new is queued, and
-whatever it gathered by the time a sender thread takes it goes out in one response. When the
+strings); a stream that gets no tokens for a while (its constraint compiling, its START
+waiting) is looked at all the same, so a cancelled one is cancelled. `StreamSenders` sends the
+responses: a stream with something new is queued, and whatever it gathered by the time a
+sender thread takes it goes out in one response. When the
 sends keep up, that is a response per token; when they do not (many streams, a fast step),
 responses carry several tokens each instead of falling behind. A stream is sent by one thread
 at a time, and the same thread asks Triton whether its request was cancelled (at most every
@@ -210,6 +212,8 @@ class LocalLoop:
             conn = self._conn
         threading.Thread(target=self._receive, args=(conn,), name="tlaloc-link-receive",
                          daemon=True).start()
+        threading.Thread(target=self._watch_quiet, args=(conn,), name="tlaloc-link-quiet",
+                         daemon=True).start()
         log.info("generations run in %s's process (local link open)", self.sequence_model)
         return True
 
@@ -302,6 +306,23 @@ class LocalLoop:
             self.on_finished(stream)
         if stream.has_news(self.clock()):
             self.senders.schedule(stream)
+
+    def quiet_streams(self, now: float) -> list[LocalStream]:
+        """The streams no event has had asked whether they were cancelled for CANCEL_CHECK_S:
+        a generation whose constraint compiles, or whose START waits for pages, sends none."""
+        with self._lock:
+            return [s for s in self.streams.values() if now - s.checked >= CANCEL_CHECK_S]
+
+    def _watch_quiet(self, conn) -> None:
+        """While the link is up: quiet streams go to the senders, which ask whether their
+        request was cancelled (and cancel their generation if it was), as a token would."""
+        while True:
+            time.sleep(CANCEL_CHECK_S)
+            with self._lock:
+                if self._conn is not conn:
+                    return
+            for stream in self.quiet_streams(self.clock()):
+                self.senders.schedule(stream)
 
     def _link_lost(self, conn, doing: str) -> None:
         """Every stream the link carried ends with an error; the next request reconnects."""

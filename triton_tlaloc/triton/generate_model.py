@@ -43,15 +43,16 @@ import triton_python_backend_utils as pb_utils
 
 from .backend import error_response, model_settings, setup_logging
 from .parent_watch import watch_parent
-from ..codes import CANCELLED, INTERNAL, INVALID_ARG, coded_message, split_coded_message
+from ..codes import (CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, coded_message,
+                     split_coded_message)
 from .metrics import MetricsWriter
 from .model_metrics import GrammarMetrics
 from ..frontends.client import new_sequence_id
 from ..generation.local_streams import InstanceLoops, LocalStream, Outbound, StreamSenders
 from ..generation.logprobs import logprob_entry
-from ..generation.penalties import check_vocabulary
+from ..generation.penalties import check_token_ids
 from ..generation.sampling import Sampler, SamplingError, SamplingParams, TextStream
-from ..generation.grammar import Grammars, TokenConstraint
+from ..generation.grammar import Grammars, GrammarsBusy, TokenConstraint
 
 log = logging.getLogger("triton_tlaloc.generate")
 
@@ -283,7 +284,7 @@ class TritonPythonModel:
         try:
             params = SamplingParams.from_dict(json.loads(sampling))
             if self.tokenizer is not None:  # the sequence model checks it too
-                check_vocabulary(params.logit_bias, self.vocab)
+                check_token_ids(params, self.vocab)
         except (SamplingError, json.JSONDecodeError, TypeError, ValueError) as e:
             raise _GenerateError(f"sampling_parameters: {e}", bad) from None
         if (params.speculative is not None and params.speculative.method == "draft_model"
@@ -358,10 +359,12 @@ class TritonPythonModel:
         if self.grammars is None:
             raise _GenerateError("sampling_parameters: structured_output needs the artifact's "
                                  "tokenizer, which this model has not got", INVALID_ARG)
-        try:
+        try:  # compiled on the grammars' threads, within their limits; this one waits
             return self.grammars.constraint(params.structured_output, stops)
         except SamplingError as e:
             raise _GenerateError(f"sampling_parameters: {e}", INVALID_ARG) from None
+        except GrammarsBusy as e:
+            raise _GenerateError(f"sampling_parameters: {e}", UNAVAILABLE) from None
 
     def _generate(self, request, sender, arrived: float):
         prompt, params, stream = self._inputs(request)
