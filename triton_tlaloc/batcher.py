@@ -224,7 +224,8 @@ class Batcher:
         held = {k for k in self.sequences if k not in off} if off else self.sequences
         taken, wake_at = select([r for r in self._pending if r.seq_id not in waiting], now=now,
                                 policy=self.policy, cohort=self.cohort, held=held,
-                                max_prefill_batch=self.max_prefill_batch)
+                                max_prefill_batch=self.max_prefill_batch,
+                                chunk_seconds=self._chunk_seconds)
         if taken:
             ids = {id(r) for r in taken}
             self._pending = deque(r for r in self._pending if id(r) not in ids)
@@ -264,7 +265,15 @@ class Batcher:
             # generation feeds them in later steps).
             r.tokens, r.draft_tokens, r.drafts_unchecked = r.tokens[:-r.draft_tokens], 0, True
         for r in requests:
-            job = self.admission.admit(r, jobs)
+            try:
+                job = self.admission.admit(r, jobs)
+            except Exception:  # one request's fault must not fail the round's others
+                log.exception("sequence %s: admitting a request failed", r.seq_id)
+                self.state.waiting = [w for w in self.state.waiting if w is not r]
+                if not r._answered:
+                    r.reply(Reply(error=f"sequence {r.seq_id}: internal error admitting the "
+                                        f"request (see the server log)", code=INTERNAL))
+                continue
             if job is not None:
                 jobs.append(job)
         plan = RoundPlan(moves=self.state.moves)
@@ -286,6 +295,10 @@ class Batcher:
 
     def _call_seconds(self, kind: str, rows: int, tokens: int) -> float | None:
         return self.stats.call_seconds(self.engine.art.entries, kind, rows, tokens)
+
+    def _chunk_seconds(self, r: Request) -> float | None:
+        """A scoring chunk's recent time: a verify call of its tokens (policy.select)."""
+        return self._call_seconds("verify", 1, len(r.tokens))
 
     def execute(self, plan: RoundPlan) -> None:
         """Run a round's plan: its calls in order, each row answered; then the decode cohort

@@ -95,8 +95,9 @@ PARAMETERS: tuple[ModelParameter, ...] = (
     ModelParameter(
         "lora_updates_root", "",
         "the directory adapters may be loaded from while the model serves (the request "
-        "parameter `lora_admin`, which `tlaloc openai`'s `/v1/load_lora_adapter` sends); "
-        "none: adapters are only those `lora_adapters` names", "--lora-updates-root",
+        "parameter `lora_admin`, which `tlaloc openai`'s `/v1/load_lora_adapter` sends, "
+        "obeyed only with the server's admin key in `lora_admin_key`); none: adapters are "
+        "only those `lora_adapters` names", "--lora-updates-root",
         shown="none (off)"),
     ModelParameter(
         "lora_host_bytes", "1073741824",
@@ -137,6 +138,15 @@ PARAMETERS: tuple[ModelParameter, ...] = (
         "run generate models' loops in this model's process, reached over a private Unix "
         "socket (`false`: its generate models make a BLS call per token; `bls` sets both)",
         "--generation-loop"),
+    ModelParameter(
+        "prompt_logprobs_max_tokens", "512",
+        "the longest prompt a generation may ask the log-probabilities of (`prompt_logprobs`, "
+        "or a completion's `echo` with `logprobs`): a longer one is refused by name "
+        "(INVALID_ARGUMENT, a 400 through `tlaloc openai`): its prompt is fed a verify call "
+        "per 9 tokens, and 512 are scored well within the 120 s `tlaloc openai` waits for a "
+        "first response on 2 CPU cores beside chats "
+        "([what it costs](serving.md#what-prompt-scoring-costs)); raise it on a faster "
+        "device"),
     ModelParameter(
         "reply_threads", "2",
         "threads that build and send the responses, so the batching thread never waits for a "

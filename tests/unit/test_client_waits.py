@@ -1,9 +1,11 @@
 """client.next_response: generate's wait for its next response is read from the clock, so its
-limit holds and its message states the time really waited, however late each poll returns."""
+limit holds and its message states the time really waited, however late each poll returns; and
+a generation past the limit is cancelled, not waited for."""
 
 from __future__ import annotations
 
 import queue
+import sys
 
 import pytest
 
@@ -64,3 +66,56 @@ def test_a_set_cancel_ends_the_wait_and_a_queued_response_is_returned():
     ready: queue.Queue = queue.Queue()
     ready.put(("result", None))
     assert client.next_response(ready, lambda: True, 60.0, "m", 0.0, 0) == ("result", None)
+
+
+class SilentStream:
+    """tritonclient.grpc's stream as generate uses it, over a generation that sends nothing
+    (a prompt still being scored): every stop_stream recorded with its cancel_requests."""
+
+    stops: list[bool] = []
+
+    class InferenceServerClient:
+        def __init__(self, url):
+            pass
+
+        def start_stream(self, callback):
+            pass
+
+        def async_stream_infer(self, model, inputs, **kw):
+            pass
+
+        def stop_stream(self, cancel_requests=False):
+            SilentStream.stops.append(cancel_requests)
+
+        def close(self):
+            pass
+
+    class InferInput:
+        def __init__(self, name, shape, dtype):
+            pass
+
+        def set_data_from_numpy(self, array):
+            pass
+
+
+def cancelled_first(stops: list[bool]) -> bool:
+    """Whether the stream was closed with its request cancelled before anything else."""
+    return bool(stops) and stops[0] is True
+
+
+def test_a_generation_that_times_out_is_cancelled_not_waited_for(monkeypatch):
+    """A generation with no response within the limit raises TimeoutError (the front end's
+    504) and its request is cancelled: the generation ends at its next step. Closing the
+    stream without cancelling waits for the generation to end (a 504 minutes late, the
+    scoring run to its end)."""
+    import types
+
+    package = types.ModuleType("tritonclient")
+    package.grpc = SilentStream
+    monkeypatch.setitem(sys.modules, "tritonclient", package)
+    monkeypatch.setitem(sys.modules, "tritonclient.grpc", SilentStream)
+    SilentStream.stops = []
+    with pytest.raises(TimeoutError, match="no response in"):
+        client.generate("unused:8001", "m_generate", input_ids=[1, 2], timeout_s=0.1)
+    assert cancelled_first(SilentStream.stops), SilentStream.stops
+    assert not cancelled_first([False])  # the control: the stream closed as it was

@@ -340,7 +340,13 @@ def generate(url: str, model: str, *, text: str | None = None, input_ids=None,
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         while True:
-            got = next_response(responses, cancelled, timeout_s, model, t0, count)
+            try:
+                got = next_response(responses, cancelled, timeout_s, model, t0, count)
+            except TimeoutError:
+                # Its request cancelled: closing the stream alone waits for the generation
+                # to end, and the generation goes on (a prompt being scored sends nothing)
+                client.stop_stream(cancel_requests=True)
+                raise
             if got is None:
                 client.stop_stream(cancel_requests=True)
                 final = {"finish_reason": "cancelled"}

@@ -2,9 +2,10 @@
 log-softmax over the raw logits of the row that chose them, before temperature, penalties,
 logit_bias or a grammar's mask (vLLM's default, `raw_logprobs`), so they say what the model
 thinks whatever the request did to the choice. And the prompt's own (`PromptScoring`): a prefill
-call gives only its last position's logits, so a generation asking for them feeds its prompt a
-few tokens a verify call (every position's logits come back) or one a decode step. Pure
-numpy."""
+call gives only its last position's logits, so a generation asking for them feeds its prompt in
+chunks of the largest verify entry's tokens (a verify call gives every position's logits), one
+chunk a batcher round, or one token a decode step without verify entries; a prompt longer than
+the model's bound is refused by name. Pure numpy."""
 
 from __future__ import annotations
 
@@ -36,13 +37,24 @@ def ranked_entry(logits: np.ndarray, token: int, top: int) -> list:
 class PromptScoring:
     """A generation's prompt fed so that each position's logits are seen: its START feeds the
     first token, then each step feeds the next tokens, several at once as a verify call's
-    forced tokens when the model verifies (`per_call` tokens at most), the last alone as a
-    decode step, whose logits choose the first generated token. `entries[i]` is prompt token
-    i's logprob_entry given the tokens before it, with its rank among all (1: the most likely)
-    appended (None for the first, which follows nothing)."""
+    forced tokens when the model verifies (`per_call` tokens at most: the largest verify
+    entry's), the last alone as a decode step, whose logits choose the first generated token.
+    Each step is one request, the next sent when its reply comes: one chunk a batcher round.
+    `entries[i]` is prompt token i's logprob_entry given the tokens before it, with its rank
+    among all (1: the most likely) appended (None for the first, which follows nothing).
+    A prompt of more than `most_tokens` is refused (SamplingError), so that no request's
+    scoring runs for minutes (`tlaloc openai` waits 120 s for a first response)."""
 
-    def __init__(self, prompt: list[int], top: int, per_call: int):
+    def __init__(self, prompt: list[int], top: int, per_call: int,
+                 most_tokens: int | None = None):
         assert prompt and per_call >= 1
+        if most_tokens is not None and len(prompt) > most_tokens:
+            from .sampling import SamplingError  # (sampling.py imports this module)
+            raise SamplingError(
+                f"sampling parameter prompt_logprobs: a prompt of {len(prompt)} tokens is "
+                f"longer than this model scores ({most_tokens} at most, its model parameter "
+                f"prompt_logprobs_max_tokens): each prompt token's log-probabilities take a "
+                f"verify call per {per_call} tokens")
         self.prompt, self.top, self.per_call = prompt, top, per_call
         self.fed = 0  # prompt tokens fed and answered
         self.entries: list = [None]

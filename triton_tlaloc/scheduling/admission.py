@@ -74,6 +74,10 @@ class Request:
     # Its drafts were not checked: its sequence's KV had been dropped, and the call that
     # computes it again checks none (answered as a verify call accepting no draft).
     drafts_unchecked: bool = False
+    # A chunk of a prompt whose log-probabilities are asked for (generation/logprobs.py
+    # PromptScoring), fed as a verify call's forced tokens: it takes its share of the
+    # batcher's time (policy.select) and never joins a decode call one token a round
+    scoring: bool = False
     _answered: bool = field(default=False, repr=False)
 
     @property

@@ -13,6 +13,12 @@ pending, the decode cohort, the policy's waits and the clock (docs/design.md#bat
   once when they fill the largest prefill batch. A later request of several tokens is a prefill
   continuation and waits like a prompt.
 - One request per sequence per round, in arrival order: a sequence's later requests stay queued.
+- Prompt scoring takes its share. A chunk of a prompt whose log-probabilities are asked for (a
+  verify call of several tokens, `Request.scoring`) runs at once in a round with nothing else
+  to run; beside other sequences' work it runs once the rounds it sat out since it was queued
+  took as long as its own call takes (`chunk_seconds`, the recent time of such a call), and
+  twice that in a round with a prompt in it: the other sequences get at least half the time,
+  a new chat's prompt does not wait behind a chunk, and the scoring still goes on.
 - With `backend_batching` off, each execute() call's requests run as one round, as Triton formed
   them (the control for Triton's own batching).
 
@@ -73,6 +79,8 @@ class Queued(Protocol):
     @property
     def is_prompt(self) -> bool: ...
 
+    # (and `scoring`, read as False when absent: a chunk of a prompt's scoring)
+
 
 @dataclass
 class Cohort:
@@ -95,10 +103,13 @@ def first_per_sequence(pending: Iterable[Queued],
 
 
 def select(pending: list[Queued], *, now: float, policy: BatchPolicy, cohort: Cohort,
-           held: Container, max_prefill_batch: int) -> tuple[list[Queued], float | None]:
+           held: Container, max_prefill_batch: int,
+           chunk_seconds: Callable[[Queued], float | None] | None = None
+           ) -> tuple[list[Queued], float | None]:
     """The requests to run now, and when to look again if some wait (None: nothing waits).
     `held` holds the sequence ids the model still holds (a cohort member that ended is not
-    waited for)."""
+    waited for). `chunk_seconds(r)`: the recent time of a scoring request's call (None: not
+    measured yet, and it runs as any step does)."""
     if not pending:
         return [], None
     if not policy.backend_batching:
@@ -115,12 +126,23 @@ def select(pending: list[Queued], *, now: float, policy: BatchPolicy, cohort: Co
             take += steps
         else:
             wake_at = cohort.deadline
+    prompts_taken = False
     if prompts:
         due = prompts[0].arrived + policy.prefill_wait_s
         if now >= due or len(prompts) >= max_prefill_batch:
             take += prompts
+            prompts_taken = True
         else:
             wake_at = due if wake_at is None else min(wake_at, due)
+    scoring = [r for r in take if getattr(r, "scoring", False)]
+    if scoring and len(scoring) < len(take):
+        # Others run this round: a chunk that has not sat out its share stays queued for the
+        # next round
+        def owed(r) -> float:
+            cost = (chunk_seconds(r) if chunk_seconds is not None else None) or 0.0
+            return (2 if prompts_taken else 1) * cost
+        left = {id(r) for r in scoring if now - r.arrived < owed(r)}
+        take = [r for r in take if id(r) not in left]
     return take, wake_at
 
 

@@ -76,12 +76,14 @@ def forced_rows_to_decode(requests: list, call_seconds: Callable[[str, int, int]
     better as rows of the round's decode call, their forced tokens then fed one a step (the
     ids are the same). A verify call beside the decode call delays every row of it: the rows
     join when the decode call with them yields at least the tokens a second of the two calls.
-    None join when the round has no decode row, when a row carries speculation's drafts (its
-    verify call runs anyway) or when a call's time is not measured yet.
+    None join when the round has no decode row, when a row carries speculation's drafts or a
+    chunk of a prompt's scoring (its verify call runs anyway: a scoring row fed one token a
+    round would take a call per prompt token) or when a call's time is not measured yet.
     `call_seconds(kind, rows, tokens)`: a call's recent time."""
     decode = sum(1 for r in requests if r.is_decode)
     verify = [r for r in requests if r.is_verify]
-    if not decode or not verify or any(r.forced_tokens < r.draft_tokens for r in verify):
+    if not decode or not verify or any(r.forced_tokens < r.draft_tokens or r.scoring
+                                       for r in verify):
         return []
     apart = (call_seconds("decode", decode, 1),
              call_seconds("verify", len(verify), 1 + max(r.draft_tokens for r in verify)))
