@@ -110,8 +110,9 @@ def seq_error(t: Target, tokens, *, protocol="http", start=True, seq_id=None, dt
 
 def openai_request(t: Target, path: str, body=None, *, headers=None, method="POST",
                    raw: bytes | None = None, key: str | None = API_KEY,
-                   timeout: float = 60) -> tuple[int, dict, str]:
-    """(status, headers, body text) of one request to `tlaloc openai`."""
+                   timeout: float = 60, root: str = "/v1") -> tuple[int, dict, str]:
+    """(status, headers, body text) of one request to `tlaloc openai` (its routes under
+    `root`; "" for /tokenize and /detokenize)."""
     host, port = t.openai_host
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     h = {"Content-Type": "application/json"}
@@ -120,7 +121,7 @@ def openai_request(t: Target, path: str, body=None, *, headers=None, method="POS
     h.update(headers or {})
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     try:
-        conn.request(method, f"/v1{path}", body=data, headers=h)
+        conn.request(method, f"{root}{path}", body=data, headers=h)
         r = conn.getresponse()
         headers = {k.lower(): v for k, v in r.getheaders()}
         return r.status, headers, r.read().decode(errors="replace")

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Attack a served SmolLM2 the way an attacker or a careless client would, and print the table:
 input, expected, observed, server ready, neighbour ids equal solo (checks/abuse_cases.py holds
-the cases; tests/test_hardening.py asserts them). Then, with --soak-seconds, a soak of mixed
+the cases; tests/test_hardening.py asserts them), then the faults table against a SmolLM2 with
+adapter pools, each case with streams in flight (checks/abuse_faults.py; tests/test_faults.py).
+Then, with --soak-seconds, a soak of mixed
 clients (sequence model, generate model, OpenAI; good, bad and vanishing) that reports wrong
 ids, leaked pages and the serving processes' memory over time. Exit 1 on any failure.
 
@@ -22,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from checks import abuse_cases as A  # noqa: E402
+from checks import abuse_faults as F  # noqa: E402
 
 from triton_tlaloc.export import ExportOptions, export_artifact  # noqa: E402
 from triton_tlaloc.export.gguf_checkpoint import smollm2_gguf_path  # noqa: E402
@@ -56,6 +59,29 @@ def run_cases(t: A.Target) -> bool:
         ok = r["ok"] and r["ready"] and r["neighbour_equal"]
         print(f"{'PASS' if ok else 'FAIL'}  {inp}: {r['observed']}", file=sys.stderr, flush=True)
         rows.append((inp, expected, r["observed"], r["ready"], r["neighbour_equal"], ok))
+    return print_table(rows)
+
+
+def run_fault_cases(work: Path) -> bool:
+    """The faults table (checks/abuse_faults.py) on a SmolLM2 with adapter pools, each case
+    while its streams run; 'neighbour' is whether the streams gave their solo ids and nothing
+    was left changed."""
+    art = work / "smollm2-faults"
+    if not (art / "tlaloc-serving.json").exists():
+        export_artifact(smollm2_gguf_path(), art, ExportOptions(**F.EXPORT))
+    t, stop = F.start_fault_target(art, work / "faults")
+    rows = []
+    try:
+        for inp, expected, fn in F.CASES:
+            r = F.run_fault_case(t, fn)
+            equal = r["streams_equal"] and not r["left"]
+            ok = r["ok"] and r["ready"] and equal
+            print(f"{'PASS' if ok else 'FAIL'}  {inp}: {r['observed']}", file=sys.stderr,
+                  flush=True)
+            rows.append((inp, expected, r["observed"], r["ready"], equal, ok))
+    finally:
+        stop()
+    print(f"\nfaults, each with {F.STREAMS} streams in flight:")
     return print_table(rows)
 
 
@@ -279,6 +305,8 @@ def main() -> int:
             ok = Soak(t).run(args.soak_seconds, args.clients) and ok
     finally:
         stop()
+    if not args.skip_cases:
+        ok = run_fault_cases(args.work) and ok
     return 0 if ok else 1
 
 
