@@ -77,7 +77,8 @@ def main() -> int:
 def mask_bench(args) -> int:
 
     from triton_tlaloc.artifact.loading import load_artifact
-    from triton_tlaloc.generation.grammar import GrammarObserver, Grammars
+    from triton_tlaloc.generation.grammar import Grammars
+    from triton_tlaloc.generation.token_constraint import GrammarObserver
     from triton_tlaloc.generation.structured import StructuredOutput
 
     class MaskTimes(GrammarObserver):

@@ -20,8 +20,8 @@ from triton_tlaloc.engine.speculation import accepted_drafts
 from triton_tlaloc.generation.local_generation import Generation, Speculation
 from triton_tlaloc.generation.parameters import SamplingError
 from triton_tlaloc.generation.sampling import Sampler, SamplingParams
-from triton_tlaloc.generation.grammar import (GrammarObserver, Grammars, GrammarsBusy,
-                                              llguidance_grammar)
+from triton_tlaloc.generation.grammar import Grammars, GrammarsBusy, llguidance_grammar
+from triton_tlaloc.generation.token_constraint import GrammarObserver
 from triton_tlaloc.generation.structured import MAX_CONSTRAINT_BYTES, StructuredOutput
 from triton_tlaloc.generation.speculative import StepCost
 from triton_tlaloc.scheduling.admission import Reply
@@ -718,7 +718,7 @@ def test_a_grammar_that_never_ends_ends_by_length(grammars, tokenizer):
     does fail to take them (what refused the request before)."""
     import llguidance
 
-    from triton_tlaloc.generation.grammar import FORCED_PAST_LIMIT
+    from triton_tlaloc.generation.token_constraint import FORCED_PAST_LIMIT
 
     never = 'start: "ab" start'
     for max_tokens, max_context in ((12, 4096), (4000, 40)):

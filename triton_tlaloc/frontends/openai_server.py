@@ -308,7 +308,7 @@ def make_app(url: str, models: dict[str, ServedModel], *,
     app.include_router(router)
     app.include_router(utility_router)
     app.include_router(adapters_router)
-    app.state.send_admin = admin  # admin(url, model, command): an adapter load or unload
+    app.state.send_admin = admin  # admin(url, model, command, key): an adapter load or unload
     add_doors(app, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
               cors_origins=options.cors_origins,
               allowed_hosts=options.for_host("127.0.0.1").allowed_hosts,

@@ -27,7 +27,8 @@ from .sampling import SamplingError, SamplingParams
 from .generation_link import (LinkError, hang_up, instance_link, knock, listen, receive_frame,
                               send_frame)
 from .local_generation import NO_TOKEN, Generation, Speculation
-from .grammar import Grammars, GrammarsBusy, TokenConstraint
+from .grammar import Grammars, GrammarsBusy
+from .token_constraint import TokenConstraint
 
 log = logging.getLogger("triton_tlaloc.local_generation")
 

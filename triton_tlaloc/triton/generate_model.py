@@ -52,7 +52,8 @@ from ..generation.local_streams import InstanceLoops, LocalStream, Outbound, Str
 from ..generation.logprobs import logprob_entry
 from ..generation.penalties import check_token_ids
 from ..generation.sampling import Sampler, SamplingError, SamplingParams, TextStream
-from ..generation.grammar import Grammars, GrammarsBusy, TokenConstraint
+from ..generation.grammar import Grammars, GrammarsBusy
+from ..generation.token_constraint import TokenConstraint
 
 log = logging.getLogger("triton_tlaloc.generate")
 

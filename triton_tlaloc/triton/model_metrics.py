@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..generation.grammar import GrammarObserver
+from ..generation.token_constraint import GrammarObserver
 from ..generation.structured import KINDS
 from ..scheduling.observer import Observer
 from .metrics import MetricsWriter
