@@ -266,6 +266,36 @@ class Harness:
     def last(self, seq_id) -> Reply:
         return self.replies[seq_id][-1]
 
+    def drive(self, plans: dict, rounds: int = 400, each_round=None) -> dict:
+        """Clients that wait for their replies: each sequence of `plans` ({id: (prompt, new)})
+        STARTs with its prompt, then decode steps fed its own argmax, `new` tokens in all, the
+        last request with END; a request is sent only once the previous one is answered.
+        `each_round(self)` after every round (a test's invariants). Returns each sequence's
+        generated ids; AssertionError when a reply is an error or they do not finish."""
+        out = {k: [] for k in plans}
+        sent = {k: 0 for k in plans}
+        for _ in range(rounds):
+            for k, (prompt, new) in plans.items():
+                replies = self.replies.get(k, [])
+                if sent[k] != len(replies) or len(out[k]) >= new:
+                    continue
+                if sent[k] == 0:
+                    self.send(k, prompt, start=True)
+                else:
+                    assert replies[-1].error is None, replies[-1].error
+                    out[k].append(int(np.argmax(replies[-1].logits)))
+                    if len(out[k]) >= new:
+                        continue
+                    self.send(k, [out[k][-1]], end=len(out[k]) == new - 1)
+                sent[k] += 1
+            self.clock.advance(0.05)
+            self.run()
+            if each_round is not None:
+                each_round(self)
+            if all(len(out[k]) >= new for k, (_, new) in plans.items()):
+                return out
+        raise AssertionError(f"not finished: {out}")
+
     def step(self, seq_id, tokens, start=False, end=False, refusal=None,
              draft_tokens=0, **request) -> Reply:
         """Send one request, move the clock past every wait, run what is due, return the

@@ -158,31 +158,8 @@ def test_an_idle_sequence_is_swapped_out_for_a_new_user_instead_of_a_refusal(hos
 
 
 def drive(h: Harness, plans: dict, rounds: int = 400) -> dict:
-    """Each sequence: START with its prompt, then decode steps fed its own argmax, `new`
-    tokens in all, the last request with END; a request is sent only once the previous one is
-    answered (a client waits for its reply). Returns each sequence's generated ids."""
-    out = {k: [] for k in plans}
-    sent = {k: 0 for k in plans}
-    for _ in range(rounds):
-        for k, (prompt, new) in plans.items():
-            replies = h.replies.get(k, [])
-            if sent[k] != len(replies) or len(out[k]) >= new:
-                continue
-            if sent[k] == 0:
-                h.send(k, prompt, start=True)
-            else:
-                assert replies[-1].error is None, replies[-1].error
-                out[k].append(next_token(replies[-1]))
-                if len(out[k]) >= new:
-                    continue
-                h.send(k, [out[k][-1]], end=len(out[k]) == new - 1)
-            sent[k] += 1
-        h.clock.advance(0.05)
-        h.run()
-        check_round(h)
-        if all(len(out[k]) >= new for k, (_, new) in plans.items()):
-            return out
-    raise AssertionError(f"not finished: {out}")
+    """`h.drive` with this module's invariants checked after every round."""
+    return h.drive(plans, rounds, check_round)
 
 
 def test_sequences_outgrowing_the_pool_are_preempted_and_finish_with_their_solo_ids():

@@ -15,7 +15,6 @@ import math
 import sys
 import types
 
-import numpy as np
 import pytest
 from checks.fakes import Harness, fake_artifact
 
@@ -269,33 +268,12 @@ class HeldGauges(Observer):
         self.seen["shared"] += len(pages) > len(set(pages))
 
 
-def n_choices_then_a_turn(h: Harness, check: HeldGauges) -> None:
+def n_choices_then_a_turn(h: Harness) -> None:
     """A completion's n=4 choices of one prompt (3 full blocks shared), one ending early (kept
     for its next turn) while the others decode in a pool too small for them all (swapped out
     and back in), then a next turn continuing an ended choice, all ended."""
     prompt = list(range(10, 34))
-    plans = {f"c{i}": 6 if i == 0 else 30 for i in range(4)}
-    out = {k: [] for k in plans}
-    sent = {k: 0 for k in plans}
-    for _ in range(400):
-        for k, new in plans.items():
-            replies = h.replies.get(k, [])
-            if sent[k] != len(replies) or len(out[k]) >= new:
-                continue
-            if sent[k] == 0:
-                h.send(k, prompt, start=True)
-            else:
-                assert replies[-1].error is None, replies[-1].error
-                out[k].append(int(np.argmax(replies[-1].logits)))
-                if len(out[k]) >= new:
-                    continue
-                h.send(k, [out[k][-1]], end=len(out[k]) == new - 1)
-            sent[k] += 1
-        h.clock.advance(0.05)
-        h.run()
-        if all(len(out[k]) >= new for k, new in plans.items()):
-            break
-    assert all(len(out[k]) >= new for k, new in plans.items()), out
+    out = h.drive({f"c{i}": (prompt, 6 if i == 0 else 30) for i in range(4)})
     turn = prompt + out["c1"][:-1]  # the whole history of c1 (its last token never fed)
     assert h.step("t", turn + [7], start=True).error is None
     assert h.step("t", [8], end=True).error is None
@@ -318,7 +296,7 @@ def test_held_sequences_and_used_pages_count_the_same_sequences(variant, monkeyp
                 preempt_wait_s=1000.0)  # 12 pages: four choices of up to 7 outgrow them
     check = HeldGauges(h.batcher)
     h.batcher._observers.append(check)
-    n_choices_then_a_turn(h, check)
+    n_choices_then_a_turn(h)
     assert h.batcher.stats.preemptions > 0
     assert all(check.seen.values()), check.seen
     if variant != "as served":
