@@ -38,11 +38,6 @@ from triton_tlaloc.frontends.client import generate  # noqa: E402
 from triton_tlaloc.repository import RepositoryOptions, write_repository  # noqa: E402
 from triton_tlaloc.triton.server import TritonServer, free_port  # noqa: E402
 
-WORDS = ("river stone cloud paper garden window silver morning quiet engine letter orange "
-         "market bridge summer winter candle forest pocket yellow mirror thunder harbor "
-         "pencil ladder meadow rocket violin castle blanket").split()
-
-
 def openai_first_token_ms(port: int, content: str, tokens: int) -> tuple[float, float]:
     """A streamed chat's time to its first SSE chunk and to the first chunk with text, ms."""
     body = json.dumps({"model": "smollm2", "stream": True, "max_tokens": tokens,
@@ -83,7 +78,7 @@ def main() -> int:
 
     def new_chat() -> tuple[str, list[int]]:
         """A chat of --words random words, and its ids as the front end makes them."""
-        content = " ".join(rng.choice(WORDS) for _ in range(args.words))
+        content = " ".join(rng.choice(bench.WORDS) for _ in range(args.words))
         ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                             add_generation_prompt=True)
         return content, list(getattr(ids, "input_ids", ids))

@@ -65,6 +65,12 @@ METRICS = (("output_token_throughput", "avg", "output tokens/s", True),
            ("time_to_first_token", "p99", "time to first token, p99 ms", False))
 
 
+# The words unique chat prompts are drawn from (scripts that time chats share them)
+WORDS = ("river stone cloud paper garden window silver morning quiet engine letter orange "
+         "market bridge summer winter candle forest pocket yellow mirror thunder harbor "
+         "pencil ladder meadow rocket violin castle blanket").split()
+
+
 def log(msg: str) -> None:
     print(f"[openai_bench] {msg}", file=sys.stderr, flush=True)
 
@@ -116,31 +122,52 @@ def wait_until_up(url: str, proc: subprocess.Popen, what: str, timeout_s: float)
     raise SystemExit(f"{what} not up at {url} after {timeout_s:.0f} s")
 
 
-def start_tlaloc(artifact: Path, work: Path, timing_log: bool) -> tuple[int, list[subprocess.Popen]]:
+def start_tlaloc(artifact: Path, work: Path, params: dict[str, str] | None = None,
+                 ready_s: float = 1200) -> tuple[int, list[subprocess.Popen]]:
     """`tlaloc repository --compile-all-first`, `tlaloc serve`, `tlaloc openai`, as a user runs
-    them; the OpenAI server's port."""
+    them, `params` model parameters that have no flag (docs/parameters.md) written into the
+    sequence model's config; the OpenAI server's port and the processes (stopped again if
+    one does not come up)."""
     work.mkdir(parents=True, exist_ok=True)
     repo = work / "tlaloc-repo"
     subprocess.run([str(BIN / "tlaloc"), "repository", str(artifact), str(repo), "--name",
                     "smollm2", "--compile-all-first"], check=True, stdout=subprocess.DEVNULL)
-    if timing_log:  # a model parameter with no flag (docs/parameters.md)
+    if params:
         config = repo / "smollm2" / "config.pbtxt"
-        line = (f'  {{ key: "timing_log" value: {{ string_value: '
-                f'"{(work / "timing.jsonl").resolve()}" }} }},\n')
         text = config.read_text()
         assert "parameters [\n" in text, config
-        config.write_text(text.replace("parameters [\n", "parameters [\n" + line, 1))
+        lines = "".join(f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }},\n'
+                        for k, v in params.items())
+        config.write_text(text.replace("parameters [\n", "parameters [\n" + lines, 1))
     http, grpc, metrics, api = free_ports(4)
     serve = subprocess.Popen([str(BIN / "tlaloc"), "serve", str(repo), "--http-port", str(http),
                               "--grpc-port", str(grpc), "--metrics-port", str(metrics),
                               "--log-file", str(work / "tritonserver.log")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    wait_until_up(f"http://127.0.0.1:{http}/v2/health/ready", serve, "tlaloc serve", 1200)
-    front = subprocess.Popen([str(BIN / "tlaloc"), "openai", "--url", f"127.0.0.1:{grpc}",
-                              "--model", "smollm2", "--port", str(api)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    wait_until_up(f"http://127.0.0.1:{api}/v1/models", front, "tlaloc openai", 120)
-    return api, [front, serve]
+    procs = [serve]
+    try:
+        wait_until_up(f"http://127.0.0.1:{http}/v2/health/ready", serve, "tlaloc serve",
+                      ready_s)
+        front = subprocess.Popen([str(BIN / "tlaloc"), "openai", "--url", f"127.0.0.1:{grpc}",
+                                  "--model", "smollm2", "--port", str(api)],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        procs.insert(0, front)
+        wait_until_up(f"http://127.0.0.1:{api}/v1/models", front, "tlaloc openai", 120)
+    except BaseException:
+        stop(procs)
+        raise
+    return api, procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Each process asked to end, and killed if it has not within a minute."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def start_vllm(vllm_bin: Path, folder: Path, work: Path) -> tuple[int, list[subprocess.Popen]]:
@@ -287,7 +314,9 @@ def main() -> None:
         for target, artifact in artifacts.items():
             if target not in targets:
                 continue
-            ports[target], started = start_tlaloc(artifact, args.work / target, args.timing_log)
+            timing = {"timing_log": str((args.work / target / "timing.jsonl").resolve())}
+            ports[target], started = start_tlaloc(artifact, args.work / target,
+                                                  timing if args.timing_log else None)
             procs += started
             log(f"{target} ({artifact}) ready, every entry compiled")
         results = {}
@@ -297,13 +326,7 @@ def main() -> None:
                 results[(t, c)] = aiperf(aiperf_bin, ports[t], tokenizer, c, args,
                                          args.work / "runs" / f"{t}-c{c}")
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
     print(f"\nSmolLM2-135M (tlaloc and vLLM f32, llama.cpp the GGUF's blocks), streaming chat, "
           f"{args.input_tokens}-token synthetic prompts, {args.output_tokens} output tokens, "
           f"{os.cpu_count()} cores (aiperf, the servers and their processes on them); the "

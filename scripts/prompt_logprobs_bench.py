@@ -26,7 +26,6 @@ import http.client
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,11 +37,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import openai_bench as bench  # noqa: E402
-from triton_tlaloc.triton.server import free_ports  # noqa: E402
-
-WORDS = ("river stone cloud paper garden window silver morning quiet engine letter orange "
-         "market bridge summer winter candle forest pocket yellow mirror thunder harbor "
-         "pencil ladder meadow rocket violin castle blanket").split()
 
 
 def chat_first_token_s(port: int, content: str, tokens: int = 8) -> tuple[float, float]:
@@ -88,53 +82,12 @@ def scored(port: int, ids: list[int], top: int = 20) -> tuple[float, int, str]:
     return seconds, resp.status, data[:300].decode(errors="replace")
 
 
-def stop(procs: list) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
-def start(artifact: Path, work: Path, params: dict[str, str]) -> tuple[int, list]:
-    repo = work / "repo"
-    subprocess.run([str(bench.BIN / "tlaloc"), "repository", str(artifact), str(repo), "--name",
-                    "smollm2", "--compile-all-first"], check=True, stdout=subprocess.DEVNULL)
-    if params:  # model parameters with no flag (docs/parameters.md)
-        config = repo / "smollm2" / "config.pbtxt"
-        text = config.read_text()
-        assert "parameters [\n" in text, config
-        lines = "".join(f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }},\n'
-                        for k, v in params.items())
-        config.write_text(text.replace("parameters [\n", "parameters [\n" + lines, 1))
-    http, grpc, metrics, api = free_ports(4)
-    serve = subprocess.Popen([str(bench.BIN / "tlaloc"), "serve", str(repo), "--http-port",
-                              str(http), "--grpc-port", str(grpc), "--metrics-port",
-                              str(metrics), "--log-file", str(work / "tritonserver.log")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    procs = [serve]
-    try:
-        bench.wait_until_up(f"http://127.0.0.1:{http}/v2/health/ready", serve, "tlaloc serve",
-                            1800)
-        front = subprocess.Popen([str(bench.BIN / "tlaloc"), "openai", "--url",
-                                  f"127.0.0.1:{grpc}", "--model", "smollm2", "--port", str(api)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        procs.insert(0, front)
-        bench.wait_until_up(f"http://127.0.0.1:{api}/v1/models", front, "tlaloc openai", 120)
-    except BaseException:
-        stop(procs)
-        raise
-    return api, procs
-
-
 def chats_while(port: int, rng: random.Random, words: int, chatters: int,
                 busy: threading.Event | None, count: int = 0) -> list[tuple[float, float]]:
     """Chats from `chatters` threads, each one at a time: `count` each, or while `busy` is
     set (at least one each); every chat's (first token, end) seconds."""
     out, lock = [], threading.Lock()
-    contents = [[" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(4000)]
+    contents = [[" ".join(rng.choice(bench.WORDS) for _ in range(words)) for _ in range(4000)]
                 for _ in range(chatters)]
 
     def loop(mine: list[str]) -> None:
@@ -171,7 +124,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     vocab = json.loads((args.artifact / "tlaloc-serving.json").read_text())["model"]["vocab"]
-    port, procs = start(args.artifact, work, params)
+    port, procs = bench.start_tlaloc(args.artifact, work, params, ready_s=1800)
     try:
         chats_while(port, rng, args.words, args.chatters, None, 3)  # warm-up
         for n in [int(v) for v in args.prompt_tokens.split(",") if v]:
@@ -209,7 +162,7 @@ def main() -> int:
                 "chat_total_during_median_s": round(statistics.median(e for _, e in during), 3),
                 "chats_during": len(d)}), flush=True)
     finally:
-        stop(procs)
+        bench.stop(procs)
     return 0
 
 
