@@ -13,7 +13,8 @@ from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.kv.host_tier import HostPages, HostTier
 from triton_tlaloc.generation.local_generation import Generation
 from triton_tlaloc.kv.page_pools import FULL, STATE, WINDOWED
-from triton_tlaloc.artifact.manifest import (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, Artifact, Entry,
+from triton_tlaloc.artifact.manifest import (CHUNK_STEP_ROLES, CHUNK_TOKEN_IDS, SCHEMA_V2,
+                                             SCHEMA_V3, SCHEMA_V4, STEP_ROLES, Artifact, Entry,
                                              KvPool, LinearState, ModelShape, Program, WindowedKv)
 from triton_tlaloc.scheduling.policy import BatchPolicy
 from triton_tlaloc.runtime.simulated import one_hot
@@ -39,13 +40,15 @@ def _entry(kind: str, batch: int, context: int, tokens: int, suffix: str = "") -
 def fake_artifact(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, vocab=256,
                   num_blocks=None, prefill_tokens=(32, 64), window=None, ring_pages=0,
                   window_blocks=0, state_slots=0, refused_tokens=(),
-                  verify_tokens=(3, 5, 9), prefill_chunk=None, adapter_slots=0) -> Artifact:
+                  verify_tokens=(3, 5, 9), prefill_chunk=None, adapter_slots=0,
+                  mixed_tokens=()) -> Artifact:
     """The entries and pools an export of these ladders has (the tests' tiny llama by default:
     batches 1 and 2, contexts 32 and 128, pages of 8 tokens, 33 pages of which 32 usable), with
     no body, program or weight behind them. `window` adds a windowed pool of rings (schema v3),
     `state_slots` linear-attention state slots (schema v4). `prefill_chunk`: the most tokens a
     prefill entry takes (an export's --prefill-chunk; None: the whole context).
-    `adapter_slots`: LoRA adapter pools of that many slots besides slot 0 (model.lora)."""
+    `adapter_slots`: LoRA adapter pools of that many slots besides slot 0 (model.lora).
+    `mixed_tokens`: mixed entries' chunks (an export's --mixed-tokens)."""
     if num_blocks is None:
         num_blocks = max(batch_ladder) * max(context_ladder) // block_size + 1
     entries = {}
@@ -56,7 +59,8 @@ def fake_artifact(batch_ladder=(1, 2), context_ladder=(32, 128), block_size=8, v
                     _entry("prefill", b, c, t, f"_t{t}") for t in prefill_tokens if t < most] + [
                     _entry("prefill", b, c, most)] + [
                     _entry("verify", b, c, t, f"_t{t}") for t in verify_tokens
-                    if t <= c and not state_slots]:
+                    if t <= c and not state_slots] + [
+                    _entry("mixed", b, c, t, f"_t{t}") for t in mixed_tokens if t <= c]:
                 entries[e.name] = e
     model = ModelShape(family="llama", model_name="fake", model_hash="", layers=1, heads=1,
                        kv_heads=1, head_size=4, hidden_size=4, intermediate_size=4, vocab=vocab,
@@ -110,6 +114,7 @@ class FakeRuntime:
         self.wanted: list[str] = []
         self.waited: list[str] = []
         self.calls: list[tuple[str, int]] = []
+        self.mixed_calls: list[tuple[str, int]] = []  # a mixed call: (entry, decode rows)
         self.adapter_slots: list[list[int]] = []  # each call's rows' LORA_SLOTS (model.lora)
         self.phase_seconds = {"inputs": 0.0, "execute": 0.0, "copy": 0.0}
         self.fail_next = None  # an exception the next run raises
@@ -179,6 +184,16 @@ class FakeRuntime:
                 self.nan_rows.append(r)
 
     def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
+        if CHUNK_TOKEN_IDS in step:  # a mixed call: [batch] decode rows, then the chunk's row
+            chunk = {plain: step.pop(role) for plain, role in zip(STEP_ROLES, CHUNK_STEP_ROLES)}
+            rows = self.run(entry_name, step)
+            nan_rows = self.nan_rows
+            _, decode_rows = self.calls.pop()
+            last = self.run(entry_name, chunk)
+            self.calls[-1] = (entry_name, decode_rows + 1)
+            self.mixed_calls.append((entry_name, decode_rows))
+            self.nan_rows = nan_rows + [len(rows)] * bool(self.nan_rows)
+            return np.concatenate([rows, last])
         argmax = self._execute(entry_name, step)
         out = one_hot(argmax[:, -1], self.artifact.model.vocab)
         out[self.nan_rows] = np.nan
@@ -266,18 +281,20 @@ class Harness:
     def last(self, seq_id) -> Reply:
         return self.replies[seq_id][-1]
 
-    def drive(self, plans: dict, rounds: int = 400, each_round=None) -> dict:
+    def drive(self, plans: dict, rounds: int = 400, each_round=None, starts=None) -> dict:
         """Clients that wait for their replies: each sequence of `plans` ({id: (prompt, new)})
-        STARTs with its prompt, then decode steps fed its own argmax, `new` tokens in all, the
-        last request with END; a request is sent only once the previous one is answered.
-        `each_round(self)` after every round (a test's invariants). Returns each sequence's
-        generated ids; AssertionError when a reply is an error or they do not finish."""
+        STARTs with its prompt (in round `starts[id]`, default the first), then decode steps
+        fed its own argmax, `new` tokens in all, the last request with END; a request is sent
+        only once the previous one is answered. `each_round(self)` after every round (a test's
+        invariants). Returns each sequence's generated ids; AssertionError when a reply is an
+        error or they do not finish."""
         out = {k: [] for k in plans}
         sent = {k: 0 for k in plans}
-        for _ in range(rounds):
+        starts = starts or {}
+        for n in range(rounds):
             for k, (prompt, new) in plans.items():
                 replies = self.replies.get(k, [])
-                if sent[k] != len(replies) or len(out[k]) >= new:
+                if sent[k] != len(replies) or len(out[k]) >= new or n < starts.get(k, 0):
                     continue
                 if sent[k] == 0:
                     self.send(k, prompt, start=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from checks import reuse_checks as R
+from checks.mixed_checks import check_prompts_join_a_stream
 from checks.sequence_checks import assert_check, url_of
 
 from triton_tlaloc.repository import RepositoryOptions, write_repository
@@ -21,8 +22,9 @@ PROTOCOLS = ["http", "grpc"]
 
 @pytest.fixture(scope="module")
 def served(tiny, smollm2, work):
-    """llama and smollm2, each with reuse and cold (--no-prefix-reuse); and llama with a pool
-    for 4 sequences at its largest context (128 / 8 * 4 pages)."""
+    """llama and smollm2, each with reuse and cold (--no-prefix-reuse); llama with mixed
+    entries; and llama with a pool for 4 sequences at its largest context (128 / 8 * 4
+    pages)."""
     repo = work / "repo-reuse"
     llama = tiny.artifact("llama", False)
     small = tiny.artifact("llama", False, num_blocks=4 * 128 // 8 + 1)
@@ -30,6 +32,10 @@ def served(tiny, smollm2, work):
     for name, art in (("llama", llama), ("smollm2", smol)):
         write_repository(art, repo, name, RepositoryOptions())
         write_repository(art, repo, f"{name}_cold", RepositoryOptions(prefix_reuse=False))
+    # the same weights with mixed entries (and batches to 4), as `tlaloc export` writes them
+    mixed = tiny.artifact("llama", False, batch_ladder=(1, 2, 4), mixed_tokens=(16, 64),
+                          mixed_batches=(4,))
+    write_repository(mixed, repo, "llama_mixed", RepositoryOptions())
     write_repository(small, repo, "pressure", RepositoryOptions(generate_model=False))
     server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server
@@ -81,3 +87,17 @@ def test_a_small_pool_under_cycling_users_loses_nothing(served, protocol):
     solo = R.solo_ids(url, protocol, "llama_cold", prompts, 12)
     assert_check(R.check_pressure(url, protocol, served.metrics_url, "pressure", solo, prompts,
                                   seconds=10, capacity=64))
+
+
+def test_prompts_joining_a_stream_ride_its_steps_with_the_same_ids(served):
+    """Mixed steps as `tlaloc serve` runs them: prompts of 20 to 90 tokens (chunks of 16 and
+    64) arriving while a stream decodes ride its steps, and every id is the model's apart.
+    The mixed entries compile after every plain one (until then calls run apart): this waits
+    for them."""
+    import time
+
+    deadline = time.monotonic() + 180
+    while not served.compiled() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert_check(check_prompts_join_a_stream(url_of(served, "grpc"), served.metrics_url,
+                                             "llama_mixed", "llama"))

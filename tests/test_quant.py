@@ -121,7 +121,7 @@ HEAD_CASES = [  # family, tied, quant, --quant-head, --kv-dtype
     ("llama", False, "fp8", True, "f32"),
 ]
 CLI_LADDERS = ["--batch-ladder", "1", "--context-ladder", "64", "--block-size", "8",
-               "--prefill-tokens", "none", "--verify-tokens", "none"]
+               "--prefill-tokens", "none", "--verify-tokens", "none", "--mixed-tokens", "none"]
 
 
 def head_case_id(case) -> str:

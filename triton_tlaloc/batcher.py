@@ -53,8 +53,8 @@ from .scheduling.policy import BatchPolicy, Cohort, select
 from .scheduling.room import RoomMaker
 if TYPE_CHECKING:
     from .lora.registry import AdapterRegistry
-from .scheduling.round_plan import (RoundPlan, bucket_calls, decode_calls, forced_rows_to_decode,
-                                    prefill_calls)
+from .scheduling.round_plan import (MixedCall, RoundPlan, bucket_calls, decode_calls,
+                                    forced_rows_to_decode, mixed_calls, prefill_calls)
 
 # What the front ends take from here: the batcher, its requests and replies, and reply codes.
 __all__ = ["Batcher", "INTERNAL", "INVALID_ARG", "Job", "Reply", "Request", "UNAVAILABLE"]
@@ -105,6 +105,7 @@ class Batcher:
         self.max_decode_batch = max((e.batch for e in entries if e.kind == "decode"), default=1)
         self.max_prefill_batch = max((e.batch for e in entries if e.kind == "prefill"), default=1)
         self.max_verify_batch = max((e.batch for e in entries if e.kind == "verify"), default=1)
+        self.max_mixed_batch = max((e.batch for e in entries if e.kind == "mixed"), default=0)
         self.context_ladder = sorted(engine.art.context_ladder)
         engine.waits_for_compiles = False  # this thread holds such a call back instead
 
@@ -153,9 +154,10 @@ class Batcher:
         if self._thread is not None:
             self._thread.join(timeout)
         with self._cv:
-            leftover = list(self._pending) + [j.request for j in self.state.held_back]
+            leftover = list(self._pending) + [j.request for j in self.state.held_back
+                                              + self.state.under_way]
             self._pending.clear()
-            self.state.held_back = []
+            self.state.held_back, self.state.under_way = [], []
         for r in leftover:
             r.reply(Reply(error="the model is unloading", code=UNAVAILABLE))
         self._round_ended()
@@ -180,7 +182,7 @@ class Batcher:
                     self.process(taken, resumed)
             except Exception:  # never leave a request unanswered, never let the thread die
                 log.exception("batcher round failed")
-                held = {id(j.request) for j in self.state.held_back}
+                held = {id(j.request) for j in self.state.held_back + self.state.under_way}
                 for r in taken + [j.request for j in resumed]:
                     if not r._answered and id(r) not in held:
                         r.reply(Reply(error="internal error in the batcher (see the server "
@@ -218,9 +220,11 @@ class Batcher:
                 j.seq.move_to(SequenceStatus.RUNNING)
         self._entries_changed = False
         # A sequence whose request waits (for pages, or an entry) sends no other.
-        waiting = {r.seq_id for r in self.state.waiting} | self.state.held_back_ids()
-        # A swapped-out or dropped sequence is not waited for by its cohort.
-        off = {s.seq_id for s in self.room.off_device()}
+        waiting = {r.seq_id for r in self.state.waiting} | self.state.in_flight_ids()
+        # A swapped-out or dropped sequence is not waited for by its cohort, nor one whose
+        # prompt is under way (its next request comes after its prompt's reply).
+        off = ({s.seq_id for s in self.room.off_device()}
+               | {j.seq.seq_id for j in self.state.under_way})
         held = {k for k in self.sequences if k not in off} if off else self.sequences
         taken, wake_at = select([r for r in self._pending if r.seq_id not in waiting], now=now,
                                 policy=self.policy, cohort=self.cohort, held=held,
@@ -229,6 +233,15 @@ class Batcher:
         if taken:
             ids = {id(r) for r in taken}
             self._pending = deque(r for r in self._pending if id(r) not in ids)
+        if self.state.under_way:
+            # A prompt under way goes on in the next step, which waits for its cohort's decode
+            # rows as any step does: riding with them is what keeps it from stalling them.
+            if taken or resumed or not self._cohort_expected(now):
+                resumed = resumed + self.state.under_way
+                self.state.under_way = []
+            else:
+                wake_at = (self.cohort.deadline if wake_at is None
+                           else min(wake_at, self.cohort.deadline))
         if self.state.waiting:
             # Waiting requests try again first (before newer ones take the pages) in every
             # round, and alone when pages were released since they last tried or at their
@@ -240,6 +253,15 @@ class Batcher:
             else:
                 wake_at = due if wake_at is None else min(wake_at, due)
         return taken, resumed, wake_at
+
+    def _cohort_expected(self, now: float) -> bool:
+        """Whether the decode cohort still waits for a member's next request."""
+        if now >= self.cohort.deadline:
+            return False
+        queued = {r.seq_id for r in self._pending}
+        under_way = {j.seq.seq_id for j in self.state.under_way}
+        return any(s in self.sequences and s not in queued and s not in under_way
+                   for s in self.cohort.members)
 
     # ------------------------------------------------------------ one round
 
@@ -256,7 +278,7 @@ class Batcher:
                 queued = {r.seq_id for r in self._pending}
             self.state.busy = ({r.seq_id for r in requests} | {j.seq.seq_id for j in resumed}
                                | queued | {r.seq_id for r in self.state.waiting}
-                               | self.state.held_back_ids())
+                               | self.state.in_flight_ids())
         self.state.moves = []
         jobs: list[Job] = list(resumed)  # a preempted sequence's job leaves the list
         t0 = time.perf_counter()
@@ -284,12 +306,16 @@ class Batcher:
                 plan.held_back.append((j, compiling))
             else:
                 decode.append(j)
+        prompts = [j for j in jobs if not j.is_decode and not j.request.is_verify]
+        plan.mixed, decode, plan.deferred = mixed_calls(
+            decode, prompts, self.max_mixed_batch, self.engine.max_mixed_tokens)
+        if plan.mixed:
+            prompts = []  # one rides the step, the others wait for the next
         plan.decode = decode_calls(decode, self.max_decode_batch)
         plan.verify = bucket_calls([j for j in jobs if j.request.is_verify],
                                    self.max_verify_batch, self.context_ladder)
-        plan.prefill = prefill_calls(
-            [j for j in jobs if not j.is_decode and not j.request.is_verify],
-            self.max_prefill_batch, self.context_ladder, self.engine.max_call_tokens)
+        plan.prefill = prefill_calls(prompts, self.max_prefill_batch, self.context_ladder,
+                                     self.engine.max_call_tokens)
         plan.admit_seconds = time.perf_counter() - t0
         return plan
 
@@ -306,22 +332,27 @@ class Batcher:
         for job, entry in plan.held_back:
             self._hold_back([job], "decode", entry)
         self._admit_seconds = plan.admit_seconds  # charged to the round's first call
-        if plan.decode:
+        self.state.under_way += plan.deferred
+        if plan.decode or plan.mixed:
             t_decode = self.clock()
+            for call in plan.mixed:
+                self._run_mixed(call)
             for call in plan.decode:
                 self._run("decode", call)
             self._decode_s = self.clock() - t_decode
-            self.cohort = Cohort({j.seq.seq_id for call in plan.decode for j in call
-                                  if not j.request.end},
+            rows = [j for call in plan.decode for j in call] + [j for m in plan.mixed
+                                                                  for j in m.decode]
+            self.cohort = Cohort({j.seq.seq_id for j in rows if not j.request.end},
                                  self.clock() + self.policy.cohort_wait(self._decode_s))
         for call in plan.verify:
             self._run("verify", call)
         for call in plan.prefill:
             self._run("prefill", call)
-        if plan.prefill or plan.verify:
+        if plan.prefill or plan.verify or plan.mixed:
             # A sequence whose prompt (or verify call) just ran decodes next: it joins the
             # cohort, so prompts sent together decode together from their first step.
-            ran = [j for call in plan.prefill + plan.verify for j in call]
+            ran = [j for call in plan.prefill + plan.verify + [[m.chunk] for m in plan.mixed]
+                   for j in call if not j.seq.uncached]
             self.cohort = Cohort(self.cohort.members | {j.seq.seq_id for j in ran
                                                         if j.seq.seq_id in self.sequences},
                                  self.clock() + self.policy.cohort_wait(self._decode_s))
@@ -343,7 +374,7 @@ class Batcher:
         tokens = sum(len(s.token_ids) - s.num_cached for s in seqs)
         t0 = self.clock()
         executions_before = self.engine.executions
-        waits = [t0 - j.request.arrived for j in jobs]
+        waits = [t0 - j.request.arrived for j in jobs if not j.started]
         phases_before = self.engine.phase_seconds()
         t_call = time.perf_counter()
         try:
@@ -355,23 +386,18 @@ class Batcher:
                                             [j.request.acceptor for j in jobs])
             elif len(seqs) == 1 and len(seqs[0].token_ids) - seqs[0].num_cached > \
                     self.engine.max_call_tokens(seqs[0]):
-                logits = self.engine.prefill_chunked(seqs[0])
+                if self.engine.max_mixed_tokens:  # a chunk a round: other steps between
+                    logits = self.engine.prefill_chunk(seqs[0],
+                                                       self.engine.max_call_tokens(seqs[0]))
+                else:
+                    logits = self.engine.prefill_chunked(seqs[0])
             else:
                 logits = self.engine.prefill(seqs)
         except EntryCompiling as e:
             self._hold_back(jobs, kind, e.entry_name)
             return
         except Exception as e:
-            log.exception("%s call for sequences %s failed", kind, [s.seq_id for s in seqs])
-            for j in jobs:
-                kept = self.state.roll_back(j)
-                lost = ""
-                if j.request.start or not kept:
-                    self.state.release(j.seq)
-                    if not kept:  # its state holds part of this request: it cannot go on
-                        lost = "; its linear-attention state cannot be rewound: sequence ended"
-                j.request.reply(Reply(error=f"sequence {j.seq.seq_id}: the {kind} call failed: "
-                                            f"{type(e).__name__}: {e}{lost}", code=INTERNAL))
+            self._failed(kind, jobs, e)
             return
         seconds = self.clock() - t0
         t_called = time.perf_counter()
@@ -381,6 +407,10 @@ class Batcher:
                      seconds * 1e3)
         self._observe("call", kind, self.engine.last_entry, len(jobs), tokens, waits, seconds,
                       self.engine.executions - executions_before)
+        if kind == "prefill":
+            self._step(jobs, tokens, 0, t0)
+        else:
+            self._step([], 0, tokens, t0)
         if kind == "verify":
             # A grammar's forced tokens are not drafts: a row of them alone is no speculation.
             speculating = [(j.request.draft_tokens - j.request.forced_tokens,
@@ -390,8 +420,24 @@ class Batcher:
             if speculating:
                 self._observe("speculation", sum(d for d, _ in speculating),
                               sum(a for _, a in speculating), len(speculating))
+        self._answer(kind, jobs, logits)
+        t_done = time.perf_counter()
+        phases = {k: v - phases_before[k] for k, v in self.engine.phase_seconds().items()}
+        admit, self._admit_seconds = self._admit_seconds, 0.0
+        self._observe("timing", CallTiming(
+            kind, self.engine.last_entry, len(jobs), tokens, wait=max(waits, default=0.0), admit=admit,
+            **phases, respond=t_done - t_called,
+            other=(t_called - t_call) - sum(phases.values()),
+            total=admit + (t_done - t_call)))
+
+    def _answer(self, kind: str, jobs: list[Job], logits) -> None:
+        """Each job's reply from its row of a call's logits; a prompt with tokens still to
+        compute (a chunk ran) is under way: it goes on in the next round, unanswered."""
         broken = self._nonfinite_rows(kind, jobs, logits)
         for j, row, bad in zip(jobs, logits, broken):
+            if j.seq.uncached and not bad:
+                self.state.under_way.append(j)
+                continue
             pages = (len(j.seq.pages), len(j.seq.ring))
             if j.request.end:
                 self.state.release(j.seq, ended=True)
@@ -407,11 +453,66 @@ class Batcher:
                 j.request.reply(self._as_verified(j.request, row, pages))
             else:
                 j.request.reply(Reply(logits=row, kv_pages=pages))
+
+    def _step(self, prompts: list[Job], prompt_tokens: int, decode_tokens: int,
+              t0: float) -> None:
+        """Report a call's tokens by part, and the wait of each prompt whose first tokens it
+        ran (started at `t0`)."""
+        self._observe("step", prompt_tokens, decode_tokens)
+        for j in prompts:
+            if not j.started:
+                j.started = True
+                self._observe("prompt_started", t0 - j.request.arrived)
+
+    def _failed(self, kind: str, jobs: list[Job], e: Exception) -> None:
+        """A call failed: each of its jobs rolled back and answered with the error."""
+        log.exception("%s call for sequences %s failed", kind, [j.seq.seq_id for j in jobs])
+        for j in jobs:
+            kept = self.state.roll_back(j)
+            lost = ""
+            if j.request.start or not kept:
+                self.state.release(j.seq)
+                if not kept:  # its state holds part of this request: it cannot go on
+                    lost = "; its linear-attention state cannot be rewound: sequence ended"
+            j.request.reply(Reply(error=f"sequence {j.seq.seq_id}: the {kind} call failed: "
+                                        f"{type(e).__name__}: {e}{lost}", code=INTERNAL))
+
+    def _run_mixed(self, call: MixedCall) -> None:
+        """A mixed call: its decode rows answered, its chunk's prompt answered once its last
+        token ran (or under way). With no compiled mixed entry for it, the two calls apart."""
+        jobs = [*call.decode, call.chunk]
+        seqs = [j.seq for j in call.decode]
+        t0 = self.clock()
+        waits = [t0 - j.request.arrived for j in jobs if not j.started]
+        phases_before = self.engine.phase_seconds()
+        t_call = time.perf_counter()
+        try:
+            logits = self.engine.mixed(seqs, call.chunk.seq, call.tokens)
+        except Exception as e:
+            self._failed("mixed", jobs, e)
+            return
+        if logits is None:
+            self._run("decode", call.decode)
+            self._run("prefill", [call.chunk])
+            return
+        seconds = self.clock() - t0
+        t_called = time.perf_counter()
+        tokens = len(seqs) + call.tokens
+        if sum(self.stats.calls.values()) < LOGGED_CALLS:
+            log.info("mixed call %s: %d decode rows (sequences %s) and %d tokens of sequence "
+                     "%s's prompt, in %.1f ms", self.engine.last_entry, len(seqs),
+                     [s.seq_id for s in seqs], call.tokens, call.chunk.seq.seq_id,
+                     seconds * 1e3)
+        self._observe("call", "mixed", self.engine.last_entry, len(jobs), tokens, waits,
+                      seconds, 1)
+        self._step([call.chunk], call.tokens, len(seqs), t0)
+        self._answer("decode", call.decode, logits[:-1])
+        self._answer("prefill", [call.chunk], logits[-1:])
         t_done = time.perf_counter()
         phases = {k: v - phases_before[k] for k, v in self.engine.phase_seconds().items()}
         admit, self._admit_seconds = self._admit_seconds, 0.0
         self._observe("timing", CallTiming(
-            kind, self.engine.last_entry, len(jobs), tokens, wait=max(waits), admit=admit,
+            "mixed", self.engine.last_entry, len(jobs), tokens, wait=max(waits, default=0.0), admit=admit,
             **phases, respond=t_done - t_called,
             other=(t_called - t_call) - sum(phases.values()),
             total=admit + (t_done - t_call)))

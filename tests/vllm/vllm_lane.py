@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EXPORTER = ROOT / ".venv" / "bin" / "python"  # make test's environment: JAX exports
 # The lane's artifacts: vLLM's blocks of 16 tokens, a context of 256, decode rows of 1 and 4
-LADDERS = ["--batch-ladder", "1,4", "--context-ladder", "256", "--block-size", "16"]
+LADDERS = ["--batch-ladder", "1,4", "--context-ladder", "256", "--block-size", "16",
+           "--mixed-tokens", "none"]
 
 
 def exported_fixture(run_dir):

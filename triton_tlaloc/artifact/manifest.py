@@ -58,6 +58,13 @@ STATE_POOL_OUT = "STATE_POOL_OUT"
 # row; the pools, read by the entries and written only by the runtime between calls
 LORA_SLOTS = "LORA_SLOTS"
 LORA_POOL = "LORA_POOL"
+# Mixed entries: besides the decode rows' step inputs (the roles above, [R, 1] and [R, pages]),
+# one prompt chunk's own, [1, T] and [1, pages] (docs/artifact-format.md#mixed-entries)
+CHUNK_TOKEN_IDS = "CHUNK_TOKEN_IDS"
+CHUNK_POSITIONS = "CHUNK_POSITIONS"
+CHUNK_BLOCK_TABLES = "CHUNK_BLOCK_TABLES"
+CHUNK_SEQ_LENS = "CHUNK_SEQ_LENS"
+CHUNK_SLOT_MAPPING = "CHUNK_SLOT_MAPPING"
 STEP_ROLES = (TOKEN_IDS, POSITIONS, BLOCK_TABLES, SEQ_LENS, SLOT_MAPPING)
 WINDOW_STEP_ROLES = (WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING)
 STATE_STEP_ROLES = (STATE_SLOTS,)
@@ -67,15 +74,20 @@ POOL_OUT_ROLES = (KV_POOL_OUT, WINDOW_KV_POOL_OUT, STATE_POOL_OUT)
 DONATION_ROLES = ((KV_POOL_OUT, KV_POOL_IN), (WINDOW_KV_POOL_OUT, WINDOW_KV_POOL_IN),
                   (STATE_POOL_OUT, STATE_POOL_IN))
 LORA_STEP_ROLES = (LORA_SLOTS,)
+CHUNK_STEP_ROLES = (CHUNK_TOKEN_IDS, CHUNK_POSITIONS, CHUNK_BLOCK_TABLES, CHUNK_SEQ_LENS,
+                    CHUNK_SLOT_MAPPING)
 INPUT_ROLES = (STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES + LORA_STEP_ROLES
-               + POOL_IN_ROLES + (LORA_POOL, WEIGHT))
+               + CHUNK_STEP_ROLES + POOL_IN_ROLES + (LORA_POOL, WEIGHT))
 OUTPUT_ROLES = (LOGITS, POSITION_ARGMAX, POSITION_LOGITS, EXPERT_LOAD) + POOL_OUT_ROLES
 
 # Entry kinds. A verify entry feeds a sequence its next token and draft tokens in one call and
 # returns what the model predicts after each of them (speculative decoding;
 # docs/artifact-format.md#verify-entries-speculative-decoding).
-DECODE, PREFILL, VERIFY = "decode", "prefill", "verify"
-ENTRY_KINDS = (DECODE, PREFILL, VERIFY)
+# A mixed entry runs `batch` decode rows and one prompt chunk of up to `tokensPerSeq` tokens in
+# one call: the linears over all the tokens at once, attention per group
+# (docs/artifact-format.md#mixed-entries).
+DECODE, PREFILL, VERIFY, MIXED = "decode", "prefill", "verify", "mixed"
+ENTRY_KINDS = (DECODE, PREFILL, VERIFY, MIXED)
 
 # Element types, spelled as StableHLO spells them, with their numpy dtypes.
 _NUMPY_DTYPES = {
@@ -196,12 +208,14 @@ def leading_outputs(kind: str, batch: int, tokens: int, vocab: int,
     """The outputs an entry of a kind returns before its pools, in order: a decode or prefill
     entry each row's last logits; a verify entry the argmax and the logits after each of the
     row's positions; then, for a mixture of experts (`experts`: its sparse layers and
-    experts), the call's expert load."""
+    experts), the call's expert load. A mixed entry's logits are its decode rows' and then its
+    chunk's last token's: `batch` + 1 rows."""
     if kind == VERIFY:
         out = (TensorSpec("position_argmax", POSITION_ARGMAX, "i32", (batch, tokens)),
                TensorSpec("position_logits", POSITION_LOGITS, "f32", (batch, tokens, vocab)))
     else:
-        out = (TensorSpec("logits", LOGITS, "f32", (batch, vocab)),)
+        rows = batch + 1 if kind == MIXED else batch
+        out = (TensorSpec("logits", LOGITS, "f32", (rows, vocab)),)
     if experts is not None:
         out += (TensorSpec("expert_load", EXPERT_LOAD, "i32", experts),)
     return out
@@ -237,7 +251,7 @@ class Program:
 @dataclass(frozen=True)
 class Entry:
     name: str
-    kind: str  # "decode" | "prefill" | "verify"
+    kind: str  # "decode" | "prefill" | "verify" | "mixed"
     batch: int
     context: int
     tokens_per_seq: int

@@ -38,14 +38,18 @@ def _add_export_parser(sub) -> None:
     # The defaults reach a chat's context (4,096) and keep the entries few: each costs a
     # compile (seconds) and tens of MB of executable (docs/performance.md#memory), and the
     # smaller context keeps short conversations' decode steps cheap.
-    p.add_argument("--batch-ladder", type=int_list, default=(1, 2, 4))
+    # Decode batches to 16: one call a step for 16 streams (a 16-row step costs what an 8-row
+    # one does: docs/performance.md#many-users-mixed-steps-and-batches-of-16).
+    p.add_argument("--batch-ladder", type=int_list, default=(1, 2, 4, 8, 16))
     p.add_argument("--context-ladder", type=int_list, default=(512, 4096))
     p.add_argument("--prefill-max-batch", type=int, default=1,
                    help="cap the prefill entries' batch (default 1: a prompt's tokens already "
                         "make the rows of a wide product; 0: every batch of the ladder)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="pages per pool (default: largest batch x largest context / block size + 1)")
+                   help="pages per pool (default: the largest batch B at the largest "
+                        "context, for B over 4 the more of 4 sequences at the largest context "
+                        "and B at the smallest; / block size, + 1)")
     p.add_argument("--weight-dtype", choices=("f32", "bf16"), default="f32")
     p.add_argument("--weight-quant", choices=("int8", "fp8", "gguf", "awq", "gptq", "int4"),
                    default=None,
@@ -79,6 +83,15 @@ def _add_export_parser(sub) -> None:
                         "sequence's next token and a draft of t - 1 tokens checked in one call, "
                         "at every batch and context (default 3,5,9; 'none' or '': none; never "
                         "for a model with linear-attention layers)")
+    p.add_argument("--mixed-tokens", type=int_list_or_none, default=(64, 192),
+                   help="tokensPerSeq of the mixed entries: a prompt's chunk of up to t tokens "
+                        "and the streams' decode rows in one call, so a prompt does not stall "
+                        "the streams (default 64,192; 'none': none; written for "
+                        "full-attention models without adapters, experts or tensor "
+                        "parallelism)")
+    p.add_argument("--mixed-batches", type=int_list, default=(4, 16),
+                   help="the mixed entries' decode batches (default 4,16; fewer rows take the "
+                        "smallest that holds them)")
     p.add_argument("--windowed-kv", choices=("true", "false"), default=None,
                    help="sliding layers in a windowed pool of rings (schema v3; default: true "
                         "when the model has sliding layers); false: full-history pages")

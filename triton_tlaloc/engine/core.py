@@ -15,7 +15,7 @@ from typing import Container, Protocol
 
 import numpy as np
 
-from ..artifact.manifest import Artifact
+from ..artifact.manifest import MIXED, Artifact
 from ..model_parameters import default_int
 from ..pages import (STATE, BlockManager, PagePool, PagesExhausted, Reuse, SharedPagePool,
                      pages_for, pool_shape, root_hash)
@@ -23,7 +23,7 @@ from ..codes import RequestError
 from ..kv.sequence import Sequence, SequenceStatus
 from .speculation import Verified, Verifier, accepted_drafts
 from .rows import ring_room
-from .steps import Row, build_step
+from .steps import Row, build_mixed_step, build_step
 
 __all__ = ["Engine", "EntryCompiling", "GenerationResult", "RequestError", "Sequence",
            "StepRuntime", "Verified", "accepted_drafts"]
@@ -109,6 +109,7 @@ class Engine:
                         for t in self.art.model.refused_tokens}
         self._prefill = [e for e in self.art.entries.values() if e.kind == "prefill"]
         self._decode = [e for e in self.art.entries.values() if e.kind == "decode"]
+        self._mixed = [e for e in self.art.entries.values() if e.kind == MIXED]
         self.max_verify_tokens = max(self.art.verify_tokens, default=0)
         # Once no decode entry is left to compile none will be again (a compile that failed
         # is not compiling): every decode row skips the search for one from then on.
@@ -280,6 +281,11 @@ class Engine:
                    if e.name in self.rt.executables and e.kind == kind and e.batch < batch
                    and e.context >= end and e.tokens_per_seq >= tokens)
 
+    def prefill_chunk(self, seq: Sequence, tokens: int) -> np.ndarray:
+        """A prompt's next `tokens` uncached tokens in one prefill call (the rest in later
+        calls); returns the logits after the chunk's last [1, vocab]."""
+        return self._run("prefill", [seq], [seq.uncached[:tokens]])
+
     def prefill_chunked(self, seq: Sequence) -> np.ndarray:
         """A prompt longer than the largest prefill entry's tokens goes in several calls, each
         on the smallest entry whose context holds the call's last position."""
@@ -320,8 +326,13 @@ class Engine:
     def _call(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> np.ndarray:
         step = self.step_inputs(entry, seqs, feeds)
         logits = self.rt.run(entry.name, step)[:len(seqs)]
-        # A row whose logits hold NaN or infinity may have written them into its KV: its
-        # blocks are not offered to other sequences (the batcher answers it with an error).
+        self._computed(seqs, feeds, logits)
+        return logits
+
+    def _computed(self, seqs: list[Sequence], feeds: list[list[int]], logits) -> None:
+        """The rows' tokens have KV now. A row whose logits hold NaN or infinity may have
+        written them into its KV: its blocks are not offered to other sequences (the batcher
+        answers it with an error)."""
         finite = np.isfinite(logits).all(axis=-1)
         for s, feed, ok in zip(seqs, feeds, finite):
             s.num_cached += len(feed)
@@ -329,10 +340,65 @@ class Engine:
                 self.blocks.register(s)
             else:
                 self.blocks.withhold(s)
+
+    # ------------------------------------------------------------ mixed calls
+
+    @property
+    def max_mixed_tokens(self) -> int:
+        """The most prompt tokens a mixed call may carry (0: the artifact has no mixed
+        entry)."""
+        return max((e.tokens_per_seq for e in self._mixed), default=0)
+
+    def mixed_entry(self, rows: int, end: int, tokens: int):
+        """The smallest compiled mixed entry that holds `rows` decode rows and a chunk of
+        `tokens` tokens, every row reaching position `end` - 1, or None (the calls then run
+        apart). A better one still compiling is asked for."""
+        best = self.art.smallest_entry(MIXED, rows, end, tokens)
+        if best is None or best.name in self.rt.executables:
+            return best
+        self.rt.want(best.name)
+        return self.art.smallest_entry(MIXED, rows, end, tokens, among=self.rt.executables)
+
+    def mixed(self, seqs: list[Sequence], chunk: Sequence, tokens: int):
+        """One mixed call: each of `seqs` its one uncached token, and `chunk` (a prompt) its
+        next `tokens` uncached ones, in one execution (docs/design.md#mixed-steps). Returns the
+        logits of each of `seqs` and of the chunk's last token [len(seqs) + 1, vocab], or None
+        when no compiled mixed entry holds the call (nothing ran)."""
+        for s in seqs:
+            assert len(s.uncached) == 1, f"sequence {s.seq_id}: decode takes one new token"
+        feed = chunk.uncached[:tokens]
+        assert feed, f"sequence {chunk.seq_id}: no prompt token to compute"
+        end = max(max(s.num_cached + 1 for s in seqs), chunk.num_cached + len(feed))
+        entry = self.mixed_entry(len(seqs), end, len(feed))
+        if entry is None:
+            return None
+        feeds = [s.uncached for s in seqs]
+        rows = self._rows([*seqs, chunk], [*feeds, feed])
+        self._count_call(entry)
+        t0 = time.perf_counter()
+        step = build_mixed_step(entry, rows[:-1], rows[-1], self.block_size)
+        self.build_seconds += time.perf_counter() - t0
+        out = self.rt.run(entry.name, step)
+        logits = np.concatenate([out[:len(seqs)], out[entry.batch:entry.batch + 1]])
+        self._computed([*seqs, chunk], [*feeds, feed], logits)
         return logits
 
     def step_inputs(self, entry, seqs: list[Sequence], feeds: list[list[int]]) -> dict:
         """The step inputs of one call, after checking each row's pages."""
+        rows = self._rows(seqs, feeds)
+        self._count_call(entry)
+        t0 = time.perf_counter()
+        step = build_step(entry, rows, self.block_size, self.ring_pages,
+                          STATE in self.blocks.kinds, self.takes_adapters)
+        self.build_seconds += time.perf_counter() - t0
+        return step
+
+    def _count_call(self, entry) -> None:
+        self.last_entry = entry.name
+        self.executions += 1
+
+    def _rows(self, seqs: list[Sequence], feeds: list[list[int]]) -> list[Row]:
+        """Each sequence's row of a call feeding it `feed`, after checking its pages."""
         for s, feed in zip(seqs, feeds):
             if s.num_cached + len(feed) > self.art.max_context:
                 raise RequestError(f"sequence {s.seq_id}: {s.num_cached + len(feed)} positions "
@@ -348,13 +414,7 @@ class Engine:
             rows.append(Row(tuple(feed), s.num_cached, tuple(s.pages[:blocks]),
                             tuple(s.ring[:min(blocks, self.ring_pages)]),
                             -1 if s.state_slot is None else s.state_slot, s.adapter_slot))
-        self.last_entry = entry.name
-        self.executions += 1
-        t0 = time.perf_counter()
-        step = build_step(entry, rows, self.block_size, self.ring_pages,
-                          STATE in self.blocks.kinds, self.takes_adapters)
-        self.build_seconds += time.perf_counter() - t0
-        return step
+        return rows
 
     # ------------------------------------------------------------ generation
 

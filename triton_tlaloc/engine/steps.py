@@ -4,14 +4,29 @@ numpy arrays. No JAX, no Triton.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from ..artifact.manifest import (BLOCK_TABLES, LORA_SLOTS, POSITIONS, SEQ_LENS, SLOT_MAPPING,
-                                 STATE_SLOTS, TOKEN_IDS, WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING,
-                                 Entry)
+from ..artifact.manifest import (BLOCK_TABLES, CHUNK_STEP_ROLES, LORA_SLOTS, MIXED, POSITIONS,
+                                 SEQ_LENS, SLOT_MAPPING, STATE_SLOTS, STEP_ROLES, TOKEN_IDS,
+                                 WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING, Entry)
 from .rows import Row, row_inputs
 
-__all__ = ["Row", "build_step", "one_token_inputs", "row_by_row_inputs"]
+__all__ = ["Row", "build_mixed_step", "build_step", "one_token_inputs", "row_by_row_inputs"]
+
+
+def build_mixed_step(entry: Entry, rows: list[Row], chunk: Row,
+                     block_size: int) -> dict[str, np.ndarray]:
+    """A mixed call's step inputs: the decode rows' as a decode entry of the same batch and
+    context takes them, and the chunk's as a one-row prefill entry of the entry's tokens."""
+    assert entry.kind == MIXED, entry.name
+    decode = dataclasses.replace(entry, kind="decode", tokens_per_seq=1)
+    step = build_step(decode, rows, block_size)  # (a call of no decode row is a prefill)
+    prefill = dataclasses.replace(entry, kind="prefill", batch=1)
+    chunk_step = build_step(prefill, [chunk], block_size)
+    step.update({role: chunk_step[plain] for plain, role in zip(STEP_ROLES, CHUNK_STEP_ROLES)})
+    return step
 
 
 def build_step(entry: Entry, rows: list[Row], block_size: int, ring_pages: int = 0,

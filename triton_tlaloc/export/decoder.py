@@ -34,9 +34,11 @@ import numpy as np
 from .config import DecoderConfig
 from .gguf_packed import is_packed, layout_of
 from .quant import code_dtype
-from ..artifact.manifest import (BITS, BLOCK_TABLES, DECODE, KV_POOL_IN, KV_POOL_OUT, LORA_POOL,
-                                 LORA_SLOTS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN,
-                                 STATE_POOL_OUT, STATE_SLOTS, TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES,
+from ..artifact.manifest import (BITS, BLOCK_TABLES, CHUNK_BLOCK_TABLES, CHUNK_POSITIONS,
+                                 CHUNK_SEQ_LENS, CHUNK_SLOT_MAPPING, CHUNK_TOKEN_IDS, DECODE,
+                                 KV_POOL_IN, KV_POOL_OUT, LORA_POOL, LORA_SLOTS, MIXED, POSITIONS,
+                                 SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT,
+                                 STATE_SLOTS, TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES,
                                  WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING, KvPool,
                                  Program, StatePool, TensorSpec, WindowedKv, leading_outputs)
 from ..artifact.sharding import TensorParallel, mesh_sharding
@@ -305,9 +307,14 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
                   quant_head: bool = False, layer_loop: bool = False,
                   kind: str = DECODE, lora: LoraLayout | None = None) -> Program:
     """The signature of one entry, in @main's order; the outputs before the pools are the
-    kind's (manifest.leading_outputs): one for decode and prefill, two for verify. With
-    `lora`, each row's adapter slot and the adapter pools (read, never donated)."""
+    kind's (manifest.leading_outputs): one for decode, prefill and mixed, two for verify. With
+    `lora`, each row's adapter slot and the adapter pools (read, never donated). A mixed
+    entry takes `batch` decode rows' step inputs, then its chunk's (`tokens_per_seq` tokens)."""
     b, t, m = batch, tokens_per_seq, context // block_size
+    if kind == MIXED:  # `batch` decode rows of one token, and one chunk of t tokens
+        assert windowed is None and cfg.linear is None and lora is None and cfg.moe is None, \
+            "mixed entries are written for full-attention models without adapters only"
+        b, t = batch, 1
     inputs = [
         TensorSpec("token_ids", TOKEN_IDS, "i32", (b, t)),
         TensorSpec("positions", POSITIONS, "i32", (b, t)),
@@ -315,6 +322,15 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
         TensorSpec("seq_lens", SEQ_LENS, "i32", (b,)),
         TensorSpec("slot_mapping", SLOT_MAPPING, "i32", (b, t)),
     ]
+    if kind == MIXED:
+        c = tokens_per_seq
+        inputs += [
+            TensorSpec("chunk_token_ids", CHUNK_TOKEN_IDS, "i32", (1, c)),
+            TensorSpec("chunk_positions", CHUNK_POSITIONS, "i32", (1, c)),
+            TensorSpec("chunk_block_tables", CHUNK_BLOCK_TABLES, "i32", (1, m)),
+            TensorSpec("chunk_seq_lens", CHUNK_SEQ_LENS, "i32", (1,)),
+            TensorSpec("chunk_slot_mapping", CHUNK_SLOT_MAPPING, "i32", (1, c)),
+        ]
     if windowed is not None:
         inputs += [TensorSpec("window_block_tables", WINDOW_BLOCK_TABLES, "i32", (b, m)),
                    TensorSpec("window_slot_mapping", WINDOW_SLOT_MAPPING, "i32", (b, t))]
@@ -344,7 +360,7 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
         if s.name.startswith(STACKED):
             dtype = BITS.get(dtype, dtype)
         inputs.append(TensorSpec(f"w.{s.name}", WEIGHT, dtype, s.shape, slot=s.name))
-    outputs = list(leading_outputs(kind, b, t, cfg.vocab_size, cfg.moe and (
+    outputs = list(leading_outputs(kind, batch, tokens_per_seq, cfg.vocab_size, cfg.moe and (
         len(cfg.moe.layers), cfg.moe.num_experts)))
     first_pool = len(outputs)
     for p in (*pools, *states):
@@ -370,7 +386,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                   num_state_slots: int = 0, weight_quant: str | None = None,
                   quant_head: bool = False, layer_loop: bool = False, kind: str = DECODE,
                   shards: int = 1, packed_shards: dict | None = None,
-                  lora: LoraLayout | None = None):
+                  lora: LoraLayout | None = None, batch: int = 0):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits,
     pools...), for a verify entry (argmax [b, t], logits [b, t, vocab], pools...).
     layers.py has its parts. With `layer_loop` the layers run as a loop (`lax.scan`) over the
@@ -379,7 +395,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
     larger context attends block by block; ExportOptions.key_blocks). `shards`: the devices of a
     tensor-parallel program, whose fused weights hold each device's part of every fused part
     (layers.split_fused), and `packed_shards` how its packed weights are divided
-    (layers.Graph.packed_shards)."""
+    (layers.Graph.packed_shards). A mixed entry's function runs its `batch` decode rows and
+    its chunk as one row of every token (layers.make_mixed_step)."""
     import jax.numpy as jnp
 
     from . import layers
@@ -394,11 +411,14 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                      lora.graph_pieces() if lora is not None else {})
     pool_of = layer_pools(cfg)
     n_step = (5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
-              + (1 if lora is not None else 0))
+              + (1 if lora is not None else 0) + (5 if kind == MIXED else 0))
     n_pools = 2 if layer_loop else 2 * cfg.num_layers
     lora_pools = list(lora.pool_shapes()) if lora is not None else []
+    n_decode = batch  # a mixed entry's decode rows
 
     def outputs(x, w):
+        if kind == MIXED:  # the decode rows' tokens, then the chunk's last
+            return (layers.head(g, w, layers.mixed_last_tokens(x, n_decode)),)
         if kind != VERIFY:
             return (layers.head(g, w, x),)
         logits = layers.head_all_positions(g, w, x)
@@ -411,10 +431,16 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         pools = list(args[n_step:n_step + n_pools])  # an fp8 pool as its bytes
         adapters = dict(zip(lora_pools, args[n_step + n_pools:]))
         w = dict(zip(names, args[n_step + n_pools + len(lora_pools):]))
-        # The embedding, then the step's scatter indices: the order of the lowered text.
-        x = layers.embed(g, w, token_ids)
-        step = layers.make_step(g, token_ids, positions, block_tables, seq_lens, slot_mapping,
-                                window_tables, window_slots, state_slots)
+        if kind == MIXED:  # one row of every token: the decode rows', then the chunk's
+            chunk = args[5:10]
+            x = layers.embed(g, w, layers.flat_tokens(token_ids, chunk[0]))
+            step = layers.make_mixed_step(g, (token_ids, positions, block_tables, seq_lens,
+                                              slot_mapping), chunk)
+        else:
+            # The embedding, then the step's scatter indices: the order of the lowered text.
+            x = layers.embed(g, w, token_ids)
+            step = layers.make_step(g, token_ids, positions, block_tables, seq_lens,
+                                    slot_mapping, window_tables, window_slots, state_slots)
         if lora is not None:  # each part's (A, B) pools, read whole by every layer
             step.lora_slots = args[n_step - 1]
             step.lora_pools = {p.part: (adapters[lora.pool_name(p.part, "a")],
@@ -454,7 +480,8 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
     fn = make_entry_fn(cfg, block_size, num_blocks, weight_dtype, key_blocks, windowed,
                        num_state_slots, weight_quant, quant_head, layer_loop, kind, shards,
                        packed_shards(tp, weight_slots(cfg, weight_dtype, weight_quant,
-                                                      quant_head, layer_loop)), lora)
+                                                      quant_head, layer_loop)), lora,
+                       program.inputs[0].shape[0])
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     if tp is None:

@@ -110,6 +110,21 @@ class Step:
     lora_slots: Any = None
     lora_pools: dict = field(default_factory=dict)
     loop_layer: Any = None
+    # A mixed call: its tokens are one row (the decode rows', then the chunk's) and each group
+    # attends over its own block tables (None: the call's rows are its rows)
+    groups: tuple["AttentionGroup", ...] | None = None
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Rows of a mixed call that attend alike: `rows` rows of `tokens` tokens each, at these
+    positions [rows, tokens], through these block tables [rows, pages] and lengths [rows]."""
+
+    rows: int
+    tokens: int
+    positions: Any
+    block_tables: Any
+    seq_lens: Any
 
 
 def make_step(g: Graph, token_ids, positions, block_tables, seq_lens, slot_mapping,
@@ -128,6 +143,34 @@ def make_step(g: Graph, token_ids, positions, block_tables, seq_lens, slot_mappi
     ring_slots = _scatter_slots(window_slots, g.windowed.num_blocks * g.block_size, pad_row)
     return Step(positions, seq_lens, block_tables, kv_slots, pad_row, window_tables, ring_slots,
                 min(block_tables.shape[1], g.windowed.ring_pages), state_slots, real=real)
+
+
+def flat_tokens(decode_ids, chunk_ids):
+    """A mixed call's tokens as one row [1, R + T]: the decode rows', then the chunk's."""
+    return jnp.concatenate([decode_ids.reshape(-1), chunk_ids.reshape(-1)])[None]
+
+
+def make_mixed_step(g: Graph, decode, chunk) -> Step:
+    """A mixed call's Step: every token in one row for the linears, the KV written at the
+    decode rows' and the chunk's slots in one scatter, and two attention groups, the decode
+    rows (R x 1) and the chunk (1 x T). `decode` and `chunk`: (token ids, positions, block
+    tables, lengths, slot mapping) each."""
+    _, positions, tables, lens, slots = decode
+    _, chunk_positions, chunk_tables, chunk_lens, chunk_slots = chunk
+    rows = positions.shape[0]
+    flat_slots = flat_tokens(slots, chunk_slots)
+    kv_slots = _scatter_slots(flat_slots, g.num_blocks * g.block_size, False)
+    groups = (AttentionGroup(rows, 1, positions, tables, lens),
+              AttentionGroup(1, chunk_positions.shape[1], chunk_positions, chunk_tables,
+                             chunk_lens))
+    return Step(flat_tokens(positions, chunk_positions), None, None, kv_slots, False,
+                groups=groups)
+
+
+def mixed_last_tokens(x, rows: int):
+    """The hidden states a mixed call's logits are read from, [R + 1, 1, hidden]: each decode
+    row's token and the chunk's last (the head reads each row's last token)."""
+    return jnp.concatenate([x[0, :rows], x[0, -1:]])[:, None, :]
 
 
 def _scatter_slots(mapping, pool_slots: int, pad_row: bool):
@@ -442,18 +485,40 @@ def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):
     scores only its ring, masking each slot by its age (attention.py)."""
     cfg = g.cfg
     b, t = q.shape[:2]
+    width = cfg.num_heads * cfg.head_size
+    if step.groups is not None:  # a mixed call: each group over its own tables, in order
+        outs, start = [], 0
+        for grp in step.groups:
+            n = grp.rows * grp.tokens
+            part = q[:, start:start + n].reshape(grp.rows, grp.tokens, *q.shape[2:])
+            out = _full_attention(g, i, part, k_pool, v_pool, grp.block_tables, grp.positions,
+                                  grp.seq_lens)
+            outs.append(out.reshape(1, n, width))
+            start += n
+        return jnp.concatenate(outs, axis=1)
+    if g.on_ring(i):
+        qg = q.reshape(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads,
+                       cfg.head_size)
+        out = ring(qg, k_pool, v_pool, step.window_tables[:, :step.ring_width], step.positions,
+                   step.seq_lens, cfg.window(i), g.windowed.ring_pages * g.block_size,
+                   cfg.attn_scale)
+    else:
+        out = _full_attention(g, i, q, k_pool, v_pool, step.block_tables, step.positions,
+                              step.seq_lens)
+    return out.reshape(b, t, width)
+
+
+def _full_attention(g: Graph, i: int, q, k_pool, v_pool, block_tables, positions, seq_lens):
+    """Attention of q [b, t, heads, d] over the pages the block tables name: one pass when
+    the tables span one key block, else block by block."""
+    cfg = g.cfg
+    b, t = q.shape[:2]
     qg = q.reshape(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_size)
     window, scale = cfg.window(i), cfg.attn_scale
-    if g.on_ring(i):
-        out = ring(qg, k_pool, v_pool, step.window_tables[:, :step.ring_width], step.positions,
-                   step.seq_lens, window, g.windowed.ring_pages * g.block_size, scale)
-    elif step.block_tables.shape[1] * g.block_size > g.key_blocks[0]:
-        out = by_length(qg, k_pool, v_pool, step.block_tables, step.positions, step.seq_lens,
-                        g.key_blocks, window, scale)
-    else:
-        out = one_pass(qg, k_pool, v_pool, step.block_tables, step.positions, step.seq_lens,
-                       window, scale)
-    return out.reshape(b, t, cfg.num_heads * cfg.head_size)
+    if block_tables.shape[1] * g.block_size > g.key_blocks[0]:
+        return by_length(qg, k_pool, v_pool, block_tables, positions, seq_lens, g.key_blocks,
+                         window, scale)
+    return one_pass(qg, k_pool, v_pool, block_tables, positions, seq_lens, window, scale)
 
 
 # ------------------------------------------------------------------ Gated DeltaNet layers

@@ -73,6 +73,13 @@ class ExportOptions:
     # or 8) by default; here none, because they double a small model's entries and what a
     # runtime compiles. Never for linear-attention models (a state cannot be rewound).
     verify_tokens: tuple[int, ...] = ()
+    # tokensPerSeq of the mixed entries: a prompt's chunk of up to this many tokens and every
+    # batch of the ladder's decode rows in one call (docs/design.md#mixed-steps); () none.
+    # Written for full-attention models without adapters, experts or tensor parallelism.
+    mixed_tokens: tuple[int, ...] = ()
+    # The mixed entries' batches (None: every batch of the ladder; one above the ladder's
+    # largest is that): a call of fewer decode rows takes the smallest that holds them
+    mixed_batches: tuple[int, ...] | None = None
     # Key blocks of blockwise attention (docs/design.md#paged-attention): an entry whose
     # context spans more than one attends a block at a time, up to the block holding its last
     # live position, so its cost follows what the sequences hold, not the bucket. Prefill
@@ -151,6 +158,10 @@ class ExportOptions:
         if any(t < 2 for t in self.verify_tokens):
             raise ExportError(f"--verify-tokens {list(self.verify_tokens)}: each must be >= 2 "
                               f"(the sequence's next token and at least one draft token)")
+        if any(t < 1 for t in self.mixed_tokens):
+            raise ExportError(f"--mixed-tokens {list(self.mixed_tokens)}: each must be >= 1")
+        if self.mixed_batches is not None and any(b < 1 for b in self.mixed_batches):
+            raise ExportError(f"--mixed-batches {list(self.mixed_batches)}: each must be >= 1")
         if self.max_lora_rank < 0 or self.lora_slots < 1:
             raise ExportError(f"--max-lora-rank {self.max_lora_rank}, --lora-slots "
                               f"{self.lora_slots}: a rank >= 0 (0: no adapters) and at least "
@@ -220,6 +231,10 @@ class ExportOptions:
     def resolved_num_blocks(self) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
-        # Room for the largest batch at the largest context, plus page 0, which is never given
-        # to a sequence: padding rows' block tables point at it.
-        return max(self.batch_ladder) * max(self.context_ladder) // self.block_size + 1
+        # Room for the largest batch at the largest context up to batches of 4 (past 4, for
+        # 4 sequences at the largest context, or the largest batch at the smallest, whichever
+        # is more: batches of 16 would otherwise take four times the memory), plus page 0,
+        # which is never given to a sequence: padding rows' block tables point at it.
+        batch, contexts = max(self.batch_ladder), self.context_ladder
+        tokens = max(min(batch, 4) * max(contexts), batch * min(contexts))
+        return tokens // self.block_size + 1

@@ -32,7 +32,7 @@ from .gguf_packed import PACKED_LAYOUT, is_packed
 from .quant import quantize_rows
 from ..artifact.hf_config import HF_CONFIG_NAME, hf_config
 from ..artifact.loading import load_artifact
-from ..artifact.manifest import (DECODE, MANIFEST_NAME, PACKED_QUANTS, PREFILL, SCHEMA_V2,
+from ..artifact.manifest import (DECODE, MANIFEST_NAME, MIXED, PACKED_QUANTS, PREFILL, SCHEMA_V2,
                                  SCHEMA_V3, SCHEMA_V4, VERIFY, Entry, LinearState, WeightFile,
                                  WindowedKv, numpy_dtype)
 from ..artifact.sharding import TensorParallel
@@ -205,6 +205,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
 
         linear_state = _linear_state(_program_config(cfg, tp), opts)
         verify_tokens = _verify_tokens(cfg, opts, windowed)
+        opts = dataclasses.replace(opts, mixed_tokens=_mixed_tokens(cfg, opts, windowed, lora))
         entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop, verify_tokens,
                                  tp, lora)
         _log_pools(cfg, windowed, linear_state)
@@ -314,6 +315,28 @@ def _verify_tokens(cfg: DecoderConfig, opts: ExportOptions,
     return keep
 
 
+def _mixed_tokens(cfg: DecoderConfig, opts: ExportOptions, windowed: WindowedKv | None,
+                  lora) -> tuple[int, ...]:
+    """The mixed entries' tokensPerSeq this model gets: none (logged, with why) for a model
+    whose calls cannot share one row of tokens yet: a ring, state slots, experts, adapters or
+    several devices."""
+    wanted = tuple(sorted(t for t in set(opts.mixed_tokens) if t <= max(opts.context_ladder)))
+    if not wanted:
+        return ()
+    why = ("a windowed pool" if windowed is not None else
+           "linear-attention layers" if cfg.linear is not None else
+           "experts" if cfg.moe is not None else
+           "adapter pools" if lora is not None else
+           "tensor parallelism" if opts.tensor_parallel > 1 else None)
+    if why is not None:
+        _log(f"[export] mixed entries: none (not written for a model with {why}: its prompts "
+             f"and decode rows run in separate calls)")
+        return ()
+    _log(f"[export] mixed entries: chunks of {list(wanted)} tokens beside decode rows of "
+         f"batches {mixed_batches(opts)}")
+    return wanted
+
+
 def _log_pools(cfg: DecoderConfig, windowed: WindowedKv | None,
                linear_state: LinearState | None) -> None:
     if linear_state is not None:
@@ -379,6 +402,7 @@ def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_
         "maxPositions": cfg.max_positions,
         "prefillChunk": opts.prefill_chunk,
         "verifyTokens": list(verify_tokens),
+        "mixedTokens": list(opts.mixed_tokens),
         "attentionBlock": list(opts.key_blocks(PREFILL)),
         "decodeAttentionBlock": list(opts.key_blocks(DECODE)),
         "layerLoop": layer_loop,
@@ -414,7 +438,7 @@ def _linear_state(cfg: DecoderConfig, opts: ExportOptions) -> LinearState | None
 def _entry_plan(opts: ExportOptions, verify_tokens: tuple[int, ...]) -> list[tuple]:
     """(kind, batch, context, tokensPerSeq) of every entry, in the manifest's order: for each
     context, the decode entries by batch, the prefill entries by batch and tokens, then the
-    verify entries by batch and tokens."""
+    verify entries and the mixed entries by batch and tokens."""
     plan = []
     for c in sorted(opts.context_ladder):
         for b in sorted(opts.batch_ladder):
@@ -424,12 +448,22 @@ def _entry_plan(opts: ExportOptions, verify_tokens: tuple[int, ...]) -> list[tup
                 plan += [(PREFILL, b, c, t) for t in opts.prefill_token_ladder(c)]
         for b in sorted(opts.batch_ladder):
             plan += [(VERIFY, b, c, t) for t in sorted(verify_tokens) if t <= c]
+        for b in mixed_batches(opts):
+            plan += [(MIXED, b, c, t) for t in sorted(opts.mixed_tokens) if t <= c]
     return plan
+
+
+def mixed_batches(opts: ExportOptions) -> list[int]:
+    """The mixed entries' batches: `mixed_batches` (None: the ladder's), none above the
+    ladder's largest (a batch of more decode rows than a step has is padding)."""
+    top = max(opts.batch_ladder)
+    return sorted({min(b, top) for b in (opts.mixed_batches or opts.batch_ladder)})
 
 
 def entry_name(opts: ExportOptions, kind: str, batch: int, context: int, tokens: int) -> str:
     """decode_b{B}_c{C}; prefill_b{B}_c{C}, with _t{T} below the largest of its (batch,
-    context); verify_b{B}_c{C}_t{T} always (a context has several, none the plain one)."""
+    context); verify_b{B}_c{C}_t{T} and mixed_b{B}_c{C}_t{T} always (a context has several,
+    none the plain one)."""
     plain = kind == DECODE or (kind == PREFILL and tokens == opts.tokens_per_seq(context))
     return f"{kind}_b{batch}_c{context}" if plain else f"{kind}_b{batch}_c{context}_t{tokens}"
 

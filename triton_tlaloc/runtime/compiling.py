@@ -5,8 +5,9 @@ A model is ready once the entries a first request needs are compiled (`first_ent
 smallest context's single-row decode entry and its single-row prefill entry taking the most
 tokens a call there takes: the whole context, or a chunk of it when the export chunks prompts). The rest compile on worker threads in `compile_order`: decode before prefill at each
 context (a conversation makes one decode call per token), smaller contexts and batches first,
-and the verify entries of speculative decoding after all of them (a server serves plain
-decoding first; speculation is only faster).
+then the mixed entries (a prompt's chunk with the decode rows in one call), and the verify
+entries of speculative decoding after all of them (a server serves plain calls first; mixed
+steps and speculation are only faster).
 A call that needs an entry not compiled yet asks for it (`want`: it goes to the front of the
 queue) and runs on a compiled entry that holds it meanwhile, or waits for it (`wait_for`; the
 batcher's thread never waits: it holds the call back and serves others, batcher.py).
@@ -21,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..artifact.manifest import DECODE, PREFILL, VERIFY, Artifact, Entry
+from ..artifact.manifest import DECODE, MIXED, PREFILL, VERIFY, Artifact, Entry
 
 log = logging.getLogger("triton_tlaloc.compiling")
 
@@ -43,10 +44,13 @@ def first_entries(art: Artifact) -> list[str]:
 def compile_order(art: Artifact, names) -> list[str]:
     """`names` in the order they are worth compiling: smaller contexts first (every request
     fits them while it is short), decode before prefill at each, then fewer rows, then fewer
-    tokens; every verify entry after all the decode and prefill entries, in the same order
-    among themselves."""
+    tokens; the mixed entries after all the decode and prefill entries, and every verify entry
+    after those, in the same order among themselves (plain calls serve every request: a mixed
+    step or speculation is only faster)."""
+    later = {MIXED: 1, VERIFY: 2}
+
     def value(e: Entry):
-        return (e.kind == VERIFY, e.context, e.kind != DECODE, e.batch, e.tokens_per_seq)
+        return (later.get(e.kind, 0), e.context, e.kind != DECODE, e.batch, e.tokens_per_seq)
     return [e.name for e in sorted((art.entries[n] for n in names), key=value)]
 
 

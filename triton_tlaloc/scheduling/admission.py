@@ -115,6 +115,7 @@ class Job:
     num_ring: int
     had_state_slot: bool
     was_dropped: bool = False  # its sequence's KV had been dropped: it computes it again
+    started: bool = False  # a call ran some of its tokens (a prompt under way)
 
     @property
     def is_decode(self) -> bool:

@@ -1,6 +1,7 @@
 """What the batcher (batcher.py), its admission (scheduling/admission.py) and its room maker
 (scheduling/room.py) share, as one explicit object: the held sequences by id, the requests waiting
-for pages, the ids busy in the round, the jobs held back for a compile, the count of admissions, and
+for pages, the ids busy in the round, the jobs held back for a compile, the prompts under way, the count of
+admissions, and
 the engine, host tier, adapter registry, clock and observer they act through. It also owns the two moves all three
 make: releasing a sequence and rolling back an admitted job. Pure Python: no Triton or JAX.
 """
@@ -32,6 +33,9 @@ class BatcherState:
         self.busy: set = set()  # ids with a request in the round, queued or waiting
         # Jobs held back until an entry they need compiles (admitted, their pages reserved)
         self.held_back: list[Job] = []
+        # Prompts admitted and under way: a chunk computed in a mixed step, or deferred while
+        # another prompt's chunk rode the step; each goes on in the next round
+        self.under_way: list[Job] = []
         self.admissions = 0  # STARTs admitted so far (Sequence.admitted)
         # What room making did in this round's admissions ((what, sequence id): RoundPlan)
         self.moves: list[tuple[str, object]] = []
@@ -39,6 +43,11 @@ class BatcherState:
     def held_back_ids(self) -> set:
         """The sequences whose request is held back until an entry compiles."""
         return {j.seq.seq_id for j in self.held_back}
+
+    def in_flight_ids(self) -> set:
+        """The sequences whose admitted request is not answered yet and not in this round:
+        held back for a compile, or a prompt under way (neither reclaimed nor swapped out)."""
+        return self.held_back_ids() | {j.seq.seq_id for j in self.under_way}
 
     def admitted(self, seq: Sequence) -> bool:
         """Whether `seq` is a held sequence (not a new START's)."""

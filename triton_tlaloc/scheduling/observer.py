@@ -89,6 +89,13 @@ class Observer:
         """The host tier now: bytes held for swapped-out sequences, how many, and bytes of
         evicted blocks kept."""
 
+    def step(self, prompt_tokens: int, decode_tokens: int) -> None:
+        """One execution's tokens: of prompts (prefill, a mixed call's chunk) and of decode
+        and verify rows."""
+
+    def prompt_started(self, wait_s: float) -> None:
+        """A prompt's first tokens ran, `wait_s` after it arrived."""
+
     def timing(self, t: CallTiming) -> None:
         pass
 
@@ -112,9 +119,9 @@ class BatcherStats(Observer):
     """Counters kept by the batcher itself."""
 
     def __init__(self):
-        self.calls = {"decode": 0, "prefill": 0, "verify": 0}
-        self.rows = {"decode": 0, "prefill": 0, "verify": 0}
-        self.tokens = {"decode": 0, "prefill": 0, "verify": 0}
+        self.calls = {"decode": 0, "prefill": 0, "verify": 0, "mixed": 0}
+        self.rows = {"decode": 0, "prefill": 0, "verify": 0, "mixed": 0}
+        self.tokens = {"decode": 0, "prefill": 0, "verify": 0, "mixed": 0}
         self.refusals: dict[str, int] = {}
         self.pages_reclaimed = 0
         self.sequences_reclaimed = 0
@@ -132,8 +139,13 @@ class BatcherStats(Observer):
         self.drafted = 0  # draft tokens checked by verify calls
         self.accepted = 0  # of them, accepted
         self.verify_steps = 0  # verify rows: accepted + verify_steps tokens came of them
-        self.nonfinite_rows = {"decode": 0, "prefill": 0, "verify": 0}  # NaN or inf logits
+        # NaN or inf logits (a mixed call's rows count as its decode rows' and prompt's)
+        self.nonfinite_rows = {"decode": 0, "prefill": 0, "verify": 0}
         self.waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> execution start
+        # Tokens by part of a step, and steps by what they carried (mixed: both)
+        self.step_tokens = {"prompt": 0, "decode": 0}
+        self.steps = {"prompt": 0, "decode": 0, "mixed": 0}
+        self.prompt_waits_s: deque[float] = deque(maxlen=100_000)  # arrival -> first chunk
         self.call_sizes: list[tuple[str, int]] = []
         # Each entry's recent call time (a moving average): what speculation weighs a verify
         # call against a decode call by.
@@ -150,6 +162,15 @@ class BatcherStats(Observer):
         if executions == 1:  # a call split while entries compile says nothing of one entry's
             old = self.entry_seconds.get(entry)
             self.entry_seconds[entry] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def step(self, prompt_tokens: int, decode_tokens: int) -> None:
+        self.step_tokens["prompt"] += prompt_tokens
+        self.step_tokens["decode"] += decode_tokens
+        self.steps["mixed" if prompt_tokens and decode_tokens else
+                   "prompt" if prompt_tokens else "decode"] += 1
+
+    def prompt_started(self, wait_s: float) -> None:
+        self.prompt_waits_s.append(wait_s)
 
     def call_seconds(self, entries: dict, kind: str, rows: int, tokens: int) -> float | None:
         """The recent time of a call of `kind` over `rows` rows of `tokens` tokens each: the

@@ -41,10 +41,10 @@ class RoomMaker:
         """Free pages held by sequences Triton has ended, as many as `seq` needs to take
         `n_tokens` more (in every pool); False (and nothing reclaimed) when they cannot."""
         now = self.clock()
-        held_back = self.state.held_back_ids()  # their requests are in flight
+        in_flight = self.state.in_flight_ids()  # their requests are in flight
         candidates = [(s.seq_id, s.holding, s.last_active)
                       for s in self.sequences.values()
-                      if s is not seq and s.seq_id not in held_back]
+                      if s is not seq and s.seq_id not in in_flight]
         victims = choose_reclaim(candidates, self._lacking(seq, n_tokens), now,
                                  self.policy.reclaim_after_s)
         if not victims:
@@ -71,11 +71,12 @@ class RoomMaker:
 
     def _on_device(self, seq: Sequence) -> list[Sequence]:
         """The other held sequences whose KV is on the device (candidates to swap out), but
-        for those whose call is held back until an entry compiles (it runs as admitted)."""
-        held_back = self.state.held_back_ids()
+        for those whose call is held back until an entry compiles or whose prompt is under way
+        (it runs as admitted)."""
+        in_flight = self.state.in_flight_ids()
         return [s for s in self.sequences.values()
                 if s is not seq and s.swapped is None and any(s.holding.values())
-                and s.seq_id not in held_back]
+                and s.seq_id not in in_flight]
 
     def with_room(self, seq: Sequence, n_tokens: int, jobs: list[Job], attempt):
         """`attempt()`, making room when it runs short of pages: sequences Triton has ended

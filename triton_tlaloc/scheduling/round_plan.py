@@ -6,7 +6,9 @@ swapped, preempted or dropped to make room: `moves`) and groups the jobs into ca
 Grouping: decode rows of several sequences go into one call of up to the largest decode batch;
 verify rows and prompts of one context bucket into one call (a call computes every row at its
 entry's context, so buckets are not merged); a prompt longer than the largest prefill entry
-runs alone, in chunks.
+runs alone, in chunks. With mixed entries, a round with decode rows carries one prompt's next
+chunk in its first decode call (`mixed_calls`) and the round's other prompts wait for the next
+steps: no prompt's call stalls the streams (docs/design.md#mixed-steps).
 """
 
 from __future__ import annotations
@@ -18,7 +20,17 @@ from .admission import Job
 
 
 @dataclass
+class MixedCall:
+    """Decode rows and the next `tokens` tokens of one prompt (`chunk`), in one call."""
+
+    decode: list[Job]
+    chunk: Job
+    tokens: int
+
+
+@dataclass
 class RoundPlan:
+    mixed: list[MixedCall] = field(default_factory=list)  # run first: they carry decode rows
     decode: list[list[Job]] = field(default_factory=list)  # decode calls, in order
     verify: list[list[Job]] = field(default_factory=list)  # verify calls
     prefill: list[list[Job]] = field(default_factory=list)  # prefill calls (chunked: alone)
@@ -28,15 +40,33 @@ class RoundPlan:
     # "swapped in", "preempted", "dropped"
     moves: list[tuple[str, object]] = field(default_factory=list)
     admit_seconds: float = 0.0  # admitting the round's requests (charged to its first call)
+    # Prompts admitted and not run this round (a mixed step carries one prompt's chunk): they
+    # go on in the next round's step
+    deferred: list[Job] = field(default_factory=list)
 
     def calls(self) -> list[tuple[str, list[Job]]]:
         """(kind, rows) of every call, in the order they run."""
-        return ([("decode", g) for g in self.decode] + [("verify", g) for g in self.verify]
+        return ([("mixed", [*m.decode, m.chunk]) for m in self.mixed]
+                + [("decode", g) for g in self.decode] + [("verify", g) for g in self.verify]
                 + [("prefill", g) for g in self.prefill])
 
     def rows(self, kind: str) -> list[list[object]]:
         """The sequence ids of each call of `kind` (what the tests compare)."""
-        return [[j.seq.seq_id for j in g] for g in getattr(self, kind)]
+        return [[j.seq.seq_id for j in g] for k, g in self.calls() if k == kind]
+
+
+def mixed_calls(decode: list[Job], prompts: list[Job], max_batch: int, max_tokens: int
+                ) -> tuple[list[MixedCall], list[Job], list[Job]]:
+    """One token budget per step: with decode rows in the round, the first `max_batch` of
+    them and the next chunk of the first prompt (a prompt under way before new ones), up to
+    `max_tokens` tokens, as one mixed call. Returns (the mixed calls, the decode rows left for
+    decode calls, the prompts deferred to the next round). No decode row, no prompt or no
+    mixed entry (`max_tokens` 0): nothing is mixed or deferred."""
+    if not decode or not prompts or max_tokens <= 0:
+        return [], decode, []
+    chunk = prompts[0]
+    tokens = min(len(chunk.seq.uncached), max_tokens)
+    return [MixedCall(decode[:max_batch], chunk, tokens)], decode[max_batch:], prompts[1:]
 
 
 def decode_calls(jobs: list[Job], max_batch: int) -> list[list[Job]]:

@@ -86,6 +86,12 @@ class TritonMetrics(Observer):
                              "(prefill, decode, verify)", F.COUNTER)
         self._refusals = family("tlaloc_refusals_total", "Requests refused, by reason",
                                 F.COUNTER)
+        self._step_tokens = family("tlaloc_step_tokens_total", "Tokens the executions ran, by "
+                                   "part of the step (prompt: prefill calls and mixed calls' "
+                                   "chunks; decode: decode and verify rows)", F.COUNTER)
+        self._steps = family("tlaloc_steps_total", "Executions by what they carried (prompt, "
+                             "decode, mixed: a prompt's chunk and decode rows in one)",
+                             F.COUNTER)
         self.reclaimed_pages = family("tlaloc_pages_reclaimed_total", "KV pages reclaimed from "
                                       "sequences Triton ended", F.COUNTER).Metric(labels=self.labels)
         self.reclaimed_sequences = family(
@@ -160,6 +166,9 @@ class TritonMetrics(Observer):
             self.wait = family("tlaloc_backend_wait_seconds", "Time a request waits in the "
                                "backend before its execution starts", F.HISTOGRAM).Metric(
                 labels=self.labels, buckets=self.WAIT_BUCKETS)
+            self.prompt_wait = family("tlaloc_prompt_wait_seconds", "Time from a prompt's "
+                                      "arrival to its first tokens' execution", F.HISTOGRAM
+                                      ).Metric(labels=self.labels, buckets=self.WAIT_BUCKETS)
             self.swap_seconds = family("tlaloc_swap_seconds", "Time one swap out or in takes",
                                        F.HISTOGRAM).Metric(labels=self.labels,
                                                            buckets=self.EXEC_BUCKETS)
@@ -251,6 +260,18 @@ class TritonMetrics(Observer):
 
     def refusal(self, reason):
         self.writer.increment(self._metric(self._refusals, reason=reason), 1)
+
+    def step(self, prompt_tokens, decode_tokens):
+        for part, n in (("prompt", prompt_tokens), ("decode", decode_tokens)):
+            if n:
+                self.writer.increment(self._metric(self._step_tokens, part=part), n)
+        carried = ("mixed" if prompt_tokens and decode_tokens else
+                   "prompt" if prompt_tokens else "decode")
+        self.writer.increment(self._metric(self._steps, carried=carried), 1)
+
+    def prompt_started(self, wait_s):
+        if self.has_histograms:
+            self.writer.observe(self.prompt_wait, wait_s)
 
     def timing(self, t):
         for phase in t.PHASES:

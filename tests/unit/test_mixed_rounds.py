@@ -1,0 +1,127 @@
+"""Mixed steps in the batcher, over the fake runtime: a prompt that arrives while sequences
+decode rides their step in chunks (one token budget per step), never a call of its own that
+stalls them; prompts and streams give the ids they give apart; a failed mixed call answers
+every row with its error and leaves every sequence as it was."""
+
+from __future__ import annotations
+
+from checks.fakes import Harness, fake_artifact
+from triton_tlaloc.scheduling.round_plan import mixed_calls
+
+LADDER = dict(batch_ladder=(1, 2, 4), context_ladder=(32, 128), num_blocks=129)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + i * 7) % 200 + 3 for i in range(n)]
+
+
+# Three streams decoding, then prompts of 20 to 90 tokens joining one after another
+PLANS = {f"s{k}": (prompt(6 + k, k), 24) for k in range(3)}
+PLANS.update({"long": (prompt(90, 7), 10), "mid": (prompt(20, 8), 10), "late": (prompt(45, 9), 6)})
+STARTS = {"long": 4, "mid": 5, "late": 12}
+
+
+def run(mixed_tokens=(), **kw):
+    h = Harness(fake_artifact(mixed_tokens=mixed_tokens, **LADDER), **kw)
+    out = h.drive(PLANS, starts=STARTS, each_round=lambda h: h.batcher.engine.blocks.check(
+        list(h.batcher.sequences.values())))
+    return h, out
+
+
+def test_prompts_joining_mid_flight_give_the_ids_they_give_apart():
+    _, apart = run()
+    h, mixed = run(mixed_tokens=(8, 16))
+    assert mixed == apart
+    assert h.rt.mixed_calls, "no prompt rode a decode step"
+    assert h.batcher.stats.calls["mixed"] == len(h.rt.mixed_calls)
+    # A 90-token prompt needs 6 chunks of 16: it rode six steps
+    assert h.batcher.stats.tokens["mixed"] >= 90 + 20 + 45
+    # The steps by what they carried, their tokens by part, one wait per prompt
+    stats = h.batcher.stats
+    assert stats.steps["mixed"] == stats.calls["mixed"]
+    assert stats.step_tokens["prompt"] == sum(len(p) for p, _ in PLANS.values())
+    assert stats.step_tokens["decode"] == sum(n - 1 for _, n in PLANS.values())
+    assert len(stats.prompt_waits_s) == len(PLANS)
+
+
+def test_no_prompt_call_runs_beside_decoding_streams():
+    """While streams decode, every prompt token is computed in a mixed call: no prefill call
+    runs in a round that has decode rows."""
+    h = Harness(fake_artifact(mixed_tokens=(8, 16), **LADDER))
+    kinds_by_round = []
+
+    def each_round(h):
+        kinds_by_round.append(list(h.rt.calls[len(sum(kinds_by_round, [])):]))
+
+    h.drive(PLANS, starts=STARTS, each_round=each_round)
+    for calls in kinds_by_round:
+        names = [name for name, _ in calls]
+        if any(n.startswith("decode") or n.startswith("mixed") for n in names):
+            assert not any(n.startswith("prefill") for n in names), names
+    assert any(n.startswith("mixed") for calls in kinds_by_round for n, _ in calls)
+
+
+def test_a_long_prompt_alone_runs_a_chunk_a_round():
+    """With no stream decoding, a prompt longer than a prefill call runs one chunk per round,
+    so a stream that starts meanwhile rides the next chunk instead of waiting for all."""
+    h = Harness(fake_artifact(mixed_tokens=(8,), prefill_chunk=32, **LADDER))
+    h.send("long", prompt(100, 1), start=True)
+    h.clock.advance(1.0)
+    assert h.batcher.run_pending()
+    assert [n for n, _ in h.rt.calls] == ["prefill_b1_c32"]  # positions 0-31
+    assert "long" not in h.replies  # under way: 32 of 100 tokens computed
+    assert h.batcher.sequences["long"].num_cached == 32
+    h.run()
+    assert h.last("long").error is None and h.batcher.sequences["long"].num_cached == 100
+
+
+def test_mixed_calls_take_the_first_prompt_and_defer_the_others():
+    class J:  # what mixed_calls reads of a job
+        def __init__(self, n):
+            self.seq = type("S", (), {"uncached": [0] * n})()
+
+    decode = [J(1) for _ in range(6)]
+    prompts = [J(40), J(5)]
+    calls, left, deferred = mixed_calls(decode, prompts, 4, 16)
+    assert [(len(c.decode), c.chunk, c.tokens) for c in calls] == [(4, prompts[0], 16)]
+    assert left == decode[4:] and deferred == [prompts[1]]
+    assert mixed_calls(decode, [J(5)], 4, 16)[0][0].tokens == 5
+    assert mixed_calls(decode, prompts, 4, 0) == ([], decode, [])
+    assert mixed_calls([], prompts, 4, 16) == ([], [], [])
+
+
+def test_a_failed_mixed_call_answers_every_row_and_rolls_back():
+    h = Harness(fake_artifact(mixed_tokens=(16,), **LADDER))
+    for k in ("a", "b"):
+        h.step(k, prompt(5, 3), start=True)
+    before = {k: (list(h.batcher.sequences[k].token_ids), h.batcher.sequences[k].num_cached)
+              for k in ("a", "b")}
+    h.rt.fail_next = RuntimeError("device lost")
+    h.send("a", [7])
+    h.send("b", [8])
+    h.send("new", prompt(30, 4), start=True)
+    h.clock.advance(1.0)
+    h.run()
+    assert len(h.rt.mixed_calls) == 0  # it failed before it was recorded
+    for k in ("a", "b", "new"):
+        assert "mixed call failed: RuntimeError: device lost" in h.last(k).error
+    for k in ("a", "b"):
+        s = h.batcher.sequences[k]
+        assert (list(s.token_ids), s.num_cached) == before[k]
+    assert "new" not in h.batcher.sequences
+    h.batcher.engine.blocks.check(list(h.batcher.sequences.values()))
+    # and the streams go on, a prompt riding their step
+    h.send("a", [7])
+    h.send("b", [8])
+    h.send("new", prompt(30, 4), start=True)
+    h.clock.advance(1.0)
+    h.run()
+    assert all(h.last(k).error is None for k in ("a", "b")) and len(h.replies["new"]) == 1
+    # 16 of its 30 tokens rode the step; the rest waits for the streams' next step (their
+    # cohort's), and runs alone once that wait is over
+    h.run()
+    assert len(h.replies["new"]) == 1
+    h.clock.advance(1.0)
+    h.run()
+    assert h.last("new").error is None
+    assert h.rt.mixed_calls == [("mixed_b2_c32_t16", 2)]
