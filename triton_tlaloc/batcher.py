@@ -308,7 +308,8 @@ class Batcher:
                 decode.append(j)
         prompts = [j for j in jobs if not j.is_decode and not j.request.is_verify]
         plan.mixed, decode, plan.deferred = mixed_calls(
-            decode, prompts, self.max_mixed_batch, self.engine.max_mixed_tokens)
+            decode, prompts, self.max_mixed_batch,
+            self.policy.chunk_tokens(self.engine.max_mixed_tokens))
         if plan.mixed:
             prompts = []  # one rides the step, the others wait for the next
         plan.decode = decode_calls(decode, self.max_decode_batch)

@@ -63,6 +63,7 @@ def batch_policy(config: dict, params: dict[str, str]) -> BatchPolicy:
         cohort_wait_s=int(params["cohort_wait_microseconds"]) / 1e6,
         cohort_wait_steps=float(params["cohort_wait_steps"]),
         prefill_wait_s=int(params["prefill_wait_microseconds"]) / 1e6,
+        mixed_chunk_tokens=int(params["mixed_chunk_tokens"]),
         backend_batching=parse_bool(params["backend_batching"]),
         idle_timeout_s=idle_us / 1e6,
         reclaim_allowance_s=int(params["reclaim_allowance_microseconds"]) / 1e6)

@@ -47,6 +47,11 @@ PARAMETERS: tuple[ModelParameter, ...] = (
         "prefill_wait_microseconds", "2000",
         "how long a prompt waits for prompts sent with it", "--prefill-wait-us"),
     ModelParameter(
+        "mixed_chunk_tokens", "0",
+        "the most prompt tokens a step carries beside decode rows (a mixed call's chunk; "
+        "smaller: shorter stalls for the streams, more steps for the prompt)",
+        "--mixed-chunk-tokens", shown="`0` (the largest mixed entry's)"),
+    ModelParameter(
         "reclaim_allowance_microseconds", "2000000",
         "added to twice the idle timeout before an idle sequence's pages may be reclaimed",
         "--reclaim-allowance-us"),

@@ -36,6 +36,7 @@ class RepositoryOptions:
     # the cohort wait is also at most this many decode calls
     cohort_wait_steps: float = default_float("cohort_wait_steps")
     prefill_wait_microseconds: int = default_int("prefill_wait_microseconds")
+    mixed_chunk_tokens: int = default_int("mixed_chunk_tokens")
     # backend_batching false and a queue delay: Triton forms the batches (a control)
     backend_batching: bool = default_bool("backend_batching")
     triton_queue_delay_microseconds: int = 0
@@ -173,6 +174,7 @@ def write_repository(artifact_dir: str | os.PathLike, repo: str | os.PathLike, n
         "cohort_wait_microseconds": opts.cohort_wait_microseconds,
         "cohort_wait_steps": opts.cohort_wait_steps,
         "prefill_wait_microseconds": opts.prefill_wait_microseconds,
+        "mixed_chunk_tokens": opts.mixed_chunk_tokens,
         "backend_batching": "true" if opts.backend_batching else "false",
         "reclaim_allowance_microseconds": opts.reclaim_allowance_microseconds,
         "prefix_reuse": "true" if opts.prefix_reuse else "false",

@@ -5,7 +5,10 @@ every row with its error and leaves every sequence as it was."""
 
 from __future__ import annotations
 
+import pytest
+
 from checks.fakes import Harness, fake_artifact
+from triton_tlaloc.scheduling.policy import BatchPolicy
 from triton_tlaloc.scheduling.round_plan import mixed_calls
 
 LADDER = dict(batch_ladder=(1, 2, 4), context_ladder=(32, 128), num_blocks=129)
@@ -125,3 +128,18 @@ def test_a_failed_mixed_call_answers_every_row_and_rolls_back():
     h.run()
     assert h.last("new").error is None
     assert h.rt.mixed_calls == [("mixed_b2_c32_t16", 2)]
+
+
+def test_the_chunk_a_step_carries_is_the_policys_to_cap():
+    """mixed_chunk_tokens: the most prompt tokens a step carries beside decode rows (shorter
+    stalls, more steps for the prompt); 0 takes the largest mixed entry's."""
+    h = Harness(fake_artifact(mixed_tokens=(8, 16), **LADDER), mixed_chunk_tokens=8)
+    capped = h.drive(PLANS, starts=STARTS)
+    sizes = {name for name, _ in h.rt.mixed_calls}
+    assert sizes and all(name.endswith("_t8") for name in sizes), sizes
+    _, whole = run(mixed_tokens=(8, 16))
+    assert capped == whole
+    with pytest.raises(ValueError, match="mixed_chunk_tokens -1"):
+        BatchPolicy(mixed_chunk_tokens=-1)
+    assert BatchPolicy().chunk_tokens(192) == 192 and BatchPolicy(
+        mixed_chunk_tokens=64).chunk_tokens(192) == 64

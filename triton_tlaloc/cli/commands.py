@@ -250,6 +250,7 @@ def cmd_repository(args) -> int:
                              cohort_wait_microseconds=args.cohort_wait_us,
                              cohort_wait_steps=args.cohort_wait_steps,
                              prefill_wait_microseconds=args.prefill_wait_us,
+                             mixed_chunk_tokens=args.mixed_chunk_tokens,
                              backend_batching=not args.triton_batching,
                              triton_queue_delay_microseconds=args.triton_queue_delay_us,
                              reclaim_allowance_microseconds=args.reclaim_allowance_us,

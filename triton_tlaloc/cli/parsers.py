@@ -215,6 +215,10 @@ def _add_repository_parser(sub) -> None:
                         "previous decode call's durations too (0: only --cohort-wait-us)")
     p.add_argument("--prefill-wait-us", type=int,
                    default=RepositoryOptions.prefill_wait_microseconds)
+    p.add_argument("--mixed-chunk-tokens", type=int,
+                   default=RepositoryOptions.mixed_chunk_tokens,
+                   help="the most prompt tokens a step carries beside decode rows (0: the "
+                        "largest mixed entry's)")
     p.add_argument("--reply-threads", type=int, default=RepositoryOptions.reply_threads,
                    help="threads that send the responses (0: the batching thread sends them, "
                         "one at a time)")

@@ -45,6 +45,8 @@ class BatchPolicy:
     # (0: off)
     cohort_wait_steps: float = default_float("cohort_wait_steps")
     prefill_wait_s: float = default_int("prefill_wait_microseconds") / 1e6
+    # the most prompt tokens a step carries beside decode rows (0: the largest mixed entry's)
+    mixed_chunk_tokens: int = default_int("mixed_chunk_tokens")
     backend_batching: bool = default_bool("backend_batching")
     # the model's max_sequence_idle_microseconds
     idle_timeout_s: float = MAX_SEQUENCE_IDLE_MICROSECONDS / 1e6
@@ -55,6 +57,14 @@ class BatchPolicy:
         if self.cohort_wait_steps < 0:
             raise ValueError(f"cohort_wait_steps {self.cohort_wait_steps}: expected 0 (off) or "
                              f"more")
+        if self.mixed_chunk_tokens < 0:
+            raise ValueError(f"mixed_chunk_tokens {self.mixed_chunk_tokens}: expected 0 (the "
+                             f"largest mixed entry's) or more")
+
+    def chunk_tokens(self, most: int) -> int:
+        """The prompt tokens a step carries beside decode rows, of the `most` a mixed entry
+        takes (0: no mixed entry)."""
+        return min(most, self.mixed_chunk_tokens) if self.mixed_chunk_tokens else most
 
     def cohort_wait(self, decode_s: float | None) -> float:
         """How long the next decode batch waits for its cohort, given the previous decode
