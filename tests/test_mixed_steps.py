@@ -18,10 +18,13 @@ SAME_TOL = 1e-5
 STEPS = 8
 
 # llama with the layer loop, attending block by block (key blocks of 32 positions: a context
-# of 128 spans four); qwen3 (q/k norms) unrolled, in one pass.
+# of 128 spans four); qwen3 (q/k norms) unrolled, in one pass; llama's linears quantized.
 CASES = {
     "llama-loop-blockwise": ("llama", dict(decode_attention_block=(32,), attention_block=(32,))),
     "qwen3-unrolled": ("qwen3", dict(layer_loop=False)),
+    # quantized linears: int8 codes and a scale per channel; 4-bit codes packed two a byte
+    "llama-int8": ("llama", dict(weight_quant="int8")),
+    "llama-int4": ("llama", dict(weight_quant="int4")),
 }
 
 
