@@ -75,7 +75,7 @@ def test_sequences_waiting_together_run_as_one_call_and_equal_their_solo_runs(ba
     for s in ("a", "b"):
         batcher.submit(col.request(s, PROMPTS[s], start=True))
     batcher.run_pending()
-    assert batcher.stats.calls == {"decode": 0, "prefill": 1, "verify": 0}, \
+    assert batcher.stats.calls == {"decode": 0, "prefill": 1, "verify": 0, "mixed": 0}, \
         "two prompts of one bucket merged"
     ids = step_all(batcher, col, ["a", "b"], 5)
     assert batcher.stats.calls["decode"] == 5 and batcher.stats.rows["decode"] == 10

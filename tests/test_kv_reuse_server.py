@@ -32,10 +32,12 @@ def served(tiny, smollm2, work):
     for name, art in (("llama", llama), ("smollm2", smol)):
         write_repository(art, repo, name, RepositoryOptions())
         write_repository(art, repo, f"{name}_cold", RepositoryOptions(prefix_reuse=False))
-    # the same weights with mixed entries (and batches to 4), as `tlaloc export` writes them
+    # the same weights with mixed entries (and batches to 4), as `tlaloc export` writes them;
+    # ready once every entry is compiled (`--compile-all-first`): the mixed entries compile
+    # after the plain ones, and until then its calls run apart
     mixed = tiny.artifact("llama", False, batch_ladder=(1, 2, 4), mixed_tokens=(16, 64),
                           mixed_batches=(4,))
-    write_repository(mixed, repo, "llama_mixed", RepositoryOptions())
+    write_repository(mixed, repo, "llama_mixed", RepositoryOptions(background_compile=False))
     write_repository(small, repo, "pressure", RepositoryOptions(generate_model=False))
     server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server
@@ -90,14 +92,8 @@ def test_a_small_pool_under_cycling_users_loses_nothing(served, protocol):
 
 
 def test_prompts_joining_a_stream_ride_its_steps_with_the_same_ids(served):
-    """Mixed steps as `tlaloc serve` runs them: prompts of 20 to 90 tokens (chunks of 16 and
-    64) arriving while a stream decodes ride its steps, and every id is the model's apart.
-    The mixed entries compile after every plain one (until then calls run apart): this waits
-    for them."""
-    import time
-
-    deadline = time.monotonic() + 180
-    while not served.compiled() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    """Mixed steps as `tlaloc serve` runs them: prompts of 20 to 90 tokens through the
+    generate model (chunks of 16 and 64) arriving while a client's stream decodes ride its
+    steps, and every id is the model's apart."""
     assert_check(check_prompts_join_a_stream(url_of(served, "grpc"), served.metrics_url,
                                              "llama_mixed", "llama"))

@@ -230,6 +230,13 @@ class Batcher:
                                 policy=self.policy, cohort=self.cohort, held=held,
                                 max_prefill_batch=self.max_prefill_batch,
                                 chunk_seconds=self._chunk_seconds)
+        if (taken and self.max_mixed_batch and all(r.is_prompt for r in taken)
+                and self._cohort_expected(now)):
+            # Prompts alone while streams are between steps: they wait for the streams'
+            # next step (its cohort's deadline at most), to ride it instead of stalling it.
+            wake_at = (self.cohort.deadline if wake_at is None
+                       else min(wake_at, self.cohort.deadline))
+            taken = []
         if taken:
             ids = {id(r) for r in taken}
             self._pending = deque(r for r in self._pending if id(r) not in ids)

@@ -143,3 +143,29 @@ def test_the_chunk_a_step_carries_is_the_policys_to_cap():
         BatchPolicy(mixed_chunk_tokens=-1)
     assert BatchPolicy().chunk_tokens(192) == 192 and BatchPolicy(
         mixed_chunk_tokens=64).chunk_tokens(192) == 64
+
+
+def test_a_prompt_between_the_streams_steps_waits_for_their_next_step():
+    """A prompt that comes due while the decoding streams' next requests are still on their
+    way waits for them (the cohort's wait at most) and rides their step; with no stream
+    expected it runs at once."""
+    h = Harness(fake_artifact(mixed_tokens=(16,), **LADDER))
+    for k in ("a", "b"):
+        h.step(k, prompt(5, 3), start=True)
+    for k in ("a", "b"):  # they decode together: a cohort
+        h.send(k, [7])
+    h.clock.advance(1.0)
+    h.run()
+    h.send("new", prompt(12, 4), start=True)
+    h.clock.advance(0.005)  # due (prefill_wait 2 ms), within the cohort's wait (20 ms)
+    h.run()
+    assert "new" not in h.replies and len(h.rt.mixed_calls) == 0
+    for k in ("a", "b"):
+        h.send(k, [8])
+    h.run()
+    assert h.rt.mixed_calls == [("mixed_b2_c32_t16", 2)] and h.last("new").error is None
+    # past the cohort's deadline, a prompt alone runs alone
+    h.send("late", prompt(12, 5), start=True)
+    h.clock.advance(1.0)
+    h.run()
+    assert h.last("late").error is None and len(h.rt.mixed_calls) == 1
