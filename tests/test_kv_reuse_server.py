@@ -37,7 +37,10 @@ def served(tiny, smollm2, work):
     # after the plain ones, and until then its calls run apart
     mixed = tiny.artifact("llama", False, batch_ladder=(1, 2, 4), mixed_tokens=(16, 64),
                           mixed_batches=(4,))
-    write_repository(mixed, repo, "llama_mixed", RepositoryOptions(background_compile=False))
+    # The three prompts arrive together and ride the stream only if its next request comes
+    # within the cohort wait; a loaded CI machine's client round trip can pass the default 20 ms.
+    write_repository(mixed, repo, "llama_mixed",
+                     RepositoryOptions(background_compile=False, cohort_wait_microseconds=500_000))
     write_repository(small, repo, "pressure", RepositoryOptions(generate_model=False))
     server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server
