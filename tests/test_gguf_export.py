@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from checks.oracle import load_reference, logits_error, reference_greedy
 from checks.built_once import built_once
+from checks.weight_edits import with_weights_changed
 
 from triton_tlaloc.artifact.loading import load_artifact
 from triton_tlaloc.artifact.manifest import ArtifactError
@@ -160,13 +161,8 @@ def reference_logits(model, ids: list[int]) -> np.ndarray:
 
 def test_a_neighbours_scale_fails_the_tolerance(packed, reference, tmp_path):
     """The control: the first layers' q|k|v scales read one block late."""
-    art = tmp_path / "wrong"
-    shutil.copytree(packed, art)
-    manifest = json.loads((art / "tlaloc-serving.json").read_text())
-    entry = next(w for w in manifest["weights"] if w["slot"] == "layers.qkv.scale")
-    path = art / entry["file"]
-    scale = np.fromfile(path, np.float32).reshape(entry["shape"])
-    np.roll(scale, 1, axis=-1).tofile(path)
+    art = with_weights_changed(packed, tmp_path / "wrong",
+                               {"layers.qkv.scale": lambda a: np.roll(a, 1, axis=-1)})
     prompt = chat_prompt(art)
     _, want_logits = reference_greedy(reference, prompt, 0)
     engine = Engine(Runtime(art))

@@ -45,6 +45,7 @@ def cmd_export(args) -> int:
                          windowed_kv=None if args.windowed_kv is None else args.windowed_kv == "true",
                          ring_spare_pages=args.ring_spare_pages, window_blocks=args.window_blocks,
                          state_slots=args.state_slots, layer_loop=not args.no_layer_loop,
+                         in_out_copy=not args.no_in_out_copy,
                          tensor_parallel=args.tensor_parallel,
                          replicate_vocab=args.replicate_vocab,
                          max_lora_rank=args.max_lora_rank, lora_slots=args.lora_slots,

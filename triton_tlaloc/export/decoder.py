@@ -113,13 +113,16 @@ def quant_of(weight_quant, name: str) -> str | None:
 
 def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
                  weight_quant: str | Mapping | None = None, quant_head: bool = False,
-                 layer_loop: bool = False) -> list[WeightSlot]:
+                 layer_loop: bool = False, in_out_copy: bool = False) -> list[WeightSlot]:
     """The artifact's weights in @main's order. With `quant_head` (and a weight_quant) the head
     is quantized too: a tied table as codes [vocab, hidden] and a scale per vocab row, which
     the head reads as its [out, in] and the embedding gathers and scales; an untied lm_head
     like the layers' linears. With `layer_loop` each layer weight is one slot stacked over the
     layers ("layers.qkv" [layers, out, in]), its linears [out, in] whatever the dtype
-    (`stacked_slots`)."""
+    (`stacked_slots`). With `in_out_copy` too (a layer loop's f32 linears), each stacked
+    linear that is not quantized has an [in, out] copy after the stacks ("layers.qkv.in_out"
+    [layers, in, out]), which products of more than layers.MATVEC_ROWS rows read
+    (`in_out_copies`)."""
     h = cfg.hidden_size
     of = out_first_linears(weight_dtype)
 
@@ -162,6 +165,8 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
     if layer_loop:
         first = layer_slots(cfg, 0, lambda *a: linear(*a, out_first=True), experts)
         slots += stacked_slots(first, cfg.num_layers)
+        if in_out_copy:
+            slots += in_out_copies(slots)
     else:
         for i in range(cfg.num_layers):
             slots += layer_slots(cfg, i, linear, experts)
@@ -235,6 +240,7 @@ def expert_slots(name: str, experts: int, n_out: int, n_in: int,
 
 
 STACKED = "layers."  # the prefix of a slot stacked over the layers
+IN_OUT = ".in_out"  # the suffix of a stacked linear's [in, out] copy (in_out_copies)
 
 
 def slot_part(name: str) -> str:
@@ -257,6 +263,19 @@ def stacked_slots(first: list[WeightSlot], num_layers: int) -> list[WeightSlot]:
     "layers.qkv" [layers, out, in]."""
     return [WeightSlot(STACKED + s.name.split(".", 1)[1], (num_layers, *s.shape), s.kind,
                        s.out_first, s.quant, s.stored) for s in first]
+
+
+def in_out_copies(slots: list[WeightSlot]) -> list[WeightSlot]:
+    """The [in, out] copies of the stacked f32 linears among `slots`.
+
+    The layer loop stores its linears [out, in]: up to layers.MATVEC_ROWS rows a product per
+    row along the weight's minor axis (inside the loop, one row over [in, out] is 13x slower),
+    but past that one product of all rows on the transposed operand, which XLA's CPU backend
+    runs 1.5x slower than over [in, out] at 16 rows and 1.2x at a prompt's 158
+    (docs/performance.md#a-second-copy-of-the-linears-for-many-rows)."""
+    return [WeightSlot(f"{s.name}{IN_OUT}", (s.shape[0], s.shape[2], s.shape[1]), "linear")
+            for s in slots if s.name.startswith(STACKED) and s.kind == "linear"
+            and s.quant is None and s.stored is None and len(s.shape) == 3]
 
 
 def unstacked_slot(slot: WeightSlot, i: int) -> WeightSlot:
@@ -305,7 +324,8 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
                   kv_dtype: str, windowed: WindowedKv | None = None,
                   num_state_slots: int = 0, weight_quant: str | None = None,
                   quant_head: bool = False, layer_loop: bool = False,
-                  kind: str = DECODE, lora: LoraLayout | None = None) -> Program:
+                  kind: str = DECODE, lora: LoraLayout | None = None,
+                  in_out_copy: bool = False) -> Program:
     """The signature of one entry, in @main's order; the outputs before the pools are the
     kind's (manifest.leading_outputs): one for decode, prefill and mixed, two for verify. With
     `lora`, each row's adapter slot and the adapter pools (read, never donated). A mixed
@@ -355,7 +375,7 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
                                  BITS.get(p.dtype, p.dtype), p.shape, pool=p.name))
     for name, shape in (lora.program_shapes().items() if lora is not None else ()):
         inputs.append(TensorSpec(name, LORA_POOL, "f32", shape, pool=name))
-    for s in weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop):
+    for s in weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop, in_out_copy):
         dtype = s.dtype(weight_dtype)
         if s.name.startswith(STACKED):
             dtype = BITS.get(dtype, dtype)
@@ -386,7 +406,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                   num_state_slots: int = 0, weight_quant: str | None = None,
                   quant_head: bool = False, layer_loop: bool = False, kind: str = DECODE,
                   shards: int = 1, packed_shards: dict | None = None,
-                  lora: LoraLayout | None = None, batch: int = 0):
+                  lora: LoraLayout | None = None, batch: int = 0, in_out_copy: bool = False):
     """The function an entry lowers: f(step inputs..., pools..., weights...) -> (logits,
     pools...), for a verify entry (argmax [b, t], logits [b, t, vocab], pools...).
     layers.py has its parts. With `layer_loop` the layers run as a loop (`lax.scan`) over the
@@ -401,7 +421,7 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
 
     from . import layers
 
-    slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop)
+    slots = weight_slots(cfg, weight_dtype, weight_quant, quant_head, layer_loop, in_out_copy)
     names = [s.name for s in slots]
     # The parts look slots up by their unrolled names ("l0.qkv"): a stacked slot's layer 0.
     layer0 = [unstacked_slot(s, 0) for s in slots if s.name.startswith(STACKED)]
@@ -467,7 +487,8 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
                 windowed: WindowedKv | None = None, num_state_slots: int = 0,
                 weight_quant: str | None = None, quant_head: bool = False,
                 layer_loop: bool = False, kind: str = DECODE,
-                tp: TensorParallel | None = None, lora: LoraLayout | None = None) -> str:
+                tp: TensorParallel | None = None, lora: LoraLayout | None = None,
+                in_out_copy: bool = False) -> str:
     """StableHLO text of one entry; every pool parameter is donated (tf.aliasing_output). With
     `tp`, a program for its devices: each weight and pool annotated with its split (Shardy
     shardings over a one-axis mesh), the step inputs and the logits replicated; XLA's SPMD
@@ -481,7 +502,7 @@ def lower_entry(cfg: DecoderConfig, program: Program, block_size: int, num_block
                        num_state_slots, weight_quant, quant_head, layer_loop, kind, shards,
                        packed_shards(tp, weight_slots(cfg, weight_dtype, weight_quant,
                                                       quant_head, layer_loop)), lora,
-                       program.inputs[0].shape[0])
+                       program.inputs[0].shape[0], in_out_copy)
     specs = [jax.ShapeDtypeStruct(s.shape, numpy_dtype(s.dtype)) for s in program.inputs]
     donate = tuple(i for _, i in program.donation)
     if tp is None:
@@ -524,7 +545,7 @@ def partition(tp: TensorParallel, spec: TensorSpec, lora: LoraLayout | None = No
     return mesh_sharding(tp.devices, len(spec.shape), axis)
 
 
-__all__ = ["WeightSlot", "out_first_linears", "loops_layers", "weight_slots", "layer_slots",
-           "stacked_slots", "unstacked_slot", "STACKED", "kv_pools", "state_pools",
+__all__ = ["WeightSlot", "IN_OUT", "in_out_copies", "out_first_linears", "loops_layers",
+           "weight_slots", "layer_slots", "stacked_slots", "unstacked_slot", "STACKED", "kv_pools", "state_pools",
            "entry_program", "layer_pools", "make_entry_fn", "lower_entry", "packed_shards",
            "partition", "slot_part"]

@@ -224,21 +224,30 @@ def matmul(x, w, out_first: bool, bf16: bool):
     return out.reshape(*lead, w.shape[0])
 
 
+def rows_of(x) -> int:
+    """The rows a product over x's last axis runs."""
+    return int(np.prod(x.shape[:-1]))
+
+
 def project(g: Graph, x, w: dict, name: str, step: Step | None = None):
     """A linear by slot name, in its slot's layout; quantized codes are widened in front of the
     product (exact) and each output column is multiplied by its scale. With adapter pools
     beside the weight (`<name>.lora_a`), each row's adapter's update added (`step`'s
-    lora_slots; export/lora_graph.py)."""
+    lora_slots; export/lora_graph.py). A linear with an [in, out] copy (`<name>.in_out`,
+    decoder.in_out_copies) is read there by products of more than MATVEC_ROWS rows, which
+    would otherwise be one product on the transposed operand."""
+    from .decoder import IN_OUT, slot_layer, slot_part
+
     slot = g.slot_of[name]
     if is_packed(slot.quant):  # widened inside the product's reads (export/packed_linear.py)
         y = packed_product(computed_once(x), slot.quant, w, name, MATVEC_ROWS,
                            g.shards_of(name))
+    elif f"{name}{IN_OUT}" in w and rows_of(x) > MATVEC_ROWS:
+        y = matmul(x, w[f"{name}{IN_OUT}"], False, g.bf16)
     else:
         y = matmul(x, w[name], slot.out_first, g.bf16)
         if slot.quant is not None:
             y = y * w[f"{name}.scale"]
-    from .decoder import slot_layer, slot_part
-
     part = slot_part(name)
     if step is not None and part in step.lora_pools:
         layer = step.loop_layer if step.loop_layer is not None else slot_layer(name)
@@ -301,9 +310,12 @@ def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
     values scattered into them in place. The loop body is layer 0's graph: the layers are
     alike (decoder.loops_layers), so layer 0's config, RoPE and slots stand for every layer.
     Returns (x, (k_pool, v_pool))."""
-    from .decoder import STACKED
+    from .decoder import IN_OUT, STACKED
 
-    stacked = {name[len(STACKED):]: a for name, a in w.items() if name.startswith(STACKED)}
+    # A call of few rows leaves the linears' [in, out] copies out of the loop (never read).
+    few = rows_of(x) <= MATVEC_ROWS
+    stacked = {name[len(STACKED):]: a for name, a in w.items()
+               if name.startswith(STACKED) and not (few and name.endswith(IN_OUT))}
     cos_sin(g.cfg, step, 0)  # RoPE's tables once, before the loop
 
     def body(carry, xs):

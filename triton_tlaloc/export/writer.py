@@ -25,7 +25,7 @@ import numpy as np
 from .adapters import adapter_layout
 from .checkpoint import Checkpoint, expert_sources, linear_sources, open_checkpoint
 from .config import DecoderConfig
-from .decoder import (STACKED, WeightSlot, entry_program, kv_pools, loops_layers, lower_entry,
+from .decoder import (IN_OUT, STACKED, WeightSlot, entry_program, kv_pools, loops_layers, lower_entry,
                       state_pools, unstacked_slot, weight_slots)
 from . import packing, tensor_parallel
 from .gguf_packed import PACKED_LAYOUT, is_packed
@@ -98,6 +98,10 @@ def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot,
     written after it by name (a quantized linear's scales, a packed weight's other arrays): a
     stacked slot's layers one by one, stacked. `pieces`: a packed weight's rows banded piece by
     piece (split along its rows over devices: gguf_packed.PackedWeight.arrays)."""
+    if slot.name.endswith(IN_OUT):  # the stacked [out, in] linear's, transposed
+        n, n_in, n_out = slot.shape
+        base = WeightSlot(slot.name[:-len(IN_OUT)], (n, n_out, n_in), "linear", True)
+        return stored_tensor(ckpt, cfg, base)[0].transpose(0, 2, 1), {}
     if slot.name.startswith(STACKED):
         layers = [unstacked_slot(slot, i) for i in range(slot.shape[0])]
         parts = [stored_tensor(ckpt, cfg, s, pieces) for s in layers]
@@ -125,14 +129,15 @@ def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot,
 
 
 def _write_weights(ckpt: Checkpoint, cfg: DecoderConfig, opts: ExportOptions, out: Path,
-                   model_hash, layer_loop: bool, tp: TensorParallel | None) -> list[WeightFile]:
+                   model_hash, layer_loop: bool, tp: TensorParallel | None,
+                   in_out_copy: bool = False) -> list[WeightFile]:
     (out / "weights").mkdir()
     written = []
     total = 0
     t0 = time.perf_counter()
     after = {}  # a quantized linear's scales (a packed one's arrays), written after its codes
     for idx, slot in enumerate(weight_slots(cfg, opts.weight_dtype, opts.linear_quant,
-                                            opts.quant_head, layer_loop)):
+                                            opts.quant_head, layer_loop, in_out_copy)):
         dtype = slot.dtype(opts.weight_dtype)
         if slot.kind == "scale":
             data = after.pop(slot.name)
@@ -197,7 +202,10 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
                                                                              layer_loop))
         # Before the weights: heads that do not divide are refused before any is converted.
         tp = _tensor_parallel(cfg, opts, num_blocks, windowed, layer_loop)
-        weights = _write_weights(ckpt, cfg, opts, tmp, model_hash, layer_loop, tp)
+        # the loop's f32 linears copied [in, out] for products of many rows (in_out_copies)
+        in_out_copy = (opts.in_out_copy and layer_loop and opts.weight_dtype == "f32"
+                       and tp is None)
+        weights = _write_weights(ckpt, cfg, opts, tmp, model_hash, layer_loop, tp, in_out_copy)
         tokenizer_files = ckpt.save_tokenizer(tmp / "tokenizer")
         _log(f"[export] tokenizer: {', '.join(tokenizer_files) or 'none in the checkpoint'}")
         _log("[export] layers: " + ("one loop over stacked weights and pools" if layer_loop
@@ -207,7 +215,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
         verify_tokens = _verify_tokens(cfg, opts, windowed)
         opts = dataclasses.replace(opts, mixed_tokens=_mixed_tokens(cfg, opts, windowed, lora))
         entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop, verify_tokens,
-                                 tp, lora)
+                                 tp, lora, in_out_copy)
         _log_pools(cfg, windowed, linear_state)
         if lora is not None:
             _log(f"[export] adapters: rank up to {lora.max_rank}, {lora.slots - 1} slots of "
@@ -471,7 +479,8 @@ def entry_name(opts: ExportOptions, kind: str, batch: int, context: int, tokens:
 def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
                    windowed: WindowedKv | None, out: Path, layer_loop: bool,
                    verify_tokens: tuple[int, ...] = (),
-                   tp: TensorParallel | None = None, lora=None) -> list[Entry]:
+                   tp: TensorParallel | None = None, lora=None,
+                   in_out_copy: bool = False) -> list[Entry]:
     (out / "bodies").mkdir()
     (out / "programs").mkdir()
     plan = _entry_plan(opts, verify_tokens)
@@ -483,10 +492,11 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
         slots = opts.resolved_state_slots() if file_cfg.linear is not None else 0
         program = entry_program(cfg, name, b, c, tps, opts.block_size, num_blocks,
                                 opts.weight_dtype, opts.kv_type, windowed, slots,
-                                opts.linear_quant, opts.quant_head, layer_loop, kind, lora)
+                                opts.linear_quant, opts.quant_head, layer_loop, kind, lora,
+                                in_out_copy)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
                            opts.key_blocks(kind), windowed, slots, opts.linear_quant,
-                           opts.quant_head, layer_loop, kind, tp, lora)
+                           opts.quant_head, layer_loop, kind, tp, lora, in_out_copy)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
             # A custom call is a platform's library function (jax's triangular solve lowers to

@@ -1,0 +1,28 @@
+"""Negative controls' artifacts: a copy of an artifact with some weights' values changed and
+the manifest as it was, so a check can show a known-wrong weight fails its tolerance."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from triton_tlaloc.artifact.manifest import MANIFEST_NAME, numpy_dtype
+
+
+def with_weights_changed(src: Path, dest: Path,
+                         changes: dict[str, Callable[[np.ndarray], np.ndarray]]) -> Path:
+    """`src` copied to `dest`, each slot named in `changes` rewritten as its function of the
+    slot's array (in its shape and dtype) returns; returns `dest`."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(src, dest)
+    weights = {w["slot"]: w for w in json.loads((dest / MANIFEST_NAME).read_text())["weights"]}
+    for slot, change in changes.items():
+        w = weights[slot]
+        path = dest / w["file"]
+        arr = np.fromfile(path, numpy_dtype(w["dtype"])).reshape(w["shape"])
+        path.write_bytes(np.ascontiguousarray(change(arr)).tobytes())
+    return dest
