@@ -12,7 +12,8 @@ before the first request; vLLM a Hugging Face folder transformers writes from th
 blocks, 2 threads, `--n_ctx 4096 --interrupt_requests False`; its server generates for one
 request at a time, the others wait). The servers stay up; for each concurrency the targets
 take turns, so a slow spell of the machine falls on all. aiperf runs streaming chat with
-synthetic prompts of --input-tokens tokens (the chat template adds about 30), --output-tokens
+synthetic prompts of --input-tokens tokens (the chat template adds about 30; each prompt sent
+once, so no server's prefix cache skips a prompt seen before), --output-tokens
 tokens out (ignore_eos, and min_tokens for the servers that lack it; max_tokens beside aiperf's
 max_completion_tokens, which llama-cpp-python does not read), its client on the same cores.
 
@@ -203,8 +204,12 @@ def start_llamacpp(llamacpp_bin: Path, gguf: Path, work: Path) -> tuple[int, lis
 
 def aiperf(aiperf_bin: Path, port: int, tokenizer: Path, concurrency: int, args,
            out: Path) -> dict:
-    """One aiperf run; its summary (profile_export_aiperf.json)."""
+    """One aiperf run; its summary (profile_export_aiperf.json). Every prompt is unique: aiperf
+    otherwise draws from 100 prompts with replacement, and a server whose prefix cache keeps
+    the repeats (and those of an earlier run with the same seed) would skip their prefill.
+    The targets of one concurrency get the same prompts; each concurrency its own."""
     requests = max(args.min_requests, 4 * concurrency)
+    warmup = max(2, concurrency)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [str(aiperf_bin / "aiperf"), "profile", "--model", "smollm2",
            "--url", f"http://127.0.0.1:{port}", "--endpoint-type", "chat", "--streaming",
@@ -216,7 +221,10 @@ def aiperf(aiperf_bin: Path, port: int, tokenizer: Path, concurrency: int, args,
            # aiperf sends max_completion_tokens, which llama-cpp-python does not read
            "--extra-inputs", f"max_tokens:{args.output_tokens}",
            "--concurrency", str(concurrency), "--request-count", str(requests),
-           "--warmup-request-count", str(max(2, concurrency)), "--random-seed", str(args.seed),
+           "--warmup-request-count", str(warmup),
+           "--random-seed", str(args.seed + concurrency),
+           "--num-dataset-entries", str(requests + warmup),
+           "--dataset-sampling-strategy", "shuffle",
            "--artifact-dir", str(out), "--ui-type", "none"]
     with open(out / "aiperf.log", "w") as f:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
