@@ -32,11 +32,12 @@ def served(tiny, smollm2, work):
     for name, art in (("llama", llama), ("smollm2", smol)):
         write_repository(art, repo, name, RepositoryOptions())
         write_repository(art, repo, f"{name}_cold", RepositoryOptions(prefix_reuse=False))
-    # the same weights with mixed entries (and batches to 4), as `tlaloc export` writes them;
-    # ready once every entry is compiled (`--compile-all-first`): the mixed entries compile
-    # after the plain ones, and until then its calls run apart
+    # the same weights with mixed entries (and batches to 4) and the linears' [in, out] copy
+    # (which the mixed calls and prompts read), as `tlaloc export` writes them; ready once
+    # every entry is compiled (`--compile-all-first`): the mixed entries compile after the
+    # plain ones, and until then its calls run apart
     mixed = tiny.artifact("llama", False, batch_ladder=(1, 2, 4), mixed_tokens=(16, 64),
-                          mixed_batches=(4,))
+                          mixed_batches=(4,), in_out_copy=True)
     # The three prompts arrive together and ride the stream only if its next request comes
     # within the cohort wait; a loaded CI machine's client round trip can pass the default 20 ms.
     write_repository(mixed, repo, "llama_mixed",
@@ -97,6 +98,7 @@ def test_a_small_pool_under_cycling_users_loses_nothing(served, protocol):
 def test_prompts_joining_a_stream_ride_its_steps_with_the_same_ids(served):
     """Mixed steps as `tlaloc serve` runs them: prompts of 20 to 90 tokens through the
     generate model (chunks of 16 and 64) arriving while a client's stream decodes ride its
-    steps, and every id is the model's apart."""
+    steps, and every id is the model's apart (the same weights without mixed entries or the
+    [in, out] copy)."""
     assert_check(check_prompts_join_a_stream(url_of(served, "grpc"), served.metrics_url,
                                              "llama_mixed", "llama"))
