@@ -7,7 +7,9 @@ gate|up, down; random f32 weights of the real shapes) stacked over the layers an
                       export/layers.py MATVEC_ROWS rows)
     [out,in] dot      one product of all the rows on the transposed operand (past that)
     [out,in] blocks   the weight in blocks of 32 outputs, one batched product
-    [in,out] dot      the weight stored the other way, one product (not the loop's layout)
+    [in,out] dot      the weight stored the other way, one product on each layer's slice
+    [in,out] layer    a buffer of its own per layer, [in, out], picked by a switch on the
+                      loop's layer (the exporter's copy, read past layers.IN_OUT_ROWS rows)
 
 A figure is the median of 7 calls after one untimed, ms; everything in this process, one way
 after another. It says which form a decode entry of R rows should use, and what a prompt's (or
@@ -31,7 +33,7 @@ from jax import lax
 LAYERS, HIDDEN, INTERMEDIATE = 30, 576, 1536
 # (in, out) of q|k|v, o, gate|up and down
 SHAPES = ((576, 960), (576, 576), (576, 2 * 1536), (1536, 576))
-FORMS = ("[out,in] rows", "[out,in] dot", "[out,in] blocks", "[in,out] dot")
+FORMS = ("[out,in] rows", "[out,in] dot", "[out,in] blocks", "[in,out] dot", "[in,out] layer")
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -41,6 +43,11 @@ def stacked(rng, out_first: bool) -> list:
         w = rng.standard_normal((LAYERS, n_in, n_out), dtype=np.float32) * 0.02
         ws.append(jnp.asarray(np.ascontiguousarray(w.transpose(0, 2, 1)) if out_first else w))
     return ws
+
+
+def per_layer(ws: list) -> list:
+    """Each stack as a tuple of buffers, one per layer."""
+    return [tuple(jnp.asarray(np.asarray(w[i])) for i in range(LAYERS)) for w in ws]
 
 
 def product(x, w, form: str):
@@ -57,14 +64,28 @@ def product(x, w, form: str):
 
 
 def layers_fn(form: str):
+    if form == "[in,out] layer":
+        def each(i, x, buffers):
+            return lax.switch(i, [lambda x, w=w: product(x, w, "[in,out] dot")
+                                  for w in buffers], x)
+
+        def pick(x, ws):
+            return lax.fori_loop(0, LAYERS, lambda i, x: layer(
+                x, *(lambda x, b=b, i=i: each(i, x, b) for b in ws)), x)
+
+        return jax.jit(pick)
+
     def body(x, w):
-        qkv, o, gate_up, down = w
-        h = product(product(x, qkv, form)[:, :HIDDEN], o, form)
-        g = product(h, gate_up, form)
-        y = product(jax.nn.silu(g[:, :INTERMEDIATE]) * g[:, INTERMEDIATE:], down, form)
-        return x + y * 1e-3, None
+        return layer(x, *(lambda x, w=part: product(x, w, form) for part in w)), None
 
     return jax.jit(lambda x, ws: lax.scan(body, x, ws)[0])
+
+
+def layer(x, qkv, o, gate_up, down):
+    """One layer's linears, each a function of its input."""
+    h = o(qkv(x)[:, :HIDDEN])
+    g = gate_up(h)
+    return x + down(jax.nn.silu(g[:, :INTERMEDIATE]) * g[:, INTERMEDIATE:]) * 1e-3
 
 
 def main() -> None:
@@ -79,6 +100,8 @@ def main() -> None:
     print("|---|" + "---:|" * len(rows_list))
     for form in forms:
         ws, fn, cells = stacked(rng, not form.startswith("[in,out]")), layers_fn(form), []
+        if form == "[in,out] layer":
+            ws = per_layer(ws)
         for rows in rows_list:
             if form == "[out,in] rows" and rows > 32:  # a product per row of a prompt: no
                 cells.append("-")

@@ -1,8 +1,8 @@
-"""The layer loop's [in, out] copy of its linears (export/decoder.py in_out_copies): calls of
-more than 8 rows read it, calls of fewer the [out, in] stacks, and both give the ids and logits
-the artifact without the copy gives (docs/performance.md, "A second copy of the linears for
-many rows"). The control: the copy's layers swapped moves the 16-row calls' logits past the
-tolerance."""
+"""The layer loop's [in, out] copy of its linears, one buffer per layer (export/decoder.py
+in_out_copies): calls of more than layers.IN_OUT_ROWS rows read it, each layer its own buffer,
+calls of fewer the [out, in] stacks, and both give the ids and logits the artifact without the
+copy gives (docs/performance.md, "A second copy of the linears for many rows"). The control:
+layers 0 and 1 of a copy swapped moves the 16-row calls' logits past the tolerance."""
 
 from __future__ import annotations
 
@@ -51,18 +51,20 @@ def decode_together(engine: Engine, ps: list[list[int]]) -> tuple[list[list[int]
     return ids, logits
 
 
-def test_the_copy_is_stored_transposed_beside_the_stacks(arts):
+def test_the_copy_is_stored_transposed_a_buffer_per_layer(arts):
     with_copy, without = arts
     weights = {w["slot"]: w for w in json.loads(
         (with_copy / "tlaloc-serving.json").read_text())["weights"]}
-    plain = {w["slot"] for w in json.loads(
-        (without / "tlaloc-serving.json").read_text())["weights"]}
+    stacks = {w["slot"]: w for w in json.loads(
+        (without / "tlaloc-serving.json").read_text())["weights"]
+        if w["slot"].startswith("layers.") and "norm" not in w["slot"]}
+    layers = next(iter(stacks.values()))["shape"][0]
     copies = sorted(s for s in weights if s.endswith(".in_out"))
-    assert copies == sorted(f"{s}.in_out" for s in plain
-                            if s.startswith("layers.") and "norm" not in s)
-    for c in copies:
-        n, n_out, n_in = weights[c[:-len(".in_out")]]["shape"]
-        assert weights[c]["shape"] == [n, n_in, n_out]
+    assert copies == sorted(f"l{i}.{s[len('layers.'):]}.in_out" for s in stacks
+                            for i in range(layers))
+    for name, stack in stacks.items():
+        _, n_out, n_in = stack["shape"]
+        assert weights[f"l{layers - 1}.{name[len('layers.'):]}.in_out"]["shape"] == [n_in, n_out]
 
 
 def test_calls_of_16_rows_and_prompts_give_the_ids_and_logits_without_the_copy(arts):
@@ -82,9 +84,14 @@ def test_calls_of_16_rows_and_prompts_give_the_ids_and_logits_without_the_copy(a
 
 def test_control_a_wrong_copy_fails_the_tolerance(arts, tmp_path):
     with_copy, without = arts
-    # layer 0's copy holds layer 1's weights and back
+    # layer 0's copy holds layer 1's weights and back (a product on the wrong layer's buffer)
+    weights = {w["slot"]: w for w in json.loads(
+        (with_copy / "tlaloc-serving.json").read_text())["weights"]}
+    layer = {i: np.fromfile(with_copy / weights[f"l{i}.gate_up.in_out"]["file"], np.float32)
+             .reshape(weights[f"l{i}.gate_up.in_out"]["shape"]) for i in (0, 1)}
     wrong = with_weights_changed(with_copy, tmp_path / "wrong",
-                                 {"layers.gate_up.in_out": lambda a: a[::-1]})
+                                 {"l0.gate_up.in_out": lambda a: layer[1],
+                                  "l1.gate_up.in_out": lambda a: layer[0]})
     ps = prompts(1)
     engines = Engine(Runtime(wrong)), Engine(Runtime(without))
     (_, bad), (_, good) = (decode_together(e, ps) for e in engines)

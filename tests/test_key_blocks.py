@@ -2,8 +2,8 @@
 spans several key blocks loop over the blocks their rows hold (export/attention.py
 `blockwise`) and give the one-pass form's greedy ids and logits, through the engine, with rows
 at and one past block boundaries and a padding row in every decode call, on both sides of
-the length at which decode calls switch to larger blocks. Negative control: the
-loop one block short fails the tolerance."""
+the length at which decode calls switch from the many-rows block to larger ones. Negative
+control: the loop one block short fails the tolerance."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ TOL = 1e-5  # of the largest logit, f32: the same products summed in another ord
 # prefill calls cross blocks too. Batch 4: three sequences decode with one padding row.
 OPTS = dict(batch_ladder=(1, 4), context_ladder=(64,), block_size=8, prefill_chunk=16)
 ONE_PASS = dict(attention_block=64, decode_attention_block=64)
-# Decode calls take blocks of 8, or of 16 once the call holds more than 32 positions.
-KEY_BLOCKS = dict(attention_block=8, decode_attention_block=(8, 16))
+# Decode calls of 4 rows take blocks of 8 (the many-rows block), or of 16 once the call holds
+# more than 32 positions; calls of one row blocks of 16 only.
+KEY_BLOCKS = dict(attention_block=8, decode_attention_block=16, many_rows_attention_block=8)
 # Prompts ending one before, at and past block boundaries. The first two decode together for
 # SHORT_STEPS steps (lengths up to 23 and 24: blocks of 8), then all three (33 and more: blocks
 # of 16) for the rest, carrying every row over several more boundaries.
@@ -85,6 +86,8 @@ def test_key_blocks_equal_one_pass(tiny, work, one_pass, family):
     body = loaded.body_text(loaded.entries["decode_b4_c64"])
     assert "stablehlo.while" in body and "stablehlo.case" in body, \
         "the decode entry loops over key blocks of the size it chooses"
+    assert "stablehlo.case" not in loaded.body_text(loaded.entries["decode_b1_c64"]), \
+        "a one-row entry has one key block: no many-rows block to choose"
     want, want_fed = one_pass[family]
     got, fed = logits_of_every_call(art, forced=want_fed)
     errors = [logits_error(g, w) for g, w in zip(got, want)]

@@ -51,7 +51,8 @@ def cmd_export(args) -> int:
                          max_lora_rank=args.max_lora_rank, lora_slots=args.lora_slots,
                          **{name: block for name, block in (
                              ("attention_block", args.attention_block),
-                             ("decode_attention_block", args.decode_attention_block))
+                             ("decode_attention_block", args.decode_attention_block),
+                             ("many_rows_attention_block", args.many_rows_attention_block))
                             if block is not None})
     checkpoint = args.checkpoint
     if checkpoint == "smollm2":

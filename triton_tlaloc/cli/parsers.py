@@ -112,6 +112,10 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--decode-attention-block", type=int_list, default=None, metavar="N[,N...]",
                    help="the same for decode and verify entries: a step reads the key blocks "
                         "its sequences hold, not its whole bucket")
+    p.add_argument("--many-rows-attention-block", type=int, default=None, metavar="N",
+                   help="a smaller key block that decode, verify and mixed entries of more than "
+                        "2 rows also take, so a block's keys for every row stay in the caches "
+                        "(default 64; 0: none)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="lower the programs for N devices, each weight and KV pool split over "
                         "them (heads, the MLP; embedding, head and norms replicated)")

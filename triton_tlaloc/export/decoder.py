@@ -120,8 +120,8 @@ def weight_slots(cfg: DecoderConfig, weight_dtype: str = "f32",
     like the layers' linears. With `layer_loop` each layer weight is one slot stacked over the
     layers ("layers.qkv" [layers, out, in]), its linears [out, in] whatever the dtype
     (`stacked_slots`). With `in_out_copy` too (a layer loop's f32 linears), each stacked
-    linear that is not quantized has an [in, out] copy after the stacks ("layers.qkv.in_out"
-    [layers, in, out]), which products of more than layers.MATVEC_ROWS rows read
+    linear that is not quantized has an [in, out] copy of each layer after the stacks
+    ("l3.qkv.in_out" [in, out]), which products of more than layers.IN_OUT_ROWS rows read
     (`in_out_copies`)."""
     h = cfg.hidden_size
     of = out_first_linears(weight_dtype)
@@ -240,7 +240,7 @@ def expert_slots(name: str, experts: int, n_out: int, n_in: int,
 
 
 STACKED = "layers."  # the prefix of a slot stacked over the layers
-IN_OUT = ".in_out"  # the suffix of a stacked linear's [in, out] copy (in_out_copies)
+IN_OUT = ".in_out"  # the suffix of a layer's [in, out] copy of a linear (in_out_copies)
 
 
 def slot_part(name: str) -> str:
@@ -266,16 +266,21 @@ def stacked_slots(first: list[WeightSlot], num_layers: int) -> list[WeightSlot]:
 
 
 def in_out_copies(slots: list[WeightSlot]) -> list[WeightSlot]:
-    """The [in, out] copies of the stacked f32 linears among `slots`.
+    """The [in, out] copies of the stacked f32 linears among `slots`, one slot per layer
+    ("l3.qkv.in_out" [in, out]), layer by layer.
 
-    The layer loop stores its linears [out, in]: up to layers.MATVEC_ROWS rows a product per
-    row along the weight's minor axis (inside the loop, one row over [in, out] is 13x slower),
-    but past that one product of all rows on the transposed operand, which XLA's CPU backend
-    runs 1.5x slower than over [in, out] at 16 rows and 1.2x at a prompt's 158
-    (docs/performance.md#a-second-copy-of-the-linears-for-many-rows)."""
-    return [WeightSlot(f"{s.name}{IN_OUT}", (s.shape[0], s.shape[2], s.shape[1]), "linear")
-            for s in slots if s.name.startswith(STACKED) and s.kind == "linear"
-            and s.quant is None and s.stored is None and len(s.shape) == 3]
+    The layer loop stores its linears [out, in]: a product per row along the weight's minor
+    axis reads the layer's slice of the stack in place, the fastest form for one row. Each
+    extra row reads the weight again, and one product of all rows on a slice first copies the
+    slice out of the stack (XLA's CPU backend); a product of more than layers.IN_OUT_ROWS rows
+    runs on the layer's own [in, out] buffer instead, picked by the loop's layer
+    (layers.LayerWeights;
+    docs/performance.md#a-buffer-per-layer-and-a-smaller-key-block-for-many-rows)."""
+    linears = [s for s in slots if s.name.startswith(STACKED) and s.kind == "linear"
+               and s.quant is None and s.stored is None and len(s.shape) == 3]
+    layers = linears[0].shape[0] if linears else 0
+    return [WeightSlot(f"l{i}.{s.name[len(STACKED):]}{IN_OUT}", (s.shape[2], s.shape[1]),
+                       "linear") for i in range(layers) for s in linears]
 
 
 def unstacked_slot(slot: WeightSlot, i: int) -> WeightSlot:

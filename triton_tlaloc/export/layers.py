@@ -42,6 +42,9 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 # weight to f32. A weight small enough to stay in the last-level cache is read from memory once
 # for all the rows.
 MATVEC_ROWS = 8
+# A product of more rows than this reads a linear's [in, out] copy where the layer loop has
+# one (decoder.in_out_copies): at 2 rows both cost the same, at 4 the copy takes 0.65x.
+IN_OUT_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,21 @@ class Step:
     # A mixed call: its tokens are one row (the decode rows', then the chunk's) and each group
     # attends over its own block tables (None: the call's rows are its rows)
     groups: tuple["AttentionGroup", ...] | None = None
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One linear's [in, out] copy inside the layer loop: a buffer per layer, and the loop's
+    traced layer. A product on a slice of a stacked weight copies the slice out first (XLA's
+    CPU backend: 16 rows through every layer's linears 1.75x the time); a switch on the layer
+    runs the product on that layer's own buffer."""
+
+    each: tuple
+    layer: Any
+
+    def product(self, x, bf16: bool):
+        return lax.switch(self.layer, [lambda x, w=w: matmul(x, w, False, bf16)
+                                       for w in self.each], x)
 
 
 @dataclass(frozen=True)
@@ -233,17 +251,18 @@ def project(g: Graph, x, w: dict, name: str, step: Step | None = None):
     """A linear by slot name, in its slot's layout; quantized codes are widened in front of the
     product (exact) and each output column is multiplied by its scale. With adapter pools
     beside the weight (`<name>.lora_a`), each row's adapter's update added (`step`'s
-    lora_slots; export/lora_graph.py). A linear with an [in, out] copy (`<name>.in_out`,
-    decoder.in_out_copies) is read there by products of more than MATVEC_ROWS rows, which
-    would otherwise be one product on the transposed operand."""
+    lora_slots; export/lora_graph.py). A linear of the layer loop with an [in, out] copy
+    (`<name>.in_out`, a LayerWeights) is read there by products of more than IN_OUT_ROWS
+    rows."""
     from .decoder import IN_OUT, slot_layer, slot_part
 
     slot = g.slot_of[name]
+    copy = w.get(f"{name}{IN_OUT}")
     if is_packed(slot.quant):  # widened inside the product's reads (export/packed_linear.py)
         y = packed_product(computed_once(x), slot.quant, w, name, MATVEC_ROWS,
                            g.shards_of(name))
-    elif f"{name}{IN_OUT}" in w and rows_of(x) > MATVEC_ROWS:
-        y = matmul(x, w[f"{name}{IN_OUT}"], False, g.bf16)
+    elif copy is not None and rows_of(x) > IN_OUT_ROWS:
+        y = copy.product(x, g.bf16)
     else:
         y = matmul(x, w[name], slot.out_first, g.bf16)
         if slot.quant is not None:
@@ -309,13 +328,15 @@ def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
     first axis), with the stacked K and V pools as the loop's carry, each layer's keys and
     values scattered into them in place. The loop body is layer 0's graph: the layers are
     alike (decoder.loops_layers), so layer 0's config, RoPE and slots stand for every layer.
-    Returns (x, (k_pool, v_pool))."""
+    A linear's [in, out] copies (one buffer per layer, decoder.in_out_copies) come in whole
+    and each layer's product picks its own (LayerWeights); a call of few rows leaves them
+    out (never read). Returns (x, (k_pool, v_pool))."""
     from .decoder import IN_OUT, STACKED
 
-    # A call of few rows leaves the linears' [in, out] copies out of the loop (never read).
-    few = rows_of(x) <= MATVEC_ROWS
-    stacked = {name[len(STACKED):]: a for name, a in w.items()
-               if name.startswith(STACKED) and not (few and name.endswith(IN_OUT))}
+    stacked = {name[len(STACKED):]: a for name, a in w.items() if name.startswith(STACKED)}
+    copies = {} if rows_of(x) <= IN_OUT_ROWS else {
+        part: tuple(w[f"l{i}.{part}{IN_OUT}"] for i in range(g.cfg.num_layers))
+        for part in stacked if f"l0.{part}{IN_OUT}" in w}
     cos_sin(g.cfg, step, 0)  # RoPE's tables once, before the loop
 
     def body(carry, xs):
@@ -326,6 +347,8 @@ def layer_loop(g: Graph, step: Step, w: dict, x, k_pool, v_pool):
         # (A packed weight's bytes are its codes, not f8 bits.)
         w_layer = {f"l0.{part}": a if is_packed(g.slot_of[f"l0.{part}"].quant) else from_bits(a)
                    for part, a in parts.items()}
+        w_layer.update({f"l0.{part}{IN_OUT}": LayerWeights(each, layer)
+                        for part, each in copies.items()})
         traced = len(step.expert_loads)
         step.loop_layer = layer  # (the adapter pools are read by it: model.lora)
         x, k, v = decoder_layer(g, step, w_layer, 0, x, LayerPool(k_all, layer),

@@ -25,6 +25,13 @@ KV_DTYPES = {"f32": "f32", "fp8": "f8E4M3FN"}  # --kv-dtype -> the pools' elemen
 # two of) and a prefill call did not (a 7,600-token prompt: 53 s with 1,024 against 39 s).
 PREFILL_KEY_BLOCKS = (256,)
 DECODE_KEY_BLOCKS = (256, 1024)
+# A call of more rows gathers more keys per block: decode, verify and mixed entries of more than
+# FEW_ROWS rows also take blocks of this many positions, so a block's keys for every row stay
+# in the caches (16 rows at 300 positions, attention of every layer: 86 ms against 113 ms; at
+# 40 positions 18 against 59; one row loses with it, its loop steps cost more than the reads;
+# docs/performance.md#a-buffer-per-layer-and-a-smaller-key-block-for-many-rows).
+MANY_ROWS_KEY_BLOCK = 64
+FEW_ROWS = 2
 
 
 class ExportError(ValueError):
@@ -87,6 +94,8 @@ class ExportOptions:
     # block, or several from which each call takes one by the positions it holds.
     attention_block: int | tuple[int, ...] = PREFILL_KEY_BLOCKS
     decode_attention_block: int | tuple[int, ...] = DECODE_KEY_BLOCKS
+    # The block decode, verify and mixed entries of more than FEW_ROWS rows add (0: none)
+    many_rows_attention_block: int | None = None  # None: MANY_ROWS_KEY_BLOCK in whole pages
     windowed_kv: bool | None = None  # None: a windowed pool when the model has sliding layers
     ring_spare_pages: int = 1  # pages a ring holds beyond one window
     window_blocks: int | None = None  # pages per windowed pool (None: see `windowed`)
@@ -179,6 +188,11 @@ class ExportOptions:
             if not blocks or any(b < 1 or b % self.block_size for b in blocks):
                 raise ExportError(f"{flag} {','.join(map(str, blocks))}: key blocks must be "
                                   f"positive multiples of the block size {self.block_size}")
+        if self.many_rows_attention_block is not None and (
+                self.many_rows_attention_block < 0
+                or self.many_rows_attention_block % self.block_size):
+            raise ExportError(f"--many-rows-attention-block {self.many_rows_attention_block}: "
+                              f"0, or a multiple of the block size {self.block_size}")
 
     def windowed(self, cfg: DecoderConfig, num_blocks: int) -> WindowedKv | None:
         """The windowed pool for a model with sliding layers (docs/design.md#the-windowed-pool),
@@ -223,11 +237,22 @@ class ExportOptions:
         """The KV pools' element type, as StableHLO spells it."""
         return KV_DTYPES[self.kv_dtype]
 
-    def key_blocks(self, kind: str) -> tuple[int, ...]:
-        """The key blocks of an entry of this kind, ascending: a prefill call's tokens share
-        each block's gathered pages; a decode or verify call's few tokens do not."""
+    def key_blocks(self, kind: str, batch: int = 1) -> tuple[int, ...]:
+        """The key blocks of an entry of this kind and batch, ascending: a prefill call's
+        tokens share each block's gathered pages; a decode or verify call's few tokens do not,
+        and one of more than FEW_ROWS rows also takes the many-rows block."""
         blocks = self.attention_block if kind == PREFILL else self.decode_attention_block
-        return tuple(sorted(set(blocks))) if isinstance(blocks, (tuple, list)) else (blocks,)
+        blocks = set(blocks) if isinstance(blocks, (tuple, list)) else {blocks}
+        if kind != PREFILL and batch > FEW_ROWS and self.resolved_many_rows_block():
+            blocks.add(self.resolved_many_rows_block())
+        return tuple(sorted(blocks))
+
+    def resolved_many_rows_block(self) -> int:
+        """The many-rows key block in positions (0: none); by default MANY_ROWS_KEY_BLOCK
+        rounded up to whole pages."""
+        if self.many_rows_attention_block is not None:
+            return self.many_rows_attention_block
+        return -(-MANY_ROWS_KEY_BLOCK // self.block_size) * self.block_size
 
     def resolved_state_slots(self) -> int:
         return self.state_slots if self.state_slots is not None else 4 * max(self.batch_ladder)

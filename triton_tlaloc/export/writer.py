@@ -98,10 +98,10 @@ def stored_tensor(ckpt: Checkpoint, cfg: DecoderConfig, slot: WeightSlot,
     written after it by name (a quantized linear's scales, a packed weight's other arrays): a
     stacked slot's layers one by one, stacked. `pieces`: a packed weight's rows banded piece by
     piece (split along its rows over devices: gguf_packed.PackedWeight.arrays)."""
-    if slot.name.endswith(IN_OUT):  # the stacked [out, in] linear's, transposed
-        n, n_in, n_out = slot.shape
-        base = WeightSlot(slot.name[:-len(IN_OUT)], (n, n_out, n_in), "linear", True)
-        return stored_tensor(ckpt, cfg, base)[0].transpose(0, 2, 1), {}
+    if slot.name.endswith(IN_OUT):  # a layer's [out, in] linear, transposed
+        n_in, n_out = slot.shape
+        base = WeightSlot(slot.name[:-len(IN_OUT)], (n_out, n_in), "linear", True)
+        return stored_tensor(ckpt, cfg, base)[0].T, {}
     if slot.name.startswith(STACKED):
         layers = [unstacked_slot(slot, i) for i in range(slot.shape[0])]
         parts = [stored_tensor(ckpt, cfg, s, pieces) for s in layers]
@@ -413,6 +413,7 @@ def _model_json(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int, model_
         "mixedTokens": list(opts.mixed_tokens),
         "attentionBlock": list(opts.key_blocks(PREFILL)),
         "decodeAttentionBlock": list(opts.key_blocks(DECODE)),
+        "manyRowsAttentionBlock": opts.resolved_many_rows_block(),
         "layerLoop": layer_loop,
         "layerWindows": [cfg.window(i) for i in range(cfg.num_layers)],
         **({"windowedKv": windowed.to_json()} if windowed is not None else {}),
@@ -495,7 +496,7 @@ def _write_entries(cfg: DecoderConfig, opts: ExportOptions, num_blocks: int,
                                 opts.linear_quant, opts.quant_head, layer_loop, kind, lora,
                                 in_out_copy)
         text = lower_entry(cfg, program, opts.block_size, num_blocks, opts.weight_dtype,
-                           opts.key_blocks(kind), windowed, slots, opts.linear_quant,
+                           opts.key_blocks(kind, b), windowed, slots, opts.linear_quant,
                            opts.quant_head, layer_loop, kind, tp, lora, in_out_copy)
         calls = sorted(set(re.findall(r"custom_call @([\w.]+)", text)))
         if calls:
