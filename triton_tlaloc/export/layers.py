@@ -44,8 +44,8 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 MATVEC_ROWS = 8
 # A product of more rows than this reads a linear's [in, out] copy where the layer loop has
 # one (decoder.in_out_copies): at 2 rows both cost the same through SmolLM2's entry, at 4 the
-# copy's products take 0.43x (docs/performance.md, "A buffer per layer and a smaller key
-# block for many rows").
+# copy's products take 0.43x (docs/performance.md,
+# "A buffer per layer and a smaller key block for many rows").
 IN_OUT_ROWS = 2
 
 
