@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from triton_tlaloc.export.attention import LayerPool, by_length  # noqa: E402
+from triton_tlaloc.export.attention import LayerPool, by_length
 
 LAYERS, PAGES, PAGE, KV_HEADS, GROUP, HEAD = 30, 1025, 16, 3, 3, 64
 BUCKET_PAGES = 256  # 4,096 positions

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from checks.weight_edits import with_weights_changed
+from checks.weight_edits import weight_arrays, with_weights_changed
 from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.runtime.core import Runtime
 
@@ -85,13 +85,10 @@ def test_calls_of_16_rows_and_prompts_give_the_ids_and_logits_without_the_copy(a
 def test_control_a_wrong_copy_fails_the_tolerance(arts, tmp_path):
     with_copy, without = arts
     # layer 0's copy holds layer 1's weights and back (a product on the wrong layer's buffer)
-    weights = {w["slot"]: w for w in json.loads(
-        (with_copy / "tlaloc-serving.json").read_text())["weights"]}
-    layer = {i: np.fromfile(with_copy / weights[f"l{i}.gate_up.in_out"]["file"], np.float32)
-             .reshape(weights[f"l{i}.gate_up.in_out"]["shape"]) for i in (0, 1)}
+    first, second = weight_arrays(with_copy, ["l0.gate_up.in_out", "l1.gate_up.in_out"]).values()
     wrong = with_weights_changed(with_copy, tmp_path / "wrong",
-                                 {"l0.gate_up.in_out": lambda a: layer[1],
-                                  "l1.gate_up.in_out": lambda a: layer[0]})
+                                 {"l0.gate_up.in_out": lambda a: second,
+                                  "l1.gate_up.in_out": lambda a: first})
     ps = prompts(1)
     engines = Engine(Runtime(wrong)), Engine(Runtime(without))
     (_, bad), (_, good) = (decode_together(e, ps) for e in engines)

@@ -243,8 +243,9 @@ class ExportOptions:
         and one of more than FEW_ROWS rows also takes the many-rows block."""
         blocks = self.attention_block if kind == PREFILL else self.decode_attention_block
         blocks = set(blocks) if isinstance(blocks, (tuple, list)) else {blocks}
-        if kind != PREFILL and batch > FEW_ROWS and self.resolved_many_rows_block():
-            blocks.add(self.resolved_many_rows_block())
+        many_rows = self.resolved_many_rows_block()
+        if kind != PREFILL and batch > FEW_ROWS and many_rows:
+            blocks.add(many_rows)
         return tuple(sorted(blocks))
 
     def resolved_many_rows_block(self) -> int:
