@@ -16,16 +16,22 @@ from .reuse_checks import unique_tokens
 
 
 def check_prompts_join_a_stream(grpc_url, metrics_url, model, apart, seed=0,
-                                lengths=(20, 90, 45), new_tokens=16, stream_tokens=100):
+                                lengths=(20, 90, 45), new_tokens=16, stream_tokens=100,
+                                stream_lora=None, loras=()):
     """A client's stream of `stream_tokens` greedy steps on `model`'s sequence model; once its
     prompt has run, prompts of `lengths` tokens arrive together through the generate model,
     while the stream goes on. Their ids and the stream's equal the same generations through
     `apart` (the same weights without mixed entries, one at a time), and `model` ran steps
-    that carried a prompt's chunk and decode rows together."""
+    that carried a prompt's chunk and decode rows together. `stream_lora` and `loras` (one a
+    prompt, None for none): the LoRA adapters by name, the same on both models."""
     rng = random.Random(seed)
     stream_prompt = unique_tokens(rng, 10)
     prompts = [unique_tokens(rng, n) for n in lengths]
-    sampling = {"max_tokens": new_tokens, "ignore_eos": True}
+    loras = tuple(loras) or (None,) * len(prompts)
+
+    def sampling(k):
+        return {"max_tokens": new_tokens, "ignore_eos": True,
+                **({"lora": loras[k]} if loras[k] else {})}
 
     def mixed_steps() -> float:
         return metric(scrape_metrics(metrics_url, settle_s=METRICS_SETTLE_S),
@@ -36,12 +42,13 @@ def check_prompts_join_a_stream(grpc_url, metrics_url, model, apart, seed=0,
 
     def run(k, prompt):
         got[k] = generate(grpc_url, f"{model}_generate", input_ids=prompt,
-                          sampling=sampling).token_ids
+                          sampling=sampling(k)).token_ids
 
     threads = [threading.Thread(target=run, args=(k, p)) for k, p in enumerate(prompts)]
     with TlalocClient(grpc_url, model, "grpc") as c:
         seq = new_sequence_id()
-        stream = [int(np.argmax(c.infer(seq, stream_prompt, start=True)[0]))]
+        first = c.request(seq, stream_prompt, start=True, lora=stream_lora)["LOGITS"]
+        stream = [int(np.argmax(first))]
         for t in threads:  # the stream is decoding from here on
             t.start()
         while len(stream) < stream_tokens:
@@ -51,10 +58,11 @@ def check_prompts_join_a_stream(grpc_url, metrics_url, model, apart, seed=0,
         t.join(120)
     steps = mixed_steps() - before
     with TlalocClient(grpc_url, apart, "grpc") as c:
-        want = {"stream": c.generate_greedy(stream_prompt, stream_tokens).generated_ids}
+        want = {"stream": c.generate_greedy(stream_prompt, stream_tokens,
+                                            lora=stream_lora).generated_ids}
     for k, p in enumerate(prompts):
         want[k] = generate(grpc_url, f"{apart}_generate", input_ids=p,
-                           sampling=sampling).token_ids
+                           sampling=sampling(k)).token_ids
     same = {"stream": stream, **got} == want
     return (f"a {stream_tokens}-token stream and prompts of {list(lengths)} tokens joining it: "
             f"ids {'equal' if same else 'DIFFER'} to the model served apart; {steps:.0f} steps "

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from checks.engine_runs import adapters_together
 from checks.oracle import load_lora_reference, load_reference, logits_error, reference_greedy
@@ -110,3 +111,62 @@ def test_what_cannot_take_adapters_is_refused_by_name(tiny, setup, tmp_path):
     small = LoraLayout.from_json({**rt_layout, "maxRank": 4})
     with pytest.raises(AdapterError, match=r"has rank [68], over the artifact.s largest 4"):
         read_peft_adapter(adapters["b"], small)
+
+
+def test_adapter_rows_beside_another_adapters_prompt_in_mixed_calls(tiny, setup, monkeypatch):
+    """Rows of adapter a and of none decode while a prompt of adapter b runs in chunks in the
+    same mixed calls (each group its own slots): every one keeps transformers + PEFT's greedy
+    ids, and the prompt's last logits are its reference's within TOL. Control: the chunk given
+    the first decode row's slot (the groups' slots one off) fails the tolerance."""
+    from triton_tlaloc.engine import core, steps
+
+    base, _, adapters = setup
+    art = tiny.artifact("llama", False, **OPTS, mixed_tokens=(16,))
+    rt = Runtime(art)
+    read = {name: read_peft_adapter(path, rt.artifact.lora) for name, path in adapters.items()}
+    for slot, name in ((1, "a"), (2, "b")):
+        rt.adapters.write(slot, read[name].arrays)
+    engine = Engine(rt)
+    (ids_a, _), (ids_b, first_b), (ids_none, _) = (
+        reference(base, adapters[n], p) if n else reference(base, None, p)
+        for n, p in (("a", PROMPTS[0]), ("b", PROMPTS[1]), (None, PROMPTS[2])))
+
+    def run():
+        seqs = []
+        for prompt, slot in ((PROMPTS[0], 1), (PROMPTS[2], 0)):
+            s = engine.new_sequence(prompt)
+            s.adapter_slot = slot
+            s.token_ids.append(int(np.argmax(engine.prefill_chunked(s)[0])))
+            seqs.append(s)
+        chunked = engine.new_sequence(PROMPTS[1])  # 23 tokens: two mixed calls of 16
+        chunked.adapter_slot = 2
+        while chunked.uncached:
+            out = engine.mixed(seqs, chunked, 16)
+            assert engine.last_entry.startswith("mixed_b4_")
+            for k, s in enumerate(seqs):
+                s.token_ids.append(int(np.argmax(out[k])))
+        last = out[-1]
+        chunked.token_ids.append(int(np.argmax(last)))
+        together = seqs + [chunked]
+        while len(chunked.token_ids) < len(PROMPTS[1]) + STEPS:
+            out = engine.decode(together)
+            for k, s in enumerate(together):
+                s.token_ids.append(int(np.argmax(out[k])))
+        got = [s.token_ids[len(p):len(p) + STEPS]
+               for s, p in zip(together, (PROMPTS[0], PROMPTS[2], PROMPTS[1]))]
+        for s in together:
+            engine.free(s)
+        return got, last
+
+    got, last = run()
+    assert got == [ids_a, ids_none, ids_b]
+    assert logits_error(last, first_b) <= TOL
+
+    def chunk_one_off(entry, rows, chunk, block_size, adapters=False):
+        step = steps.build_mixed_step(entry, rows, chunk, block_size, adapters)
+        step["LORA_SLOTS"][-1] = step["LORA_SLOTS"][0]
+        return step
+
+    monkeypatch.setattr(core, "build_mixed_step", chunk_one_off)
+    _, wrong = run()
+    assert logits_error(wrong, first_b) > TOL

@@ -7,7 +7,8 @@ adapter are refused by name; a model whose artifact takes no adapters refuses `l
 adapter metrics count the loads and the sequences by adapter. Through `tlaloc openai` (a small
 BPE tokenizer beside the tiny model; prompts as token ids), each adapter is a model of its own
 name giving the same ids, and an adapter loaded and unloaded through its admin routes while
-other adapters' completions run leaves their ids right and no page or slot held."""
+other adapters' completions run leaves their ids right and no page or slot held. Prompts of
+adapters joining an adapter's stream ride its steps (mixed entries) with the same ids."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import threading
 import time
 
 import pytest
-from checks.sequence_checks import run_parallel, url_of
+from checks.mixed_checks import check_prompts_join_a_stream
+from checks.sequence_checks import assert_check, run_parallel, url_of
 from test_lora import OPTS, PROMPTS, STEPS, lora_setup, reference
 
 from triton_tlaloc.frontends.client import (METRICS_SETTLE_S, InferError, TlalocClient,
@@ -42,6 +44,13 @@ def served(tiny, work):
         draft_model="plain"))  # the base model drafts, the target verifies with the adapter
     write_repository(tiny.artifact("llama", False), repo, "plain",
                      RepositoryOptions(generate_model=False))
+    # the same with mixed entries (as `tlaloc export` writes them for adapter pools), ready
+    # once every entry is compiled, and a cohort wait a loaded machine's round trip fits in
+    write_repository(tiny.artifact("llama", False, **OPTS, mixed_tokens=(16,)), repo,
+                     "lora_mixed", RepositoryOptions(
+                         lora=tuple((name, str(path)) for name, path in adapters.items()),
+                         lora_updates_root=str(tiny.run_dir), background_compile=False,
+                         cohort_wait_microseconds=500_000))
     # six adapters for two slots
     many = {f"c{k}": tiny.lora_adapter("llama", f"c{k}", 2 + k, seed=10 + k) for k in range(6)}
     write_repository(tiny.artifact("llama", False, **{**OPTS, "lora_slots": 2}), repo,
@@ -89,6 +98,17 @@ def test_adapters_over_http_grpc_and_the_generate_model_at_once_give_transformer
     assert value("tlaloc_lora_adapter_moves_total", move="load") == 2
     assert value("tlaloc_draft_tokens_total") > 0  # the drafted runs' drafts were verified
     assert value("tlaloc_lora_adapters", where="device") == 2
+
+
+def test_adapter_prompts_joining_an_adapter_stream_ride_its_steps_with_the_same_ids(served):
+    """Mixed steps with adapters as `tlaloc serve` runs them: a stream of adapter a decodes
+    while prompts of adapter b, none and a arrive through the generate model; steps carried
+    their chunks and the stream's row together, and every id is the model's apart (the same
+    adapters, no mixed entries)."""
+    server, _, _ = served
+    assert_check(check_prompts_join_a_stream(
+        server.grpc_url, server.metrics_url, "lora_mixed", "lora", lengths=(20, 40, 30),
+        new_tokens=8, stream_tokens=40, stream_lora="a", loras=("b", None, "a")))
 
 
 def test_unknown_adapters_and_another_adapter_later_are_refused_by_name(served):

@@ -90,8 +90,8 @@ def test_a_mixed_rows_logits_are_the_decode_calls(engine, monkeypatch):
 
     wrong = engine.new_sequence(long[:40])
 
-    def shifted(entry, rows, chunk, block_size):
-        step = steps.build_mixed_step(entry, rows, chunk, block_size)
+    def shifted(entry, rows, chunk, block_size, adapters=False):
+        step = steps.build_mixed_step(entry, rows, chunk, block_size, adapters)
         step["CHUNK_POSITIONS"] = step["CHUNK_POSITIONS"] + 1
         return step
 
@@ -122,8 +122,10 @@ def test_the_export_writes_mixed_entries_by_default_where_a_model_can_take_them(
     assert mixed_batches(ExportOptions(batch_ladder=(1, 2), mixed_batches=(4, 16))) == [2]
     plain = SimpleNamespace(linear=None, moe=None)
     assert _mixed_tokens(plain, opts, None, None) == (64, 192)
+    # adapter pools take mixed entries (tests/test_lora.py runs them)
+    assert _mixed_tokens(plain, opts, None, object()) == (64, 192)
     for why in (dict(windowed=object()), dict(cfg=SimpleNamespace(linear=object(), moe=None)),
-                dict(cfg=SimpleNamespace(linear=None, moe=object())), dict(lora=object()),
+                dict(cfg=SimpleNamespace(linear=None, moe=object())),
                 dict(opts=ExportOptions(mixed_tokens=(64,), tensor_parallel=2))):
         kw = {"cfg": plain, "opts": opts, "windowed": None, "lora": None, **why}
         assert _mixed_tokens(**kw) == (), why

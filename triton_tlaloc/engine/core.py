@@ -376,7 +376,8 @@ class Engine:
         rows = self._rows([*seqs, chunk], [*feeds, feed])
         self._count_call(entry)
         t0 = time.perf_counter()
-        step = build_mixed_step(entry, rows[:-1], rows[-1], self.block_size)
+        step = build_mixed_step(entry, rows[:-1], rows[-1], self.block_size,
+                                self.takes_adapters)
         self.build_seconds += time.perf_counter() - t0
         out = self.rt.run(entry.name, step)
         logits = np.concatenate([out[:len(seqs)], out[entry.batch:entry.batch + 1]])

@@ -334,11 +334,12 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
     """The signature of one entry, in @main's order; the outputs before the pools are the
     kind's (manifest.leading_outputs): one for decode, prefill and mixed, two for verify. With
     `lora`, each row's adapter slot and the adapter pools (read, never donated). A mixed
-    entry takes `batch` decode rows' step inputs, then its chunk's (`tokens_per_seq` tokens)."""
+    entry takes `batch` decode rows' step inputs, then its chunk's (`tokens_per_seq` tokens);
+    its adapter slots are the decode rows' and then the chunk's, [batch + 1]."""
     b, t, m = batch, tokens_per_seq, context // block_size
     if kind == MIXED:  # `batch` decode rows of one token, and one chunk of t tokens
-        assert windowed is None and cfg.linear is None and lora is None and cfg.moe is None, \
-            "mixed entries are written for full-attention models without adapters only"
+        assert windowed is None and cfg.linear is None and cfg.moe is None, \
+            "mixed entries are written for full-attention models only"
         b, t = batch, 1
     inputs = [
         TensorSpec("token_ids", TOKEN_IDS, "i32", (b, t)),
@@ -361,8 +362,9 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
                    TensorSpec("window_slot_mapping", WINDOW_SLOT_MAPPING, "i32", (b, t))]
     if cfg.linear is not None:
         inputs.append(TensorSpec("state_slots", STATE_SLOTS, "i32", (b,)))
-    if lora is not None:
-        inputs.append(TensorSpec("lora_slots", LORA_SLOTS, "i32", (b,)))
+    if lora is not None:  # a mixed entry's: the decode rows' slots, then the chunk's
+        inputs.append(TensorSpec("lora_slots", LORA_SLOTS, "i32",
+                                 (b + 1,) if kind == MIXED else (b,)))
     pools = kv_pools(cfg, num_blocks, block_size, kv_dtype, windowed, layer_loop)
     states = state_pools(cfg, num_state_slots)
     pool_start = len(inputs)

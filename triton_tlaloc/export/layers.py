@@ -273,8 +273,26 @@ def project(g: Graph, x, w: dict, name: str, step: Step | None = None):
     if step is not None and part in step.lora_pools:
         layer = step.loop_layer if step.loop_layer is not None else slot_layer(name)
         devices, pieces = g.lora_pieces[part]
-        y = y + lora_update(x, *step.lora_pools[part], layer, step.lora_slots, pieces, devices)
+        y = y + adapter_update(step, x, part, layer, pieces, devices)
     return y
+
+
+def adapter_update(step: Step, x, part: str, layer, pieces, devices: int):
+    """Each row's adapter update of one adapted part (export/lora_graph.py). A mixed call's
+    tokens are one row: each group's rows are updated with their own slots (step.lora_slots
+    holds the decode rows', then the chunk's), as the calls apart would."""
+    pools = step.lora_pools[part]
+    if step.groups is None:
+        return lora_update(x, *pools, layer, step.lora_slots, pieces, devices)
+    outs, start, first_row = [], 0, 0
+    for grp in step.groups:
+        n = grp.rows * grp.tokens
+        rows = x[:, start:start + n].reshape(grp.rows, grp.tokens, x.shape[-1])
+        slots = step.lora_slots[first_row:first_row + grp.rows]
+        out = lora_update(rows, *pools, layer, slots, pieces, devices)
+        outs.append(out.reshape(1, n, out.shape[-1]))
+        start, first_row = start + n, first_row + grp.rows
+    return jnp.concatenate(outs, axis=1)
 
 
 def split_fused(g: Graph, x, widths):
