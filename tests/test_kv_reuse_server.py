@@ -42,6 +42,14 @@ def served(tiny, smollm2, work):
     # within the cohort wait; a loaded CI machine's client round trip can pass the default 20 ms.
     write_repository(mixed, repo, "llama_mixed",
                      RepositoryOptions(background_compile=False, cohort_wait_microseconds=500_000))
+    # gemma3's rings (window 8, pages of 4; rings of 6 pages: chunks of 16 past the window)
+    # with mixed entries, and without (the export tests/test_ready_early.py serves)
+    rings = dict(context_ladder=(128,), prefill_chunk=16, block_size=4)
+    write_repository(tiny.artifact("gemma3_text", True, batch_ladder=(1, 2, 4), mixed_tokens=(16,),
+                                   mixed_batches=(4,), **rings), repo, "gemma3_mixed",
+                     RepositoryOptions(background_compile=False, cohort_wait_microseconds=500_000))
+    write_repository(tiny.artifact("gemma3_text", True, **rings), repo, "gemma3",
+                     RepositoryOptions())
     write_repository(small, repo, "pressure", RepositoryOptions(generate_model=False))
     server = TritonServer(repo, exit_timeout_s=3).start(wait_compiled=False)
     yield server
@@ -102,3 +110,10 @@ def test_prompts_joining_a_stream_ride_its_steps_with_the_same_ids(served):
     [in, out] copy)."""
     assert_check(check_prompts_join_a_stream(url_of(served, "grpc"), served.metrics_url,
                                              "llama_mixed", "llama"))
+
+
+def test_prompts_joining_a_stream_over_rings_ride_its_steps_with_the_same_ids(served):
+    """The same with gemma3's sliding layers over rings: the chunks' and the stream's keys
+    written at their ring slots, each group attending over its own rings."""
+    assert_check(check_prompts_join_a_stream(url_of(served, "grpc"), served.metrics_url,
+                                             "gemma3_mixed", "gemma3", seed=1))

@@ -162,8 +162,8 @@ def test_adapter_rows_beside_another_adapters_prompt_in_mixed_calls(tiny, setup,
     assert got == [ids_a, ids_none, ids_b]
     assert logits_error(last, first_b) <= TOL
 
-    def chunk_one_off(entry, rows, chunk, block_size, adapters=False):
-        step = steps.build_mixed_step(entry, rows, chunk, block_size, adapters)
+    def chunk_one_off(*args):
+        step = steps.build_mixed_step(*args)
         step["LORA_SLOTS"][-1] = step["LORA_SLOTS"][0]
         return step
 

@@ -25,6 +25,9 @@ CASES = {
     # quantized linears: int8 codes and a scale per channel; 4-bit codes packed two a byte
     "llama-int8": ("llama", dict(weight_quant="int8")),
     "llama-int4": ("llama", dict(weight_quant="int4")),
+    # sliding layers over rings (window 8) beside a full layer; rings of 3 pages (chunks of
+    # 16 past the window), 8 of them (the sequences of a test)
+    "gemma3-rings": ("gemma3_text", dict(prefill_chunk=16, window_blocks=25)),
 }
 
 
@@ -78,9 +81,9 @@ def test_a_mixed_rows_logits_are_the_decode_calls(engine, monkeypatch):
     alone = engine.decode(seqs)
     for s in seqs:
         s.num_cached -= 1
-    prompt = engine.new_sequence(long[:40])
+    prompt = engine.new_sequence(long[:24])
     mixed = engine.mixed(seqs, prompt, 64)
-    prompt_alone = engine.new_sequence(long[:40])
+    prompt_alone = engine.new_sequence(long[:24])
     want_prompt = engine.prefill_chunked(prompt_alone)[0]
     scale = max(1.0, float(np.max(np.abs(alone))))
     assert np.max(np.abs(mixed[:-1] - alone)) <= SAME_TOL * scale
@@ -88,10 +91,10 @@ def test_a_mixed_rows_logits_are_the_decode_calls(engine, monkeypatch):
     # The control: the chunk's positions one off (RoPE and the causal mask move) fails it.
     from triton_tlaloc.engine import core
 
-    wrong = engine.new_sequence(long[:40])
+    wrong = engine.new_sequence(long[:24])
 
-    def shifted(entry, rows, chunk, block_size, adapters=False):
-        step = steps.build_mixed_step(entry, rows, chunk, block_size, adapters)
+    def shifted(*args):
+        step = steps.build_mixed_step(*args)
         step["CHUNK_POSITIONS"] = step["CHUNK_POSITIONS"] + 1
         return step
 
@@ -124,7 +127,8 @@ def test_the_export_writes_mixed_entries_by_default_where_a_model_can_take_them(
     assert _mixed_tokens(plain, opts, None, None) == (64, 192)
     # adapter pools take mixed entries (tests/test_lora.py runs them)
     assert _mixed_tokens(plain, opts, None, object()) == (64, 192)
-    for why in (dict(windowed=object()), dict(cfg=SimpleNamespace(linear=object(), moe=None)),
+    assert _mixed_tokens(plain, opts, object(), None) == (64, 192)  # a windowed pool
+    for why in (dict(cfg=SimpleNamespace(linear=object(), moe=None)),
                 dict(cfg=SimpleNamespace(linear=None, moe=object())),
                 dict(opts=ExportOptions(mixed_tokens=(64,), tensor_parallel=2))):
         kw = {"cfg": plain, "opts": opts, "windowed": None, "lora": None, **why}

@@ -314,9 +314,11 @@ class Batcher:
             else:
                 decode.append(j)
         prompts = [j for j in jobs if not j.is_decode and not j.request.is_verify]
-        plan.mixed, decode, plan.deferred = mixed_calls(
-            decode, prompts, self.max_mixed_batch,
-            self.policy.chunk_tokens(self.engine.max_mixed_tokens))
+        chunk = self.policy.chunk_tokens(self.engine.max_mixed_tokens)
+        if prompts:  # (the first prompt is the one mixed_calls gives the step)
+            chunk = self.engine.max_mixed_chunk(prompts[0].seq, chunk)
+        plan.mixed, decode, plan.deferred = mixed_calls(decode, prompts, self.max_mixed_batch,
+                                                        chunk)
         if plan.mixed:
             prompts = []  # one rides the step, the others wait for the next
         plan.decode = decode_calls(decode, self.max_decode_batch)

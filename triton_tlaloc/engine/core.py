@@ -214,6 +214,11 @@ class Engine:
         """Its client ended it: kept for the conversation's next turn, or freed."""
         self.blocks.finish(seq)
 
+    def max_mixed_chunk(self, seq: Sequence, tokens: int) -> int:
+        """The most of `tokens` one mixed call may feed `seq` (a prompt): with a windowed pool,
+        what its ring holds past the window, as for a prefill call (max_call_tokens)."""
+        return tokens if self.window is None else min(tokens, self.ring_room(seq))
+
     def max_call_tokens(self, seq: Sequence) -> int:
         """The most tokens one prefill call may feed `seq` now: the largest prefill entry's, and
         with a windowed pool what the ring holds past the window (a call of n tokens from p0
@@ -368,6 +373,8 @@ class Engine:
             assert len(s.uncached) == 1, f"sequence {s.seq_id}: decode takes one new token"
         feed = chunk.uncached[:tokens]
         assert feed, f"sequence {chunk.seq_id}: no prompt token to compute"
+        assert self.window is None or len(feed) <= self.ring_room(chunk), \
+            f"sequence {chunk.seq_id}: {len(feed)} tokens overrun its ring (max_mixed_chunk)"
         end = max(max(s.num_cached + 1 for s in seqs), chunk.num_cached + len(feed))
         entry = self.mixed_entry(len(seqs), end, len(feed))
         if entry is None:
@@ -377,7 +384,7 @@ class Engine:
         self._count_call(entry)
         t0 = time.perf_counter()
         step = build_mixed_step(entry, rows[:-1], rows[-1], self.block_size,
-                                self.takes_adapters)
+                                self.takes_adapters, self.ring_pages)
         self.build_seconds += time.perf_counter() - t0
         out = self.rt.run(entry.name, step)
         logits = np.concatenate([out[:len(seqs)], out[entry.batch:entry.batch + 1]])

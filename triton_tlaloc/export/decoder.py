@@ -35,7 +35,8 @@ from .config import DecoderConfig
 from .gguf_packed import is_packed, layout_of
 from .quant import code_dtype
 from ..artifact.manifest import (BITS, BLOCK_TABLES, CHUNK_BLOCK_TABLES, CHUNK_POSITIONS,
-                                 CHUNK_SEQ_LENS, CHUNK_SLOT_MAPPING, CHUNK_TOKEN_IDS, DECODE,
+                                 CHUNK_SEQ_LENS, CHUNK_SLOT_MAPPING, CHUNK_TOKEN_IDS,
+                                 CHUNK_WINDOW_BLOCK_TABLES, CHUNK_WINDOW_SLOT_MAPPING, DECODE,
                                  KV_POOL_IN, KV_POOL_OUT, LORA_POOL, LORA_SLOTS, MIXED, POSITIONS,
                                  SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT,
                                  STATE_SLOTS, TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES,
@@ -338,8 +339,8 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
     its adapter slots are the decode rows' and then the chunk's, [batch + 1]."""
     b, t, m = batch, tokens_per_seq, context // block_size
     if kind == MIXED:  # `batch` decode rows of one token, and one chunk of t tokens
-        assert windowed is None and cfg.linear is None and cfg.moe is None, \
-            "mixed entries are written for full-attention models only"
+        assert cfg.linear is None and cfg.moe is None, \
+            "mixed entries are written for attention models without experts only"
         b, t = batch, 1
     inputs = [
         TensorSpec("token_ids", TOKEN_IDS, "i32", (b, t)),
@@ -360,6 +361,11 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
     if windowed is not None:
         inputs += [TensorSpec("window_block_tables", WINDOW_BLOCK_TABLES, "i32", (b, m)),
                    TensorSpec("window_slot_mapping", WINDOW_SLOT_MAPPING, "i32", (b, t))]
+        if kind == MIXED:
+            inputs += [TensorSpec("chunk_window_block_tables", CHUNK_WINDOW_BLOCK_TABLES, "i32",
+                                  (1, m)),
+                       TensorSpec("chunk_window_slot_mapping", CHUNK_WINDOW_SLOT_MAPPING, "i32",
+                                  (1, tokens_per_seq))]
     if cfg.linear is not None:
         inputs.append(TensorSpec("state_slots", STATE_SLOTS, "i32", (b,)))
     if lora is not None:  # a mixed entry's: the decode rows' slots, then the chunk's
@@ -438,7 +444,8 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                      lora.graph_pieces() if lora is not None else {})
     pool_of = layer_pools(cfg)
     n_step = (5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
-              + (1 if lora is not None else 0) + (5 if kind == MIXED else 0))
+              + (1 if lora is not None else 0) + (5 if kind == MIXED else 0)
+              + (2 if kind == MIXED and windowed is not None else 0))
     n_pools = 2 if layer_loop else 2 * cfg.num_layers
     lora_pools = list(lora.pool_shapes()) if lora is not None else []
     n_decode = batch  # a mixed entry's decode rows
@@ -460,9 +467,11 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         w = dict(zip(names, args[n_step + n_pools + len(lora_pools):]))
         if kind == MIXED:  # one row of every token: the decode rows', then the chunk's
             chunk = args[5:10]
+            # with a windowed pool: the decode rows' window inputs, then the chunk's
+            rings = (args[10:12], args[12:14]) if windowed is not None else None
             x = layers.embed(g, w, layers.flat_tokens(token_ids, chunk[0]))
             step = layers.make_mixed_step(g, (token_ids, positions, block_tables, seq_lens,
-                                              slot_mapping), chunk)
+                                              slot_mapping), chunk, rings)
         else:
             # The embedding, then the step's scatter indices: the order of the lowered text.
             x = layers.embed(g, w, token_ids)

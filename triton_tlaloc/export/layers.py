@@ -138,13 +138,15 @@ class LayerWeights:
 @dataclass(frozen=True)
 class AttentionGroup:
     """Rows of a mixed call that attend alike: `rows` rows of `tokens` tokens each, at these
-    positions [rows, tokens], through these block tables [rows, pages] and lengths [rows]."""
+    positions [rows, tokens], through these block tables [rows, pages] and lengths [rows];
+    with a windowed pool, a sliding layer through these window tables [rows, ring width]."""
 
     rows: int
     tokens: int
     positions: Any
     block_tables: Any
     seq_lens: Any
+    window_tables: Any = None
 
 
 def make_step(g: Graph, token_ids, positions, block_tables, seq_lens, slot_mapping,
@@ -170,21 +172,27 @@ def flat_tokens(decode_ids, chunk_ids):
     return jnp.concatenate([decode_ids.reshape(-1), chunk_ids.reshape(-1)])[None]
 
 
-def make_mixed_step(g: Graph, decode, chunk) -> Step:
+def make_mixed_step(g: Graph, decode, chunk, rings=None) -> Step:
     """A mixed call's Step: every token in one row for the linears, the KV written at the
-    decode rows' and the chunk's slots in one scatter, and two attention groups, the decode
-    rows (R x 1) and the chunk (1 x T). `decode` and `chunk`: (token ids, positions, block
-    tables, lengths, slot mapping) each."""
+    decode rows' and the chunk's slots in one scatter (a sliding layer's at their ring slots),
+    and two attention groups, the decode rows (R x 1) and the chunk (1 x T). `decode` and
+    `chunk`: (token ids, positions, block tables, lengths, slot mapping) each; `rings` with a
+    windowed pool: the decode rows' (window tables, window slots), then the chunk's."""
     _, positions, tables, lens, slots = decode
     _, chunk_positions, chunk_tables, chunk_lens, chunk_slots = chunk
     rows = positions.shape[0]
     flat_slots = flat_tokens(slots, chunk_slots)
     kv_slots = _scatter_slots(flat_slots, g.num_blocks * g.block_size, False)
-    groups = (AttentionGroup(rows, 1, positions, tables, lens),
+    width = min(tables.shape[1], g.windowed.ring_pages) if rings is not None else 0
+    ring_tables = ((rings[0][0][:, :width], rings[1][0][:, :width]) if rings is not None
+                   else (None, None))
+    groups = (AttentionGroup(rows, 1, positions, tables, lens, ring_tables[0]),
               AttentionGroup(1, chunk_positions.shape[1], chunk_positions, chunk_tables,
-                             chunk_lens))
+                             chunk_lens, ring_tables[1]))
+    ring_slots = (None if rings is None else _scatter_slots(
+        flat_tokens(rings[0][1], rings[1][1]), g.windowed.num_blocks * g.block_size, False))
     return Step(flat_tokens(positions, chunk_positions), None, None, kv_slots, False,
-                groups=groups)
+                window_slots=ring_slots, ring_width=width, groups=groups)
 
 
 def mixed_last_tokens(x, rows: int):
@@ -546,21 +554,31 @@ def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):
         for grp in step.groups:
             n = grp.rows * grp.tokens
             part = q[:, start:start + n].reshape(grp.rows, grp.tokens, *q.shape[2:])
-            out = _full_attention(g, i, part, k_pool, v_pool, grp.block_tables, grp.positions,
-                                  grp.seq_lens)
+            if g.on_ring(i):
+                out = _ring_attention(g, i, part, k_pool, v_pool, grp.window_tables,
+                                      grp.positions, grp.seq_lens)
+            else:
+                out = _full_attention(g, i, part, k_pool, v_pool, grp.block_tables,
+                                      grp.positions, grp.seq_lens)
             outs.append(out.reshape(1, n, width))
             start += n
         return jnp.concatenate(outs, axis=1)
     if g.on_ring(i):
-        qg = q.reshape(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads,
-                       cfg.head_size)
-        out = ring(qg, k_pool, v_pool, step.window_tables[:, :step.ring_width], step.positions,
-                   step.seq_lens, cfg.window(i), g.windowed.ring_pages * g.block_size,
-                   cfg.attn_scale)
+        out = _ring_attention(g, i, q, k_pool, v_pool, step.window_tables[:, :step.ring_width],
+                              step.positions, step.seq_lens)
     else:
         out = _full_attention(g, i, q, k_pool, v_pool, step.block_tables, step.positions,
                               step.seq_lens)
     return out.reshape(b, t, width)
+
+
+def _ring_attention(g: Graph, i: int, q, k_pool, v_pool, ring_tables, positions, seq_lens):
+    """A sliding layer's attention of q [b, t, heads, d] over the rings the tables name."""
+    cfg = g.cfg
+    b, t = q.shape[:2]
+    qg = q.reshape(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_size)
+    return ring(qg, k_pool, v_pool, ring_tables, positions, seq_lens, cfg.window(i),
+                g.windowed.ring_pages * g.block_size, cfg.attn_scale)
 
 
 def _full_attention(g: Graph, i: int, q, k_pool, v_pool, block_tables, positions, seq_lens):

@@ -326,13 +326,12 @@ def _verify_tokens(cfg: DecoderConfig, opts: ExportOptions,
 def _mixed_tokens(cfg: DecoderConfig, opts: ExportOptions, windowed: WindowedKv | None,
                   lora) -> tuple[int, ...]:
     """The mixed entries' tokensPerSeq this model gets: none (logged, with why) for a model
-    whose calls cannot share one row of tokens yet: a ring, state slots, experts or several
+    whose calls cannot share one row of tokens yet: state slots, experts or several
     devices."""
     wanted = tuple(sorted(t for t in set(opts.mixed_tokens) if t <= max(opts.context_ladder)))
     if not wanted:
         return ()
-    why = ("a windowed pool" if windowed is not None else
-           "linear-attention layers" if cfg.linear is not None else
+    why = ("linear-attention layers" if cfg.linear is not None else
            "experts" if cfg.moe is not None else
            "tensor parallelism" if opts.tensor_parallel > 1 else None)
     if why is not None:
