@@ -271,3 +271,6 @@ def test_timing_log_accounts_for_each_call(runtime, tmp_path):
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [(x["kind"], x["entry"]) for x in lines] == [(t.kind, t.entry) for t in keep.timings]
     assert lines[1]["entry"] == "decode_b2_c32" and lines[1]["execute_ms"] > 0
+    # each line's wall clock, written after its call: in order, each call after the one before
+    assert lines[0]["end_s"] - lines[0]["total_ms"] / 1e3 <= lines[0]["end_s"] <= lines[1]["end_s"]
+    assert lines[1]["end_s"] - lines[1]["total_ms"] / 1e3 >= lines[0]["end_s"] - 1e-3

@@ -25,6 +25,8 @@ CASES = {
     # quantized linears: int8 codes and a scale per channel; 4-bit codes packed two a byte
     "llama-int8": ("llama", dict(weight_quant="int8")),
     "llama-int4": ("llama", dict(weight_quant="int4")),
+    # fp8 KV pools: the one scatter writes every token's codes, both groups read them
+    "llama-fp8-kv": ("llama", dict(kv_dtype="fp8")),
     # sliding layers over rings (window 8) beside a full layer; rings of 3 pages (chunks of
     # 16 past the window), 8 of them (the sequences of a test)
     "gemma3-rings": ("gemma3_text", dict(prefill_chunk=16, window_blocks=25)),

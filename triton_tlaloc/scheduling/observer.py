@@ -7,6 +7,7 @@ Pure Python."""
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -102,14 +103,16 @@ class Observer:
 
 class TimingLog(Observer):
     """One JSON line per call (CallTiming) appended to a file: the backend's timing log, read
-    by scripts/step_profile.py. Opt-in (model parameter timing_log): a line is ~250 bytes a step."""
+    by scripts/step_profile.py and scripts/step_timeline.py. Each line also holds `end_s`, the
+    wall clock (Unix seconds) when it was written, just after the call's replies: the call ran
+    from end_s - total_ms. Opt-in (model parameter timing_log): a line is ~270 bytes a step."""
 
     def __init__(self, path: str):
         self.path = path
         self._file = open(path, "a", buffering=1)
 
     def timing(self, t: CallTiming) -> None:
-        self._file.write(json.dumps(t.to_json()) + "\n")
+        self._file.write(json.dumps({**t.to_json(), "end_s": round(time.time(), 4)}) + "\n")
 
     def close(self) -> None:
         self._file.close()
