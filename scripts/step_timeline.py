@@ -54,7 +54,6 @@ def summary(name: str, group: list[dict]) -> dict:
     busy = {k: sum(c["total_ms"] for c in group if c["kind"] == k) / 1e3 for k in KINDS}
     rows = {k: [c["rows"] for c in group if c["kind"] == k] for k in KINDS}
     return {"phase": name, "seconds": wall, "calls": len(group),
-            **{f"{k} calls": len(rows[k]) for k in KINDS},
             **{f"{k} share": busy[k] / wall for k in KINDS},
             "idle share": max(0.0, 1 - sum(busy.values()) / wall),
             "decode rows p50": statistics.median(rows["decode"]) if rows["decode"] else 0,

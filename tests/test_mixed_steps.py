@@ -126,12 +126,11 @@ def test_the_export_writes_mixed_entries_by_default_where_a_model_can_take_them(
     # no batch above the ladder's largest
     assert mixed_batches(ExportOptions(batch_ladder=(1, 2), mixed_batches=(4, 16))) == [2]
     plain = SimpleNamespace(linear=None, moe=None)
-    assert _mixed_tokens(plain, opts, None, None) == (64, 192)
-    # adapter pools take mixed entries (tests/test_lora.py runs them)
-    assert _mixed_tokens(plain, opts, None, object()) == (64, 192)
-    assert _mixed_tokens(plain, opts, object(), None) == (64, 192)  # a windowed pool
+    # (a windowed pool and adapter pools take them: the gemma3-rings case above and
+    # tests/test_lora.py run their mixed entries)
+    assert _mixed_tokens(plain, opts) == (64, 192)
     for why in (dict(cfg=SimpleNamespace(linear=object(), moe=None)),
                 dict(cfg=SimpleNamespace(linear=None, moe=object())),
                 dict(opts=ExportOptions(mixed_tokens=(64,), tensor_parallel=2))):
-        kw = {"cfg": plain, "opts": opts, "windowed": None, "lora": None, **why}
+        kw = {"cfg": plain, "opts": opts, **why}
         assert _mixed_tokens(**kw) == (), why

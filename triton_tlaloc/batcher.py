@@ -316,7 +316,7 @@ class Batcher:
         prompts = [j for j in jobs if not j.is_decode and not j.request.is_verify]
         chunk = self.policy.chunk_tokens(self.engine.max_mixed_tokens)
         if prompts:  # (the first prompt is the one mixed_calls gives the step)
-            chunk = self.engine.max_mixed_chunk(prompts[0].seq, chunk)
+            chunk = self.engine.within_ring(prompts[0].seq, chunk)
         plan.mixed, decode, plan.deferred = mixed_calls(decode, prompts, self.max_mixed_batch,
                                                         chunk)
         if plan.mixed:

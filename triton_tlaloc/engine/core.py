@@ -214,20 +214,16 @@ class Engine:
         """Its client ended it: kept for the conversation's next turn, or freed."""
         self.blocks.finish(seq)
 
-    def max_mixed_chunk(self, seq: Sequence, tokens: int) -> int:
-        """The most of `tokens` one mixed call may feed `seq` (a prompt): with a windowed pool,
-        what its ring holds past the window, as for a prefill call (max_call_tokens)."""
+    def within_ring(self, seq: Sequence, tokens: int) -> int:
+        """The most of `tokens` one prefill or mixed call may feed `seq`: with a windowed pool,
+        what its ring holds past the window (a call of n tokens from p0 needs
+        min(p0, window - 1) + n positions of the ring at once; docs/design.md#the-windowed-pool)."""
         return tokens if self.window is None else min(tokens, self.ring_room(seq))
 
     def max_call_tokens(self, seq: Sequence) -> int:
-        """The most tokens one prefill call may feed `seq` now: the largest prefill entry's, and
-        with a windowed pool what the ring holds past the window (a call of n tokens from p0
-        needs min(p0, window - 1) + n positions of the ring at once;
-        docs/design.md#the-windowed-pool)."""
-        cap = self.max_prefill_tokens
-        if self.window is not None:
-            cap = min(cap, self.ring_room(seq))
-        return cap
+        """The most tokens one prefill call may feed `seq` now: the largest prefill entry's,
+        within its ring (within_ring)."""
+        return self.within_ring(seq, self.max_prefill_tokens)
 
     @property
     def max_prefill_tokens(self) -> int:
@@ -373,8 +369,8 @@ class Engine:
             assert len(s.uncached) == 1, f"sequence {s.seq_id}: decode takes one new token"
         feed = chunk.uncached[:tokens]
         assert feed, f"sequence {chunk.seq_id}: no prompt token to compute"
-        assert self.window is None or len(feed) <= self.ring_room(chunk), \
-            f"sequence {chunk.seq_id}: {len(feed)} tokens overrun its ring (max_mixed_chunk)"
+        assert self.within_ring(chunk, len(feed)) == len(feed), \
+            f"sequence {chunk.seq_id}: {len(feed)} tokens overrun its ring"
         end = max(max(s.num_cached + 1 for s in seqs), chunk.num_cached + len(feed))
         entry = self.mixed_entry(len(seqs), end, len(feed))
         if entry is None:

@@ -183,14 +183,16 @@ def make_mixed_step(g: Graph, decode, chunk, rings=None) -> Step:
     rows = positions.shape[0]
     flat_slots = flat_tokens(slots, chunk_slots)
     kv_slots = _scatter_slots(flat_slots, g.num_blocks * g.block_size, False)
-    width = min(tables.shape[1], g.windowed.ring_pages) if rings is not None else 0
-    ring_tables = ((rings[0][0][:, :width], rings[1][0][:, :width]) if rings is not None
-                   else (None, None))
+    width, ring_slots, ring_tables = 0, None, (None, None)
+    if rings is not None:
+        (tables_r, slots_r), (chunk_tables_r, chunk_slots_r) = rings
+        width = min(tables.shape[1], g.windowed.ring_pages)
+        ring_tables = (tables_r[:, :width], chunk_tables_r[:, :width])
+        ring_slots = _scatter_slots(flat_tokens(slots_r, chunk_slots_r),
+                                    g.windowed.num_blocks * g.block_size, False)
     groups = (AttentionGroup(rows, 1, positions, tables, lens, ring_tables[0]),
               AttentionGroup(1, chunk_positions.shape[1], chunk_positions, chunk_tables,
                              chunk_lens, ring_tables[1]))
-    ring_slots = (None if rings is None else _scatter_slots(
-        flat_tokens(rings[0][1], rings[1][1]), g.windowed.num_blocks * g.block_size, False))
     return Step(flat_tokens(positions, chunk_positions), None, None, kv_slots, False,
                 window_slots=ring_slots, ring_width=width, groups=groups)
 
@@ -287,18 +289,25 @@ def project(g: Graph, x, w: dict, name: str, step: Step | None = None):
 
 def adapter_update(step: Step, x, part: str, layer, pieces, devices: int):
     """Each row's adapter update of one adapted part (export/lora_graph.py). A mixed call's
-    tokens are one row: each group's rows are updated with their own slots (step.lora_slots
-    holds the decode rows', then the chunk's), as the calls apart would."""
+    groups are updated with their own rows' slots (step.lora_slots holds the decode rows',
+    then the chunk's), as the calls apart would."""
     pools = step.lora_pools[part]
     if step.groups is None:
         return lora_update(x, *pools, layer, step.lora_slots, pieces, devices)
+    return per_group(step.groups, x, lambda grp, first_row, rows: lora_update(
+        rows, *pools, layer, step.lora_slots[first_row:first_row + grp.rows], pieces, devices))
+
+
+def per_group(groups, x, fn):
+    """`fn` over each group of a mixed call's one row of tokens x [1, tokens, ...]: called
+    with (the group, its first row, its tokens as [rows, tokens, ...]), its results [rows,
+    tokens, ...] joined back into one row, in order."""
     outs, start, first_row = [], 0, 0
-    for grp in step.groups:
+    for grp in groups:
         n = grp.rows * grp.tokens
-        rows = x[:, start:start + n].reshape(grp.rows, grp.tokens, x.shape[-1])
-        slots = step.lora_slots[first_row:first_row + grp.rows]
-        out = lora_update(rows, *pools, layer, slots, pieces, devices)
-        outs.append(out.reshape(1, n, out.shape[-1]))
+        out = fn(grp, first_row, x[:, start:start + n].reshape(grp.rows, grp.tokens,
+                                                               *x.shape[2:]))
+        outs.append(out.reshape(1, n, *out.shape[2:]))
         start, first_row = start + n, first_row + grp.rows
     return jnp.concatenate(outs, axis=1)
 
@@ -550,19 +559,13 @@ def paged_attention(g: Graph, step: Step, i: int, q, k_pool, v_pool):
     b, t = q.shape[:2]
     width = cfg.num_heads * cfg.head_size
     if step.groups is not None:  # a mixed call: each group over its own tables, in order
-        outs, start = [], 0
-        for grp in step.groups:
-            n = grp.rows * grp.tokens
-            part = q[:, start:start + n].reshape(grp.rows, grp.tokens, *q.shape[2:])
+        def group_attention(grp, _, part):
             if g.on_ring(i):
-                out = _ring_attention(g, i, part, k_pool, v_pool, grp.window_tables,
-                                      grp.positions, grp.seq_lens)
-            else:
-                out = _full_attention(g, i, part, k_pool, v_pool, grp.block_tables,
-                                      grp.positions, grp.seq_lens)
-            outs.append(out.reshape(1, n, width))
-            start += n
-        return jnp.concatenate(outs, axis=1)
+                return _ring_attention(g, i, part, k_pool, v_pool, grp.window_tables,
+                                       grp.positions, grp.seq_lens)
+            return _full_attention(g, i, part, k_pool, v_pool, grp.block_tables,
+                                   grp.positions, grp.seq_lens)
+        return per_group(step.groups, q, group_attention).reshape(1, -1, width)
     if g.on_ring(i):
         out = _ring_attention(g, i, q, k_pool, v_pool, step.window_tables[:, :step.ring_width],
                               step.positions, step.seq_lens)

@@ -213,7 +213,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
 
         linear_state = _linear_state(_program_config(cfg, tp), opts)
         verify_tokens = _verify_tokens(cfg, opts, windowed)
-        opts = dataclasses.replace(opts, mixed_tokens=_mixed_tokens(cfg, opts, windowed, lora))
+        opts = dataclasses.replace(opts, mixed_tokens=_mixed_tokens(cfg, opts))
         entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop, verify_tokens,
                                  tp, lora, in_out_copy)
         _log_pools(cfg, windowed, linear_state)
@@ -323,8 +323,7 @@ def _verify_tokens(cfg: DecoderConfig, opts: ExportOptions,
     return keep
 
 
-def _mixed_tokens(cfg: DecoderConfig, opts: ExportOptions, windowed: WindowedKv | None,
-                  lora) -> tuple[int, ...]:
+def _mixed_tokens(cfg: DecoderConfig, opts: ExportOptions) -> tuple[int, ...]:
     """The mixed entries' tokensPerSeq this model gets: none (logged, with why) for a model
     whose calls cannot share one row of tokens yet: state slots, experts or several
     devices."""

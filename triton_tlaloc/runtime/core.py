@@ -34,9 +34,10 @@ import numpy as np
 
 from ..artifact.loading import load_artifact
 from ..artifact.manifest import (CHUNK_STEP_ROLES, CHUNK_WINDOW_STEP_ROLES, EXPERT_LOAD,
-                                 LOGITS, LORA_POOL, LORA_STEP_ROLES, POOL_IN_ROLES, POOL_OUT_ROLES, POSITION_ARGMAX, POSITION_LOGITS,
-                                 STATE_STEP_ROLES, STEP_ROLES, WEIGHT,
-                                 WINDOW_STEP_ROLES, Artifact, Entry, numpy_dtype)
+                                 LOGITS, LORA_POOL, LORA_STEP_ROLES, POOL_IN_ROLES,
+                                 POOL_OUT_ROLES, POSITION_ARGMAX, POSITION_LOGITS,
+                                 STATE_STEP_ROLES, STEP_ROLES, WEIGHT, WINDOW_STEP_ROLES,
+                                 Artifact, Entry, numpy_dtype)
 from .adapter_pools import AdapterPools
 from .compiling import BackgroundCompiler, compile_order, compile_workers, first_entries
 from .memory import MemoryLedger
