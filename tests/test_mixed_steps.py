@@ -1,5 +1,6 @@
 """Mixed entries on real programs: decode rows and a prompt's chunk in one call give the ids
-and logits they give in calls of their own (docs/design.md#mixed-steps). Streams decode while
+and logits they give in calls of their own (docs/design.md#mixed-steps), for every kind of
+layer and pool the families have (CASES). Streams decode while
 a 100-token prompt runs in chunks beside them; every stream and the prompt keep their solo
 greedy ids, and a mixed row's logits match the decode call's within SAME_TOL. The control: the
 same call with the chunk's positions one off fails that tolerance."""
@@ -30,6 +31,11 @@ CASES = {
     # sliding layers over rings (window 8) beside a full layer; rings of 3 pages (chunks of
     # 16 past the window), 8 of them (the sequences of a test)
     "gemma3-rings": ("gemma3_text", dict(prefill_chunk=16, window_blocks=25)),
+    # experts (5, top 2): every token of the row routed at once, the chunk's padding uncounted
+    "qwen3-moe": ("qwen3_moe", {}),
+    # linear-attention layers beside attention ones: each group's conv and recurrent states
+    # read and written at its own rows' state slots
+    "qwen3_5-state-slots": ("qwen3_5_text", {}),
 }
 
 
@@ -75,16 +81,19 @@ def test_streams_and_a_chunked_prompt_beside_them_keep_their_solo_ids(engine):
 
 def test_a_mixed_rows_logits_are_the_decode_calls(engine, monkeypatch):
     streams, long = prompts(1)
-    seqs = [engine.new_sequence(p) for p in streams]
-    for s in seqs:
-        s.token_ids.append(int(np.argmax(engine.prefill_chunked(s)[0])))
-    # The decode call's logits, then the same positions again in a mixed call (the pages are
-    # written with the same values: the second call reads what the first wrote).
-    alone = engine.decode(seqs)
-    for s in seqs:
-        s.num_cached -= 1
+
+    def started():
+        seqs = [engine.new_sequence(p) for p in streams]
+        for s in seqs:
+            s.token_ids.append(int(np.argmax(engine.prefill_chunked(s)[0])))
+        return seqs
+
+    # The same streams twice (a linear layer's state steps once per call, so a position is
+    # not run again): one copy's decode call, the other's mixed call beside a prompt.
+    apart, together = started(), started()
+    alone = engine.decode(apart)
     prompt = engine.new_sequence(long[:24])
-    mixed = engine.mixed(seqs, prompt, 64)
+    mixed = engine.mixed(together, prompt, 64)
     prompt_alone = engine.new_sequence(long[:24])
     want_prompt = engine.prefill_chunked(prompt_alone)[0]
     scale = max(1.0, float(np.max(np.abs(alone))))
@@ -100,18 +109,16 @@ def test_a_mixed_rows_logits_are_the_decode_calls(engine, monkeypatch):
         step["CHUNK_POSITIONS"] = step["CHUNK_POSITIONS"] + 1
         return step
 
-    for s in seqs:
-        s.num_cached -= 1
+    for s, row in zip(apart, alone):
+        s.token_ids.append(int(np.argmax(row)))
     monkeypatch.setattr(core, "build_mixed_step", shifted)
-    off = engine.mixed(seqs, wrong, 64)
+    off = engine.mixed(apart, wrong, 64)
     assert np.max(np.abs(off[-1] - want_prompt)) > SAME_TOL * scale
-    for s in seqs + [prompt, prompt_alone, wrong]:
+    for s in apart + together + [prompt, prompt_alone, wrong]:
         engine.free(s)
 
 
 def test_the_export_writes_mixed_entries_by_default_where_a_model_can_take_them():
-    from types import SimpleNamespace
-
     from triton_tlaloc.cli.parsers import build_parser
     from triton_tlaloc.export.options import ExportOptions
     from triton_tlaloc.export.writer import _mixed_tokens, mixed_batches
@@ -125,12 +132,7 @@ def test_the_export_writes_mixed_entries_by_default_where_a_model_can_take_them(
     assert mixed_batches(opts) == [4, 16]
     # no batch above the ladder's largest
     assert mixed_batches(ExportOptions(batch_ladder=(1, 2), mixed_batches=(4, 16))) == [2]
-    plain = SimpleNamespace(linear=None, moe=None)
-    # (a windowed pool and adapter pools take them: the gemma3-rings case above and
-    # tests/test_lora.py run their mixed entries)
-    assert _mixed_tokens(plain, opts) == (64, 192)
-    for why in (dict(cfg=SimpleNamespace(linear=object(), moe=None)),
-                dict(cfg=SimpleNamespace(linear=None, moe=object())),
-                dict(opts=ExportOptions(mixed_tokens=(64,), tensor_parallel=2))):
-        kw = {"cfg": plain, "opts": opts, **why}
-        assert _mixed_tokens(**kw) == (), why
+    # every family takes them (the cases above run rings, experts and state slots; tests/
+    # test_lora.py adapters); a program over several devices does not yet
+    assert _mixed_tokens(opts) == (64, 192)
+    assert _mixed_tokens(ExportOptions(mixed_tokens=(64,), tensor_parallel=2)) == ()

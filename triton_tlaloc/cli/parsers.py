@@ -86,8 +86,7 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--mixed-tokens", type=int_list_or_none, default=(64, 192),
                    help="tokensPerSeq of the mixed entries: a prompt's chunk of up to t tokens "
                         "and the streams' decode rows in one call, so a prompt does not stall "
-                        "the streams (default 64,192; 'none': none; written for "
-                        "full-attention models without adapters, experts or tensor "
+                        "the streams (default 64,192; 'none': none; not written for tensor "
                         "parallelism)")
     p.add_argument("--mixed-batches", type=int_list, default=(4, 16),
                    help="the mixed entries' decode batches (default 4,16; fewer rows take the "

@@ -380,7 +380,7 @@ class Engine:
         self._count_call(entry)
         t0 = time.perf_counter()
         step = build_mixed_step(entry, rows[:-1], rows[-1], self.block_size,
-                                self.takes_adapters, self.ring_pages)
+                                self.takes_adapters, self.ring_pages, STATE in self.blocks.kinds)
         self.build_seconds += time.perf_counter() - t0
         out = self.rt.run(entry.name, step)
         logits = np.concatenate([out[:len(seqs)], out[entry.batch:entry.batch + 1]])

@@ -8,9 +8,8 @@ import dataclasses
 
 import numpy as np
 
-from ..artifact.manifest import (BLOCK_TABLES, CHUNK_STEP_ROLES, CHUNK_WINDOW_STEP_ROLES,
-                                 LORA_SLOTS, MIXED, POSITIONS,
-                                 SEQ_LENS, SLOT_MAPPING, STATE_SLOTS, STEP_ROLES, TOKEN_IDS,
+from ..artifact.manifest import (BLOCK_TABLES, CHUNK, LORA_SLOTS, MIXED, POSITIONS, SEQ_LENS,
+                                 SLOT_MAPPING, STATE_SLOTS, STEP_ROLES, TOKEN_IDS,
                                  WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING, WINDOW_STEP_ROLES,
                                  Entry)
 from .rows import Row, row_inputs
@@ -19,21 +18,21 @@ __all__ = ["Row", "build_mixed_step", "build_step", "one_token_inputs", "row_by_
 
 
 def build_mixed_step(entry: Entry, rows: list[Row], chunk: Row, block_size: int,
-                     adapters: bool = False, ring_pages: int = 0) -> dict[str, np.ndarray]:
+                     adapters: bool = False, ring_pages: int = 0,
+                     state_slots: bool = False) -> dict[str, np.ndarray]:
     """A mixed call's step inputs: the decode rows' as a decode entry of the same batch and
     context takes them, and the chunk's as a one-row prefill entry of the entry's tokens; with
     `adapters`, the decode rows' adapter slots and then the chunk's ([batch + 1]); with
-    `ring_pages` (a windowed pool) the window inputs of both."""
+    `ring_pages` (a windowed pool) the window inputs of both; with `state_slots` (state pools)
+    the state slots of both."""
     assert entry.kind == MIXED, entry.name
     decode = dataclasses.replace(entry, kind="decode", tokens_per_seq=1)
-    step = build_step(decode, rows, block_size, ring_pages,
-                      adapters=adapters)  # (no decode row: a prefill)
+    step = build_step(decode, rows, block_size, ring_pages, state_slots, adapters)
     prefill = dataclasses.replace(entry, kind="prefill", batch=1)
-    chunk_step = build_step(prefill, [chunk], block_size, ring_pages, adapters=adapters)
-    step.update({role: chunk_step[plain] for plain, role in zip(STEP_ROLES, CHUNK_STEP_ROLES)})
-    if ring_pages:
-        step.update({role: chunk_step[plain]
-                     for plain, role in zip(WINDOW_STEP_ROLES, CHUNK_WINDOW_STEP_ROLES)})
+    chunk_step = build_step(prefill, [chunk], block_size, ring_pages, state_slots, adapters)
+    plain = STEP_ROLES + (WINDOW_STEP_ROLES if ring_pages else ()) + (
+        (STATE_SLOTS,) if state_slots else ())
+    step.update({CHUNK + role: chunk_step[role] for role in plain})
     if adapters:
         step[LORA_SLOTS] = np.concatenate([step[LORA_SLOTS], chunk_step[LORA_SLOTS]])
     return step

@@ -34,14 +34,13 @@ import numpy as np
 from .config import DecoderConfig
 from .gguf_packed import is_packed, layout_of
 from .quant import code_dtype
-from ..artifact.manifest import (BITS, BLOCK_TABLES, CHUNK_BLOCK_TABLES, CHUNK_POSITIONS,
-                                 CHUNK_SEQ_LENS, CHUNK_SLOT_MAPPING, CHUNK_TOKEN_IDS,
-                                 CHUNK_WINDOW_BLOCK_TABLES, CHUNK_WINDOW_SLOT_MAPPING, DECODE,
-                                 KV_POOL_IN, KV_POOL_OUT, LORA_POOL, LORA_SLOTS, MIXED, POSITIONS,
-                                 SEQ_LENS, SLOT_MAPPING, STATE_POOL_IN, STATE_POOL_OUT,
-                                 STATE_SLOTS, TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES,
-                                 WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING, KvPool,
-                                 Program, StatePool, TensorSpec, WindowedKv, leading_outputs)
+from ..artifact.manifest import (BITS, BLOCK_TABLES, CHUNK, DECODE, KV_POOL_IN, KV_POOL_OUT,
+                                 LORA_POOL, LORA_SLOTS, MIXED, POSITIONS, SEQ_LENS, SLOT_MAPPING,
+                                 STATE_POOL_IN, STATE_POOL_OUT, STATE_SLOTS, STEP_ROLES,
+                                 TOKEN_IDS, VERIFY, WEIGHT, WINDOW_BLOCK_TABLES,
+                                 WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT, WINDOW_SLOT_MAPPING,
+                                 KvPool, Program, StatePool, TensorSpec, WindowedKv,
+                                 leading_outputs)
 from ..artifact.sharding import TensorParallel, mesh_sharding
 from ..lora.layout import LoraLayout
 
@@ -325,6 +324,45 @@ def state_pools(cfg: DecoderConfig, num_slots: int) -> list[StatePool]:
     return pools
 
 
+def step_specs(kind: str, batch: int, tokens: int, pages: int, windowed: bool, linear: bool,
+               lora: bool) -> list[TensorSpec]:
+    """An entry's step inputs, in @main's order (the one order entry_program writes and
+    make_entry_fn reads): the rows' token ids, positions, block tables, lengths and slots; a
+    mixed entry's chunk's own after its decode rows' (its `batch` rows take one token each and
+    its chunk `tokens`, right-aligned as a prefill row); with a windowed pool the window
+    tables and ring slots (a mixed entry's decode rows', then its chunk's); with state pools
+    each row's state slot (then the chunk's); with adapters each row's adapter slot (a mixed
+    entry's decode rows' and then its chunk's, [batch + 1])."""
+    mixed = kind == MIXED
+    b, t = batch, 1 if mixed else tokens  # a mixed entry's decode rows take one token
+
+    def rows(prefix: str, role_prefix: str, n: int, width: int) -> list[TensorSpec]:
+        return [TensorSpec(f"{prefix}token_ids", role_prefix + TOKEN_IDS, "i32", (n, width)),
+                TensorSpec(f"{prefix}positions", role_prefix + POSITIONS, "i32", (n, width)),
+                TensorSpec(f"{prefix}block_tables", role_prefix + BLOCK_TABLES, "i32",
+                           (n, pages)),
+                TensorSpec(f"{prefix}seq_lens", role_prefix + SEQ_LENS, "i32", (n,)),
+                TensorSpec(f"{prefix}slot_mapping", role_prefix + SLOT_MAPPING, "i32",
+                           (n, width))]
+
+    def window(prefix: str, role_prefix: str, n: int, width: int) -> list[TensorSpec]:
+        return [TensorSpec(f"{prefix}window_block_tables", role_prefix + WINDOW_BLOCK_TABLES,
+                           "i32", (n, pages)),
+                TensorSpec(f"{prefix}window_slot_mapping", role_prefix + WINDOW_SLOT_MAPPING,
+                           "i32", (n, width))]
+
+    specs = rows("", "", b, t) + (rows("chunk_", CHUNK, 1, tokens) if mixed else [])
+    if windowed:
+        specs += window("", "", b, t) + (window("chunk_", CHUNK, 1, tokens) if mixed else [])
+    if linear:
+        specs.append(TensorSpec("state_slots", STATE_SLOTS, "i32", (b,)))
+        if mixed:
+            specs.append(TensorSpec("chunk_state_slots", CHUNK + STATE_SLOTS, "i32", (1,)))
+    if lora:
+        specs.append(TensorSpec("lora_slots", LORA_SLOTS, "i32", (b + 1,) if mixed else (b,)))
+    return specs
+
+
 def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, tokens_per_seq: int,
                   block_size: int, num_blocks: int, weight_dtype: str,
                   kv_dtype: str, windowed: WindowedKv | None = None,
@@ -337,40 +375,8 @@ def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, token
     `lora`, each row's adapter slot and the adapter pools (read, never donated). A mixed
     entry takes `batch` decode rows' step inputs, then its chunk's (`tokens_per_seq` tokens);
     its adapter slots are the decode rows' and then the chunk's, [batch + 1]."""
-    b, t, m = batch, tokens_per_seq, context // block_size
-    if kind == MIXED:  # `batch` decode rows of one token, and one chunk of t tokens
-        assert cfg.linear is None and cfg.moe is None, \
-            "mixed entries are written for attention models without experts only"
-        b, t = batch, 1
-    inputs = [
-        TensorSpec("token_ids", TOKEN_IDS, "i32", (b, t)),
-        TensorSpec("positions", POSITIONS, "i32", (b, t)),
-        TensorSpec("block_tables", BLOCK_TABLES, "i32", (b, m)),
-        TensorSpec("seq_lens", SEQ_LENS, "i32", (b,)),
-        TensorSpec("slot_mapping", SLOT_MAPPING, "i32", (b, t)),
-    ]
-    if kind == MIXED:
-        c = tokens_per_seq
-        inputs += [
-            TensorSpec("chunk_token_ids", CHUNK_TOKEN_IDS, "i32", (1, c)),
-            TensorSpec("chunk_positions", CHUNK_POSITIONS, "i32", (1, c)),
-            TensorSpec("chunk_block_tables", CHUNK_BLOCK_TABLES, "i32", (1, m)),
-            TensorSpec("chunk_seq_lens", CHUNK_SEQ_LENS, "i32", (1,)),
-            TensorSpec("chunk_slot_mapping", CHUNK_SLOT_MAPPING, "i32", (1, c)),
-        ]
-    if windowed is not None:
-        inputs += [TensorSpec("window_block_tables", WINDOW_BLOCK_TABLES, "i32", (b, m)),
-                   TensorSpec("window_slot_mapping", WINDOW_SLOT_MAPPING, "i32", (b, t))]
-        if kind == MIXED:
-            inputs += [TensorSpec("chunk_window_block_tables", CHUNK_WINDOW_BLOCK_TABLES, "i32",
-                                  (1, m)),
-                       TensorSpec("chunk_window_slot_mapping", CHUNK_WINDOW_SLOT_MAPPING, "i32",
-                                  (1, tokens_per_seq))]
-    if cfg.linear is not None:
-        inputs.append(TensorSpec("state_slots", STATE_SLOTS, "i32", (b,)))
-    if lora is not None:  # a mixed entry's: the decode rows' slots, then the chunk's
-        inputs.append(TensorSpec("lora_slots", LORA_SLOTS, "i32",
-                                 (b + 1,) if kind == MIXED else (b,)))
+    inputs = step_specs(kind, batch, tokens_per_seq, context // block_size, windowed is not None,
+                        cfg.linear is not None, lora is not None)
     pools = kv_pools(cfg, num_blocks, block_size, kv_dtype, windowed, layer_loop)
     states = state_pools(cfg, num_state_slots)
     pool_start = len(inputs)
@@ -443,9 +449,9 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
                      tuple(key_blocks), windowed, num_state_slots, shards, packed_shards or {},
                      lora.graph_pieces() if lora is not None else {})
     pool_of = layer_pools(cfg)
-    n_step = (5 + (2 if windowed is not None else 0) + (1 if cfg.linear is not None else 0)
-              + (1 if lora is not None else 0) + (5 if kind == MIXED else 0)
-              + (2 if kind == MIXED and windowed is not None else 0))
+    roles = [spec.role for spec in step_specs(kind, batch, 1, 1, windowed is not None,
+                                              cfg.linear is not None, lora is not None)]
+    n_step = len(roles)
     n_pools = 2 if layer_loop else 2 * cfg.num_layers
     lora_pools = list(lora.pool_shapes()) if lora is not None else []
     n_decode = batch  # a mixed entry's decode rows
@@ -459,26 +465,28 @@ def make_entry_fn(cfg: DecoderConfig, block_size: int, num_blocks: int, weight_d
         return layers.argmax_ids(logits), logits
 
     def fn(*args):
-        token_ids, positions, block_tables, seq_lens, slot_mapping = args[:5]
-        window_tables, window_slots = args[5:7] if windowed is not None else (None, None)
-        state_slots = args[7 if windowed is not None else 5] if cfg.linear is not None else None
+        given = dict(zip(roles, args[:n_step]))
+        plain = [given[r] for r in STEP_ROLES]
         pools = list(args[n_step:n_step + n_pools])  # an fp8 pool as its bytes
         adapters = dict(zip(lora_pools, args[n_step + n_pools:]))
         w = dict(zip(names, args[n_step + n_pools + len(lora_pools):]))
         if kind == MIXED:  # one row of every token: the decode rows', then the chunk's
-            chunk = args[5:10]
-            # with a windowed pool: the decode rows' window inputs, then the chunk's
-            rings = (args[10:12], args[12:14]) if windowed is not None else None
-            x = layers.embed(g, w, layers.flat_tokens(token_ids, chunk[0]))
-            step = layers.make_mixed_step(g, (token_ids, positions, block_tables, seq_lens,
-                                              slot_mapping), chunk, rings)
+            chunk = [given[CHUNK + r] for r in STEP_ROLES]
+            rings = None
+            if windowed is not None:  # the decode rows' window inputs, then the chunk's
+                rings = tuple((given[p + WINDOW_BLOCK_TABLES], given[p + WINDOW_SLOT_MAPPING])
+                              for p in ("", CHUNK))
+            states = ((given[STATE_SLOTS], given[CHUNK + STATE_SLOTS])
+                      if cfg.linear is not None else None)
+            x = layers.embed(g, w, layers.flat_tokens(plain[0], chunk[0]))
+            step = layers.make_mixed_step(g, plain, chunk, rings, states)
         else:
             # The embedding, then the step's scatter indices: the order of the lowered text.
-            x = layers.embed(g, w, token_ids)
-            step = layers.make_step(g, token_ids, positions, block_tables, seq_lens,
-                                    slot_mapping, window_tables, window_slots, state_slots)
+            x = layers.embed(g, w, plain[0])
+            step = layers.make_step(g, *plain, given.get(WINDOW_BLOCK_TABLES),
+                                    given.get(WINDOW_SLOT_MAPPING), given.get(STATE_SLOTS))
         if lora is not None:  # each part's (A, B) pools, read whole by every layer
-            step.lora_slots = args[n_step - 1]
+            step.lora_slots = given[LORA_SLOTS]
             step.lora_pools = {p.part: (adapters[lora.pool_name(p.part, "a")],
                                         adapters[lora.pool_name(p.part, "b")])
                                for p in lora.parts}

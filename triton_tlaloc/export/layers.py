@@ -139,7 +139,8 @@ class LayerWeights:
 class AttentionGroup:
     """Rows of a mixed call that attend alike: `rows` rows of `tokens` tokens each, at these
     positions [rows, tokens], through these block tables [rows, pages] and lengths [rows];
-    with a windowed pool, a sliding layer through these window tables [rows, ring width]."""
+    with a windowed pool, a sliding layer through these window tables [rows, ring width];
+    with state pools, a linear layer over these state slots [rows]."""
 
     rows: int
     tokens: int
@@ -147,6 +148,7 @@ class AttentionGroup:
     block_tables: Any
     seq_lens: Any
     window_tables: Any = None
+    state_slots: Any = None
 
 
 def make_step(g: Graph, token_ids, positions, block_tables, seq_lens, slot_mapping,
@@ -172,12 +174,13 @@ def flat_tokens(decode_ids, chunk_ids):
     return jnp.concatenate([decode_ids.reshape(-1), chunk_ids.reshape(-1)])[None]
 
 
-def make_mixed_step(g: Graph, decode, chunk, rings=None) -> Step:
+def make_mixed_step(g: Graph, decode, chunk, rings=None, states=None) -> Step:
     """A mixed call's Step: every token in one row for the linears, the KV written at the
     decode rows' and the chunk's slots in one scatter (a sliding layer's at their ring slots),
     and two attention groups, the decode rows (R x 1) and the chunk (1 x T). `decode` and
     `chunk`: (token ids, positions, block tables, lengths, slot mapping) each; `rings` with a
-    windowed pool: the decode rows' (window tables, window slots), then the chunk's."""
+    windowed pool: the decode rows' (window tables, window slots), then the chunk's; `states`
+    with state pools: the decode rows' state slots, then the chunk's."""
     _, positions, tables, lens, slots = decode
     _, chunk_positions, chunk_tables, chunk_lens, chunk_slots = chunk
     rows = positions.shape[0]
@@ -190,11 +193,13 @@ def make_mixed_step(g: Graph, decode, chunk, rings=None) -> Step:
         ring_tables = (tables_r[:, :width], chunk_tables_r[:, :width])
         ring_slots = _scatter_slots(flat_tokens(slots_r, chunk_slots_r),
                                     g.windowed.num_blocks * g.block_size, False)
-    groups = (AttentionGroup(rows, 1, positions, tables, lens, ring_tables[0]),
+    state_slots = states if states is not None else (None, None)
+    groups = (AttentionGroup(rows, 1, positions, tables, lens, ring_tables[0], state_slots[0]),
               AttentionGroup(1, chunk_positions.shape[1], chunk_positions, chunk_tables,
-                             chunk_lens, ring_tables[1]))
+                             chunk_lens, ring_tables[1], state_slots[1]))
+    real = flat_slots.reshape(-1) >= 0 if g.cfg.moe is not None else None
     return Step(flat_tokens(positions, chunk_positions), None, None, kv_slots, False,
-                window_slots=ring_slots, ring_width=width, groups=groups)
+                window_slots=ring_slots, ring_width=width, real=real, groups=groups)
 
 
 def mixed_last_tokens(x, rows: int):
@@ -603,29 +608,47 @@ def linear_mixer(g: Graph, step: Step, w: dict, i: int, hdn, conv_pool, rec_pool
     """A Gated DeltaNet layer over the call's rows, and its state pools updated: each row's
     states are read at its state slot, the row's live tokens run through the conv and the rule,
     and the states are written back (docs/design.md#linear-attention-state-slots).
-    linear_attention.py has the ops."""
-    la = g.cfg.linear
-    b, t, _ = hdn.shape
+    linear_attention.py has the ops. A mixed call's projections run over its one row of
+    tokens, the conv and the rule over each group's rows, as the calls apart would."""
     proj = project(g, hdn, w, f"l{i}.lin_in")
+    if step.groups is None:
+        o, conv_pool, rec_pool = delta_rows(g, w, i, proj, step, conv_pool, rec_pool)
+    else:  # the groups' state slots differ: each reads and writes its own rows' states
+        pools = [conv_pool, rec_pool]
+
+        def group_rows(grp, first_row, rows):
+            o, pools[0], pools[1] = delta_rows(g, w, i, rows, grp, *pools)
+            return o
+
+        o = per_group(step.groups, proj, group_rows)
+        conv_pool, rec_pool = pools
+    return project(g, o, w, f"l{i}.lin_out"), conv_pool, rec_pool
+
+
+def delta_rows(g: Graph, w: dict, i: int, proj, rows, conv_pool, rec_pool):
+    """The conv, the rule and the gated norm over rows of tokens [b, t, ...] (`proj`, the
+    layer's input projection), `rows` their positions, lengths and state slots (a Step or an
+    AttentionGroup); returns (o [b, t, value dim], the pools with the rows' states written)."""
+    la = g.cfg.linear
+    b, t, _ = proj.shape
     channels, vdim, hv = la.conv_channels, la.value_dim, la.num_value_heads
     # (tensor parallel: `mixed` keeps each device's q, k and v channels together, as the conv
     # kernel and the conv states hold them)
     mixed, z, b_in, a_in = split_fused(g, proj, (channels, vdim, hv, hv))
     z = z.reshape(b, t, hv, la.value_head_dim)
-    conv_state, rec_state = read_states(step, conv_pool, rec_pool)
-    live_n = step.seq_lens - step.positions[:, 0]  # a row's live tokens (right-aligned)
+    conv_state, rec_state = read_states(rows, conv_pool, rec_pool)
+    live_n = rows.seq_lens - rows.positions[:, 0]  # a row's live tokens (right-aligned)
     pad = (t - live_n)[:, None]
     if t > 1:
         conv_state, mixed = align_history(conv_state, mixed, pad, la.conv_kernel)
     mixed, conv_state = la_ops.causal_conv1d(mixed, conv_state, w[f"l{i}.conv"])
     o, rec_state = delta_rule(g, w, i, mixed, b_in, a_in, pad, rec_state)
     o = la_ops.gated_rms_norm(o, z, w[f"l{i}.lin_norm"], g.cfg.rms_norm_eps).reshape(b, t, vdim)
-    out = project(g, o, w, f"l{i}.lin_out")
-    conv_pool, rec_pool = write_states(g, step, conv_pool, rec_pool, conv_state, rec_state)
-    return out, conv_pool, rec_pool
+    conv_pool, rec_pool = write_states(g, rows, conv_pool, rec_pool, conv_state, rec_state)
+    return o, conv_pool, rec_pool
 
 
-def read_states(step: Step, conv_pool, rec_pool):
+def read_states(step, conv_pool, rec_pool):
     """Each row's conv and recurrent states, gathered at its state slot; zero for a row starting
     at position 0, so a reused slot needs no clearing (a padding row, slot -1, reads slot 0)."""
     read = jnp.where(step.state_slots < 0, 0, step.state_slots)
@@ -666,7 +689,7 @@ def delta_rule(g: Graph, w: dict, i: int, mixed, b_in, a_in, pad, rec_state):
     return la_ops.gated_delta_rule_chunked(q, k, v, decay, beta, rec_state)
 
 
-def write_states(g: Graph, step: Step, conv_pool, rec_pool, conv_state, rec_state):
+def write_states(g: Graph, step, conv_pool, rec_pool, conv_state, rec_state):
     """The rows' states scattered back at their state slots. Padding rows carry slot -1: sent
     past the pool's end, where mode="drop" skips them. One row gets a second, dropped index so
     XLA keeps a scatter in place rather than a dynamic-update-slice on a copy of the pool (as

@@ -82,7 +82,7 @@ class ExportOptions:
     verify_tokens: tuple[int, ...] = ()
     # tokensPerSeq of the mixed entries: a prompt's chunk of up to this many tokens and every
     # batch of the ladder's decode rows in one call (docs/design.md#mixed-steps); () none.
-    # Written for full-attention models without adapters, experts or tensor parallelism.
+    # Not written for tensor parallelism (writer._mixed_tokens).
     mixed_tokens: tuple[int, ...] = ()
     # The mixed entries' batches (None: every batch of the ladder; one above the ladder's
     # largest is that): a call of fewer decode rows takes the smallest that holds them

@@ -213,7 +213,7 @@ def export_artifact(checkpoint: str | Path, out: str | Path, opts: ExportOptions
 
         linear_state = _linear_state(_program_config(cfg, tp), opts)
         verify_tokens = _verify_tokens(cfg, opts, windowed)
-        opts = dataclasses.replace(opts, mixed_tokens=_mixed_tokens(cfg, opts))
+        opts = dataclasses.replace(opts, mixed_tokens=_mixed_tokens(opts))
         entries = _write_entries(cfg, opts, num_blocks, windowed, tmp, layer_loop, verify_tokens,
                                  tp, lora, in_out_copy)
         _log_pools(cfg, windowed, linear_state)
@@ -323,19 +323,15 @@ def _verify_tokens(cfg: DecoderConfig, opts: ExportOptions,
     return keep
 
 
-def _mixed_tokens(cfg: DecoderConfig, opts: ExportOptions) -> tuple[int, ...]:
-    """The mixed entries' tokensPerSeq this model gets: none (logged, with why) for a model
-    whose calls cannot share one row of tokens yet: state slots, experts or several
-    devices."""
+def _mixed_tokens(opts: ExportOptions) -> tuple[int, ...]:
+    """The mixed entries' tokensPerSeq: none (logged, with why) for a program over several
+    devices, whose calls do not share one row of tokens yet."""
     wanted = tuple(sorted(t for t in set(opts.mixed_tokens) if t <= max(opts.context_ladder)))
     if not wanted:
         return ()
-    why = ("linear-attention layers" if cfg.linear is not None else
-           "experts" if cfg.moe is not None else
-           "tensor parallelism" if opts.tensor_parallel > 1 else None)
-    if why is not None:
-        _log(f"[export] mixed entries: none (not written for a model with {why}: its prompts "
-             f"and decode rows run in separate calls)")
+    if opts.tensor_parallel > 1:
+        _log("[export] mixed entries: none (not written for tensor parallelism: its prompts "
+             "and decode rows run in separate calls)")
         return ()
     _log(f"[export] mixed entries: chunks of {list(wanted)} tokens beside decode rows of "
          f"batches {mixed_batches(opts)}")
