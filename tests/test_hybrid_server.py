@@ -27,9 +27,8 @@ PROTOCOLS = ["http", "grpc"]
 @pytest.fixture(scope="module")
 def served(tiny, work):
     """qwen35: the tiny hybrid model (8 state slots); qwen35_one_slot: the same with one;
-    qwen35_mixed: the same weights with mixed entries (batches to 4), ready once every entry
-    is compiled (the mixed entries compile after the plain ones, and until then its calls run
-    apart)."""
+    qwen35_mixed: the same weights with mixed entries, ready once every entry is compiled
+    (the mixed entries compile after the plain ones, and until then its calls run apart)."""
     ckpt = tiny.checkpoint("qwen3_5_text", False)
     arts = {"qwen35": tiny.artifact("qwen3_5_text", False, **OPTS),
             "qwen35_one_slot": export_artifact(ckpt, work / "art-qwen3_5-served-one-slot",
@@ -42,8 +41,10 @@ def served(tiny, work):
         write_repository(art, repo, name, RepositoryOptions(
             max_sequence_idle_microseconds=600_000_000, generate_model=not one,
             host_kv_bytes=0 if one else None))
-    mixed = tiny.artifact("qwen3_5_text", False, **{**OPTS, "batch_ladder": (1, 2, 4)},
-                          mixed_tokens=(16, 64), mixed_batches=(4,))
+    # (few entries: a hybrid's compile takes 15-35 s each, and this one is ready only once
+    # every entry is compiled: one context, prompts in chunks of 32)
+    mixed = tiny.artifact("qwen3_5_text", False, **{**OPTS, "context_ladder": (128,)},
+                          prefill_chunk=32, mixed_tokens=(16,))
     # The prompts arrive together and ride the stream only if its next request comes within
     # the cohort wait; a loaded CI machine's client round trip can pass the default 20 ms.
     write_repository(mixed, repo, "qwen35_mixed", RepositoryOptions(

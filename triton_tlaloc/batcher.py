@@ -54,7 +54,8 @@ from .scheduling.room import RoomMaker
 if TYPE_CHECKING:
     from .lora.registry import AdapterRegistry
 from .scheduling.round_plan import (MixedCall, RoundPlan, bucket_calls, decode_calls,
-                                    forced_rows_to_decode, mixed_calls, prefill_calls)
+                                    fitted_chunk, forced_rows_to_decode, mixed_calls,
+                                    prefill_calls)
 
 # What the front ends take from here: the batcher, its requests and replies, and reply codes.
 __all__ = ["Batcher", "INTERNAL", "INVALID_ARG", "Job", "Reply", "Request", "UNAVAILABLE"]
@@ -316,7 +317,9 @@ class Batcher:
         prompts = [j for j in jobs if not j.is_decode and not j.request.is_verify]
         chunk = self.policy.chunk_tokens(self.engine.max_mixed_tokens)
         if prompts:  # (the first prompt is the one mixed_calls gives the step)
-            chunk = self.engine.within_ring(prompts[0].seq, chunk)
+            first = prompts[0].seq
+            chunk = self.engine.within_ring(first, fitted_chunk(
+                len(first.uncached), chunk, self.engine.mixed_chunk_sizes))
         plan.mixed, decode, plan.deferred = mixed_calls(decode, prompts, self.max_mixed_batch,
                                                         chunk)
         if plan.mixed:

@@ -9,7 +9,8 @@ import pytest
 
 from checks.fakes import Harness, fake_artifact
 from triton_tlaloc.scheduling.policy import BatchPolicy
-from triton_tlaloc.scheduling.round_plan import mixed_calls
+from triton_tlaloc.scheduling import round_plan
+from triton_tlaloc.scheduling.round_plan import fitted_chunk, mixed_calls
 
 LADDER = dict(batch_ladder=(1, 2, 4), context_ladder=(32, 128), num_blocks=129)
 
@@ -143,6 +144,40 @@ def test_the_chunk_a_step_carries_is_the_policys_to_cap():
         BatchPolicy(mixed_chunk_tokens=-1)
     assert BatchPolicy().chunk_tokens(192) == 192 and BatchPolicy(
         mixed_chunk_tokens=64).chunk_tokens(192) == 64
+
+
+def test_a_chunk_fills_its_entry_where_that_pads_fewer_tokens(monkeypatch):
+    """A step's chunk is the prompt's rest, unless a chunk that fills an entry and then the
+    rest pad fewer tokens by more than a call costs; past the cap, the largest entry it
+    fills."""
+    ladder = [32, 64, 128, 192]
+    assert fitted_chunk(158, 192, ladder) == 128  # then 30: 160 tokens computed, not 192
+    assert fitted_chunk(160, 192, ladder) == 128
+    assert fitted_chunk(190, 192, ladder) == 190  # one call of 192 pads 2
+    assert fitted_chunk(100, 192, ladder) == 100  # 128 pads 28, 64 + 64 as many
+    assert fitted_chunk(33, 192, ladder) == 33
+    assert fitted_chunk(20, 192, ladder) == 20
+    assert fitted_chunk(1000, 192, ladder) == 192
+    assert fitted_chunk(100, 192, [64, 192]) == 64  # not 100 in an entry of 192
+    assert fitted_chunk(158, 192, [64, 192]) == 158  # 64 + 94 would pad more
+    # the policy's cap: entries above it still hold the rest (70 pads 58 in 128)
+    assert fitted_chunk(70, 100, ladder) == 64 and fitted_chunk(1000, 100, ladder) == 64
+    assert fitted_chunk(50, 192, []) == 50
+    # a second call is worth its cost only past what it saves: 14 tokens whole in 30 pad 16,
+    # 10 then 4 pad 6 in two calls
+    assert fitted_chunk(14, 30, [10, 30]) == 14 and fitted_chunk(14, 30, [10, 30], 0) == 10
+    # Through the batcher: prompts split that way give the ids they give apart, and their
+    # chunks pad fewer tokens than each rest whole does (mid's 20 tokens: 16 then 4, not 64)
+    _, apart = run()
+
+    def padded_tokens(h):
+        return sum(int(name.rsplit("_t", 1)[1]) for name, _ in h.rt.mixed_calls)
+
+    h, fitted = run(mixed_tokens=(8, 16, 64))
+    assert fitted == apart
+    monkeypatch.setattr(round_plan, "CALL_TOKENS", 10 ** 6)  # every rest whole
+    whole, ids = run(mixed_tokens=(8, 16, 64))
+    assert ids == apart and padded_tokens(h) < padded_tokens(whole)
 
 
 def test_a_prompt_between_the_streams_steps_waits_for_their_next_step():

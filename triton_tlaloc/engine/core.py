@@ -350,6 +350,11 @@ class Engine:
         entry)."""
         return max((e.tokens_per_seq for e in self._mixed), default=0)
 
+    @property
+    def mixed_chunk_sizes(self) -> list[int]:
+        """The chunks the mixed entries take, in tokens, ascending (none: no mixed entry)."""
+        return sorted({e.tokens_per_seq for e in self._mixed})
+
     def mixed_entry(self, rows: int, end: int, tokens: int):
         """The smallest compiled mixed entry that holds `rows` decode rows and a chunk of
         `tokens` tokens, every row reaching position `end` - 1, or None (the calls then run

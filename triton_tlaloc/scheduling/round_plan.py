@@ -69,6 +69,33 @@ def mixed_calls(decode: list[Job], prompts: list[Job], max_batch: int, max_token
     return [MixedCall(decode[:max_batch], chunk, tokens)], decode[max_batch:], prompts[1:]
 
 
+# What a second call costs beyond its tokens, in prompt tokens: a mixed call beside 16 streams
+# cost about 55 ms + 3.2 ms a chunk token past the streams' own step (SmolLM2 f32 on 2 cores,
+# chunks of 32 to 192; scripts/mixed_step_bench.py)
+CALL_TOKENS = 16
+
+
+def fitted_chunk(left: int, most: int, sizes: list[int], call_tokens: int | None = None) -> int:
+    """The next chunk of a prompt with `left` tokens to run, at most `most`, for mixed entries
+    of chunks of `sizes` tokens (a chunk runs padded to the smallest that holds it): the rest
+    whole, unless a chunk that fills an entry and then the rest pad fewer tokens by more than
+    a second call costs (`call_tokens`); past `most`, the largest entry it fills. A 100-token
+    prompt beside 16 streams with entries of 64 and 192: 64 then 36 took 863 ms for two of
+    the streams' steps, one call of 192 928 ms for one."""
+    fits = sorted(t for t in sizes if t <= most)
+    if not fits or left <= fits[0]:
+        return min(left, most)
+
+    def padding(n: int) -> int:  # of n tokens in the smallest entry that holds them
+        return min((t for t in sizes if t >= n), default=n) - n
+
+    fill = max(t for t in fits if t <= left)
+    if left > most:
+        return fill
+    call = CALL_TOKENS if call_tokens is None else call_tokens
+    return fill if padding(left - fill) + call < padding(left) else left
+
+
 def decode_calls(jobs: list[Job], max_batch: int) -> list[list[Job]]:
     """Decode rows in calls of up to `max_batch` (a decode entry holds any context bucket up
     to its own: the smallest entry that holds the call is chosen when it runs)."""
