@@ -13,9 +13,9 @@ from triton_tlaloc.engine.core import Engine
 from triton_tlaloc.kv.host_tier import HostPages, HostTier
 from triton_tlaloc.generation.local_generation import Generation
 from triton_tlaloc.kv.page_pools import FULL, STATE, WINDOWED
-from triton_tlaloc.artifact.manifest import (CHUNK_STEP_ROLES, CHUNK_TOKEN_IDS, SCHEMA_V2,
-                                             SCHEMA_V3, SCHEMA_V4, STEP_ROLES, Artifact, Entry,
-                                             KvPool, LinearState, ModelShape, Program, WindowedKv)
+from triton_tlaloc.artifact.manifest import (CHUNK, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, STEP_ROLES,
+                                             TOKEN_IDS, Artifact, Entry, KvPool, LinearState,
+                                             ModelShape, Program, WindowedKv)
 from triton_tlaloc.scheduling.policy import BatchPolicy
 from triton_tlaloc.runtime.simulated import one_hot
 
@@ -184,8 +184,8 @@ class FakeRuntime:
                 self.nan_rows.append(r)
 
     def run(self, entry_name: str, step: dict[str, np.ndarray]) -> np.ndarray:
-        if CHUNK_TOKEN_IDS in step:  # a mixed call: [batch] decode rows, then the chunk's row
-            chunk = {plain: step.pop(role) for plain, role in zip(STEP_ROLES, CHUNK_STEP_ROLES)}
+        if CHUNK + TOKEN_IDS in step:  # a mixed call: [batch] decode rows, then the chunk's row
+            chunk = {role: step.pop(CHUNK + role) for role in STEP_ROLES}
             rows = self.run(entry_name, step)
             nan_rows = self.nan_rows
             _, decode_rows = self.calls.pop()

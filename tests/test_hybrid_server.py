@@ -1,8 +1,8 @@
 """A tiny qwen3_5 (Gated DeltaNet + gated attention, schema tlaloc-serving-v4) served by a real
 tritonserver over HTTP and gRPC: transformers' greedy ids for a 150-token prompt, concurrent
 sequences batched, a state slot refused while held, then reused after END, and prompts riding
-a stream's steps in mixed calls. The checks are
-checks/sequence_checks.py's, which scripts/verify.py tabulates too."""
+a stream's steps in mixed calls. The checks are checks/sequence_checks.py's (which
+scripts/verify.py tabulates too) and checks/mixed_checks.py's."""
 
 from __future__ import annotations
 

@@ -58,20 +58,6 @@ STATE_POOL_OUT = "STATE_POOL_OUT"
 # row; the pools, read by the entries and written only by the runtime between calls
 LORA_SLOTS = "LORA_SLOTS"
 LORA_POOL = "LORA_POOL"
-# Mixed entries: besides the decode rows' step inputs (the roles above, [R, 1] and [R, pages]),
-# one prompt chunk's own, [1, T] and [1, pages], each role CHUNK + the plain role's
-# (docs/artifact-format.md#mixed-entries)
-CHUNK = "CHUNK_"
-CHUNK_TOKEN_IDS = CHUNK + TOKEN_IDS
-CHUNK_POSITIONS = CHUNK + POSITIONS
-CHUNK_BLOCK_TABLES = CHUNK + BLOCK_TABLES
-CHUNK_SEQ_LENS = CHUNK + SEQ_LENS
-CHUNK_SLOT_MAPPING = CHUNK + SLOT_MAPPING
-# ... with a windowed pool the chunk's window block table [1, pages] and ring slots [1, T]
-CHUNK_WINDOW_BLOCK_TABLES = CHUNK + WINDOW_BLOCK_TABLES
-CHUNK_WINDOW_SLOT_MAPPING = CHUNK + WINDOW_SLOT_MAPPING
-# ... with state pools the chunk's state slot [1]
-CHUNK_STATE_SLOTS = CHUNK + STATE_SLOTS
 STEP_ROLES = (TOKEN_IDS, POSITIONS, BLOCK_TABLES, SEQ_LENS, SLOT_MAPPING)
 WINDOW_STEP_ROLES = (WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING)
 STATE_STEP_ROLES = (STATE_SLOTS,)
@@ -81,13 +67,14 @@ POOL_OUT_ROLES = (KV_POOL_OUT, WINDOW_KV_POOL_OUT, STATE_POOL_OUT)
 DONATION_ROLES = ((KV_POOL_OUT, KV_POOL_IN), (WINDOW_KV_POOL_OUT, WINDOW_KV_POOL_IN),
                   (STATE_POOL_OUT, STATE_POOL_IN))
 LORA_STEP_ROLES = (LORA_SLOTS,)
-CHUNK_STEP_ROLES = (CHUNK_TOKEN_IDS, CHUNK_POSITIONS, CHUNK_BLOCK_TABLES, CHUNK_SEQ_LENS,
-                    CHUNK_SLOT_MAPPING)
-CHUNK_WINDOW_STEP_ROLES = (CHUNK_WINDOW_BLOCK_TABLES, CHUNK_WINDOW_SLOT_MAPPING)
-CHUNK_STATE_STEP_ROLES = (CHUNK_STATE_SLOTS,)
+# Mixed entries: besides the decode rows' step inputs (the roles above, [R, 1] and [R, pages]),
+# one prompt chunk's own, [1, T] and [1, pages] (with a windowed pool its window table and
+# ring slots, with state pools its state slot [1]), each role CHUNK + the plain role
+# (docs/artifact-format.md#mixed-entries)
+CHUNK = "CHUNK_"
+CHUNK_ROLES = tuple(CHUNK + role for role in STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES)
 INPUT_ROLES = (STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES + LORA_STEP_ROLES
-               + CHUNK_STEP_ROLES + CHUNK_WINDOW_STEP_ROLES + CHUNK_STATE_STEP_ROLES
-               + POOL_IN_ROLES + (LORA_POOL, WEIGHT))
+               + CHUNK_ROLES + POOL_IN_ROLES + (LORA_POOL, WEIGHT))
 OUTPUT_ROLES = (LOGITS, POSITION_ARGMAX, POSITION_LOGITS, EXPERT_LOAD) + POOL_OUT_ROLES
 
 # Entry kinds. A verify entry feeds a sequence its next token and draft tokens in one call and

@@ -336,31 +336,25 @@ def step_specs(kind: str, batch: int, tokens: int, pages: int, windowed: bool, l
     mixed = kind == MIXED
     b, t = batch, 1 if mixed else tokens  # a mixed entry's decode rows take one token
 
-    def rows(prefix: str, role_prefix: str, n: int, width: int) -> list[TensorSpec]:
-        return [TensorSpec(f"{prefix}token_ids", role_prefix + TOKEN_IDS, "i32", (n, width)),
-                TensorSpec(f"{prefix}positions", role_prefix + POSITIONS, "i32", (n, width)),
-                TensorSpec(f"{prefix}block_tables", role_prefix + BLOCK_TABLES, "i32",
-                           (n, pages)),
-                TensorSpec(f"{prefix}seq_lens", role_prefix + SEQ_LENS, "i32", (n,)),
-                TensorSpec(f"{prefix}slot_mapping", role_prefix + SLOT_MAPPING, "i32",
-                           (n, width))]
+    def rows(n: int, width: int) -> list[tuple[str, tuple]]:
+        return [(TOKEN_IDS, (n, width)), (POSITIONS, (n, width)), (BLOCK_TABLES, (n, pages)),
+                (SEQ_LENS, (n,)), (SLOT_MAPPING, (n, width))]
 
-    def window(prefix: str, role_prefix: str, n: int, width: int) -> list[TensorSpec]:
-        return [TensorSpec(f"{prefix}window_block_tables", role_prefix + WINDOW_BLOCK_TABLES,
-                           "i32", (n, pages)),
-                TensorSpec(f"{prefix}window_slot_mapping", role_prefix + WINDOW_SLOT_MAPPING,
-                           "i32", (n, width))]
+    def windows(n: int, width: int) -> list[tuple[str, tuple]]:
+        return [(WINDOW_BLOCK_TABLES, (n, pages)), (WINDOW_SLOT_MAPPING, (n, width))]
 
-    specs = rows("", "", b, t) + (rows("chunk_", CHUNK, 1, tokens) if mixed else [])
+    def chunk(roles: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+        return [(CHUNK + role, shape) for role, shape in roles] if mixed else []
+
+    roles = rows(b, t) + chunk(rows(1, tokens))
     if windowed:
-        specs += window("", "", b, t) + (window("chunk_", CHUNK, 1, tokens) if mixed else [])
+        roles += windows(b, t) + chunk(windows(1, tokens))
     if linear:
-        specs.append(TensorSpec("state_slots", STATE_SLOTS, "i32", (b,)))
-        if mixed:
-            specs.append(TensorSpec("chunk_state_slots", CHUNK + STATE_SLOTS, "i32", (1,)))
+        roles += [(STATE_SLOTS, (b,))] + chunk([(STATE_SLOTS, (1,))])
     if lora:
-        specs.append(TensorSpec("lora_slots", LORA_SLOTS, "i32", (b + 1,) if mixed else (b,)))
-    return specs
+        roles.append((LORA_SLOTS, (b + 1,) if mixed else (b,)))
+    # (each input is named as its role, in lower case)
+    return [TensorSpec(role.lower(), role, "i32", shape) for role, shape in roles]
 
 
 def entry_program(cfg: DecoderConfig, name: str, batch: int, context: int, tokens_per_seq: int,

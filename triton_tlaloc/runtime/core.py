@@ -33,11 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from ..artifact.loading import load_artifact
-from ..artifact.manifest import (CHUNK_STATE_STEP_ROLES, CHUNK_STEP_ROLES,
-                                 CHUNK_WINDOW_STEP_ROLES, EXPERT_LOAD, LOGITS, LORA_POOL,
-                                 LORA_STEP_ROLES, POOL_IN_ROLES, POOL_OUT_ROLES,
-                                 POSITION_ARGMAX, POSITION_LOGITS, STATE_STEP_ROLES, STEP_ROLES,
-                                 WEIGHT, WINDOW_STEP_ROLES, Artifact, Entry, numpy_dtype)
+from ..artifact.manifest import (CHUNK_ROLES, EXPERT_LOAD, LOGITS, LORA_POOL, LORA_STEP_ROLES,
+                                 POOL_IN_ROLES, POOL_OUT_ROLES, POSITION_ARGMAX,
+                                 POSITION_LOGITS, STATE_STEP_ROLES, STEP_ROLES, WEIGHT,
+                                 WINDOW_STEP_ROLES, Artifact, Entry, numpy_dtype)
 from .adapter_pools import AdapterPools
 from .compiling import BackgroundCompiler, compile_order, compile_workers, first_entries
 from .memory import MemoryLedger
@@ -49,7 +48,7 @@ log = logging.getLogger("triton_tlaloc.runtime")
 
 # The inputs a call supplies (the rest are pools and weights the runtime holds).
 CALL_ROLES = (STEP_ROLES + WINDOW_STEP_ROLES + STATE_STEP_ROLES + LORA_STEP_ROLES
-              + CHUNK_STEP_ROLES + CHUNK_WINDOW_STEP_ROLES + CHUNK_STATE_STEP_ROLES)
+              + CHUNK_ROLES)
 
 # How many runs have their pools' addresses checked: the first CHECKED_RUNS runs, and the first
 # run of every entry (checking every run costs host time and tells nothing new;
